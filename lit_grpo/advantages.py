@@ -1,0 +1,37 @@
+"""Group-relative advantages: pure tensor functions.
+
+GRPO normalizes each reward by its group's mean and (unbiased) standard deviation; Dr. GRPO
+(`scale="none"`) only centres it. A group whose rewards are all equal carries no signal and gets
+all-zero advantages (it is usually dropped earlier by the uniform-reward filter).
+"""
+
+from __future__ import annotations
+
+import torch
+
+_STD_FLOOR = 1e-8
+ADVANTAGE_SCALES = ("std", "none")
+
+
+def group_advantages(rewards_PG: torch.Tensor, scale: str = "std") -> torch.Tensor:
+    """Advantages of P groups of G rewards each.
+
+    `std`: A = (r - mean) / (std + 1e-8), std unbiased; `none`: A = r - mean. Groups whose std
+    is below 1e-8 get zeros. Shape: [P, G] -> [P, G].
+    """
+    if scale not in ADVANTAGE_SCALES:
+        raise ValueError(f"unknown advantage scale {scale!r}; valid: {', '.join(ADVANTAGE_SCALES)}")
+    if rewards_PG.ndim != 2 or rewards_PG.shape[1] < 2:
+        raise ValueError(f"need rewards of shape [P, G] with G >= 2, got {tuple(rewards_PG.shape)}")
+    rewards_PG = rewards_PG.to(torch.float64)
+    centred_PG = rewards_PG - rewards_PG.mean(dim=1, keepdim=True)
+    std_P1 = rewards_PG.std(dim=1, unbiased=True, keepdim=True)
+    uniform_P1 = std_P1 < _STD_FLOOR
+    if scale == "std":
+        centred_PG = centred_PG / (std_P1 + _STD_FLOOR)
+    return torch.where(uniform_P1, torch.zeros_like(centred_PG), centred_PG).float()
+
+
+def ragged_group_advantages(rewards: list[list[float]], scale: str = "std") -> list[list[float]]:
+    """`group_advantages` for groups of different sizes (samples dropped by the rollout)."""
+    return [group_advantages(torch.tensor([g], dtype=torch.float64), scale)[0].tolist() for g in rewards]

@@ -1,0 +1,18 @@
+"""Keeps every step's logged scalars in memory: the run summary and the tests read them."""
+
+from __future__ import annotations
+
+import lightning as L
+
+
+class MetricHistory(L.Callback):
+    """`steps[i]` holds the scalar metrics logged at rollout step i (after that step's callbacks)."""
+
+    def __init__(self) -> None:
+        self.steps: list[dict[str, float]] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int) -> None:
+        self.steps.append({k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1})
+
+    def series(self, key: str) -> list[float]:
+        return [s[key] for s in self.steps if key in s]

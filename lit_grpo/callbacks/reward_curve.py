@@ -1,0 +1,65 @@
+"""Records the reward per step and, at the end of fit, plots it with a moving average."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import lightning as L
+
+
+def moving_average(values: list[float], window: int) -> list[float]:
+    """Trailing mean over the last `window` values (fewer at the start)."""
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def plot_curves(curves: dict[str, list[float]], path: Path, *, title: str, ylabel: str, window: int = 10) -> Path:
+    """One line per curve (its moving average solid, raw values faint) into a PNG at `path`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for label, values in curves.items():
+        steps = list(range(1, len(values) + 1))
+        (line,) = ax.plot(steps, moving_average(values, window), label=label)
+        ax.plot(steps, values, color=line.get_color(), alpha=0.2, linewidth=0.8)
+    ax.set_xlabel("step")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="best", fontsize="small")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+class RewardCurve(L.Callback):
+    """Keeps `metric` of every step; writes `<output_dir>/reward_curve.png` when fit ends."""
+
+    def __init__(self, output_dir: str = ".", metric: str = "reward/mean", window: int = 10) -> None:
+        self.output_dir, self.metric, self.window = Path(output_dir), metric, window
+        self.values: list[float] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int) -> None:
+        value = trainer.callback_metrics.get(self.metric)
+        if value is not None:
+            self.values.append(float(value))
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.values and not trainer.fast_dev_run and trainer.is_global_zero:
+            plot_curves({self.metric: self.values}, self.output_dir / "reward_curve.png", title="reward per step", ylabel=self.metric, window=self.window)
+
+    def state_dict(self) -> dict:
+        return {"values": list(self.values)}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.values = list(state_dict["values"])

@@ -1,0 +1,37 @@
+"""Pushes the policy's weights into the sampler every `interval` rollout steps (0: never)."""
+
+from __future__ import annotations
+
+import time
+
+import lightning as L
+import torch
+
+
+class WeightSync(L.Callback):
+    """After every `interval`-th training step, load the policy into the sampler and bump the version.
+
+    `interval=1` keeps sampling on-policy; `interval=0` never syncs (the sampler keeps the base
+    weights, for ablations).
+    """
+
+    def __init__(self, interval: int = 1) -> None:
+        if interval < 0:
+            raise ValueError(f"WeightSync interval must be >= 0, got {interval}")
+        self.interval = interval
+        self.rollout_steps = 0
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int) -> None:
+        self.rollout_steps += 1
+        if self.interval == 0 or self.rollout_steps % self.interval:
+            return
+        start = time.perf_counter()
+        with torch.no_grad():
+            trainer.datamodule.sync_weights(pl_module.policy.named_parameters())
+        pl_module.log("perf/weight_sync_s", time.perf_counter() - start, on_step=True, on_epoch=False, batch_size=1)
+
+    def state_dict(self) -> dict:
+        return {"rollout_steps": self.rollout_steps}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.rollout_steps = state_dict["rollout_steps"]

@@ -1,0 +1,277 @@
+"""Typed configuration: one documented dataclass per Hydra group, registered in the ConfigStore.
+
+`conf/train.yaml` starts from the `train_schema` node stored here, so every YAML under `conf/`
+is merged onto these dataclasses: a misspelt key or a value of the wrong type fails while Hydra
+composes. Cross-field rules live in `__post_init__`; `validate(cfg)` turns a composed DictConfig
+into these objects (running those rules) before any model is loaded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, OmegaConf
+
+
+class ConfigError(ValueError):
+    """A configuration value that cannot work; the message names the field."""
+
+
+def _require(ok: bool, field_name: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(f"config field `{field_name}`: {message}")
+
+
+@dataclass
+class ModelConfig:
+    """The policy model. `kind=tiny` builds a random-init model locally; `kind=hf` loads one."""
+
+    kind: str = "tiny"
+    """`tiny` (built from the fields below, no download) or `hf` (`AutoModelForCausalLM`)."""
+    name_or_path: Optional[str] = None
+    """Hub name or local folder of the model and tokenizer when `kind=hf`."""
+    hidden_size: int = 64
+    """Tiny model: width of the residual stream."""
+    num_layers: int = 2
+    """Tiny model: number of decoder layers."""
+    num_heads: int = 4
+    """Tiny model: attention heads."""
+    intermediate_size: int = 256
+    """Tiny model: MLP width."""
+    max_position_embeddings: int = 256
+    """Tiny model: longest sequence it can read."""
+    alphabet: str = "printable"
+    """Tiny model: characters of the tokenizer; `printable` (ASCII) or `arithmetic` (digits, signs)."""
+    dtype: str = "float32"
+    """Parameter dtype: float32, bfloat16 or float16."""
+    trust_remote_code: bool = False
+    """Passed to transformers when `kind=hf`."""
+
+    def __post_init__(self) -> None:
+        _require(self.kind in ("tiny", "hf"), "model.kind", f"must be 'tiny' or 'hf', got {self.kind!r}")
+        _require(
+            self.kind != "hf" or bool(self.name_or_path),
+            "model.name_or_path",
+            "is required when model.kind=hf (a hub name or a local folder)",
+        )
+        _require(self.dtype in ("float32", "bfloat16", "float16"), "model.dtype", f"unknown dtype {self.dtype!r}")
+        _require(self.alphabet in ("printable", "arithmetic"), "model.alphabet", "must be 'printable' or 'arithmetic'")
+        for name in ("hidden_size", "num_layers", "num_heads", "intermediate_size", "max_position_embeddings"):
+            _require(getattr(self, name) > 0, f"model.{name}", "must be > 0")
+        _require(self.hidden_size % self.num_heads == 0, "model.hidden_size", "must be divisible by model.num_heads")
+
+
+@dataclass
+class SamplerConfig:
+    """The in-process sampler that produces rollouts."""
+
+    kind: str = "hf"
+    """`hf`: batched transformers `generate` with its own copy of the weights."""
+    temperature: float = 1.0
+    """Sampling temperature; logprobs are reported at this temperature (top_p=1, top_k=0)."""
+    max_completion_tokens: int = 8
+    """Most tokens generated per completion."""
+    max_batch_size: int = 256
+    """Most sequences generated together in one batched call."""
+
+    def __post_init__(self) -> None:
+        _require(self.kind in ("hf",), "sampler.kind", f"unknown sampler {self.kind!r}; valid: hf")
+        _require(self.temperature > 0, "sampler.temperature", f"must be > 0, got {self.temperature}")
+        _require(self.max_completion_tokens > 0, "sampler.max_completion_tokens", "must be > 0")
+        _require(self.max_batch_size > 0, "sampler.max_batch_size", "must be > 0")
+
+
+@dataclass
+class DataConfig:
+    """Where prompts come from and how they are grouped into steps."""
+
+    task: str = "arithmetic"
+    """Task that makes rows and scores completions: `arithmetic`."""
+    completions_per_prompt: int = 8
+    """G: completions sampled per prompt; advantages are relative within these."""
+    prompt_groups_per_step: int = 8
+    """P: accepted prompt groups per training step (B = P·G sequences)."""
+    max_rows: int = 0
+    """Use at most this many rows of the dataset (0: all)."""
+    epochs: int = 1
+    """Passes over the rows; rows are reshuffled each epoch with the run seed."""
+    max_seq_len: int = 256
+    """Longest prompt + completion, in tokens."""
+    shuffle: bool = True
+    """Shuffle rows each epoch (seeded)."""
+    num_rows: int = 1000
+    """Arithmetic: rows generated."""
+    max_operand: int = 9
+    """Arithmetic: operands are drawn from 0..max_operand."""
+    max_answer: int = 9
+    """Arithmetic: only problems whose answer is at most this (9: single-digit answers)."""
+    operators: str = "+"
+    """Arithmetic: operators to draw from, any of `+-*`."""
+
+    def __post_init__(self) -> None:
+        _require(self.task in ("arithmetic",), "data.task", f"unknown task {self.task!r}; valid: arithmetic")
+        _require(self.completions_per_prompt >= 2, "data.completions_per_prompt", "must be >= 2 (advantages are relative within a group)")
+        _require(self.prompt_groups_per_step >= 1, "data.prompt_groups_per_step", "must be >= 1")
+        _require(self.max_rows >= 0, "data.max_rows", "must be >= 0 (0 means all rows)")
+        _require(self.epochs >= 1, "data.epochs", "must be >= 1")
+        _require(self.max_seq_len > 1, "data.max_seq_len", "must be > 1")
+        _require(self.num_rows >= 1, "data.num_rows", "must be >= 1")
+        _require(self.max_operand >= 1, "data.max_operand", "must be >= 1")
+        _require(self.max_answer >= 0, "data.max_answer", "must be >= 0")
+        _require(bool(self.operators) and set(self.operators) <= set("+-*"), "data.operators", "must be a non-empty subset of '+-*'")
+
+
+@dataclass
+class PolicyLossConfig:
+    """The policy objective; `conf/policy_loss/<name>.yaml` holds each variant's defaults.
+
+    Variant hyper-parameters are null unless the variant takes them; `validate` checks them
+    against the loss registry so a hyper-parameter the variant ignores is an error, not a no-op.
+    """
+
+    name: str = "grpo"
+    """Registered variant: grpo, importance_sampling, reinforce, dapo, dro, gspo, cispo."""
+    kl_beta: float = 0.001
+    """β of the k3 KL penalty to the frozen reference; > 0 builds the reference model."""
+    loss_normalization: str = "token_mean"
+    """token_mean (over the whole optimizer step), seq_mean or sum."""
+    advantage_scale: str = "std"
+    """`std`: (r - mean) / std within the group; `none`: r - mean (Dr. GRPO)."""
+    eps_clip: Optional[float] = None
+    """Lower clip ε of the ratio (1 - ε)."""
+    eps_clip_high: Optional[float] = None
+    """Upper clip ε of the ratio (1 + ε)."""
+    eps_clip_c: Optional[float] = None
+    """dapo's dual-clip constant c for negative advantages (null: off)."""
+    dro_beta: Optional[float] = None
+    """dro's quadratic penalty β."""
+    tis_cap: Optional[float] = None
+    """Cap of the truncated importance weight against the sampler's logprobs."""
+    tis_level: Optional[str] = None
+    """`token` or `sequence` TIS weights."""
+
+    def __post_init__(self) -> None:
+        _require(self.kl_beta >= 0, "policy_loss.kl_beta", f"must be >= 0, got {self.kl_beta}")
+        _require(
+            self.loss_normalization in ("token_mean", "seq_mean", "sum"),
+            "policy_loss.loss_normalization",
+            f"must be token_mean, seq_mean or sum, got {self.loss_normalization!r}",
+        )
+        _require(self.advantage_scale in ("std", "none"), "policy_loss.advantage_scale", "must be 'std' or 'none'")
+
+    def hyperparams(self) -> dict[str, Any]:
+        """The variant-specific hyper-parameters that are set, plus kl_beta."""
+        names = ("eps_clip", "eps_clip_high", "eps_clip_c", "dro_beta", "tis_cap", "tis_level")
+        params = {n: getattr(self, n) for n in names if getattr(self, n) is not None}
+        params["kl_beta"] = self.kl_beta
+        return params
+
+
+@dataclass
+class TrainerConfig:
+    """Arguments of `lightning.Trainer` that lit_grpo exposes; `extra` passes any other one."""
+
+    accelerator: str = "auto"
+    devices: Any = 1
+    strategy: str = "auto"
+    precision: str = "32-true"
+    max_epochs: int = 1
+    """One Lightning epoch is the whole rollout stream (all data epochs)."""
+    fast_dev_run: Any = False
+    """True or N: run 1 (or N) steps as a smoke test, no checkpoints, no plots."""
+    log_every_n_steps: int = 1
+    enable_progress_bar: bool = True
+    enable_model_summary: bool = False
+    deterministic: bool = False
+    extra: dict = field(default_factory=dict)
+
+
+@dataclass
+class TrainConfig:
+    """The whole run. Top-level fields are the cookbook Config's knobs, under the same names."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    sampler: SamplerConfig = field(default_factory=SamplerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    callbacks: dict = field(default_factory=dict)
+    """Keyed Lightning callbacks (`_target_` dicts); drop one with `~callbacks.<key>`."""
+    logger: dict = field(default_factory=dict)
+    """Keyed Lightning loggers (`_target_` dicts)."""
+
+    seed: int = 0
+    """Seeds python, numpy, torch, the tiny model's init and the data order."""
+    max_steps: int = -1
+    """Rollout steps to train (-1: until the rows × epochs are used up)."""
+    learning_rate: float = 1e-5
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    weight_decay: float = 0.01
+    grad_clip_norm: float = 1.0
+    """Clip the global gradient norm (0: off)."""
+    warmup_steps: int = 0
+    """Linear learning-rate warm-up, in optimizer steps."""
+    weight_sync_interval: int = 1
+    """Push the policy into the sampler every N steps (1: on-policy; 0: never, the sampler keeps the base weights)."""
+    dcp_save_interval: int = 0
+    """Save a resumable checkpoint every N steps (0: off)."""
+    micro_batch_size: int = 0
+    """Sequences per forward/backward; gradients accumulate over a step (0: the whole batch)."""
+    ppo_n_minibatches: int = 1
+    """K: optimizer steps per rollout batch, each on 1/K of it, all against the same old policy."""
+    output_dir: str = "."
+    """Run folder: logs, plots, checkpoints. Set by Hydra to its run directory."""
+    summary_metric: str = "reward/mean"
+    """Metric reported in the run summary and the reward curve."""
+
+    def __post_init__(self) -> None:
+        _require(self.max_steps == -1 or self.max_steps > 0, "max_steps", "must be -1 (until data is exhausted) or > 0")
+        _require(self.learning_rate > 0, "learning_rate", f"must be > 0, got {self.learning_rate}")
+        _require(0 <= self.adam_beta1 < 1, "adam_beta1", "must be in [0, 1)")
+        _require(0 <= self.adam_beta2 < 1, "adam_beta2", "must be in [0, 1)")
+        _require(self.adam_eps > 0, "adam_eps", "must be > 0")
+        _require(self.weight_decay >= 0, "weight_decay", "must be >= 0")
+        _require(self.grad_clip_norm >= 0, "grad_clip_norm", "must be >= 0 (0: off)")
+        _require(self.warmup_steps >= 0, "warmup_steps", "must be >= 0")
+        _require(self.weight_sync_interval >= 0, "weight_sync_interval", "must be >= 0 (0: never sync)")
+        _require(self.dcp_save_interval >= 0, "dcp_save_interval", "must be >= 0 (0: off)")
+        _require(self.micro_batch_size >= 0, "micro_batch_size", "must be >= 0 (0: whole batch)")
+        _require(self.ppo_n_minibatches >= 1, "ppo_n_minibatches", "must be >= 1")
+        batch_size = self.data.prompt_groups_per_step * self.data.completions_per_prompt
+        _require(
+            self.ppo_n_minibatches <= batch_size,
+            "ppo_n_minibatches",
+            f"must be <= the sequences per step (prompt_groups_per_step × completions_per_prompt = {batch_size})",
+        )
+        from lit_grpo.losses import check_policy_loss_hyperparams
+
+        try:
+            check_policy_loss_hyperparams(self.policy_loss.name, self.policy_loss.hyperparams())
+        except ValueError as err:
+            raise ConfigError(f"config group `policy_loss`: {err}") from None
+
+
+def register_configs() -> None:
+    """Store the schema so `conf/train.yaml` can start from it (`defaults: [train_schema, ...]`)."""
+    cs = ConfigStore.instance()
+    cs.store(name="train_schema", node=TrainConfig)
+
+
+def validate(cfg: DictConfig | TrainConfig) -> TrainConfig:
+    """Turn a composed config into `TrainConfig`, running every cross-field check.
+
+    Raises `ConfigError` naming the field; nothing has been loaded yet when it does.
+    """
+    if isinstance(cfg, TrainConfig):
+        return cfg
+    obj = OmegaConf.to_object(cfg)
+    if not isinstance(obj, TrainConfig):
+        raise ConfigError("config does not follow the train schema; compose it from conf/train.yaml")
+    return obj
+
+
+register_configs()

@@ -1,0 +1,113 @@
+"""Policy models and tokenizers: a tiny random-init model built locally, or a real one loaded by name.
+
+The tiny model is a Qwen2-architecture causal LM (so vLLM can serve it too) with a character
+tokenizer made with the `tokenizers` library: no download, seeded init.
+"""
+
+from __future__ import annotations
+
+import os
+import string
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+from lit_grpo.config import ModelConfig
+
+SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|unk|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
+ALPHABETS = {
+    "printable": string.digits + string.ascii_letters + string.punctuation + " \n",
+    "arithmetic": string.digits + "+-*= \n",
+}
+# Roles are single special tokens; every turn ends with <|end|> (the generation stop token is eos).
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def build_char_tokenizer(alphabet: str = "printable") -> PreTrainedTokenizerFast:
+    """A character-level tokenizer: one id per character of `alphabet`, plus the special tokens."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + list(ALPHABETS[alphabet]))}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<|unk|>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), "isolated")
+    backend.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token="<|bos|>",
+        eos_token="<|eos|>",
+        pad_token="<|pad|>",
+        unk_token="<|unk|>",
+        additional_special_tokens=SPECIAL_TOKENS[4:],
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def build_tiny_model(cfg: ModelConfig, vocab_size: int, seed: int, tokenizer: PreTrainedTokenizerBase) -> PreTrainedModel:
+    """A random-init Qwen2 causal LM sized by `cfg`, initialised from `seed`."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=cfg.hidden_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_heads,
+        intermediate_size=cfg.intermediate_size,
+        max_position_embeddings=cfg.max_position_embeddings,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(config)
+    return model.to(DTYPES[cfg.dtype])
+
+
+def _unreachable(name: str, err: Exception) -> OSError:
+    return OSError(
+        f"Could not load model or tokenizer {name!r}: {type(err).__name__}: {err}\n"
+        f"If this machine cannot reach the Hugging Face hub, download the model elsewhere and point at the "
+        f"local copy with `model.name_or_path=/path/to/model` (set HF_HUB_OFFLINE=1 to fail fast)."
+    )
+
+
+def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
+    """The policy's tokenizer; it needs a pad token (eos is used when the model has none)."""
+    if cfg.kind == "tiny":
+        return build_char_tokenizer(cfg.alphabet)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(cfg.name_or_path, trust_remote_code=cfg.trust_remote_code)
+    except (OSError, ValueError) as err:
+        raise _unreachable(cfg.name_or_path, err) from None
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_policy(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, seed: int) -> PreTrainedModel:
+    """The trainable policy, built (`tiny`) or loaded (`hf`)."""
+    if cfg.kind == "tiny":
+        return build_tiny_model(cfg, len(tokenizer), seed, tokenizer)
+    try:
+        return AutoModelForCausalLM.from_pretrained(
+            cfg.name_or_path, dtype=DTYPES[cfg.dtype], trust_remote_code=cfg.trust_remote_code
+        )
+    except (OSError, ValueError) as err:
+        raise _unreachable(cfg.name_or_path, err) from None
+
+
+def save_pretrained(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out_dir: str | os.PathLike) -> Path:
+    """Write model (safetensors) + config + tokenizer so `from_pretrained(out_dir)` loads them."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    return out

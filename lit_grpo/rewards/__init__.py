@@ -1,0 +1,1 @@
+"""Reward functions: `score(completion_text, answer) -> float`."""

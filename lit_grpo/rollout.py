@@ -1,0 +1,45 @@
+"""The default rollout function: one completion per call, scored by the configured reward.
+
+A user's own `make_rollout_fn(setup)` replaces this one (multi-turn, tools, retries); it only has
+to return a `RolloutSample` (or None to drop the sample) per call.
+"""
+
+from __future__ import annotations
+
+from typing import Awaitable, Callable, Optional
+
+from lit_grpo.types import Completion, RolloutSample, RolloutSetup
+
+RolloutFn = Callable[[dict], Awaitable[Optional[RolloutSample]]]
+
+
+def sample_from_completion(c: Completion, reward: float) -> RolloutSample:
+    """Flatten a single-turn completion: prompt tokens masked out, generated tokens trained on."""
+    generated = len(c.full_tokens) - c.prompt_len
+    return RolloutSample(
+        tokens=list(c.full_tokens),
+        logprobs=[0.0] * c.prompt_len + list(c.inference_logprobs),
+        loss_mask=[0] * c.prompt_len + [1] * generated,
+        reward=float(reward),
+        finish_reason=c.finish_reason,
+        text=c.text,
+    )
+
+
+def make_rollout_fn(setup: RolloutSetup) -> RolloutFn:
+    """Rows with `prompt_token_ids` are sampled token-in; rows with `messages` through the chat template."""
+    sampler, sample_kwargs = setup.sampler, dict(setup.sample_kwargs)
+    reward_fn = setup.extras["reward_fn"]
+
+    async def rollout_fn(row: dict) -> Optional[RolloutSample]:
+        if "prompt_token_ids" in row:
+            completions = await sampler.sample_with_prompt_tokens(row["prompt_token_ids"], n=1, **sample_kwargs)
+        else:
+            messages = [m for m in row["messages"] if m.get("role") != "assistant"]
+            completions = await sampler.sample_with_tokens(messages, n=1, **sample_kwargs)
+        if not completions:
+            return None
+        c = completions[0]
+        return sample_from_completion(c, reward_fn(c.text, row))
+
+    return rollout_fn

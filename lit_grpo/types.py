@@ -1,0 +1,122 @@
+"""Public data types: what a rollout function returns, what a sampler returns, what a step trains on.
+
+Shapes: P prompts, G completions per prompt, B = P·G sequences, T tokens. A mask's 1 means
+"trained on".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+import torch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+
+@dataclass
+class RolloutSample:
+    """One trajectory, flattened; `tokens`, `logprobs` and `loss_mask` are parallel lists."""
+
+    tokens: list[int]
+    """Prompt + completion (+ tool/user turns for multi-turn), as token ids."""
+    logprobs: list[float]
+    """The sampler's logprob of each token; 0.0 where the token was not generated."""
+    loss_mask: list[int]
+    """1 on tokens the policy generated and is trained on, 0 elsewhere (prompt, user, tool)."""
+    reward: float
+    """Scalar reward of the whole trajectory."""
+    finish_reason: str = "stop"
+    """`stop` (end-of-sequence), `length` (hit max tokens), or anything a rollout reports."""
+    text: str = ""
+    """The decoded completion, for logs."""
+
+
+@dataclass
+class Completion:
+    """One sampled continuation, as a sampler returns it."""
+
+    full_tokens: list[int]
+    """Prompt tokens followed by the generated tokens."""
+    prompt_len: int
+    """How many of `full_tokens` are the prompt."""
+    inference_logprobs: list[float]
+    """The sampler's logprob of each generated token (len = len(full_tokens) - prompt_len)."""
+    finish_reason: str
+    """`stop` or `length`."""
+    text: str
+    """The generated tokens decoded (special tokens skipped)."""
+
+
+@runtime_checkable
+class Sampler(Protocol):
+    """An in-process generator of completions with its own copy of the policy's weights."""
+
+    async def sample_with_prompt_tokens(self, prompt_token_ids: list[int], n: int = 1, **kwargs: Any) -> list[Completion]:
+        """Sample `n` completions of a tokenized prompt."""
+        ...
+
+    async def sample_with_tokens(self, messages: list[dict], n: int = 1, **kwargs: Any) -> list[Completion]:
+        """Apply the policy tokenizer's chat template client-side, then sample `n` completions."""
+        ...
+
+    def update_weights(self, named_tensors: Any) -> None:
+        """Load `(name, tensor)` pairs of the policy into the sampler's engine, in memory."""
+        ...
+
+
+@dataclass
+class RolloutSetup:
+    """Handed once to `make_rollout_fn(setup)`."""
+
+    sampler: Sampler
+    """Where completions come from."""
+    tokenizer: PreTrainedTokenizerBase
+    """The policy's tokenizer."""
+    sample_kwargs: dict
+    """temperature, max_tokens, top_p=1.0, top_k=0 (no truncation bias in the logprobs)."""
+    extras: dict = field(default_factory=dict)
+    """User config: `reward_fn(completion_text, row) -> float`, task options."""
+
+
+@dataclass
+class PromptGroup:
+    """The G trajectories of one row, all sampled at one policy version."""
+
+    row: dict
+    """The dataset row the group was sampled from."""
+    samples: list[RolloutSample]
+    """The trajectories that came back (None results already dropped)."""
+    version: int
+    """Policy version (number of weight syncs) when the row was submitted."""
+
+    @property
+    def rewards(self) -> list[float]:
+        return [s.reward for s in self.samples]
+
+
+@dataclass
+class RolloutBatch:
+    """Padded tensors for one training step: B = P·G sequences of T tokens (right-padded)."""
+
+    tokens_BT: torch.Tensor
+    """Token ids. Shape: [B, T], long."""
+    attention_mask_BT: torch.Tensor
+    """1 on real tokens, 0 on padding. Shape: [B, T], long."""
+    loss_mask_BT: torch.Tensor
+    """1 on tokens trained on. Shape: [B, T], float."""
+    sampler_logprobs_BT: torch.Tensor
+    """Sampler logprob per token (0 where not generated). Shape: [B, T], float."""
+    advantages_B: torch.Tensor
+    """Group-relative advantage of each sequence. Shape: [B], float."""
+    rewards_B: torch.Tensor
+    """Reward of each sequence. Shape: [B], float."""
+    versions_B: torch.Tensor
+    """Policy version each sequence was sampled at. Shape: [B], long."""
+    stats: dict[str, float] = field(default_factory=dict)
+    """Per-step rollout statistics (rewards over all sampled groups, filter drops, timings)."""
+
+    @property
+    def num_sequences(self) -> int:
+        return int(self.tokens_BT.shape[0])
