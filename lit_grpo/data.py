@@ -100,6 +100,15 @@ class RolloutProducer:
         self.group_filters = group_filters
         self.version = 0
         """Policy version of the sampler: the number of weight syncs so far."""
+        self.accept_rate = 1.0
+        """Running fraction of sampled groups that pass the filters (sizes the refill rounds)."""
+        self.max_oversample = 4
+
+    def _rows_to_request(self, missing: int) -> int:
+        """Rows to sample for `missing` groups: more when the filters reject many, so a step
+        needs few sampling rounds (each is a batched generate call). Accepted groups beyond
+        the step's P are discarded rather than trained on later at a stale version."""
+        return min(math.ceil(missing / max(self.accept_rate, 0.05)), self.P * self.max_oversample)
 
     async def _sample_group(self, row: dict, version: int) -> tuple[PromptGroup, int]:
         results = await asyncio.gather(*(self.rollout_fn(row) for _ in range(self.G)), return_exceptions=True)
@@ -119,16 +128,18 @@ class RolloutProducer:
         sampled: list[PromptGroup] = []
         dropped = failures = 0
         while len(accepted) < self.P:
-            rows = self.cursor.take(self.P - len(accepted))
+            rows = self.cursor.take(self._rows_to_request(self.P - len(accepted)))
             if not rows:
                 break
             for group, n_failed in asyncio.run(self._sample_rows(rows)):
                 failures += n_failed
                 sampled.append(group)
-                if len(group.samples) < 2 or not all(keep(group) for keep in self.group_filters):
+                keep = len(group.samples) >= 2 and all(keep(group) for keep in self.group_filters)
+                self.accept_rate = 0.9 * self.accept_rate + 0.1 * float(keep)
+                if not keep:
                     dropped += 1
-                    continue
-                accepted.append(group)
+                elif len(accepted) < self.P:
+                    accepted.append(group)
         if not accepted:
             return None
         advantages = ragged_group_advantages([g.rewards for g in accepted], self.advantage_scale)

@@ -49,7 +49,8 @@ __all__ = [
 
 PolicyLossFn = Callable[..., "tuple[torch.Tensor, dict[str, torch.Tensor]]"]
 
-# Hyper-parameters that `per_token_policy_loss` consumes itself; the variant function never sees them.
+# TIS hyper-parameters: `per_token_policy_loss` consumes them (as it does kl_beta) and hands the
+# variant only the resulting `tis_weight`.
 _TIS_DEFAULTS = {"tis_cap": 2.0, "tis_level": "token"}
 _SHARED_TENSORS = ("logprobs", "old_logprobs", "advantages", "mask")
 
@@ -73,7 +74,9 @@ class PolicyLossSpec:
 POLICY_LOSSES: dict[str, PolicyLossSpec] = {}
 
 
-def register_policy_loss(name: str, *, uses_tis: bool = True, **default_hyperparams: Any) -> Callable[[PolicyLossFn], PolicyLossFn]:
+def register_policy_loss(
+    name: str, *, uses_tis: bool = True, **default_hyperparams: Any
+) -> Callable[[PolicyLossFn], PolicyLossFn]:
     """Decorator registering a policy loss under `name` with its default hyper-parameters.
 
     `kl_beta` defaults to 0.0 and, with `uses_tis`, `tis_cap` to 2.0 and `tis_level` to "token",
@@ -136,7 +139,8 @@ def check_policy_loss_hyperparams(name: str, params: Mapping[str, Any]) -> None:
     if "tis_cap" in params and not params["tis_cap"] > 0:
         raise ValueError(f"policy loss {name!r}: tis_cap must be > 0, got {params['tis_cap']}")
     if "tis_level" in params and params["tis_level"] not in TIS_LEVELS:
-        raise ValueError(f"policy loss {name!r}: tis_level must be one of {', '.join(TIS_LEVELS)}, got {params['tis_level']!r}")
+        valid = ", ".join(TIS_LEVELS)
+        raise ValueError(f"policy loss {name!r}: tis_level must be one of {valid}, got {params['tis_level']!r}")
 
 
 def per_token_policy_loss(
@@ -154,8 +158,8 @@ def per_token_policy_loss(
 
     `logprobs` carries the gradient; `old_logprobs`, `sampler_logprobs` (None: no TIS) and
     `ref_logprobs` (read only when kl_beta > 0) are detached here. Hyper-parameters not given take
-    the registered defaults. Metrics are detached scalars: `clip_frac`, `ratio_mean`, `ppo_kl`
-    (k3 of π against old), `ref_kl` when kl_beta > 0, `tis/weight_mean` and `tis/clip_frac` for
+    the registered defaults. Metrics are detached scalars: `clip_frac`, `ratio/mean`, `kl/ppo`
+    (k3 of π against old), `kl/ref` when kl_beta > 0, `tis/weight_mean` and `tis/clip_frac` for
     TIS variants, plus the variant's own. Shapes: [B, T] tensors, advantages [B] or [B, T];
     returns [B, T].
     """
@@ -169,19 +173,25 @@ def per_token_policy_loss(
         raise ValueError(f"policy loss {name!r} has kl_beta={kl_beta} > 0 but no ref_logprobs were given")
 
     mask_BT = mask.to(logprobs.dtype)
-    old_BT = old_logprobs.detach()
+    keep_BT = mask_BT > 0
     advantages_BT = advantages.detach().to(logprobs.dtype)
     if advantages_BT.ndim == 1:
         advantages_BT = advantages_BT[:, None].expand_as(logprobs)
+    # Padding may hold anything (-inf, nan): zero every input on masked-out tokens before any
+    # arithmetic, because a `where` on the loss alone cannot stop 0 * nan in the backward pass.
+    logprobs = torch.where(keep_BT, logprobs, 0.0)
+    old_BT = torch.where(keep_BT, old_logprobs.detach(), 0.0)
+    sampler_BT = None if sampler_logprobs is None else torch.where(keep_BT, sampler_logprobs.detach(), 0.0)
+    advantages_BT = torch.where(keep_BT, advantages_BT, 0.0)
     pi_BT = logprobs.detach()
     metrics = {
         "clip_frac": torch.zeros((), dtype=logprobs.dtype, device=logprobs.device),
-        "ratio_mean": masked_mean(ratio(pi_BT, old_BT), mask_BT),
-        "ppo_kl": masked_mean(k3(old_BT, pi_BT), mask_BT),
+        "ratio/mean": masked_mean(ratio(pi_BT, old_BT), mask_BT),
+        "kl/ppo": masked_mean(k3(old_BT, pi_BT), mask_BT),
     }
     tensors = {"logprobs": logprobs, "old_logprobs": old_BT, "advantages": advantages_BT, "mask": mask_BT}
     if spec.uses_tis:
-        w_BT, capped_BT = tis_weights(old_logprobs=old_BT, sampler_logprobs=sampler_logprobs, mask=mask_BT, **tis_params)
+        w_BT, capped_BT = tis_weights(old_logprobs=old_BT, sampler_logprobs=sampler_BT, mask=mask_BT, **tis_params)
         tensors["tis_weight"] = w_BT
         metrics["tis/weight_mean"] = masked_mean(w_BT, mask_BT)
         metrics["tis/clip_frac"] = masked_mean(capped_BT.to(mask_BT.dtype), mask_BT)
@@ -189,11 +199,10 @@ def per_token_policy_loss(
     loss_BT, variant_metrics = spec.fn(**tensors, **params)
     metrics.update(variant_metrics)
     if kl_beta > 0:
-        kl_BT = k3(ref_logprobs.detach(), logprobs)
+        kl_BT = k3(torch.where(keep_BT, ref_logprobs.detach(), 0.0), logprobs)
         loss_BT = loss_BT + kl_beta * kl_BT
-        metrics["ref_kl"] = masked_mean(kl_BT.detach(), mask_BT)
-    # `where` rather than `* mask`: padding may hold inf/nan logprobs, and 0 * inf is nan.
-    loss_BT = torch.where(mask_BT > 0, loss_BT, torch.zeros_like(loss_BT))
+        metrics["kl/ref"] = masked_mean(kl_BT.detach(), mask_BT)
+    loss_BT = torch.where(keep_BT, loss_BT, 0.0)  # a user's variant may put loss on padding
     return loss_BT, {key: value.detach() for key, value in metrics.items()}
 
 
@@ -229,12 +238,13 @@ def policy_loss(
 def _check_shapes(logprobs, old_logprobs, sampler_logprobs, ref_logprobs, advantages, mask) -> None:
     if logprobs.ndim != 2:
         raise ValueError(f"logprobs must be [B, T], got shape {tuple(logprobs.shape)}")
-    named = {"old_logprobs": old_logprobs, "sampler_logprobs": sampler_logprobs, "ref_logprobs": ref_logprobs, "mask": mask}
-    for key, tensor in named.items():
-        if tensor is not None and tensor.shape != logprobs.shape:
-            raise ValueError(f"{key} must have the shape of logprobs {tuple(logprobs.shape)}, got {tuple(tensor.shape)}")
-    if advantages.shape not in (logprobs.shape[:1], logprobs.shape):
-        raise ValueError(f"advantages must be [B] or [B, T] for logprobs {tuple(logprobs.shape)}, got {tuple(advantages.shape)}")
+    shape = tuple(logprobs.shape)
+    named = {"old_logprobs": old_logprobs, "sampler_logprobs": sampler_logprobs, "ref_logprobs": ref_logprobs}
+    for key, tensor in {**named, "mask": mask}.items():
+        if tensor is not None and tuple(tensor.shape) != shape:
+            raise ValueError(f"{key} must have the shape of logprobs {shape}, got {tuple(tensor.shape)}")
+    if tuple(advantages.shape) not in (shape[:1], shape):
+        raise ValueError(f"advantages must be [B] or [B, T] for logprobs {shape}, got {tuple(advantages.shape)}")
 
 
 def _clipped_surrogate(ratio_BT, advantages_BT, eps_low, eps_high) -> tuple[torch.Tensor, torch.Tensor]:
@@ -276,11 +286,11 @@ def gspo_loss(*, logprobs, old_logprobs, advantages, mask, tis_weight, eps_clip,
     """GSPO: one ratio per sequence, R = exp(s) with s the masked mean of π - old, clipped like
     PPO (hence the tiny ε). Written per token as exp(π - sg(π) + sg(s)) so each token's gradient
     is R·∇π_t (GSPO-token) and per-token advantages still work; the exponent is capped at 10.
-    `ratio_mean` is the mean of R. Shape: [B, T]."""
+    `ratio/mean` is the mean of R. Shape: [B, T]."""
     s_B1 = masked_seq_mean((logprobs - old_logprobs).detach(), mask)[:, None]
     seq_ratio_BT = torch.exp((logprobs - logprobs.detach() + s_B1).clamp(max=10.0))
     loss_BT, clipped_BT = _clipped_surrogate(seq_ratio_BT, advantages, eps_clip, eps_clip_high)
-    metrics = {"clip_frac": _frac(clipped_BT, mask), "ratio_mean": masked_mean(seq_ratio_BT.detach(), mask)}
+    metrics = {"clip_frac": _frac(clipped_BT, mask), "ratio/mean": masked_mean(seq_ratio_BT.detach(), mask)}
     return loss_BT * tis_weight, metrics
 
 

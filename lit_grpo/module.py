@@ -49,6 +49,11 @@ def token_logprobs(model: PreTrainedModel, tokens_BT: torch.Tensor, attention_ma
     return logprobs_BT, entropy_BT
 
 
+def trained(outputs) -> bool:
+    """Whether a batch-end hook follows a real step (False on the call after the stream ended)."""
+    return bool(outputs)
+
+
 def micro_slices(n: int, size: int) -> list[slice]:
     """Contiguous slices of at most `size` (0: one slice of everything) covering range(n)."""
     size = size if size > 0 else n
@@ -102,7 +107,9 @@ class GRPOModule(L.LightningModule):
         schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / (warmup + 1)) if warmup else 1.0)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
-    def training_step(self, dataloader_iter: Iterator) -> None:
+    def training_step(self, dataloader_iter: Iterator) -> dict[str, torch.Tensor]:
+        # When the stream is exhausted, `next` raises StopIteration, which Lightning turns into
+        # the end of the epoch; the batch-end hooks then see empty `outputs` (see `trained`).
         batch: RolloutBatch = next(dataloader_iter)[0]
         batch = self.trainer.strategy.batch_to_device(batch)
         t0 = time.perf_counter()
@@ -121,6 +128,7 @@ class GRPOModule(L.LightningModule):
         t_train = time.perf_counter()
 
         self._log_step(batch, metrics, ref_s=t_ref - t0, train_s=t_train - t_ref)
+        return {"loss": metrics["loss"]}
 
     def _optimizer_step(self, batch, rows: slice, mask_BT, sampler_logprobs_BT, ref_logprobs_BT, old_logprobs_BT) -> dict[str, torch.Tensor]:
         """One optimizer step over `rows`, accumulating gradients over micro-batches."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,12 @@ from lit_grpo.types import RolloutSetup
 
 log = logging.getLogger(__name__)
 SUMMARY_WINDOW = 10
+
+# Both are deliberate: the step pulls its own batch (no prefetch of stale rollouts), and the
+# policy runs in eval mode (no dropout, so trainer and sampler logprobs agree).
+warnings.filterwarnings("ignore", message=r".*`dataloader_iter`.*")
+warnings.filterwarnings("ignore", message=r".*module\(s\) in eval mode.*")
+warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
 
 
 def build_module(c: TrainConfig, policy) -> GRPOModule:

@@ -68,15 +68,15 @@ def test_grpo_clips_on_both_sides():
     #   r=0.5: max(0.5, 0.8)   =  0.8  clipped  grad 0
     #   r=0.9: max(0.9, 0.9)   =  0.9           grad 0.9
     #   r=1.5: max(1.5, 1.2)   =  1.5           grad 1.5    (A<0, r>1+ε: no clip)
-    # sum = -1.2 - 1.1 - 0.5 + 0.8 + 0.9 + 1.5 = 0.4; clip_frac = 2/6; ratio_mean = 6.0/6 = 1.
+    # sum = -1.2 - 1.1 - 0.5 + 0.8 + 0.9 + 1.5 = 0.4; clip_frac = 2/6; ratio/mean = 6.0/6 = 1.
     pi = leaf([[-1.0, -2.0, -0.5], [-1.5, -0.7, -2.5]])
     old = old_for(pi, [[1.5, 1.1, 0.5], [0.5, 0.9, 1.5]])
     loss, grad, metrics = run("grpo", pi=pi, old_logprobs=old, advantages=t([1.0, -1.0]), kl_beta=0.0)
     assert_close(loss, t(0.4))
     assert_close(grad, t([[0.0, -1.1, -0.5], [0.0, 0.9, 1.5]]))
     assert_close(metrics["clip_frac"], t(2 / 6))
-    assert_close(metrics["ratio_mean"], t(1.0))
-    assert "ref_kl" not in metrics
+    assert_close(metrics["ratio/mean"], t(1.0))
+    assert "kl/ref" not in metrics
 
 
 def test_dapo_clip_higher_and_dual_clip():
@@ -111,7 +111,7 @@ def test_gspo_sequence_ratio_with_partial_mask():
     # A=+1: L = -R on each token, grad = -A·R = -e^0.2 (dR/dπ_t = R via π - sg(π)).
     # seq 1: π-old = [-1.0, -0.6, -0.8] -> s = -0.8, R = e^-0.8 = 0.449329 < 0.8; A=-1:
     # max(R, 0.8) = 0.8 clipped, grad 0.
-    # sum = -2e^0.2 + 3·0.8 = -0.042806; clip_frac 3/5; ratio_mean (2e^0.2 + 3e^-0.8)/5.
+    # sum = -2e^0.2 + 3·0.8 = -0.042806; clip_frac 3/5; ratio/mean (2e^0.2 + 3e^-0.8)/5.
     pi = leaf([[-1.0, -2.0, -0.5], [-1.5, -0.7, -2.5]])
     old = pi.detach() - t([[0.1, 0.3, 5.0], [-1.0, -0.6, -0.8]])
     mask = t([[1, 1, 0], [1, 1, 1]])
@@ -122,7 +122,7 @@ def test_gspo_sequence_ratio_with_partial_mask():
     assert_close(loss, t(-2 * e + 2.4))
     assert_close(grad, t([[-e, -e, 0.0], [0.0, 0.0, 0.0]]))
     assert_close(metrics["clip_frac"], t(3 / 5))
-    assert_close(metrics["ratio_mean"], t((2 * e + 3 * math.exp(-0.8)) / 5))
+    assert_close(metrics["ratio/mean"], t((2 * e + 3 * math.exp(-0.8)) / 5))
 
 
 def test_gspo_exponent_capped_at_10():
@@ -154,16 +154,18 @@ def test_cispo_gradient_is_detached_clipped_ratio():
 def test_importance_sampling_with_per_token_advantages():
     # A is [B, T] = [[1, -1]]; r = [2, 0.5]: L = -r·A = [-2, 0.5], grad -r·A = [-2, 0.5]; sum -1.5.
     pi = leaf([[-1.0, -2.0]])
-    loss, grad, metrics = run("importance_sampling", pi=pi, old_logprobs=old_for(pi, [[2.0, 0.5]]), advantages=t([[1.0, -1.0]]))
+    old = old_for(pi, [[2.0, 0.5]])
+    loss, grad, metrics = run("importance_sampling", pi=pi, old_logprobs=old, advantages=t([[1.0, -1.0]]))
     assert_close(loss, t(-1.5))
     assert_close(grad, t([[-2.0, 0.5]]))
-    assert_close(metrics["ratio_mean"], t(1.25))
+    assert_close(metrics["ratio/mean"], t(1.25))
     assert_close(metrics["clip_frac"], t(0.0))
 
 
 def test_dro_quadratic_term():
     # β = 0.5, A = +1. Token 0: π=-1, old=-1.5 (π-old = 0.5), w = 2 (old - inf = ln 2, cap 2):
-    #   L = -(π·A·w - ½β(π-old)²) = -(-2 - 0.25·0.25) = 2.0625; grad = -(A·w - β(π-old)) = -(2 - 0.25) = -1.75
+    #   L = -(π·A·w - ½β(π-old)²) = -(-2 - 0.25·0.25) = 2.0625
+    #   grad = -(A·w - β(π-old)) = -(2 - 0.5·0.5) = -1.75
     # Token 1: π=-2 = old, w = 1: L = -(-2) = 2, grad = -1. sum = 4.0625.
     pi = leaf([[-1.0, -2.0]])
     old = t([[-1.5, -2.0]])
@@ -195,7 +197,8 @@ def test_tis_token_and_sequence_level():
     #           capped: the 3 tokens of seq 1 -> 3/5.
     pi = leaf([[-1.0, -2.0, -0.5], [-1.5, -0.7, -2.5]])
     sampler = pi.detach() - torch.log(t([[2.0, 8.0, 100.0], [4.0, 16.0, 64.0]]))
-    common = dict(pi=pi, sampler_logprobs=sampler, advantages=t([1.0, -2.0]), mask=t([[1, 1, 0], [1, 1, 1]]), tis_cap=5.0)
+    mask = t([[1, 1, 0], [1, 1, 1]])
+    common = dict(pi=pi, sampler_logprobs=sampler, advantages=t([1.0, -2.0]), mask=mask, tis_cap=5.0)
     loss, grad, metrics = run("importance_sampling", **common)
     assert_close(loss, t(21.0))
     assert_close(grad, t([[-2.0, -5.0, 0.0], [8.0, 10.0, 10.0]]))
@@ -220,16 +223,16 @@ def test_k3_kl_term_value_and_gradient():
     # A = 0 isolates the KL term β·k3(ref, π), k3 = e^x - x - 1 with x = ref - π, dk3/dπ = 1 - e^x.
     #   x = ln2:   k3 = 2 - ln2 - 1 = 1 - ln2,  dk3/dπ = 1 - 2 = -1
     #   x = -ln2:  k3 = 0.5 + ln2 - 1 = ln2 - 0.5, dk3/dπ = 1 - 0.5 = 0.5
-    # β = 0.1: sum = 0.1·(1 - ln2 + ln2 - 0.5) = 0.05; grad = [-0.1, 0.05]; ref_kl = 0.5/2 = 0.25.
-    # ppo_kl = k3(old, π) with old - π = -ln2 on token 0 (r = 2): (ln2 - 0.5)/2.
+    # β = 0.1: sum = 0.1·(1 - ln2 + ln2 - 0.5) = 0.05; grad = [-0.1, 0.05]; kl/ref = 0.5/2 = 0.25.
+    # kl/ppo = k3(old, π) with old - π = -ln2 on token 0 (r = 2): (ln2 - 0.5)/2.
     pi = leaf([[-1.0, -2.0]])
     ref = pi.detach() + t([[LN2, -LN2]])
     old = old_for(pi, [[2.0, 1.0]])
     loss, grad, metrics = run("grpo", pi=pi, old_logprobs=old, ref_logprobs=ref, advantages=t([0.0]), kl_beta=0.1)
     assert_close(loss, t(0.05))
     assert_close(grad, t([[-0.1, 0.05]]))
-    assert_close(metrics["ref_kl"], t(0.25))
-    assert_close(metrics["ppo_kl"], t((LN2 - 0.5) / 2))
+    assert_close(metrics["kl/ref"], t(0.25))
+    assert_close(metrics["kl/ppo"], t((LN2 - 0.5) / 2))
     # With A = 1 on-policy the surrogate adds -1 per token and grad -1: the terms just add.
     loss, grad, _ = run("grpo", pi=pi, ref_logprobs=ref, advantages=t([1.0]), kl_beta=0.1)
     assert_close(loss, t(0.05 - 2.0))
@@ -331,6 +334,7 @@ def test_zero_advantages_give_zero_gradient(name):
 @pytest.mark.parametrize("normalization", ["token_mean", "seq_mean", "sum"])
 @pytest.mark.parametrize("per_token_advantages", [False, True])
 def test_masked_tokens_change_nothing(name, normalization, per_token_advantages):
+    # Padding values, even inf and nan, must reach neither the loss, the gradient nor the metrics.
     for level in tis_levels(name):
         x = random_inputs(2)
         if per_token_advantages:
@@ -338,8 +342,12 @@ def test_masked_tokens_change_nothing(name, normalization, per_token_advantages)
         y = {key: value.clone() for key, value in x.items()}
         off = x["mask"] == 0
         gen = torch.Generator().manual_seed(3)
-        for key in ("pi", "old", "sampler", "ref"):
-            y[key][off] = -30 * torch.rand(int(off.sum()), generator=gen, dtype=F64)
+        first_off = tuple(off.nonzero()[0].tolist())
+        for key, extreme in (("pi", -math.inf), ("old", math.inf), ("sampler", math.nan), ("ref", math.inf)):
+            y[key][off] = -1e4 * torch.rand(int(off.sum()), generator=gen, dtype=F64)
+            y[key][first_off] = extreme
+        if per_token_advantages:
+            y["advantages"][off] = math.nan
         kwargs = dict(normalization=normalization, kl_beta=0.05, **level_kwargs(level))
         loss_x, grad_x, metrics_x = grad_of(name, x, **kwargs)
         loss_y, grad_y, metrics_y = grad_of(name, y, **kwargs)
@@ -364,14 +372,14 @@ def test_per_sequence_advantages_equal_broadcast(name):
 def test_metrics_are_detached_scalars(name):
     x = random_inputs(5)
     _, _, metrics = grad_of(name, x, kl_beta=0.01)
-    expected = {"clip_frac", "ratio_mean", "ppo_kl", "ref_kl"}
+    expected = {"clip_frac", "ratio/mean", "kl/ppo", "kl/ref"}
     if POLICY_LOSSES[name].uses_tis:
         expected |= {"tis/weight_mean", "tis/clip_frac"}
     assert expected <= metrics.keys()
     for key, value in metrics.items():
         assert isinstance(value, torch.Tensor) and value.ndim == 0 and not value.requires_grad, key
     _, _, metrics = grad_of(name, x, kl_beta=0.0)
-    assert "ref_kl" not in metrics
+    assert "kl/ref" not in metrics
 
 
 @pytest.mark.parametrize("variant", ["grpo", "dapo", "gspo", "cispo", "importance_sampling", "dro"])
@@ -384,6 +392,31 @@ def test_on_policy_gradient_equals_reinforce(variant):
     _, grad_reinforce, _ = grad_of("reinforce", x)
     assert grad_reinforce.abs().sum() > 0
     assert_close(grad, grad_reinforce)
+
+
+@pytest.mark.parametrize("variant", ["grpo", "dapo", "gspo", "cispo", "importance_sampling"])
+def test_uniform_tis_weight_scales_loss(variant):
+    # These losses are (surrogate)·w, so old - inf = ln 1.5 everywhere (under the cap 2) multiplies
+    # loss and gradient by 1.5 compared with no sampler logprobs (w = 1).
+    x = random_inputs(8)
+    x["sampler"] = x["old"] - math.log(1.5)
+    loss_w, grad_w, metrics = grad_of(variant, x, kl_beta=0.0)
+    loss_1, grad_1, _ = grad_of(variant, dict(x, sampler=None), kl_beta=0.0)
+    assert_close(metrics["tis/weight_mean"], t(1.5))
+    assert_close(loss_w, 1.5 * loss_1)
+    assert_close(grad_w, 1.5 * grad_1)
+
+
+def test_only_logprobs_carry_gradient(name):
+    # old, sampler, ref and advantages built from π with a live graph must still act as constants.
+    x = random_inputs(9)
+    pi = x["pi"].clone().requires_grad_(True)
+    live = dict(old_logprobs=pi + (x["old"] - x["pi"]), sampler_logprobs=pi + (x["sampler"] - x["pi"]),
+                ref_logprobs=pi + (x["ref"] - x["pi"]), advantages=x["advantages"] + 0 * pi[:, 0])
+    loss, _ = policy_loss(name, logprobs=pi, mask=x["mask"], kl_beta=0.05, **live)
+    (grad,) = torch.autograd.grad(loss, pi)
+    _, grad_detached, _ = grad_of(name, x, kl_beta=0.05)
+    assert_close(grad, grad_detached)
 
 
 # --------------------------------------------------------------------------- errors
@@ -456,7 +489,8 @@ def test_user_registered_variant(scaled_pg):
     assert scaled_pg in available_policy_losses()
     assert policy_loss_defaults(scaled_pg) == {"kl_beta": 0.0, "tis_cap": 2.0, "tis_level": "token", "scale": 2.0}
     pi = leaf([[-1.0, -2.0]])
-    loss, grad, metrics = run(scaled_pg, pi=pi, sampler_logprobs=pi.detach() - t([[LN2, 0.0]]), advantages=t([1.0]), scale=3.0)
+    sampler = pi.detach() - t([[LN2, 0.0]])
+    loss, grad, metrics = run(scaled_pg, pi=pi, sampler_logprobs=sampler, advantages=t([1.0]), scale=3.0)
     assert_close(loss, t(12.0))
     assert_close(grad, t([[-6.0, -3.0]]))
     assert_close(metrics["tis/weight_mean"], t(1.5))
@@ -467,7 +501,7 @@ def test_user_registered_variant(scaled_pg):
 
 def test_registration_checks_signature_and_duplicates():
     with pytest.raises(TypeError, match="must accept keyword.*beta"):
-        register_policy_loss("test_bad_signature", beta=1.0)(lambda *, logprobs, old_logprobs, advantages, mask, tis_weight: None)
+        register_policy_loss("test_bad_signature", beta=1.0)(lambda *, logprobs, old_logprobs, advantages, mask: None)
     with pytest.raises(ValueError, match="already registered"):
         register_policy_loss("grpo")(POLICY_LOSSES["grpo"].fn)
     assert "test_bad_signature" not in POLICY_LOSSES

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import lightning as L
 
+from lit_grpo.module import trained
+
 
 class MetricHistory(L.Callback):
     """`steps[i]` holds the scalar metrics logged at rollout step i (after that step's callbacks)."""
@@ -12,6 +14,8 @@ class MetricHistory(L.Callback):
         self.steps: list[dict[str, float]] = []
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int) -> None:
+        if not trained(outputs):
+            return
         self.steps.append({k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1})
 
     def series(self, key: str) -> list[float]:

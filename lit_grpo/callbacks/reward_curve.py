@@ -6,6 +6,8 @@ from pathlib import Path
 
 import lightning as L
 
+from lit_grpo.module import trained
+
 
 def moving_average(values: list[float], window: int) -> list[float]:
     """Trailing mean over the last `window` values (fewer at the start)."""
@@ -50,6 +52,8 @@ class RewardCurve(L.Callback):
         self.values: list[float] = []
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int) -> None:
+        if not trained(outputs):
+            return
         value = trainer.callback_metrics.get(self.metric)
         if value is not None:
             self.values.append(float(value))

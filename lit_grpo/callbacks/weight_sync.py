@@ -5,6 +5,8 @@ from __future__ import annotations
 import time
 
 import lightning as L
+
+from lit_grpo.module import trained
 import torch
 
 
@@ -22,6 +24,8 @@ class WeightSync(L.Callback):
         self.rollout_steps = 0
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int) -> None:
+        if not trained(outputs):
+            return
         self.rollout_steps += 1
         if self.interval == 0 or self.rollout_steps % self.interval:
             return

@@ -1,0 +1,32 @@
+# lit_grpo: `make help` lists the targets.
+PYTHON ?= python3
+PIP := $(PYTHON) -m pip
+TORCH_VERSION := 2.13.0
+.DEFAULT_GOAL := help
+
+.PHONY: help install install-dev demo test test-fast bench clean
+
+help: ## List the targets
+	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  %-12s %s\n", $$1, $$2}'
+
+install: ## Install the package (CPU torch pinned first: an unpinned torch pulls GBs of CUDA)
+	$(PIP) install -q torch==$(TORCH_VERSION)
+	$(PIP) install -q -e .
+
+install-dev: install ## Install the package with its test dependencies
+	$(PIP) install -q -e '.[dev]'
+
+demo: install ## Run the CPU demo: GRPO on single-digit sums; writes outputs/<date>/<time>/
+	$(PYTHON) -m lit_grpo.train +experiment=arithmetic
+
+test: install-dev ## Run the whole test suite
+	$(PYTHON) -m pytest -q
+
+test-fast: install-dev ## Run the tests without the slow end-to-end learning runs
+	$(PYTHON) -m pytest -q -m "not slow"
+
+bench: install ## Time each phase of a training step against a bare-torch floor
+	$(PYTHON) -m lit_grpo.bench
+
+clean: ## Remove run outputs and caches
+	rm -rf outputs multirun lightning_logs .pytest_cache

@@ -1,0 +1,87 @@
+"""The rollout stream: row order, padding, the group filter and its replacement rows."""
+
+import asyncio
+
+import pytest
+import torch
+
+from lit_grpo.callbacks.reward_filter import UniformRewardFilter, has_reward_variance
+from lit_grpo.data import RolloutProducer, RowCursor, collate_groups
+from lit_grpo.types import PromptGroup, RolloutSample
+
+
+def _sample(tokens, mask, reward, logprobs=None):
+    return RolloutSample(tokens=tokens, logprobs=logprobs or [0.0] * len(tokens), loss_mask=mask, reward=reward)
+
+
+def test_collate_pads_right_and_keeps_lists_parallel():
+    g = PromptGroup(row={}, version=3, samples=[_sample([1, 2, 3], [0, 1, 1], 1.0, [0.0, -0.5, -0.25]), _sample([1, 2], [0, 1], 0.0)])
+    batch = collate_groups([g], [[0.7, -0.7]], pad_id=0)
+    assert batch.tokens_BT.tolist() == [[1, 2, 3], [1, 2, 0]]
+    assert batch.attention_mask_BT.tolist() == [[1, 1, 1], [1, 1, 0]]
+    assert batch.loss_mask_BT.tolist() == [[0, 1, 1], [0, 1, 0]]
+    assert batch.sampler_logprobs_BT[0].tolist() == [0.0, -0.5, -0.25]
+    assert batch.advantages_B.tolist() == pytest.approx([0.7, -0.7])
+    assert batch.versions_B.tolist() == [3, 3]
+
+
+def test_row_cursor_is_seeded_and_covers_every_row_each_epoch():
+    rows = [{"i": i} for i in range(7)]
+    a, b = RowCursor(rows, epochs=2, seed=5, shuffle=True), RowCursor(rows, epochs=2, seed=5, shuffle=True)
+    taken = [r["i"] for r in a.take(20)]
+    assert taken == [r["i"] for r in b.take(20)]
+    assert len(taken) == 14 and sorted(taken[:7]) == list(range(7)) and sorted(taken[7:]) == list(range(7))
+    assert taken[:7] != taken[7:]  # reshuffled per epoch
+    assert a.take(1) == []
+
+
+def _producer(rewards_by_row, filters, P=2, G=3):
+    """Rows carry their G rewards; the rollout returns them in turn."""
+    rows = [{"id": i, "rewards": r} for i, r in enumerate(rewards_by_row)]
+    counters = {}
+
+    async def rollout_fn(row):
+        k = counters.get(row["id"], 0)
+        counters[row["id"]] = k + 1
+        return _sample([1, 2], [0, 1], row["rewards"][k])
+
+    return RolloutProducer(RowCursor(rows, 1, 0, shuffle=False), rollout_fn, G, P, "std", 0, filters)
+
+
+def test_filter_drops_exactly_the_uniform_groups_and_refills():
+    rewards = [[1, 1, 1], [0, 1, 0], [0, 0, 0], [0.5, 0.5, 0.5], [1, 0, 0], [1, 0, 1]]
+    producer = _producer(rewards, [has_reward_variance])
+    batch = producer.next_batch()
+    # rows 0, 2 and 3 are uniform; rows 1 and 4 fill the step; row 5 (sampled in the last refill) is surplus.
+    assert batch.rewards_B.tolist() == [0, 1, 0, 1, 0, 0]
+    assert batch.stats["filter/dropped_groups"] == 3
+    # Refill rounds over-sample by the running acceptance rate: rows 0-5 were all sampled.
+    assert batch.stats["reward/mean"] == pytest.approx(sum(sum(r) for r in rewards) / 18)
+
+
+def test_without_filter_uniform_groups_train_with_zero_advantage():
+    producer = _producer([[1, 1, 1], [0, 1, 0]], [])
+    batch = producer.next_batch()
+    assert batch.advantages_B[:3].tolist() == [0, 0, 0]
+    assert batch.stats["filter/dropped_groups"] == 0
+
+
+def test_failed_rollouts_are_counted_and_dropped():
+    rows = [{"id": 0}, {"id": 1}]
+    calls = {"n": 0}
+
+    async def rollout_fn(row):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("tool crashed")
+        return _sample([1, 2], [0, 1], float(calls["n"] % 2))
+
+    producer = RolloutProducer(RowCursor(rows, 1, 0, False), rollout_fn, 3, 2, "std", 0, [])
+    batch = producer.next_batch()
+    assert batch.stats["rollout/failures"] == 1
+    assert batch.num_sequences == 5
+
+
+def test_custom_predicate_by_dotted_path():
+    keep = UniformRewardFilter(predicate="lit_grpo.callbacks.reward_filter.has_reward_variance")
+    assert keep.predicate is has_reward_variance

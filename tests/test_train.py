@@ -1,0 +1,71 @@
+"""End to end: `train(cfg)` with a composed config, the real CLI, the custom filter, and learning."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lit_grpo.train import train
+from lit_grpo.types import PromptGroup
+
+from conftest import compose_config
+
+REPO = Path(__file__).resolve().parents[1]
+KEPT: list[int] = []
+
+
+def keep_everything(group: PromptGroup) -> bool:
+    """A custom group predicate for the filter test: records group sizes, keeps every group."""
+    KEPT.append(len(group.samples))
+    return True
+
+
+def test_train_fast_dev_run(tmp_path):
+    summary = train(compose_config("+experiment=arithmetic", "trainer.fast_dev_run=true", output_dir=tmp_path))
+    assert summary["steps"] == 1
+    assert 0.0 <= summary["final_reward"] <= 1.0
+    assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 1
+
+
+def test_custom_filter_predicate_from_config(tmp_path):
+    KEPT.clear()
+    cfg = compose_config(
+        "+experiment=arithmetic", "trainer.fast_dev_run=true",
+        "callbacks.reward_filter.predicate=test_train.keep_everything", output_dir=tmp_path,
+    )
+    train(cfg)
+    assert KEPT == [8] * 8  # exactly one step's P groups of G, none rejected, none resampled
+
+
+def test_cli_fast_dev_run_in_a_subprocess(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "lit_grpo.train", "+experiment=arithmetic", "trainer.fast_dev_run=true", f"hydra.run.dir={tmp_path}"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 1
+
+
+def test_cli_reports_a_bad_value_by_field(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "lit_grpo.train", "data.completions_per_prompt=1", f"hydra.run.dir={tmp_path}"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode != 0
+    assert "data.completions_per_prompt" in proc.stderr
+
+
+@pytest.mark.slow
+def test_a_short_run_raises_the_reward(tmp_path):
+    summary = train(compose_config("+experiment=arithmetic", "max_steps=200", "trainer.enable_progress_bar=false", output_dir=tmp_path))
+    assert summary["steps"] == 200
+    assert summary["final_reward"] > summary["first_reward"] + 0.15, summary
+    assert (tmp_path / "reward_curve.png").stat().st_size > 0
+    header = (tmp_path / "metrics.csv").read_text().splitlines()[0].split(",")
+    for key in ["reward/mean", "reward/std", "reward/max", "loss", "kl/ref", "clip_frac", "completion_len/mean",
+                "filter/dropped_groups", "perf/step_s", "perf/sample_tokens_per_s"]:
+        assert key in header, key
