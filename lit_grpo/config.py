@@ -215,6 +215,8 @@ class TrainConfig:
     """Clip the global gradient norm (0: off)."""
     warmup_steps: int = 0
     """Linear learning-rate warm-up, in optimizer steps."""
+    lr_decay: str = "constant"
+    """After warm-up: `constant`, or `linear` / `cosine` decay to 0 at the last step (needs max_steps)."""
     weight_sync_interval: int = 1
     """Push the policy into the sampler every N steps (1: on-policy; 0: never, the sampler keeps the base weights)."""
     dcp_save_interval: int = 0
@@ -237,6 +239,8 @@ class TrainConfig:
         _require(self.weight_decay >= 0, "weight_decay", "must be >= 0")
         _require(self.grad_clip_norm >= 0, "grad_clip_norm", "must be >= 0 (0: off)")
         _require(self.warmup_steps >= 0, "warmup_steps", "must be >= 0")
+        _require(self.lr_decay in ("constant", "linear", "cosine"), "lr_decay", "must be constant, linear or cosine")
+        _require(self.lr_decay == "constant" or self.max_steps > 0, "lr_decay", f"{self.lr_decay!r} decay needs max_steps > 0")
         _require(self.weight_sync_interval >= 0, "weight_sync_interval", "must be >= 0 (0: never sync)")
         _require(self.dcp_save_interval >= 0, "dcp_save_interval", "must be >= 0 (0: off)")
         _require(self.micro_batch_size >= 0, "micro_batch_size", "must be >= 0 (0: whole batch)")

@@ -12,6 +12,7 @@ import copy
 import math
 import time
 from dataclasses import dataclass
+from functools import partial
 from typing import Iterator, Optional
 
 import lightning as L
@@ -32,6 +33,19 @@ class OptimConfig:
     weight_decay: float = 0.01
     warmup_steps: int = 0
     grad_clip_norm: float = 1.0
+    lr_decay: str = "constant"
+    total_steps: int = -1
+    """Optimizer steps of the whole run (needed by `linear` and `cosine` decay)."""
+
+
+def lr_multiplier(step: int, *, warmup_steps: int, decay: str, total_steps: int) -> float:
+    """Learning-rate factor at optimizer step `step`: linear warm-up, then constant, linear or cosine decay to 0."""
+    if step < warmup_steps:
+        return (step + 1) / (warmup_steps + 1)
+    if decay == "constant" or total_steps <= warmup_steps:
+        return 1.0
+    progress = min(1.0, (step - warmup_steps) / (total_steps - warmup_steps))
+    return 1.0 - progress if decay == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 def token_logprobs(model: PreTrainedModel, tokens_BT: torch.Tensor, attention_mask_BT: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,8 +117,9 @@ class GRPOModule(L.LightningModule):
         optimizer = torch.optim.AdamW(
             self.policy.parameters(), lr=o.learning_rate, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay
         )
-        warmup = max(o.warmup_steps, 0)
-        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / (warmup + 1)) if warmup else 1.0)
+        schedule = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, partial(lr_multiplier, warmup_steps=o.warmup_steps, decay=o.lr_decay, total_steps=o.total_steps)
+        )
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
     def training_step(self, dataloader_iter: Iterator) -> dict[str, torch.Tensor]:

@@ -50,6 +50,7 @@ def build_module(c: TrainConfig, policy) -> GRPOModule:
         optim=OptimConfig(
             learning_rate=c.learning_rate, betas=(c.adam_beta1, c.adam_beta2), eps=c.adam_eps,
             weight_decay=c.weight_decay, warmup_steps=c.warmup_steps, grad_clip_norm=c.grad_clip_norm,
+            lr_decay=c.lr_decay, total_steps=c.max_steps * c.ppo_n_minibatches,
         ),
         temperature=c.sampler.temperature,
         micro_batch_size=c.micro_batch_size,
@@ -122,6 +123,15 @@ def summarize(history: MetricHistory, metric: str, wall_s: float) -> dict[str, f
     }
 
 
+def _job_overrides() -> str:
+    """The command-line overrides of this Hydra job (empty outside Hydra), for sweep tables."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return ""
+    return " ".join(o for o in HydraConfig.get().overrides.task if not o.startswith(("output_dir", "hydra.")))
+
+
 def train(cfg: DictConfig | TrainConfig) -> dict[str, float]:
     """Run one training job; returns (and writes to `<output_dir>/summary.json`) its summary."""
     c = validate(cfg)  # every field error surfaces here, before a model is touched
@@ -141,8 +151,9 @@ def train(cfg: DictConfig | TrainConfig) -> dict[str, float]:
         datamodule.sampler.close()
 
     summary = summarize(history, c.summary_metric, time.perf_counter() - start)
+    summary_file = {**summary, "overrides": _job_overrides(), "reward_curve": history.series(c.summary_metric)}
     if trainer.is_global_zero:
-        (Path(c.output_dir) / "summary.json").write_text(json.dumps(summary, indent=2))
+        (Path(c.output_dir) / "summary.json").write_text(json.dumps(summary_file, indent=1))
         log.info("run summary: %s", json.dumps(summary))
     return summary
 
