@@ -1,5 +1,6 @@
 """GRPOModule: one step trains the policy and never the reference; logprobs line up with tokens."""
 
+import lightning as L
 import torch
 
 from lit_grpo.callbacks.history import MetricHistory
@@ -13,6 +14,7 @@ from conftest import compose_config
 
 def _build(tmp_path, *overrides):
     c = validate(compose_config("+experiment=arithmetic", "trainer.fast_dev_run=1", "trainer.enable_progress_bar=false", *overrides, output_dir=tmp_path))
+    L.seed_everything(c.seed, verbose=False)
     tokenizer = load_tokenizer(c.model)
     policy = load_policy(c.model, tokenizer, c.seed)
     return c, build_datamodule(c, policy, tokenizer), build_module(c, policy)
@@ -59,3 +61,42 @@ def test_token_logprobs_align_with_next_tokens(tiny_model, tokenizer):
         torch.testing.assert_close(logprobs[0, t], expected)
     assert logprobs.shape == entropy.shape == (1, tokens.shape[1] - 1)
     assert (entropy > 0).all()
+
+
+def test_micro_batches_accumulate_to_the_whole_batch_step(tmp_path):
+    # token_mean divides by the tokens of the whole optimizer step, so splitting the batch into
+    # micro-batches must give the same gradient as one forward over everything.
+    class GradCapture(L.Callback):
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            self.grads = {k: p.grad.detach().clone() for k, p in pl_module.policy.named_parameters()}
+
+    grads = []
+    for micro in (0, 3):
+        c, datamodule, module = _build(tmp_path / str(micro), "~callbacks.reward_filter", f"micro_batch_size={micro}", "sampler.max_completion_tokens=3", "grad_clip_norm=0")
+        capture = GradCapture()
+        trainer = build_trainer(c, MetricHistory())
+        trainer.callbacks.append(capture)
+        trainer.fit(module, datamodule=datamodule)
+        grads.append(capture.grads)
+    assert any(g.abs().sum() > 0 for g in grads[0].values())
+    for k in grads[0]:
+        torch.testing.assert_close(grads[0][k], grads[1][k], atol=1e-6, rtol=1e-4)
+
+
+def test_ppo_minibatches_make_k_optimizer_steps(tmp_path):
+    c, datamodule, module = _build(tmp_path, "ppo_n_minibatches=4", "~callbacks.reward_filter")
+    trainer = build_trainer(c, MetricHistory())
+    trainer.fit(module, datamodule=datamodule)
+    assert trainer.global_step == 4
+
+
+def test_lr_schedule_by_hand():
+    from lit_grpo.module import lr_multiplier
+
+    # warm-up 4: steps 0..3 -> 1/5, 2/5, 3/5, 4/5; then cosine over the remaining 10 steps.
+    assert [lr_multiplier(s, warmup_steps=4, decay="cosine", total_steps=14) for s in range(4)] == [0.2, 0.4, 0.6, 0.8]
+    assert lr_multiplier(4, warmup_steps=4, decay="cosine", total_steps=14) == 1.0
+    assert abs(lr_multiplier(9, warmup_steps=4, decay="cosine", total_steps=14) - 0.5) < 1e-12  # cos(pi/2)
+    assert lr_multiplier(14, warmup_steps=4, decay="cosine", total_steps=14) == 0.0
+    assert lr_multiplier(9, warmup_steps=4, decay="linear", total_steps=14) == 0.5
+    assert lr_multiplier(100, warmup_steps=0, decay="constant", total_steps=-1) == 1.0

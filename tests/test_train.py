@@ -69,3 +69,32 @@ def test_a_short_run_raises_the_reward(tmp_path):
     for key in ["reward/mean", "reward/std", "reward/max", "loss", "kl/ref", "clip_frac", "completion_len/mean",
                 "filter/dropped_groups", "perf/step_s", "perf/sample_tokens_per_s"]:
         assert key in header, key
+
+
+def test_training_ends_cleanly_when_the_rows_run_out(tmp_path):
+    # 16 rows, 8 per step, no filter: exactly two steps, and no hook runs for a third.
+    summary = train(compose_config(
+        "+experiment=arithmetic", "data.num_rows=16", "data.epochs=1", "max_steps=-1", "lr_decay=constant",
+        "~callbacks.reward_filter", "trainer.enable_progress_bar=false", output_dir=tmp_path,
+    ))
+    assert summary["steps"] == 2
+
+
+def test_policy_loss_multirun_writes_a_sweep_summary(tmp_path):
+    losses = "grpo,importance_sampling,reinforce,dapo,dro,gspo,cispo"
+    proc = subprocess.run(
+        [sys.executable, "-m", "lit_grpo.train", "-m", "+experiment=arithmetic", f"policy_loss={losses}",
+         "trainer.fast_dev_run=true", "trainer.enable_progress_bar=false", f"hydra.sweep.dir={tmp_path}"],
+        cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = (tmp_path / "sweep_summary.csv").read_text().splitlines()
+    assert rows[0].startswith("overrides,final_reward")
+    assert len(rows) == 8
+    for name in losses.split(","):
+        override = f"policy_loss={name}"
+        assert sum(override in r.split(",")[0].split(" ") for r in rows[1:]) == 1, name
+        run_dirs = [d for d in tmp_path.iterdir() if d.is_dir() and override in d.name.split("_", 1)[-1].split(",")]
+        assert len(run_dirs) == 1 and (run_dirs[0] / "summary.json").exists(), name
+    assert (tmp_path / "sweep_rewards.png").stat().st_size > 0
+    assert "Sweep summary" in proc.stdout
