@@ -16,7 +16,7 @@ class MetricHistory(L.Callback):
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int) -> None:
         if not trained(outputs):
             return
-        self.steps.append({k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1})
+        self.steps.append(dict(pl_module.step_metrics))
 
     def series(self, key: str) -> list[float]:
         return [s[key] for s in self.steps if key in s]

@@ -54,7 +54,7 @@ class RewardCurve(L.Callback):
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int) -> None:
         if not trained(outputs):
             return
-        value = trainer.callback_metrics.get(self.metric)
+        value = pl_module.step_metrics.get(self.metric)
         if value is not None:
             self.values.append(float(value))
 

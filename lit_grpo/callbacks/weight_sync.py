@@ -32,7 +32,7 @@ class WeightSync(L.Callback):
         start = time.perf_counter()
         with torch.no_grad():
             trainer.datamodule.sync_weights(pl_module.policy.named_parameters())
-        pl_module.log("perf/weight_sync_s", time.perf_counter() - start, on_step=True, on_epoch=False, batch_size=1)
+        pl_module.record({"perf/weight_sync_s": time.perf_counter() - start})
 
     def state_dict(self) -> dict:
         return {"rollout_steps": self.rollout_steps}
