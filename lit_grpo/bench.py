@@ -43,7 +43,7 @@ def framework_steps(c: TrainConfig, warmup: int) -> dict[str, float]:
     datamodule = build_datamodule(c, policy, tokenizer)
     history = MetricHistory()
     build_trainer(c, history).fit(build_module(c, policy), datamodule=datamodule)
-    datamodule.sampler.close()
+    datamodule.close()
     steps = history.steps[warmup:]
     out = {phase: _median([s[phase] for s in steps if phase in s]) for phase in PHASES}
     out["sample_tokens_per_s"] = _median([s["perf/sample_tokens_per_s"] for s in steps])

@@ -32,17 +32,14 @@ def collate_groups(groups: list[PromptGroup], advantages: list[list[float]], pad
     """Right-pad the groups' samples into one batch; sequence i of group p gets advantages[p][i]."""
     samples = [s for g in groups for s in g.samples]
     width = max(len(s.tokens) for s in samples)
-    B = len(samples)
-    tokens = torch.full((B, width), pad_id, dtype=torch.long)
-    attention = torch.zeros((B, width), dtype=torch.long)
-    loss_mask = torch.zeros((B, width), dtype=torch.float32)
-    sampler_lp = torch.zeros((B, width), dtype=torch.float32)
-    for i, s in enumerate(samples):
-        n = len(s.tokens)
-        tokens[i, :n] = torch.tensor(s.tokens, dtype=torch.long)
-        attention[i, :n] = 1
-        loss_mask[i, :n] = torch.tensor(s.loss_mask, dtype=torch.float32)
-        sampler_lp[i, :n] = torch.tensor(s.logprobs, dtype=torch.float32)
+
+    def padded(field: str, pad) -> list[list]:
+        return [list(getattr(s, field)) + [pad] * (width - len(s.tokens)) for s in samples]
+
+    tokens = torch.tensor(padded("tokens", pad_id), dtype=torch.long)
+    attention = torch.tensor([[1] * len(s.tokens) + [0] * (width - len(s.tokens)) for s in samples], dtype=torch.long)
+    loss_mask = torch.tensor(padded("loss_mask", 0), dtype=torch.float32)
+    sampler_lp = torch.tensor(padded("logprobs", 0.0), dtype=torch.float32)
     return RolloutBatch(
         tokens_BT=tokens,
         attention_mask_BT=attention,
@@ -103,6 +100,10 @@ class RolloutProducer:
         self.accept_rate = 1.0
         """Running fraction of sampled groups that pass the filters (sizes the refill rounds)."""
         self.max_oversample = 4
+        self._loop = asyncio.new_event_loop()  # one loop for the whole run: no per-step set-up
+
+    def close(self) -> None:
+        self._loop.close()
 
     def _rows_to_request(self, missing: int) -> int:
         """Rows to sample for `missing` groups: more when the filters reject many, so a step
@@ -131,7 +132,7 @@ class RolloutProducer:
             rows = self.cursor.take(self._rows_to_request(self.P - len(accepted)))
             if not rows:
                 break
-            for group, n_failed in asyncio.run(self._sample_rows(rows)):
+            for group, n_failed in self._loop.run_until_complete(self._sample_rows(rows)):
                 failures += n_failed
                 sampled.append(group)
                 keep = len(group.samples) >= 2 and all(keep(group) for keep in self.group_filters)
@@ -232,6 +233,11 @@ class RolloutDataModule(L.LightningDataModule):
         """Load the policy's weights into the sampler; later rows are sampled at the next version."""
         self.sampler.update_weights(named_tensors)
         self.producer.version += 1
+
+    def close(self) -> None:
+        """Stop the sampler's worker and the producer's event loop."""
+        self.sampler.close()
+        self.producer.close()
 
     def train_dataloader(self) -> DataLoader:
         return DataLoader(self.stream, batch_size=None, num_workers=0)

@@ -148,7 +148,7 @@ def train(cfg: DictConfig | TrainConfig) -> dict[str, float]:
     try:
         trainer.fit(module, datamodule=datamodule)
     finally:
-        datamodule.sampler.close()
+        datamodule.close()
 
     summary = summarize(history, c.summary_metric, time.perf_counter() - start)
     summary_file = {**summary, "overrides": _job_overrides(), "reward_curve": history.series(c.summary_metric)}

@@ -117,19 +117,20 @@ class HFSampler:
         new_tokens_NS = out.sequences[:, width:].cpu()
         logits_NSV = torch.stack(out.logits, dim=1).float()
         logprobs_NS = torch.log_softmax(logits_NSV / temperature, dim=-1).gather(-1, new_tokens_NS.to(logits_NSV.device)[..., None])[..., 0].cpu()
-        completions = []
-        for i, p in enumerate(prompts):
-            row = new_tokens_NS[i].tolist()
-            stop = row.index(eos_id) + 1 if eos_id in row else len(row)
-            generated = row[:stop]
-            self.generated_tokens += len(generated)
-            completions.append(
-                Completion(
-                    full_tokens=list(p) + generated,
-                    prompt_len=len(p),
-                    inference_logprobs=logprobs_NS[i, :stop].tolist(),
-                    finish_reason="stop" if eos_id in generated else "length",
-                    text=self.tokenizer.decode(generated, skip_special_tokens=True),
-                )
+        rows = new_tokens_NS.tolist()
+        stops = [row.index(eos_id) + 1 if eos_id in row else len(row) for row in rows]
+        generated = [row[:stop] for row, stop in zip(rows, stops)]
+        texts = self.tokenizer.batch_decode(generated, skip_special_tokens=True)
+        logprobs = logprobs_NS.tolist()
+        self.generated_tokens += sum(stops)
+        completions = [
+            Completion(
+                full_tokens=list(p) + gen,
+                prompt_len=len(p),
+                inference_logprobs=lp[:stop],
+                finish_reason="stop" if gen and gen[-1] == eos_id else "length",
+                text=text,
             )
+            for p, gen, stop, lp, text in zip(prompts, generated, stops, logprobs, texts)
+        ]
         return completions
