@@ -101,6 +101,8 @@ class DataConfig:
     """Longest prompt + completion, in tokens."""
     shuffle: bool = True
     """Shuffle rows each epoch (seeded)."""
+    min_group_size: int = 2
+    """A group left with fewer samples (after dropped or failed rollouts) is dropped."""
     num_rows: int = 1000
     """Arithmetic: rows generated."""
     max_operand: int = 9
@@ -117,10 +119,28 @@ class DataConfig:
         _require(self.max_rows >= 0, "data.max_rows", "must be >= 0 (0 means all rows)")
         _require(self.epochs >= 1, "data.epochs", "must be >= 1")
         _require(self.max_seq_len > 1, "data.max_seq_len", "must be > 1")
+        _require(
+            2 <= self.min_group_size <= self.completions_per_prompt,
+            "data.min_group_size",
+            "must be between 2 and data.completions_per_prompt",
+        )
         _require(self.num_rows >= 1, "data.num_rows", "must be >= 1")
         _require(self.max_operand >= 1, "data.max_operand", "must be >= 1")
         _require(self.max_answer >= 0, "data.max_answer", "must be >= 0")
         _require(bool(self.operators) and set(self.operators) <= set("+-*"), "data.operators", "must be a non-empty subset of '+-*'")
+
+
+@dataclass
+class RolloutConfig:
+    """The rollout function: the user's extension point."""
+
+    factory: str = "lit_grpo.rollout:make_rollout_fn"
+    """`module:function` of a `make_rollout_fn(setup) -> rollout_fn`, importable from the working directory."""
+    extras: dict = field(default_factory=dict)
+    """Anything the factory needs, handed over as `setup.extras` (next to `reward_fn`)."""
+
+    def __post_init__(self) -> None:
+        _require(":" in self.factory, "rollout.factory", f"must be 'module:function', got {self.factory!r}")
 
 
 @dataclass
@@ -196,6 +216,7 @@ class TrainConfig:
     sampler: SamplerConfig = field(default_factory=SamplerConfig)
     data: DataConfig = field(default_factory=DataConfig)
     policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     callbacks: dict = field(default_factory=dict)
     """Keyed Lightning callbacks (`_target_` dicts); drop one with `~callbacks.<key>`."""

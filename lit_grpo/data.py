@@ -14,6 +14,7 @@ import logging
 import math
 import random
 import time
+from collections import Counter
 from typing import Callable, Iterator, Optional
 
 import lightning as L
@@ -22,6 +23,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from lit_grpo.advantages import ragged_group_advantages
 from lit_grpo.rollout import RolloutFn
+from lit_grpo.rollout_checks import CircuitBreaker, sample_problem
 from lit_grpo.types import PromptGroup, RolloutBatch, RolloutSample
 
 log = logging.getLogger(__name__)
@@ -90,6 +92,9 @@ class RolloutProducer:
         advantage_scale: str,
         pad_id: int,
         group_filters: list[GroupFilter],
+        *,
+        max_seq_len: int = 1 << 30,
+        min_group_size: int = 2,
     ) -> None:
         self.cursor, self.rollout_fn = cursor, rollout_fn
         self.G, self.P = completions_per_prompt, prompt_groups_per_step
@@ -101,6 +106,10 @@ class RolloutProducer:
         """Running fraction of sampled groups that pass the filters (sizes the refill rounds)."""
         self.max_oversample = 4
         self._loop = asyncio.new_event_loop()  # one loop for the whole run: no per-step set-up
+        self.max_seq_len, self.min_group_size = max_seq_len, min_group_size
+        self.breaker = CircuitBreaker()
+        self._step_counts: Counter = Counter()
+        self._warned: set[str] = set()
 
     def close(self) -> None:
         self._loop.close()
@@ -111,15 +120,28 @@ class RolloutProducer:
         the step's P are discarded rather than trained on later at a stale version."""
         return min(math.ceil(missing / max(self.accept_rate, 0.05)), self.P * self.max_oversample)
 
-    async def _sample_group(self, row: dict, version: int) -> tuple[PromptGroup, int]:
+    async def _sample_group(self, row: dict, version: int) -> PromptGroup:
         results = await asyncio.gather(*(self.rollout_fn(row) for _ in range(self.G)), return_exceptions=True)
-        samples = [r for r in results if isinstance(r, RolloutSample)]
-        failures = [r for r in results if isinstance(r, BaseException)]
-        for err in failures[:1]:
-            log.warning("rollout_fn failed on row %s: %r", _row_label(row), err)
-        return PromptGroup(row=row, samples=samples, version=version), len(failures)
+        samples = []
+        for result in results:
+            failed = isinstance(result, Exception)
+            self.breaker.record(failed, result if failed else None)
+            if failed:
+                self._step_counts["rollout/failures"] += 1
+                if self._step_counts["rollout/failures"] == 1:
+                    log.warning("rollout_fn failed on row %s: %r", _row_label(row), result)
+            elif result is not None:
+                problem = sample_problem(result, self.max_seq_len)
+                if problem is None:
+                    samples.append(result)
+                    continue
+                self._step_counts[f"rollout/dropped_{problem}"] += 1
+                if problem not in self._warned:
+                    self._warned.add(problem)
+                    log.warning("dropped a rollout sample of row %s: %s (counted as rollout/dropped_%s)", _row_label(row), problem, problem)
+        return PromptGroup(row=row, samples=samples, version=version)
 
-    async def _sample_rows(self, rows: list[dict]) -> list[tuple[PromptGroup, int]]:
+    async def _sample_rows(self, rows: list[dict]) -> list[PromptGroup]:
         return await asyncio.gather(*(self._sample_group(r, self.version) for r in rows))
 
     def next_batch(self) -> Optional[RolloutBatch]:
@@ -127,25 +149,29 @@ class RolloutProducer:
         start = time.perf_counter()
         accepted: list[PromptGroup] = []
         sampled: list[PromptGroup] = []
-        dropped = failures = 0
+        self._step_counts = Counter({"rollout/failures": 0, "filter/dropped_groups": 0, "rollout/dropped_small_group": 0})
         while len(accepted) < self.P:
             rows = self.cursor.take(self._rows_to_request(self.P - len(accepted)))
             if not rows:
                 break
-            for group, n_failed in self._loop.run_until_complete(self._sample_rows(rows)):
-                failures += n_failed
+            for group in self._loop.run_until_complete(self._sample_rows(rows)):
                 sampled.append(group)
-                keep = len(group.samples) >= 2 and all(keep(group) for keep in self.group_filters)
+                if len(group.samples) < self.min_group_size:
+                    self._step_counts["rollout/dropped_small_group"] += 1
+                    keep = False
+                elif not all(keep(group) for keep in self.group_filters):
+                    self._step_counts["filter/dropped_groups"] += 1
+                    keep = False
+                else:
+                    keep = True
                 self.accept_rate = 0.9 * self.accept_rate + 0.1 * float(keep)
-                if not keep:
-                    dropped += 1
-                elif len(accepted) < self.P:
+                if keep and len(accepted) < self.P:
                     accepted.append(group)
         if not accepted:
             return None
         advantages = ragged_group_advantages([g.rewards for g in accepted], self.advantage_scale)
         batch = collate_groups(accepted, advantages, self.pad_id)
-        batch.stats = _rollout_stats(sampled, accepted, dropped, failures, time.perf_counter() - start)
+        batch.stats = {**_rollout_stats(sampled, accepted, time.perf_counter() - start), **{k: float(v) for k, v in self._step_counts.items()}}
         return batch
 
 
@@ -156,7 +182,7 @@ def _row_label(row: dict) -> str:
     return "<row>"
 
 
-def _rollout_stats(sampled: list[PromptGroup], accepted: list[PromptGroup], dropped: int, failures: int, seconds: float) -> dict[str, float]:
+def _rollout_stats(sampled: list[PromptGroup], accepted: list[PromptGroup], seconds: float) -> dict[str, float]:
     """Rewards over every sampled group (filtered ones included: they measure the policy too)."""
     rewards = [r for g in sampled for r in g.rewards]
     lengths = [sum(s.loss_mask) for g in sampled for s in g.samples]
@@ -168,8 +194,6 @@ def _rollout_stats(sampled: list[PromptGroup], accepted: list[PromptGroup], drop
         "reward/std": math.sqrt(sum((r - mean) ** 2 for r in rewards) / max(n - 1, 1)),
         "reward/max": max(rewards, default=0.0),
         "completion_len/mean": generated / n,
-        "filter/dropped_groups": float(dropped),
-        "rollout/failures": float(failures),
         "rollout/groups_accepted": float(len(accepted)),
         "perf/sample_s": seconds,
         "perf/sample_tokens_per_s": generated / max(seconds, 1e-9),
@@ -209,6 +233,8 @@ class RolloutDataModule(L.LightningDataModule):
         shuffle: bool = True,
         advantage_scale: str = "std",
         max_steps: int = -1,
+        max_seq_len: int = 1 << 30,
+        min_group_size: int = 2,
     ) -> None:
         super().__init__()
         self.tokenizer, self.sampler = tokenizer, sampler
@@ -216,7 +242,7 @@ class RolloutDataModule(L.LightningDataModule):
         self.cursor = RowCursor([self._tokenized(r) for r in rows], epochs, seed, shuffle)
         self.producer = RolloutProducer(
             self.cursor, rollout_fn, completions_per_prompt, prompt_groups_per_step, advantage_scale,
-            tokenizer.pad_token_id, self.group_filters,
+            tokenizer.pad_token_id, self.group_filters, max_seq_len=max_seq_len, min_group_size=min_group_size,
         )
         self.stream = RolloutStream(self.producer, max_steps)
 

@@ -13,6 +13,24 @@ from lit_grpo.types import Completion, RolloutSample, RolloutSetup
 RolloutFn = Callable[[dict], Awaitable[Optional[RolloutSample]]]
 
 
+def load_rollout_factory(path: str) -> Callable[[RolloutSetup], RolloutFn]:
+    """Import `module:function` (the working directory is importable) and return the factory."""
+    import importlib
+    import os
+    import sys
+
+    module_name, _, attr = path.partition(":")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        factory = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as err:
+        raise ValueError(f"config field `rollout.factory`: cannot import {path!r}: {err}") from None
+    if not callable(factory):
+        raise ValueError(f"config field `rollout.factory`: {path!r} is not callable")
+    return factory
+
+
 def sample_from_completion(c: Completion, reward: float) -> RolloutSample:
     """Flatten a single-turn completion: prompt tokens masked out, generated tokens trained on."""
     generated = len(c.full_tokens) - c.prompt_len

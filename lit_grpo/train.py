@@ -26,7 +26,7 @@ from lit_grpo.config import TrainConfig, validate
 from lit_grpo.data import RolloutDataModule
 from lit_grpo.models import load_policy, load_tokenizer
 from lit_grpo.module import GRPOModule, OptimConfig
-from lit_grpo.rollout import make_rollout_fn
+from lit_grpo.rollout import load_rollout_factory
 from lit_grpo.samplers import build_sampler
 from lit_grpo.tasks import build_rows, reward_fn
 from lit_grpo.types import RolloutSetup
@@ -64,13 +64,13 @@ def build_datamodule(c: TrainConfig, policy, tokenizer) -> RolloutDataModule:
         sampler=sampler,
         tokenizer=tokenizer,
         sample_kwargs={"temperature": c.sampler.temperature, "max_tokens": c.sampler.max_completion_tokens, "top_p": 1.0, "top_k": 0},
-        extras={"reward_fn": reward_fn(c.data)},
+        extras={"reward_fn": reward_fn(c.data), **c.rollout.extras},
     )
     return RolloutDataModule(
         rows=build_rows(c.data, c.seed),
         tokenizer=tokenizer,
         sampler=sampler,
-        rollout_fn=make_rollout_fn(setup),
+        rollout_fn=load_rollout_factory(c.rollout.factory)(setup),
         completions_per_prompt=c.data.completions_per_prompt,
         prompt_groups_per_step=c.data.prompt_groups_per_step,
         epochs=c.data.epochs,
@@ -78,6 +78,8 @@ def build_datamodule(c: TrainConfig, policy, tokenizer) -> RolloutDataModule:
         shuffle=c.data.shuffle,
         advantage_scale=c.policy_loss.advantage_scale,
         max_steps=c.max_steps,
+        max_seq_len=c.data.max_seq_len,
+        min_group_size=c.data.min_group_size,
     )
 
 
