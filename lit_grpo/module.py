@@ -63,6 +63,16 @@ def token_logprobs(model: PreTrainedModel, tokens_BT: torch.Tensor, attention_ma
     return logprobs_BT, entropy_BT
 
 
+def align_to_predictions(per_token_BT: torch.Tensor) -> torch.Tensor:
+    """Per-token values (loss mask, sampler logprobs) aligned with next-token logprobs.
+
+    A forward over T tokens gives T-1 logprobs, entry t scoring token t+1; a sample's lists hold
+    one value per token, so entry t+1 of theirs goes with entry t of the trainer's (the first
+    token, never generated, has no logprob). Shape: [B, T] -> [B, T-1].
+    """
+    return per_token_BT[:, 1:]
+
+
 def trained(outputs) -> bool:
     """Whether a batch-end hook follows a real step (False on the call after the stream ended)."""
     return bool(outputs)
@@ -133,8 +143,8 @@ class GRPOModule(L.LightningModule):
         batch = self.trainer.strategy.batch_to_device(batch)
         t0 = time.perf_counter()
         tokens, attention = batch.tokens_BT, batch.attention_mask_BT
-        mask_BT = batch.loss_mask_BT[:, 1:]  # aligned with next-token logprobs
-        sampler_logprobs_BT = batch.sampler_logprobs_BT[:, 1:]
+        mask_BT = align_to_predictions(batch.loss_mask_BT)
+        sampler_logprobs_BT = align_to_predictions(batch.sampler_logprobs_BT)
         ref_logprobs_BT = self._no_grad_logprobs(self.reference, tokens, attention) if self.reference is not None else None
         t_ref = time.perf_counter()
         # `old` is the policy before this batch's first update; with one minibatch it equals the

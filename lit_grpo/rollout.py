@@ -61,3 +61,34 @@ def make_rollout_fn(setup: RolloutSetup) -> RolloutFn:
         return sample_from_completion(c, reward_fn(c.text, row))
 
     return rollout_fn
+
+
+class Trajectory:
+    """Builds a multi-turn `RolloutSample`: environment turns (mask 0) and sampled turns (mask 1).
+
+    Each sampled turn must continue the tokens so far exactly (the sampler saw them as its
+    prompt), so the flattened lists stay parallel and the sampler logprobs line up token by token.
+    """
+
+    def __init__(self, prompt_tokens: list[int]) -> None:
+        self.tokens = list(prompt_tokens)
+        self.logprobs = [0.0] * len(self.tokens)
+        self.loss_mask = [0] * len(self.tokens)
+
+    def add_environment(self, tokens: list[int]) -> None:
+        """Tokens the policy did not generate (user or tool turns): not trained on."""
+        self.tokens += tokens
+        self.logprobs += [0.0] * len(tokens)
+        self.loss_mask += [0] * len(tokens)
+
+    def add_completion(self, c: Completion) -> None:
+        """A sampled turn whose prompt was exactly this trajectory so far."""
+        if list(c.full_tokens[: c.prompt_len]) != self.tokens:
+            raise ValueError("the completion's prompt is not this trajectory: sample with prompt_token_ids=trajectory.tokens")
+        generated = list(c.full_tokens[c.prompt_len :])
+        self.tokens += generated
+        self.logprobs += list(c.inference_logprobs)
+        self.loss_mask += [1] * len(generated)
+
+    def to_sample(self, reward: float, finish_reason: str = "stop", text: str = "") -> RolloutSample:
+        return RolloutSample(list(self.tokens), list(self.logprobs), list(self.loss_mask), float(reward), finish_reason, text)

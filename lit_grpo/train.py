@@ -33,6 +33,7 @@ from lit_grpo.types import RolloutSetup
 
 log = logging.getLogger(__name__)
 SUMMARY_WINDOW = 10
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 
 # Both are deliberate: the step pulls its own batch (no prefetch of stale rollouts), and the
 # policy runs in eval mode (no dropout, so trainer and sampler logprobs agree).
@@ -158,6 +159,14 @@ def train(cfg: DictConfig | TrainConfig) -> dict[str, float]:
         (Path(c.output_dir) / "summary.json").write_text(json.dumps(summary_file, indent=1))
         log.info("run summary: %s", json.dumps(summary))
     return summary
+
+
+def compose_config(overrides: list[str]) -> DictConfig:
+    """The config `python -m lit_grpo.train <overrides>` runs, composed without the CLI (for scripts)."""
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose("train", overrides=overrides)
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="train")

@@ -1,0 +1,29 @@
+"""Single-turn, token-in rollout: one `sample_with_prompt_tokens` call per trajectory.
+
+Rows arrive pre-tokenized (`row["prompt_token_ids"]`); the reward is computed inside the rollout.
+"""
+
+from lit_grpo.types import RolloutSample
+
+
+def make_rollout_fn(setup):
+    sampler = setup.sampler
+    sample_kwargs = dict(setup.sample_kwargs)
+    score = setup.extras["reward_fn"]  # (completion_text, row) -> float, from the task config
+
+    async def rollout_fn(row: dict) -> RolloutSample | None:
+        completions = await sampler.sample_with_prompt_tokens(row["prompt_token_ids"], n=1, **sample_kwargs)
+        if not completions:
+            return None
+        c = completions[0]
+        generated = len(c.full_tokens) - c.prompt_len
+        return RolloutSample(
+            tokens=list(c.full_tokens),
+            logprobs=[0.0] * c.prompt_len + list(c.inference_logprobs),
+            loss_mask=[0] * c.prompt_len + [1] * generated,
+            reward=score(c.text, row),
+            finish_reason=c.finish_reason,
+            text=c.text,
+        )
+
+    return rollout_fn
