@@ -4,7 +4,7 @@ PIP := $(PYTHON) -m pip
 TORCH_VERSION := 2.13.0
 .DEFAULT_GOAL := help
 
-.PHONY: help install install-dev demo test test-fast bench clean
+.PHONY: help install install-dev demo test test-fast bench bench-async clean
 
 help: ## List the targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  %-12s %s\n", $$1, $$2}'
@@ -27,6 +27,9 @@ test-fast: install-dev ## Run the tests without the slow end-to-end learning run
 
 bench: install ## Time each phase of a training step against a bare-torch floor
 	$(PYTHON) -m lit_grpo.bench
+
+bench-async: install ## Sync vs async training with a latency-bound environment
+	$(PYTHON) -m lit_grpo.bench_async
 
 clean: ## Remove run outputs and caches
 	rm -rf outputs multirun lightning_logs .pytest_cache

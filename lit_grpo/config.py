@@ -242,6 +242,12 @@ class TrainConfig:
     """Push the policy into the sampler every N steps (1: on-policy; 0: never, the sampler keeps the base weights)."""
     dcp_save_interval: int = 0
     """Save a resumable checkpoint every N steps (0: off)."""
+    synchronous_training: bool = False
+    """Sample a step's groups, then train, then sync: no overlap (the on-policy baseline)."""
+    max_head_offpolicy_versions: int = 0
+    """O: a sample may be trained at most O weight-sync versions after it was sampled (0: on-policy)."""
+    max_concurrency_rollout_sample: int = 256
+    """Most rollout calls in flight at once (asynchronous mode)."""
     micro_batch_size: int = 0
     """Sequences per forward/backward; gradients accumulate over a step (0: the whole batch)."""
     ppo_n_minibatches: int = 1
@@ -264,6 +270,18 @@ class TrainConfig:
         _require(self.lr_decay == "constant" or self.max_steps > 0, "lr_decay", f"{self.lr_decay!r} decay needs max_steps > 0")
         _require(self.weight_sync_interval >= 0, "weight_sync_interval", "must be >= 0 (0: never sync)")
         _require(self.dcp_save_interval >= 0, "dcp_save_interval", "must be >= 0 (0: off)")
+        _require(self.max_head_offpolicy_versions >= 0, "max_head_offpolicy_versions", "must be >= 0 (0: on-policy)")
+        _require(
+            self.weight_sync_interval <= self.max_head_offpolicy_versions + 1,
+            "weight_sync_interval",
+            f"must be <= max_head_offpolicy_versions + 1 = {self.max_head_offpolicy_versions + 1}: the gate admits rows "
+            "at most that many versions ahead, so a longer sync window would wait forever for rollouts",
+        )
+        _require(
+            self.max_concurrency_rollout_sample >= self.data.completions_per_prompt,
+            "max_concurrency_rollout_sample",
+            f"must be >= data.completions_per_prompt ({self.data.completions_per_prompt}): rows are admitted whole",
+        )
         _require(self.micro_batch_size >= 0, "micro_batch_size", "must be >= 0 (0: whole batch)")
         _require(self.ppo_n_minibatches >= 1, "ppo_n_minibatches", "must be >= 1")
         batch_size = self.data.prompt_groups_per_step * self.data.completions_per_prompt

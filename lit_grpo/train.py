@@ -81,6 +81,9 @@ def build_datamodule(c: TrainConfig, policy, tokenizer) -> RolloutDataModule:
         max_steps=c.max_steps,
         max_seq_len=c.data.max_seq_len,
         min_group_size=c.data.min_group_size,
+        synchronous_training=c.synchronous_training,
+        max_head_offpolicy_versions=c.max_head_offpolicy_versions,
+        max_concurrency=c.max_concurrency_rollout_sample,
     )
 
 

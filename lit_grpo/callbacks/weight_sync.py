@@ -14,7 +14,7 @@ class WeightSync(L.Callback):
     """After every `interval`-th training step, load the policy into the sampler and bump the version.
 
     `interval=1` keeps sampling on-policy; `interval=0` never syncs (the sampler keeps the base
-    weights, for ablations).
+    weights, for ablations; the version still advances every step so the gate keeps admitting).
     """
 
     def __init__(self, interval: int = 1) -> None:
@@ -27,7 +27,12 @@ class WeightSync(L.Callback):
         if not trained(outputs):
             return
         self.rollout_steps += 1
-        if self.interval == 0 or self.rollout_steps % self.interval:
+        if self.interval == 0:
+            # No weights move, but the off-policy gate counts steps as versions (else it would
+            # stop admitting rows after max_head_offpolicy_versions + 1 steps).
+            trainer.datamodule.sync_weights(None)
+            return
+        if self.rollout_steps % self.interval:
             return
         start = time.perf_counter()
         with torch.no_grad():

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Iterable
@@ -40,6 +41,7 @@ class HFSampler:
         self._queue: list[_Request] = []
         self._flushing: dict[asyncio.AbstractEventLoop, asyncio.Task] = {}
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf-sampler")
+        self._weights_lock = threading.Lock()  # a sync never lands in the middle of a generate call
         self.generated_tokens = 0
         """Tokens generated so far (for throughput metrics)."""
 
@@ -60,6 +62,10 @@ class HFSampler:
 
     @torch.no_grad()
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        with self._weights_lock:
+            self._load(named_tensors)
+
+    def _load(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.model.named_parameters())
         seen = set()
         for name, tensor in named_tensors:
@@ -98,9 +104,13 @@ class HFSampler:
         finally:
             self._flushing.pop(loop, None)
 
-    @torch.inference_mode()
     def generate(self, prompts: list[list[int]], temperature: float, max_tokens: int) -> list[Completion]:
         """One batched, left-padded `generate` call. Returns one `Completion` per prompt."""
+        with self._weights_lock:
+            return self._generate(prompts, temperature, max_tokens)
+
+    @torch.inference_mode()
+    def _generate(self, prompts: list[list[int]], temperature: float, max_tokens: int) -> list[Completion]:
         device = next(self.model.parameters()).device
         pad_id, eos_id = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
         width = max(len(p) for p in prompts)

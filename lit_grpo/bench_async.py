@@ -1,0 +1,95 @@
+"""Benchmark of asynchronous training with a latency-bound environment (`make bench-async`).
+
+Each rollout samples one completion and then awaits `env_latency_s` (standing in for a tool
+call). The same arithmetic run is timed with `synchronous_training: true` and with the
+off-policy gate at O = 1 and O = 2, in one process, and the medians are printed side by side.
+
+    python -m lit_grpo.bench_async --steps 150 --latency 0.05
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import tempfile
+import time
+
+from lit_grpo.callbacks.history import MetricHistory
+from lit_grpo.config import validate
+from lit_grpo.models import load_policy, load_tokenizer
+from lit_grpo.rollout import make_rollout_fn
+from lit_grpo.train import build_datamodule, build_module, build_trainer, compose_config, summarize
+
+MODES = {
+    "sync": ["synchronous_training=true"],
+    "async O=1": ["synchronous_training=false", "max_head_offpolicy_versions=1"],
+    "async O=2": ["synchronous_training=false", "max_head_offpolicy_versions=2"],
+}
+
+
+def make_latency_rollout_fn(setup):
+    """The default rollout followed by an environment step of `extras["env_latency_s"]` seconds."""
+    inner = make_rollout_fn(setup)
+    latency = float(setup.extras.get("env_latency_s", 0.05))
+
+    async def rollout_fn(row):
+        sample = await inner(row)
+        await asyncio.sleep(latency)
+        return sample
+
+    return rollout_fn
+
+
+def run_mode(overrides: list[str], steps: int, latency: float, warmup: int) -> dict[str, float]:
+    with tempfile.TemporaryDirectory() as out:
+        c = validate(compose_config([
+            "+experiment=arithmetic", f"max_steps={steps}", "logger=none", "~callbacks.reward_curve",
+            "trainer.enable_progress_bar=false", "rollout.factory=lit_grpo.bench_async:make_latency_rollout_fn",
+            f"+rollout.extras.env_latency_s={latency}", f"output_dir={out}", *overrides,
+        ]))
+        tokenizer = load_tokenizer(c.model)
+        policy = load_policy(c.model, tokenizer, c.seed)
+        datamodule = build_datamodule(c, policy, tokenizer)
+        history = MetricHistory()
+        trainer = build_trainer(c, history)
+        start = time.perf_counter()
+        trainer.fit(build_module(c, policy), datamodule=datamodule)
+        wall = time.perf_counter() - start
+        datamodule.close()
+    steps_after = history.steps[warmup:]
+    samples = c.data.prompt_groups_per_step * c.data.completions_per_prompt
+    summary = summarize(history, "reward/mean", wall)
+    med = lambda key: statistics.median([s.get(key, 0.0) for s in steps_after])
+    return {
+        "step_s": med("perf/step_s"),
+        "wall_s": wall,
+        "samples_per_s": samples * len(history.steps) / wall,
+        "first_reward": summary["first_reward"],
+        "final_reward": summary["final_reward"],
+        "offset_mean": statistics.mean([s.get("async/version_offset_mean", 0.0) for s in steps_after]),
+        "offset_max": max([s.get("async/version_offset_max", 0.0) for s in steps_after]),
+        "trainer_wait_s": med("perf/trainer_wait_s"),
+        "overlap": med("perf/overlap_ratio"),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--latency", type=float, default=0.05, help="environment latency per rollout, seconds")
+    args = parser.parse_args()
+    results = {name: run_mode(o, args.steps, args.latency, args.warmup) for name, o in MODES.items()}
+    base = results["sync"]["step_s"]
+    print(f"\nasync bench: arithmetic, {args.steps} steps, env latency {args.latency * 1000:.0f} ms per rollout")
+    print(f"{'mode':<11}{'step_s':>8}{'speed-up':>9}{'samples/s':>10}{'wall_s':>8}{'reward first→last':>19}"
+          f"{'offset mean/max':>16}{'wait_s':>8}{'overlap':>8}")
+    for name, r in results.items():
+        print(f"{name:<11}{r['step_s']:>8.3f}{base / r['step_s']:>8.2f}x{r['samples_per_s']:>10.0f}{r['wall_s']:>8.1f}"
+              f"{r['first_reward']:>10.2f} → {r['final_reward']:.2f}{r['offset_mean']:>10.2f} / {r['offset_max']:.0f}"
+              f"{r['trainer_wait_s']:>8.3f}{r['overlap']:>8.2f}")
+
+
+if __name__ == "__main__":
+    main()
