@@ -160,7 +160,9 @@ class RolloutProducer:
                 self.accept_rate = 0.9 * self.accept_rate + 0.1 * float(keep)
                 if keep and len(accepted) < self.P:
                     accepted.append(group)
-        return self._make_batch(accepted, sampled, time.perf_counter() - start)
+        seconds = time.perf_counter() - start
+        # Synchronous: the trainer waits for all of the sampling, and nothing overlaps.
+        return self._make_batch(accepted, sampled, seconds, **{"perf/trainer_wait_s": seconds, "perf/overlap_ratio": 0.0})
 
     def _count(self, key: str) -> int:
         with self._counts_lock:
@@ -189,6 +191,7 @@ class RolloutProducer:
         batch.stats = {
             **_rollout_stats(sampled, accepted, seconds),
             **{k: float(v) for k, v in counts.items()},
+            "async/filter_drops": float(counts["filter/dropped_groups"]),
             "async/version_offset_mean": sum(offsets) / len(offsets),
             "async/version_offset_max": float(max(offsets)),
             **stats,

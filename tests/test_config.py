@@ -59,6 +59,11 @@ def test_wrong_type_fails_at_compose_naming_it(tmp_path):
         ("model.kind=hf", "model.name_or_path"),
         ("policy_loss.dro_beta=0.1", "dro_beta"),
         ("ppo_n_minibatches=1000", "ppo_n_minibatches"),
+        ("weight_sync_interval=3", "weight_sync_interval"),
+        ("max_concurrency_rollout_sample=4", "max_concurrency_rollout_sample"),
+        ("lr_decay=cosine", "lr_decay"),
+        ("rollout.factory=no_colon", "rollout.factory"),
+        ("data.min_group_size=9", "data.min_group_size"),
     ],
 )
 def test_bad_value_fails_validation_naming_the_field(override, field, tmp_path):
