@@ -151,9 +151,11 @@ class GRPOModule(L.LightningModule):
         # current policy, so the training forward itself provides it (no extra forward).
         old_logprobs_BT = self._no_grad_logprobs(self.policy, tokens, attention) if self.ppo_n_minibatches > 1 else None
 
-        metrics: dict[str, torch.Tensor] = {}
-        for minibatch in micro_slices(batch.num_sequences, math.ceil(batch.num_sequences / self.ppo_n_minibatches)):
-            metrics = self._optimizer_step(batch, minibatch, mask_BT, sampler_logprobs_BT, ref_logprobs_BT, old_logprobs_BT)
+        minibatches = micro_slices(batch.num_sequences, math.ceil(batch.num_sequences / self.ppo_n_minibatches))
+        per_minibatch = [
+            self._optimizer_step(batch, rows, mask_BT, sampler_logprobs_BT, ref_logprobs_BT, old_logprobs_BT) for rows in minibatches
+        ]
+        metrics = {key: sum(m[key] for m in per_minibatch) / len(per_minibatch) for key in per_minibatch[0]}
         t_train = time.perf_counter()
 
         self._log_step(batch, metrics, ref_s=t_ref - t0, train_s=t_train - t_ref)
