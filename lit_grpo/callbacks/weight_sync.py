@@ -36,7 +36,7 @@ class WeightSync(L.Callback):
             return
         start = time.perf_counter()
         with torch.no_grad():
-            trainer.datamodule.sync_weights(pl_module.policy.named_parameters())
+            trainer.datamodule.sync_weights(pl_module.policy.state_dict().items())
         pl_module.record({"perf/weight_sync_s": time.perf_counter() - start})
 
     def state_dict(self) -> dict:

