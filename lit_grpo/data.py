@@ -26,12 +26,16 @@ class RolloutStream(IterableDataset):
     def __init__(self, producer: RolloutProducer, max_steps: int) -> None:
         self.producer, self.max_steps = producer, max_steps
         self.steps_done = 0
+        self.rest_between_steps = None
+        """Called once a step's rollouts are in (synchronous mode: lets a colocated engine sleep)."""
 
     def __iter__(self) -> Iterator[RolloutBatch]:
         while self.max_steps < 0 or self.steps_done < self.max_steps:
             batch = self.producer.next_batch()
             if batch is None:
                 return
+            if self.rest_between_steps is not None:
+                self.rest_between_steps()
             self.steps_done += 1
             yield batch
 
@@ -72,6 +76,8 @@ class RolloutDataModule(L.LightningDataModule):
                 *args, **checks, max_head_offpolicy_versions=max_head_offpolicy_versions, max_concurrency=max_concurrency
             )
         self.stream = RolloutStream(self.producer, max_steps)
+        if synchronous_training and hasattr(sampler, "sleep"):
+            self.stream.rest_between_steps = sampler.sleep  # it wakes itself for the next sync or sample
 
     def _tokenized(self, row: dict) -> dict:
         if "prompt" in row and "prompt_token_ids" not in row:

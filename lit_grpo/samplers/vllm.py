@@ -81,6 +81,7 @@ class VLLMSampler(BatchingSampler):
             if tensor_parallel_size != 1 or sleep_between_phases:
                 log.info("vLLM on CPU: tensor_parallel_size and sleep_between_phases apply on CUDA only; ignored")
         self.sleep_between_phases = sleep_between_phases and self.on_cuda
+        self._asleep = False
         self.llm = vllm.LLM(**kwargs)
         self._SamplingParams = vllm.SamplingParams
         from vllm.inputs import TokensPrompt
@@ -88,6 +89,7 @@ class VLLMSampler(BatchingSampler):
         self._TokensPrompt = TokensPrompt
 
     def _generate(self, prompts: list[list[int]], temperature: float, max_tokens: int) -> list[Completion]:
+        self.wake_up()
         params = self._SamplingParams(temperature=temperature, top_p=1.0, top_k=0, max_tokens=max_tokens, logprobs=0)
         outputs = self.llm.generate([self._TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
         completions = []
@@ -102,17 +104,20 @@ class VLLMSampler(BatchingSampler):
     @torch.no_grad()
     def _load(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         weights = [(engine_weight_name(n), t.detach()) for n, t in named_tensors]
+        self.wake_up()
         try:
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
             self.llm.reset_prefix_cache()
-        except Exception as err:  # never train on against stale weights silently
+        except Exception as err:  # never train against stale weights silently
             raise RuntimeError(f"vLLM weight sync failed ({type(err).__name__}: {err}); the sampler would be stale") from err
 
     def sleep(self) -> None:
-        """Free the engine's GPU memory between rollout phases (CUDA with sleep mode only)."""
-        if self.sleep_between_phases:
-            self.llm.sleep(level=1)
+        """Free the engine's GPU memory while the trainer steps (CUDA with sleep mode only)."""
+        if self.sleep_between_phases and not self._asleep:
+            self.llm.sleep(level=1)  # level 1: weights parked in CPU memory, KV cache dropped
+            self._asleep = True
 
     def wake_up(self) -> None:
-        if self.sleep_between_phases:
+        if self._asleep:
             self.llm.wake_up()
+            self._asleep = False
