@@ -51,10 +51,12 @@ def write_summary(sweep_dir: Path, runs: list[dict[str, Any]]) -> tuple[Path, Pa
 
 
 def format_table(runs: list[dict[str, Any]]) -> str:
-    lines = [f"{'overrides':<40} {'final':>7} {'best':>7} {'first':>7} {'steps':>6} {'wall_s':>8}"]
+    """The summary as aligned text, the overrides column as wide as its longest entry."""
+    width = max(len("overrides"), *(len(str(r["overrides"])) for r in runs))
+    lines = [f"{'overrides':<{width}} {'final':>7} {'best':>7} {'first':>7} {'steps':>6} {'wall_s':>8}"]
     for r in runs:
         lines.append(
-            f"{str(r['overrides'])[:40]:<40} {r['final_reward']:>7.3f} {r['best_reward']:>7.3f} "
+            f"{str(r['overrides']):<{width}} {r['final_reward']:>7.3f} {r['best_reward']:>7.3f} "
             f"{r['first_reward']:>7.3f} {int(r['steps']):>6d} {r['wall_s']:>8.1f}"
         )
     return "\n".join(lines)
