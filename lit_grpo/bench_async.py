@@ -15,11 +15,9 @@ import statistics
 import tempfile
 import time
 
-from lit_grpo.callbacks.history import MetricHistory
 from lit_grpo.config import validate
-from lit_grpo.models import load_policy, load_tokenizer
 from lit_grpo.rollout import make_rollout_fn
-from lit_grpo.train import build_datamodule, build_module, build_trainer, compose_config, summarize
+from lit_grpo.train import compose_config, fit, summarize
 
 MODES = {
     "sync": ["synchronous_training=true"],
@@ -48,15 +46,9 @@ def run_mode(overrides: list[str], steps: int, latency: float, warmup: int) -> d
             "trainer.enable_progress_bar=false", "rollout.factory=lit_grpo.bench_async:make_latency_rollout_fn",
             f"+rollout.extras.env_latency_s={latency}", f"output_dir={out}", *overrides,
         ]))
-        tokenizer = load_tokenizer(c.model)
-        policy = load_policy(c.model, tokenizer, c.seed)
-        datamodule = build_datamodule(c, policy, tokenizer)
-        history = MetricHistory()
-        trainer = build_trainer(c, history)
         start = time.perf_counter()
-        trainer.fit(build_module(c, policy), datamodule=datamodule)
+        _, history = fit(c)
         wall = time.perf_counter() - start
-        datamodule.close()
     steps_after = history.steps[warmup:]
     samples = c.data.prompt_groups_per_step * c.data.completions_per_prompt
     summary = summarize(history, "reward/mean", wall)

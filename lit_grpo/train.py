@@ -19,7 +19,7 @@ from typing import Any
 import hydra
 import lightning as L
 from hydra.utils import instantiate
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from lit_grpo.callbacks.history import MetricHistory
 from lit_grpo.config import TrainConfig, validate
@@ -129,6 +129,22 @@ def summarize(history: MetricHistory, metric: str, wall_s: float) -> dict[str, f
     }
 
 
+def fit(c: TrainConfig) -> tuple[L.Trainer, MetricHistory]:
+    """Seed, build the model, data and trainer from a validated config, and train."""
+    L.seed_everything(c.seed, workers=True, verbose=False)
+    tokenizer = load_tokenizer(c.model)
+    policy = load_policy(c.model, tokenizer, c.seed)
+    datamodule = build_datamodule(c, policy, tokenizer)
+    module = build_module(c, policy)
+    history = MetricHistory()
+    trainer = build_trainer(c, history)
+    try:
+        trainer.fit(module, datamodule=datamodule)
+    finally:
+        datamodule.close()
+    return trainer, history
+
+
 def _job_overrides() -> str:
     """The command-line overrides of this Hydra job (empty outside Hydra), for sweep tables."""
     from hydra.core.hydra_config import HydraConfig
@@ -142,20 +158,9 @@ def train(cfg: DictConfig | TrainConfig) -> dict[str, float]:
     """Run one training job; returns (and writes to `<output_dir>/summary.json`) its summary."""
     c = validate(cfg)  # every field error surfaces here, before a model is touched
     start = time.perf_counter()
-    L.seed_everything(c.seed, workers=True, verbose=False)
     Path(c.output_dir).mkdir(parents=True, exist_ok=True)
 
-    tokenizer = load_tokenizer(c.model)
-    policy = load_policy(c.model, tokenizer, c.seed)
-    datamodule = build_datamodule(c, policy, tokenizer)
-    module = build_module(c, policy)
-    history = MetricHistory()
-    trainer = build_trainer(c, history)
-    try:
-        trainer.fit(module, datamodule=datamodule)
-    finally:
-        datamodule.close()
-
+    trainer, history = fit(c)
     summary = summarize(history, c.summary_metric, time.perf_counter() - start)
     summary_file = {**summary, "overrides": _job_overrides(), "reward_curve": history.series(c.summary_metric)}
     if trainer.is_global_zero:

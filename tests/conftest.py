@@ -5,19 +5,18 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
 from lit_grpo.config import ModelConfig
 from lit_grpo.models import build_char_tokenizer, build_tiny_model
+from lit_grpo.train import CONF_DIR
+from lit_grpo.train import compose_config as lit_compose
 
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 
 
 def compose_config(*overrides: str, output_dir: Path | str = ".") -> DictConfig:
     """The config `python -m lit_grpo.train <overrides>` would run, with output in `output_dir`."""
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return compose("train", overrides=[*overrides, f"output_dir={output_dir}"])
+    return lit_compose([*overrides, f"output_dir={output_dir}"])
 
 
 @pytest.fixture

@@ -42,16 +42,22 @@ def chat_prompt_tokens(tokenizer: PreTrainedTokenizerBase, messages: list[dict])
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def normalize_weight_name(name: str, known: dict) -> str:
-    """Map a policy parameter name (possibly wrapped by Lightning/DDP/compile) onto the sampler's."""
-    key = name
-    while key not in known:
+def strip_wrapper_prefixes(name: str) -> str:
+    """A policy parameter name without the prefixes Lightning/DDP/compile wrappers add."""
+    changed = True
+    while changed:
+        changed = False
         for prefix in _WRAPPER_PREFIXES:
-            if key.startswith(prefix):
-                key = key[len(prefix) :]
-                break
-        else:
-            raise KeyError(f"policy weight {name!r} has no counterpart in the sampler")
+            if name.startswith(prefix):
+                name, changed = name[len(prefix) :], True
+    return name
+
+
+def normalize_weight_name(name: str, known: dict) -> str:
+    """Map a policy parameter name (possibly wrapped) onto one of the sampler's `known` names."""
+    key = name if name in known else strip_wrapper_prefixes(name)
+    if key not in known:
+        raise KeyError(f"policy weight {name!r} has no counterpart in the sampler")
     return key
 
 
@@ -79,8 +85,6 @@ class BatchingSampler(ABC):
         self._flushing: dict[asyncio.AbstractEventLoop, asyncio.Task] = {}
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sampler")
         self._weights_lock = threading.Lock()
-        self.generated_tokens = 0
-        """Tokens generated so far (for throughput metrics)."""
 
     async def sample_with_prompt_tokens(self, prompt_token_ids: list[int], n: int = 1, **kwargs: Any) -> list[Completion]:
         temperature, max_tokens = check_sample_kwargs(kwargs)
@@ -143,10 +147,9 @@ class BatchingSampler(ABC):
         """Load the policy's weights into the engine."""
 
     def completion(self, prompt: list[int], generated: list[int], logprobs: list[float], text: str) -> Completion:
-        """A `Completion` of `generated` (cut after the first eos), counted in `generated_tokens`."""
+        """A `Completion` of `generated`, cut after the first eos."""
         eos_id = self.tokenizer.eos_token_id
         stop = generated.index(eos_id) + 1 if eos_id in generated else len(generated)
-        self.generated_tokens += stop
         return Completion(
             full_tokens=list(prompt) + generated[:stop],
             prompt_len=len(prompt),

