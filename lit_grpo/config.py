@@ -255,7 +255,15 @@ class TrainConfig:
     weight_sync_interval: int = 1
     """Push the policy into the sampler every N steps (1: on-policy; 0: never, the sampler keeps the base weights)."""
     dcp_save_interval: int = 0
-    """Save a resumable checkpoint every N steps (0: off)."""
+    """Save a resumable DCP checkpoint every N rollout steps, and after the last one (0: off)."""
+    dcp_keep_last: int = 2
+    """Complete checkpoints kept in `<output_dir>/checkpoints` (older ones are deleted)."""
+    resume: Optional[str] = None
+    """`auto`: resume from the newest complete checkpoint in `<output_dir>/checkpoints` (start fresh
+    if there is none); a path: that checkpoint (or the newest complete one under that folder); null: start fresh."""
+    output_model_id: Optional[str] = "final_model"
+    """Folder (under output_dir unless absolute) the trained policy is exported to in Hugging Face
+    format when fit ends (null: no export)."""
     synchronous_training: bool = False
     """Sample a step's groups, then train, then sync: no overlap (the on-policy baseline)."""
     max_head_offpolicy_versions: int = 0
@@ -284,6 +292,15 @@ class TrainConfig:
         _require(self.lr_decay == "constant" or self.max_steps > 0, "lr_decay", f"{self.lr_decay!r} decay needs max_steps > 0")
         _require(self.weight_sync_interval >= 0, "weight_sync_interval", "must be >= 0 (0: never sync)")
         _require(self.dcp_save_interval >= 0, "dcp_save_interval", "must be >= 0 (0: off)")
+        _require(self.dcp_keep_last >= 1, "dcp_keep_last", "must be >= 1")
+        _require(
+            self.dcp_save_interval == 0 or self.weight_sync_interval == 0 or self.dcp_save_interval % self.weight_sync_interval == 0,
+            "dcp_save_interval",
+            f"must be a multiple of weight_sync_interval ({self.weight_sync_interval}) so a checkpoint is taken when the "
+            "sampler holds the saved policy (an exact resume needs both)",
+        )
+        _require(self.resume is None or bool(self.resume.strip()), "resume", "must be null, 'auto' or a checkpoint path")
+        _require(self.output_model_id is None or bool(self.output_model_id.strip()), "output_model_id", "must be null or a folder name")
         _require(self.max_head_offpolicy_versions >= 0, "max_head_offpolicy_versions", "must be >= 0 (0: on-policy)")
         _require(
             self.weight_sync_interval <= self.max_head_offpolicy_versions + 1,
@@ -313,6 +330,25 @@ class TrainConfig:
             check_policy_loss_hyperparams(self.policy_loss.name, self.policy_loss.hyperparams())
         except ValueError as err:
             raise ConfigError(f"config group `policy_loss`: {err}") from None
+
+
+# Fields whose change makes a checkpoint mean something else: resuming with a different value is
+# refused (`lit_grpo.checkpoint.check_resumable`). A prefix covers the whole group below it.
+STATE_DEFINING_FIELDS = (
+    "model",
+    "seed",
+    "policy_loss.name",
+    "data.task",
+    "data.completions_per_prompt",
+    "data.prompt_groups_per_step",
+    "data.num_rows",
+    "data.max_rows",
+    "data.max_operand",
+    "data.max_answer",
+    "data.operators",
+    "data.shuffle",
+    "ppo_n_minibatches",
+)
 
 
 def register_configs() -> None:

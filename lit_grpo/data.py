@@ -95,6 +95,14 @@ class RolloutDataModule(L.LightningDataModule):
             self.sampler.update_weights(named_tensors)
         self.producer.advance_version()
 
+    def state_dict(self) -> dict:
+        """Steps done and the producer's data position, gate counters and version (between steps)."""
+        return {"steps_done": self.stream.steps_done, "producer": self.producer.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.stream.steps_done = state["steps_done"]
+        self.producer.load_state_dict(state["producer"])
+
     def close(self) -> None:
         """Stop the sampler's worker and the producer's event loop."""
         self.producer.close()  # first: in-flight rollouts still need the sampler to finish

@@ -104,10 +104,24 @@ def load_policy(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, seed: int)
         raise _unreachable(cfg.name_or_path, err) from None
 
 
-def save_pretrained(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out_dir: str | os.PathLike) -> Path:
-    """Write model (safetensors) + config + tokenizer so `from_pretrained(out_dir)` loads them."""
+def build_policy_skeleton(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, seed: int) -> PreTrainedModel:
+    """The policy's architecture without reading its weights (they come from a checkpoint next)."""
+    if cfg.kind == "tiny":
+        return build_tiny_model(cfg, len(tokenizer), seed, tokenizer)
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(cfg.name_or_path, trust_remote_code=cfg.trust_remote_code)
+    except (OSError, ValueError) as err:
+        raise _unreachable(cfg.name_or_path, err) from None
+    return AutoModelForCausalLM.from_config(config, dtype=DTYPES[cfg.dtype], trust_remote_code=cfg.trust_remote_code)
+
+
+def save_pretrained(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out_dir: str | os.PathLike, *, state_dict: dict | None = None) -> Path:
+    """Write model (safetensors) + config + tokenizer so `from_pretrained(out_dir)` loads them;
+    `state_dict` (e.g. gathered from shards) replaces the model's own tensors."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True)
+    model.save_pretrained(out, state_dict=state_dict, safe_serialization=True)
     tokenizer.save_pretrained(out)
     return out

@@ -53,12 +53,17 @@ def collate_groups(groups: list[PromptGroup], advantages: list[list[float]], pad
 
 
 class RowCursor:
-    """Rows in a seeded order per epoch; `(epoch, index)` is the position to resume from."""
+    """Rows in a seeded order per epoch; `(epoch, index)` is the position to resume from.
+
+    Positions handed out but not yet trained (rollouts in flight when a checkpoint is taken) go
+    back into `replay` on resume and are served again before the cursor moves on.
+    """
 
     def __init__(self, rows: list[dict], epochs: int, seed: int, shuffle: bool) -> None:
         self.rows, self.epochs, self.seed, self.shuffle = rows, epochs, seed, shuffle
         self.epoch, self.index = 0, 0
         self._order = self._order_of(0)
+        self.replay: list[tuple[int, int]] = []
 
     def _order_of(self, epoch: int) -> list[int]:
         order = list(range(len(self.rows)))
@@ -66,17 +71,44 @@ class RowCursor:
             random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
         return order
 
-    def take(self, n: int) -> list[dict]:
-        """Up to n next rows (fewer only when the last epoch ends)."""
+    def row_at(self, position: tuple[int, int]) -> dict:
+        epoch, index = position
+        order = self._order if epoch == self.epoch else self._order_of(epoch)
+        return self.rows[order[index]]
+
+    def take_positioned(self, n: int) -> list[tuple[tuple[int, int], dict]]:
+        """Up to n next `(position, row)` pairs, replayed positions first (fewer only when the last epoch ends)."""
         out = []
+        while self.replay and len(out) < n:
+            position = self.replay.pop(0)
+            out.append((position, self.row_at(position)))
         while len(out) < n and self.epoch < self.epochs:
             if self.index >= len(self.rows):
                 self.epoch, self.index = self.epoch + 1, 0
                 self._order = self._order_of(self.epoch)
                 continue
-            out.append(self.rows[self._order[self.index]])
+            out.append(((self.epoch, self.index), self.rows[self._order[self.index]]))
             self.index += 1
         return out
+
+    def take(self, n: int) -> list[dict]:
+        """Up to n next rows (fewer only when the last epoch ends)."""
+        return [row for _, row in self.take_positioned(n)]
+
+    def state_dict(self, unfinished: list[tuple[int, int]] = ()) -> dict:
+        """The position to resume from; `unfinished` positions are served again first."""
+        return {
+            "epoch": self.epoch, "index": self.index, "replay": sorted([*self.replay, *unfinished]),
+            "num_rows": len(self.rows), "seed": self.seed, "shuffle": self.shuffle,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        for key, mine in (("num_rows", len(self.rows)), ("seed", self.seed), ("shuffle", self.shuffle)):
+            if state[key] != mine:
+                raise ValueError(f"the checkpoint's data cursor was saved with {key}={state[key]!r}, this run has {mine!r}")
+        self.epoch, self.index = state["epoch"], state["index"]
+        self._order = self._order_of(self.epoch)
+        self.replay = [tuple(p) for p in state["replay"]]
 
 
 class RolloutProducer:
@@ -112,6 +144,8 @@ class RolloutProducer:
         self._warned: set[str] = set()
         self.trainer_version = 0
         """The version the trainer is at (for staleness: trainer_version - group.version)."""
+        self.trained_samples = 0
+        """Samples (G per group) of the groups handed to the trainer so far."""
 
     def close(self) -> None:
         self._loop.close()
@@ -183,6 +217,7 @@ class RolloutProducer:
         """Advantages, padding and the step's rollout statistics (counts since the last batch)."""
         if not accepted:
             return None
+        self.trained_samples += self.G * len(accepted)
         advantages = ragged_group_advantages([g.rewards for g in accepted], self.advantage_scale)
         batch = collate_groups(accepted, advantages, self.pad_id)
         with self._counts_lock:
@@ -202,6 +237,18 @@ class RolloutProducer:
         """The sampler now holds the next policy version (called by the trainer after a sync)."""
         self.version += 1
         self.trainer_version += 1
+
+    def state_dict(self) -> dict:
+        """What a resumed run needs to sample the same rows at the same versions (between steps)."""
+        return {
+            "version": self.version, "trainer_version": self.trainer_version, "accept_rate": self.accept_rate,
+            "trained_samples": self.trained_samples, "cursor": self.cursor.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.version, self.trainer_version = state["version"], state["trainer_version"]
+        self.accept_rate, self.trained_samples = state["accept_rate"], state["trained_samples"]
+        self.cursor.load_state_dict(state["cursor"])
 
 
 def _row_label(row: dict) -> str:

@@ -40,7 +40,8 @@ class AsyncRolloutProducer(RolloutProducer):
         """Samples (G per group) of every group accepted so far, trained or queued."""
         self.running = 0
         """Samples in flight."""
-        self._ready: queue.Queue[Optional[PromptGroup]] = queue.Queue()
+        self._unfinished: set[tuple[int, int]] = set()  # row positions sampling or queued, not yet trained
+        self._ready: queue.Queue[Optional[tuple[tuple[int, int], PromptGroup]]] = queue.Queue()
         self._rejected: deque[PromptGroup] = deque()  # filtered groups still count in reward stats
         self._error: Optional[BaseException] = None
         self._stopping = False
@@ -73,18 +74,20 @@ class AsyncRolloutProducer(RolloutProducer):
                 await self._wake.wait()
                 self._gate_wait_s += time.perf_counter() - waited_from
                 continue
-            rows = self.cursor.take(1)
-            if not rows:
+            taken = self.cursor.take_positioned(1)
+            if not taken:
                 break
+            position, row = taken[0]
+            self._unfinished.add(position)
             self.running += self.G
-            task = asyncio.create_task(self._run_group(rows[0], self.version))
+            task = asyncio.create_task(self._run_group(position, row, self.version))
             tasks.add(task)
             task.add_done_callback(tasks.discard)
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
         self._ready.put(_DONE)
 
-    async def _run_group(self, row: dict, version: int) -> None:
+    async def _run_group(self, position: tuple[int, int], row: dict, version: int) -> None:
         started = time.perf_counter()
         try:
             group = await self._sample_group(row, version)
@@ -99,8 +102,9 @@ class AsyncRolloutProducer(RolloutProducer):
             self._wake.set()
         if keep:
             self.accepted_samples += self.G
-            self._ready.put(group)
+            self._ready.put((position, group))
         else:
+            self._unfinished.discard(position)  # a filtered row is used up, like a trained one
             self._rejected.append(group)
 
     def _bump_version(self) -> None:
@@ -127,12 +131,14 @@ class AsyncRolloutProducer(RolloutProducer):
         waited_from = time.perf_counter()
         accepted: list[PromptGroup] = []
         while len(accepted) < self.P and not self._finished:
-            group = self._ready.get()
-            if group is _DONE:
+            item = self._ready.get()
+            if item is _DONE:
                 self._finished = True
                 if self._error is not None:
                     raise self._error
                 break
+            position, group = item
+            self._unfinished.discard(position)
             accepted.append(group)
         now = time.perf_counter()
         wait_s = now - waited_from
@@ -146,6 +152,30 @@ class AsyncRolloutProducer(RolloutProducer):
             **{"perf/trainer_wait_s": wait_s, "perf/sampler_wait_s": gate_wait_s, "async/in_flight": float(self.running),
                "perf/overlap_ratio": self._overlap(*train_window)},
         )
+
+    def state_dict(self) -> dict:
+        """Version, gate counters and data position between two steps.
+
+        Rows sampling or queued (not yet trained) are saved as unfinished: a resumed run samples
+        them again first, so no row is lost or trained twice. The snapshot is taken on the
+        producer's loop, where every counter changes, so it is consistent.
+        """
+        if self._thread is None or not self._thread.is_alive():
+            return self._snapshot()
+        return asyncio.run_coroutine_threadsafe(self._async_snapshot(), self._loop).result(timeout=60)
+
+    async def _async_snapshot(self) -> dict:
+        return self._snapshot()
+
+    def _snapshot(self) -> dict:
+        return {**super().state_dict(), "cursor": self.cursor.state_dict(unfinished=sorted(self._unfinished))}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Before the first batch: resume the gate as if every trained sample had just been accepted."""
+        if self._thread is not None:
+            raise RuntimeError("load the producer's state before it starts sampling")
+        super().load_state_dict(state)
+        self.accepted_samples = self.trained_samples
 
     def _overlap(self, start: float, end: float) -> float:
         """Fraction of [start, end] (the trainer's last step) during which some rollout ran."""

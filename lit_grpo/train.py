@@ -14,14 +14,17 @@ import logging
 import time
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import hydra
 import lightning as L
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
+from lit_grpo.callbacks.checkpoint import DCPCheckpoint
+from lit_grpo.callbacks.export import HFExport
 from lit_grpo.callbacks.history import MetricHistory
+from lit_grpo.checkpoint import CheckpointStore, check_resumable, find_resume_checkpoint
 from lit_grpo.config import TrainConfig, validate
 from lit_grpo.data import RolloutDataModule
 from lit_grpo.models import load_policy, load_tokenizer
@@ -40,6 +43,8 @@ CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 warnings.filterwarnings("ignore", message=r".*`dataloader_iter`.*")
 warnings.filterwarnings("ignore", message=r".*module\(s\) in eval mode.*")
 warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
+# A single-process run saves its DCP checkpoints without a process group, as intended.
+warnings.filterwarnings("ignore", message=r".*torch.distributed is disabled, unavailable or uninitialized.*")
 
 
 def build_module(c: TrainConfig, policy) -> GRPOModule:
@@ -91,7 +96,20 @@ def _instantiate_all(group: dict) -> list[Any]:
     return [instantiate(spec) for spec in group.values() if spec is not None]
 
 
-def build_trainer(c: TrainConfig, history: MetricHistory) -> L.Trainer:
+def run_callbacks(c: TrainConfig, tokenizer, resume_from: Optional[Path]) -> list[L.Callback]:
+    """The callbacks made from the run's own config: DCP checkpoints / resume and the final export."""
+    callbacks: list[L.Callback] = []
+    if c.dcp_save_interval > 0 or resume_from is not None:
+        callbacks.append(DCPCheckpoint(
+            CheckpointStore(Path(c.output_dir) / "checkpoints", keep_last=c.dcp_keep_last), interval=c.dcp_save_interval,
+            run_config=c, weight_sync_interval=c.weight_sync_interval, resume_from=resume_from,
+        ))
+    if c.output_model_id:
+        callbacks.append(HFExport(Path(c.output_dir) / c.output_model_id, tokenizer))  # an absolute id stays absolute
+    return callbacks
+
+
+def build_trainer(c: TrainConfig, history: MetricHistory, extra_callbacks: list[L.Callback] = ()) -> L.Trainer:
     t = c.trainer
     return L.Trainer(
         accelerator=t.accelerator,
@@ -104,12 +122,13 @@ def build_trainer(c: TrainConfig, history: MetricHistory) -> L.Trainer:
         log_every_n_steps=t.log_every_n_steps,
         enable_progress_bar=t.enable_progress_bar,
         enable_model_summary=t.enable_model_summary,
-        enable_checkpointing=False,  # checkpoints are lit_grpo's DCP callback's job
+        # Checkpoints are the DCP callback's job: Lightning adds no ModelCheckpoint beside it.
+        enable_checkpointing=any(isinstance(cb, DCPCheckpoint) for cb in extra_callbacks),
         deterministic=t.deterministic,
         num_sanity_val_steps=0,
         limit_val_batches=0,
         default_root_dir=c.output_dir,
-        callbacks=[*_instantiate_all(c.callbacks), history],
+        callbacks=[*_instantiate_all(c.callbacks), history, *extra_callbacks],
         logger=_instantiate_all(c.logger) or False,
         **t.extra,
     )
@@ -129,15 +148,15 @@ def summarize(history: MetricHistory, metric: str, wall_s: float) -> dict[str, f
     }
 
 
-def fit(c: TrainConfig) -> tuple[L.Trainer, MetricHistory]:
-    """Seed, build the model, data and trainer from a validated config, and train."""
+def fit(c: TrainConfig, resume_from: Optional[Path] = None) -> tuple[L.Trainer, MetricHistory]:
+    """Seed, build the model, data and trainer from a validated config, and train (from `resume_from`'s state)."""
     L.seed_everything(c.seed, workers=True, verbose=False)
     tokenizer = load_tokenizer(c.model)
     policy = load_policy(c.model, tokenizer, c.seed)
     datamodule = build_datamodule(c, policy, tokenizer)
     module = build_module(c, policy)
     history = MetricHistory()
-    trainer = build_trainer(c, history)
+    trainer = build_trainer(c, history, run_callbacks(c, tokenizer, resume_from))
     try:
         trainer.fit(module, datamodule=datamodule)
     finally:
@@ -157,12 +176,18 @@ def _job_overrides() -> str:
 def train(cfg: DictConfig | TrainConfig) -> dict[str, float]:
     """Run one training job; returns (and writes to `<output_dir>/summary.json`) its summary."""
     c = validate(cfg)  # every field error surfaces here, before a model is touched
+    resume_from = find_resume_checkpoint(c.resume, c.output_dir)
+    if resume_from is not None:
+        check_resumable(resume_from, c)  # refused before a model is touched, too
     start = time.perf_counter()
     Path(c.output_dir).mkdir(parents=True, exist_ok=True)
 
-    trainer, history = fit(c)
+    trainer, history = fit(c, resume_from)
     summary = summarize(history, c.summary_metric, time.perf_counter() - start)
-    summary_file = {**summary, "overrides": _job_overrides(), "reward_curve": history.series(c.summary_metric)}
+    summary_file = {
+        **summary, "overrides": _job_overrides(), "resumed_from": str(resume_from) if resume_from else None,
+        "reward_curve": history.series(c.summary_metric),
+    }
     if trainer.is_global_zero:
         (Path(c.output_dir) / "summary.json").write_text(json.dumps(summary_file, indent=1))
         log.info("run summary: %s", json.dumps(summary))

@@ -67,10 +67,12 @@ def test_wrong_type_fails_at_compose_naming_it(tmp_path):
         ("rollout.factory=no_colon", "rollout.factory"),
         ("data.min_group_size=9", "data.min_group_size"),
         ("sampler=vllm", "model.num_heads"),
+        ("dcp_save_interval=3 max_head_offpolicy_versions=1 weight_sync_interval=2", "dcp_save_interval"),
+        ("dcp_keep_last=0", "dcp_keep_last"),
     ],
 )
 def test_bad_value_fails_validation_naming_the_field(override, field, tmp_path):
-    cfg = compose_config(override, output_dir=tmp_path)
+    cfg = compose_config(*override.split(), output_dir=tmp_path)
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
         validate(cfg)
 

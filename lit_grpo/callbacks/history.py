@@ -18,5 +18,11 @@ class MetricHistory(L.Callback):
             return
         self.steps.append(dict(pl_module.step_metrics))
 
+    def state_dict(self) -> dict:
+        return {"steps": [dict(s) for s in self.steps]}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.steps = [dict(s) for s in state_dict["steps"]]
+
     def series(self, key: str) -> list[float]:
         return [s[key] for s in self.steps if key in s]

@@ -1,0 +1,37 @@
+"""Exports the trained policy in Hugging Face format when fit ends (the seeds' `output_model_id`)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import lightning as L
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+from lit_grpo.export import export_pretrained
+
+log = logging.getLogger(__name__)
+
+
+class HFExport(L.Callback):
+    """Writes `<out_dir>` (safetensors + config + tokenizer) from the policy at the end of fit.
+
+    Skipped under `fast_dev_run`. With several processes the shards are gathered first (a
+    collective call on every rank); rank 0 writes.
+    """
+
+    def __init__(self, out_dir: str | Path, tokenizer) -> None:
+        self.out_dir, self.tokenizer = Path(out_dir), tokenizer
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.fast_dev_run or pl_module.rollout_step == 0:
+            return
+        start = time.perf_counter()
+        full_state = None
+        if trainer.world_size > 1:
+            full_state = get_model_state_dict(pl_module.policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if trainer.is_global_zero:
+            export_pretrained(pl_module.policy, self.tokenizer, self.out_dir, state_dict=full_state)
+            log.info("exported the trained policy to %s in %.2f s", self.out_dir, time.perf_counter() - start)
+        trainer.strategy.barrier("hf_export")

@@ -1,0 +1,221 @@
+"""DCP checkpoints: an exact resume after SIGKILL, a kill during a save, corrupt checkpoints,
+the config-mismatch refusal, and the Hugging Face export (end of fit and `python -m lit_grpo.export`)."""
+
+from __future__ import annotations
+
+import asyncio
+import csv
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from lit_grpo.checkpoint import CheckpointStore, check_resumable, locate_checkpoint, verify
+from lit_grpo.config import ConfigError, validate
+from lit_grpo.producer import RowCursor
+from lit_grpo.producer_async import AsyncRolloutProducer
+from lit_grpo.train import train
+from lit_grpo.types import RolloutSample
+
+from conftest import compose_config
+
+REPO = Path(__file__).resolve().parents[1]
+TESTS = Path(__file__).resolve().parent
+STEPS, EVERY = 8, 2
+# Synchronous, so a run is a deterministic function of its seed; the tiny model, 8 steps.
+RUN = ["+experiment=arithmetic", f"max_steps={STEPS}", f"dcp_save_interval={EVERY}", "trainer.enable_progress_bar=false"]
+
+
+def run_cli(run_dir: Path, *overrides: str, module: str = "lit_grpo.train") -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), str(REPO)])}
+    args = [*RUN, *overrides, f"hydra.run.dir={run_dir}"] if module == "lit_grpo.train" else list(overrides)
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=run_dir.parent, env=env, capture_output=True, text=True, timeout=600)
+
+
+def tensors(model_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(model_dir / "model.safetensors")
+
+
+def assert_bit_identical(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), f"{name} differs: max abs diff {(a[name] - b[name]).abs().max().item()}"
+
+
+def csv_rewards(run_dir: Path) -> dict[int, float]:
+    rows = csv.DictReader((run_dir / "metrics.csv").open())
+    return {int(r["step"]): float(r["reward/mean"]) for r in rows if r.get("reward/mean")}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("uninterrupted") / "run"
+    proc = run_cli(run_dir)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return run_dir
+
+
+def test_checkpoints_are_published_whole_and_pruned(uninterrupted):
+    store = CheckpointStore(uninterrupted / "checkpoints")
+    # dcp_keep_last=2 of the saves at steps 2, 4, 6, 8; no staging folder left behind.
+    assert [step for step, _ in store.step_dirs()] == [6, 8]
+    assert not list(store.root.glob(".tmp-*"))
+    for _, path in store.step_dirs():
+        assert verify(path) is None
+        assert {".metadata", "config.yaml", "manifest.json", "trainer_state_rank0.pt"} <= {p.name for p in path.iterdir()}
+
+
+def test_resume_after_sigkill_is_exact(uninterrupted, tmp_path):
+    run_dir = tmp_path / "run"
+    killed = run_cli(run_dir, "+callbacks.kill={_target_:fault_injection.KillAfterStep,step:5}")
+    assert killed.returncode == -9, killed.stderr[-3000:]  # SIGKILL, after the step-4 checkpoint
+    assert not (run_dir / "final_model").exists()
+
+    resumed = run_cli(run_dir, "resume=auto")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["resumed_from"].endswith("step_00000004")
+    assert summary["steps"] == STEPS
+
+    assert_bit_identical(tensors(uninterrupted / "final_model"), tensors(run_dir / "final_model"))
+    expected = json.loads((uninterrupted / "summary.json").read_text())["reward_curve"]
+    assert summary["reward_curve"] == expected  # steps 5..8 sampled again, identically
+    assert csv_rewards(run_dir) == csv_rewards(uninterrupted)  # metrics.csv covers the whole run
+    assert len(csv_rewards(run_dir)) == STEPS
+
+
+def test_a_kill_during_a_save_leaves_the_previous_checkpoint_usable(uninterrupted, tmp_path):
+    run_dir = tmp_path / "run"
+    killed = run_cli(run_dir, "+callbacks.kill={_target_:fault_injection.KillDuringSave,step:4}")
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    checkpoints = run_dir / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == [".tmp-step_00000004", "step_00000002"]
+    assert (checkpoints / ".tmp-step_00000004" / "__0_0.distcp").exists()  # the shards were written
+
+    resumed = run_cli(run_dir, "resume=auto")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert json.loads((run_dir / "summary.json").read_text())["resumed_from"].endswith("step_00000002")
+    assert_bit_identical(tensors(uninterrupted / "final_model"), tensors(run_dir / "final_model"))
+    assert not list(checkpoints.glob(".tmp-*"))  # the abandoned staging folder is cleaned up
+
+
+def test_a_corrupt_newest_checkpoint_is_reported_and_the_previous_used(uninterrupted, tmp_path, caplog):
+    root = tmp_path / "checkpoints"
+    shutil.copytree(uninterrupted / "checkpoints", root)
+    shard = root / "step_00000008" / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:1000])  # a torn copy
+    with caplog.at_level(logging.WARNING):
+        assert locate_checkpoint(root) == root / "step_00000006"
+    assert "step_00000008" in caplog.text and "__0_0.distcp" in caplog.text
+
+    with pytest.raises(ValueError, match="__0_0.distcp has 1000 bytes"):
+        locate_checkpoint(root / "step_00000008")  # named explicitly: refused, not silently replaced
+
+    flipped = root / "step_00000006" / "trainer_state_rank0.pt"
+    data = bytearray(flipped.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # same size, one byte changed
+    flipped.write_bytes(bytes(data))
+    assert "sha256" in verify(root / "step_00000006")
+    with pytest.raises(ValueError, match="no complete checkpoint"):
+        locate_checkpoint(root)
+
+    (root / "step_00000004").mkdir()  # a folder with a checkpoint's name but no manifest
+    assert "no manifest" in verify(root / "step_00000004")
+
+
+def test_resuming_with_a_config_that_changes_the_state_is_refused(uninterrupted, tmp_path, monkeypatch):
+    import lit_grpo.train as train_mod
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("a model was loaded before the config was checked")
+
+    monkeypatch.setattr(train_mod, "load_policy", no_model)
+    cfg = compose_config(
+        *RUN, "policy_loss=dapo", "data.completions_per_prompt=4", "model.hidden_size=32",
+        f"resume={uninterrupted / 'checkpoints'}", output_dir=tmp_path,
+    )
+    with pytest.raises(ConfigError) as err:
+        train(cfg)
+    message = str(err.value)
+    for field in ("policy_loss.name: 'grpo' in the checkpoint, 'dapo' now", "data.completions_per_prompt: 8 in the checkpoint, 4 now", "model.hidden_size"):
+        assert field in message
+    assert "learning_rate" not in message
+
+    # More steps, another logger, another output folder: allowed.
+    check_resumable(uninterrupted / "checkpoints" / "step_00000008", validate(compose_config(*RUN, "max_steps=20", "logger=none", output_dir=tmp_path)))
+
+
+def test_resume_auto_without_a_checkpoint_starts_fresh_and_a_bad_path_is_an_error(tmp_path):
+    summary = train(compose_config(*RUN, "max_steps=2", "resume=auto", output_dir=tmp_path))
+    assert summary["steps"] == 2
+    with pytest.raises(ConfigError, match="resume.*does not exist"):
+        train(compose_config(*RUN, f"resume={tmp_path / 'nowhere'}", output_dir=tmp_path / "other"))
+
+
+def test_export_cli_writes_a_model_that_loads_and_generates(uninterrupted, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = tmp_path / "exported"
+    proc = run_cli(tmp_path, str(uninterrupted), str(out), module="lit_grpo.export")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    # The newest checkpoint (step 8) is the end of training: the same tensors as the end-of-fit export.
+    assert_bit_identical(tensors(uninterrupted / "final_model"), tensors(out))
+
+    model = AutoModelForCausalLM.from_pretrained(out)
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    prompt = tokenizer("3+4=", return_tensors="pt", add_special_tokens=False)
+    generated = model.generate(**prompt, max_new_tokens=3, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    assert generated.shape[1] > prompt["input_ids"].shape[1]
+    assert isinstance(tokenizer.decode(generated[0]), str)
+
+    again = run_cli(tmp_path, str(uninterrupted), str(out), module="lit_grpo.export")
+    assert again.returncode == 2 and "--force" in again.stderr  # an existing folder is not overwritten silently
+
+
+def _row_fn():
+    async def rollout_fn(row):
+        await asyncio.sleep(0.002 * (row["id"] % 3))  # uneven latency: rows finish out of order
+        # The row's id rides in the tokens, so a batch tells which rows it trains.
+        return RolloutSample(tokens=[1, 100 + row["id"], 2], logprobs=[0.0, -1.0, -1.0], loss_mask=[0, 1, 1], reward=float(row["id"] % 2))
+
+    return rollout_fn
+
+
+def trained_ids(batch, group_size: int) -> list[int]:
+    return [int(t) - 100 for t in batch.tokens_BT[::group_size, 1]]
+
+
+def test_async_producer_state_loses_no_row_and_repeats_none():
+    """Rows in flight or queued at a checkpoint are sampled again after resume; trained ones are not."""
+    rows = [{"id": i} for i in range(40)]
+    G, P = 2, 2
+
+    def producer():
+        return AsyncRolloutProducer(RowCursor(rows, 1, 0, True), _row_fn(), G, P, "std", 0, [], max_head_offpolicy_versions=2, max_concurrency=64)
+
+    first = producer()
+    before = []
+    for _ in range(3):
+        before += trained_ids(first.next_batch(), G)
+        first.advance_version()
+    state = first.state_dict()
+    first.close()
+    assert state["cursor"]["replay"], "with O=2 some rows are still in flight or queued at the checkpoint"
+    assert state["trained_samples"] == 3 * P * G and state["version"] == 3
+
+    second = producer()
+    second.load_state_dict(state)
+    assert second.accepted_samples == 3 * P * G  # the gate resumes as if only trained rows were accepted
+    after = []
+    while (batch := second.next_batch()) is not None:
+        after += trained_ids(batch, G)
+        second.advance_version()
+    second.close()
+    assert sorted(before + after) == list(range(40))  # every row trained exactly once across the restart
