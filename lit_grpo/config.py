@@ -102,7 +102,7 @@ class DataConfig:
     """Where prompts come from and how they are grouped into steps."""
 
     task: str = "arithmetic"
-    """Task that makes rows and scores completions: `arithmetic`."""
+    """Task that makes rows and scores completions: `arithmetic` (generated) or `gsm8k` (a dataset)."""
     completions_per_prompt: int = 8
     """G: completions sampled per prompt; advantages are relative within these."""
     prompt_groups_per_step: int = 8
@@ -125,9 +125,33 @@ class DataConfig:
     """Arithmetic: only problems whose answer is at most this (9: single-digit answers)."""
     operators: str = "+"
     """Arithmetic: operators to draw from, any of `+-*`."""
+    path: Optional[str] = None
+    """Dataset task: a local JSONL of training rows (GSM8K `question`/`answer`, or chat `messages` + `answer`);
+    null: the Hugging Face dataset below."""
+    dataset: str = "openai/gsm8k"
+    """Dataset task: Hugging Face dataset name (or local dataset folder) used when `path` is null."""
+    dataset_config: Optional[str] = "main"
+    """Dataset task: the dataset's config name."""
+    split: str = "train"
+    """Dataset task: the split trained on."""
+    eval_path: Optional[str] = None
+    """Local JSONL of held-out rows (null: `eval_split` of the dataset; arithmetic: rows from another seed)."""
+    eval_split: str = "test"
+    """Dataset task: the held-out split evaluated on."""
+    eval_rows: int = 0
+    """Held-out rows scored greedily for `eval/accuracy` (0: no evaluation)."""
+    on_error: str = "raise"
+    """A malformed dataset row: `raise` (stop, naming the line) or `skip` (warn, naming the line)."""
 
     def __post_init__(self) -> None:
-        _require(self.task in ("arithmetic",), "data.task", f"unknown task {self.task!r}; valid: arithmetic")
+        _require(self.task in ("arithmetic", "gsm8k"), "data.task", f"unknown task {self.task!r}; valid: arithmetic, gsm8k")
+        _require(self.on_error in ("raise", "skip"), "data.on_error", f"must be 'raise' or 'skip', got {self.on_error!r}")
+        _require(self.eval_rows >= 0, "data.eval_rows", "must be >= 0 (0: no evaluation)")
+        _require(
+            not (self.task == "gsm8k" and self.path and not self.eval_path and self.eval_rows > 0),
+            "data.eval_path",
+            "is needed with a local data.path when data.eval_rows > 0 (or set data.eval_rows=0)",
+        )
         _require(self.completions_per_prompt >= 2, "data.completions_per_prompt", "must be >= 2 (advantages are relative within a group)")
         _require(self.prompt_groups_per_step >= 1, "data.prompt_groups_per_step", "must be >= 1")
         _require(self.max_rows >= 0, "data.max_rows", "must be >= 0 (0 means all rows)")
@@ -278,6 +302,8 @@ class TrainConfig:
     """Run folder: logs, plots, checkpoints. Set by Hydra to its run directory."""
     summary_metric: str = "reward/mean"
     """Metric reported in the run summary and the reward curve."""
+    eval_interval: int = 0
+    """Greedy accuracy on `data.eval_rows` held-out rows every N rollout steps and at the end (0: at the end only)."""
 
     def __post_init__(self) -> None:
         _require(self.max_steps == -1 or self.max_steps > 0, "max_steps", "must be -1 (until data is exhausted) or > 0")
@@ -293,6 +319,7 @@ class TrainConfig:
         _require(self.weight_sync_interval >= 0, "weight_sync_interval", "must be >= 0 (0: never sync)")
         _require(self.dcp_save_interval >= 0, "dcp_save_interval", "must be >= 0 (0: off)")
         _require(self.dcp_keep_last >= 1, "dcp_keep_last", "must be >= 1")
+        _require(self.eval_interval >= 0, "eval_interval", "must be >= 0 (0: evaluate at the end only)")
         _require(
             self.dcp_save_interval == 0 or self.weight_sync_interval == 0 or self.dcp_save_interval % self.weight_sync_interval == 0,
             "dcp_save_interval",
@@ -347,6 +374,10 @@ STATE_DEFINING_FIELDS = (
     "data.max_answer",
     "data.operators",
     "data.shuffle",
+    "data.path",
+    "data.dataset",
+    "data.dataset_config",
+    "data.split",
     "ppo_n_minibatches",
 )
 

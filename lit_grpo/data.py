@@ -7,7 +7,7 @@ yields one batch per training step. The module pulls batches itself (see
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Callable, Iterator, Optional
 
 import lightning as L
 from torch.utils.data import DataLoader, IterableDataset
@@ -62,9 +62,15 @@ class RolloutDataModule(L.LightningDataModule):
         synchronous_training: bool = True,
         max_head_offpolicy_versions: int = 0,
         max_concurrency: int = 256,
+        eval_rows: Optional[list[dict]] = None,
+        reward_fn: Optional[Callable[[str, dict], float]] = None,
     ) -> None:
         super().__init__()
         self.tokenizer, self.sampler = tokenizer, sampler
+        self.eval_rows = [self._tokenized(r) for r in eval_rows or []]
+        """Held-out rows for greedy evaluation (`prompt_token_ids` or `messages`)."""
+        self.reward_fn = reward_fn
+        """The task's `reward(completion_text, row)`, for evaluation."""
         self.group_filters: list[GroupFilter] = []
         self.cursor = RowCursor([self._tokenized(r) for r in rows], epochs, seed, shuffle)
         args = (self.cursor, rollout_fn, completions_per_prompt, prompt_groups_per_step, advantage_scale, tokenizer.pad_token_id, self.group_filters)

@@ -117,6 +117,8 @@ class GRPOModule(L.LightningModule):
         """Every scalar of the latest rollout step (callbacks read and extend it)."""
         self.rollout_step = 0
         """Rollout steps completed (optimizer steps are `ppo_n_minibatches` times as many)."""
+        self.last_rewards: Optional[torch.Tensor] = None
+        """The rewards of the latest trained batch, [B] (for histograms)."""
 
     def train(self, mode: bool = True) -> "GRPOModule":
         # Dropout stays off in both models: the trainer's logprobs must match the sampler's.
@@ -219,6 +221,7 @@ class GRPOModule(L.LightningModule):
             "lr": self.lr_schedulers().get_last_lr()[0],
         }
         self.step_metrics = logged
+        self.last_rewards = batch.rewards_B.detach().cpu()
         # Lightning's `self.log` costs about a millisecond per key, as much as a whole tiny-model
         # step for ~30 metrics; only the progress-bar values go through it, the rest is written
         # straight to the loggers in `on_train_batch_end`.

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -21,17 +22,20 @@ import lightning as L
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
+from lit_grpo.callbacks import GreedyEvaluation
 from lit_grpo.callbacks.checkpoint import DCPCheckpoint
 from lit_grpo.callbacks.export import HFExport
 from lit_grpo.callbacks.history import MetricHistory
 from lit_grpo.checkpoint import CheckpointStore, check_resumable, find_resume_checkpoint
-from lit_grpo.config import TrainConfig, validate
+from lit_grpo.config import ConfigError, TrainConfig, validate
 from lit_grpo.data import RolloutDataModule
+from lit_grpo.loggers import finish_runs
 from lit_grpo.models import load_policy, load_tokenizer
+from lit_grpo.preflight import check_sources
 from lit_grpo.module import GRPOModule, OptimConfig
 from lit_grpo.rollout import load_rollout_factory
 from lit_grpo.samplers import build_sampler
-from lit_grpo.tasks import build_rows, reward_fn
+from lit_grpo.tasks import build_eval_rows, build_rows, reward_fn
 from lit_grpo.types import RolloutSetup
 
 log = logging.getLogger(__name__)
@@ -64,7 +68,8 @@ def build_module(c: TrainConfig, policy) -> GRPOModule:
     )
 
 
-def build_datamodule(c: TrainConfig, policy, tokenizer) -> RolloutDataModule:
+def build_datamodule(c: TrainConfig, policy, tokenizer, rows: Optional[list[dict]] = None, eval_rows: Optional[list[dict]] = None) -> RolloutDataModule:
+    """The rollout data module (rows: the task's, loaded here unless given)."""
     sampler = build_sampler(c.sampler, policy, tokenizer, model=c.model, work_dir=c.output_dir, seed=c.seed)
     setup = RolloutSetup(
         sampler=sampler,
@@ -73,7 +78,9 @@ def build_datamodule(c: TrainConfig, policy, tokenizer) -> RolloutDataModule:
         extras={"reward_fn": reward_fn(c.data), **c.rollout.extras},
     )
     return RolloutDataModule(
-        rows=build_rows(c.data, c.seed),
+        rows=build_rows(c.data, c.seed) if rows is None else rows,
+        eval_rows=build_eval_rows(c.data, c.seed) if eval_rows is None else eval_rows,
+        reward_fn=setup.extras["reward_fn"],
         tokenizer=tokenizer,
         sampler=sampler,
         rollout_fn=load_rollout_factory(c.rollout.factory)(setup),
@@ -151,9 +158,11 @@ def summarize(history: MetricHistory, metric: str, wall_s: float) -> dict[str, f
 def fit(c: TrainConfig, resume_from: Optional[Path] = None) -> tuple[L.Trainer, MetricHistory]:
     """Seed, build the model, data and trainer from a validated config, and train (from `resume_from`'s state)."""
     L.seed_everything(c.seed, workers=True, verbose=False)
+    # Data first: a malformed row or a missing file fails before a model is loaded.
+    rows, eval_rows = build_rows(c.data, c.seed), build_eval_rows(c.data, c.seed)
     tokenizer = load_tokenizer(c.model)
     policy = load_policy(c.model, tokenizer, c.seed)
-    datamodule = build_datamodule(c, policy, tokenizer)
+    datamodule = build_datamodule(c, policy, tokenizer, rows, eval_rows)
     module = build_module(c, policy)
     history = MetricHistory()
     trainer = build_trainer(c, history, run_callbacks(c, tokenizer, resume_from))
@@ -161,7 +170,16 @@ def fit(c: TrainConfig, resume_from: Optional[Path] = None) -> tuple[L.Trainer, 
         trainer.fit(module, datamodule=datamodule)
     finally:
         datamodule.close()
+        finish_runs(trainer.loggers)
     return trainer, history
+
+
+def final_evaluation(trainer: L.Trainer) -> dict[str, float]:
+    """The last `eval/accuracy` of the run (empty without evaluation)."""
+    for cb in trainer.callbacks:
+        if isinstance(cb, GreedyEvaluation) and cb.last:
+            return {"eval_accuracy": cb.last["eval/accuracy"]}
+    return {}
 
 
 def _job_overrides() -> str:
@@ -176,6 +194,7 @@ def _job_overrides() -> str:
 def train(cfg: DictConfig | TrainConfig) -> dict[str, float]:
     """Run one training job; returns (and writes to `<output_dir>/summary.json`) its summary."""
     c = validate(cfg)  # every field error surfaces here, before a model is touched
+    check_sources(c)  # an unreachable model or dataset: one message in seconds, not a retry loop
     resume_from = find_resume_checkpoint(c.resume, c.output_dir)
     if resume_from is not None:
         check_resumable(resume_from, c)  # refused before a model is touched, too
@@ -184,6 +203,7 @@ def train(cfg: DictConfig | TrainConfig) -> dict[str, float]:
 
     trainer, history = fit(c, resume_from)
     summary = summarize(history, c.summary_metric, time.perf_counter() - start)
+    summary.update(final_evaluation(trainer))
     summary_file = {
         **summary, "overrides": _job_overrides(), "resumed_from": str(resume_from) if resume_from else None,
         "reward_curve": history.series(c.summary_metric),
@@ -204,7 +224,11 @@ def compose_config(overrides: list[str]) -> DictConfig:
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="train")
 def main(cfg: DictConfig) -> float:
-    return train(cfg)["final_reward"]
+    try:
+        return train(cfg)["final_reward"]
+    except ConfigError as err:  # a config or environment problem: its message, not a traceback
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

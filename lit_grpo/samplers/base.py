@@ -19,7 +19,7 @@ _WRAPPER_PREFIXES = ("_forward_module.", "module.", "_orig_mod.", "policy.")
 
 
 def check_sample_kwargs(kwargs: dict[str, Any]) -> tuple[float, int]:
-    """Validate sampling kwargs and return (temperature, max_tokens).
+    """Validate sampling kwargs and return (temperature, max_tokens); temperature 0 is greedy decoding.
 
     Only untruncated sampling is offered: top_p < 1 or top_k > 0 would make the reported
     logprobs differ from the distribution the trainer's ratio assumes.
@@ -31,8 +31,8 @@ def check_sample_kwargs(kwargs: dict[str, Any]) -> tuple[float, int]:
         raise ValueError("samplers only support top_p=1.0 and top_k=0: truncated sampling biases the logprobs")
     temperature = float(kwargs.get("temperature", 1.0))
     max_tokens = int(kwargs.get("max_tokens", 16))
-    if temperature <= 0 or max_tokens <= 0:
-        raise ValueError(f"temperature and max_tokens must be > 0, got {temperature}, {max_tokens}")
+    if temperature < 0 or max_tokens <= 0:
+        raise ValueError(f"temperature must be >= 0 (0: greedy) and max_tokens > 0, got {temperature}, {max_tokens}")
     return temperature, max_tokens
 
 

@@ -46,10 +46,13 @@ class HFSampler(BatchingSampler):
         for i, p in enumerate(prompts):
             input_ids[i, width - len(p) :] = torch.tensor(p)
             attention[i, width - len(p) :] = 1
+        # Temperature 0 is greedy decoding (evaluation); its logprobs are reported at temperature 1.
+        sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature > 0 else {"do_sample": False}
         gen_config = GenerationConfig(
-            do_sample=True, temperature=temperature, top_k=0, top_p=1.0, max_new_tokens=max_tokens,
-            eos_token_id=eos_id, pad_token_id=pad_id, output_logits=True, return_dict_in_generate=True,
+            **sampling, max_new_tokens=max_tokens, eos_token_id=eos_id, pad_token_id=pad_id,
+            output_logits=True, return_dict_in_generate=True,
         )
+        temperature = temperature or 1.0
         out = self.model.generate(input_ids=input_ids.to(device), attention_mask=attention.to(device), generation_config=gen_config)
         new_tokens_NS = out.sequences[:, width:].cpu()
         logits_NSV = torch.stack(out.logits, dim=1).float()

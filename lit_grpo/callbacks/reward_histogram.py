@@ -1,0 +1,32 @@
+"""Histograms of each step's rewards, for the loggers that draw them (TensorBoard, W&B)."""
+
+from __future__ import annotations
+
+import lightning as L
+from lightning.pytorch.loggers import TensorBoardLogger, WandbLogger
+
+from lit_grpo.module import trained
+
+
+class RewardHistogram(L.Callback):
+    """Every `every_n_steps` rollout steps, the trained batch's rewards as `reward/histogram`."""
+
+    def __init__(self, every_n_steps: int = 10) -> None:
+        self.every_n_steps = every_n_steps
+        self.steps = 0
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int) -> None:
+        if not trained(outputs):
+            return
+        self.steps += 1
+        rewards = pl_module.last_rewards
+        if rewards is None or self.every_n_steps <= 0 or self.steps % self.every_n_steps:
+            return
+        step = self.steps - 1  # the step index the module logs this step's scalars at
+        for logger in trainer.loggers:
+            if isinstance(logger, TensorBoardLogger):
+                logger.experiment.add_histogram("reward/histogram", rewards, global_step=step)
+            elif isinstance(logger, WandbLogger):
+                import wandb
+
+                logger.experiment.log({"reward/histogram": wandb.Histogram(rewards.numpy()), "trainer/global_step": step})

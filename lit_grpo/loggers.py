@@ -1,0 +1,40 @@
+"""Lightning loggers behind the optional extras they need, with an install hint that names the extra."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+
+def _require(module: str, extra: str, what: str) -> None:
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        raise ImportError(f"logger={what} needs the `{extra}` extra: pip install 'lit_grpo[{extra}]' (or pick logger=csv)") from None
+
+
+def wandb(*, project: str, save_dir: str, entity: str | None = None, name: str | None = None, offline: bool = False, **kwargs: Any):
+    """`WandbLogger`; with `offline=True` (or WANDB_MODE=offline) it needs no account and writes
+    `<save_dir>/wandb/offline-run-*` for `wandb sync` later."""
+    _require("wandb", "wandb", "wandb")
+    from lightning.pytorch.loggers import WandbLogger
+
+    return WandbLogger(project=project, entity=entity, name=name, save_dir=save_dir, offline=offline, **kwargs)
+
+
+def tensorboard(*, save_dir: str, name: str = "tensorboard", **kwargs: Any):
+    """`TensorBoardLogger` writing event files to `<save_dir>/<name>/`."""
+    _require("tensorboard", "tensorboard", "tensorboard")
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    return TensorBoardLogger(save_dir=save_dir, name=name, version="", default_hp_metric=False, **kwargs)
+
+
+def finish_runs(loggers) -> None:
+    """End the W&B runs of a finished fit: in a process that trains again (a multirun sweep, a
+    notebook) the next job would otherwise log into this job's run, and offline files are flushed."""
+    from lightning.pytorch.loggers import WandbLogger  # importable without wandb
+
+    for logger in loggers:
+        if isinstance(logger, WandbLogger) and logger._experiment is not None:  # only runs that started
+            logger.experiment.finish()

@@ -1,0 +1,105 @@
+"""GSM8K rows from JSONL: both record formats, and bad lines reported by file, line and field."""
+
+import json
+import logging
+import re
+from pathlib import Path
+
+import pytest
+
+from lit_grpo.tasks.gsm8k_rows import PROMPT_TEMPLATE, RowError, load_jsonl_rows, normalize_record
+
+SAMPLE = Path(__file__).resolve().parent / "data" / "gsm8k_test_sample.jsonl"
+GOOD = {"question": "Tom has 2 apples and buys 3. How many?", "answer": "2 + 3 = <<2+3=5>>5\n#### 5"}
+
+
+def _write(tmp_path: Path, lines: list, name: str = "gsm8k.jsonl") -> Path:
+    """A JSONL file of `lines`: dicts are dumped, strings written as they are."""
+    path = tmp_path / name
+    path.write_text("".join((json.dumps(x) if isinstance(x, dict) else x) + "\n" for x in lines), encoding="utf-8")
+    return path
+
+
+def test_vendored_sample_loads_with_the_hash_answers():
+    rows, problems = load_jsonl_rows(SAMPLE)
+    raw = [json.loads(line) for line in SAMPLE.read_text(encoding="utf-8").splitlines()]
+    assert len(rows) == 40 and problems == []
+    assert rows[0]["answer"] == "18"
+    assert [r["answer"] for r in rows] == [x["answer"].split("####")[-1].strip().replace(",", "") for x in raw]
+    assert rows[2]["answer"] == "70000"  # "#### 70000"; the solution above it has "$80,000"
+    for row, x in zip(rows, raw):
+        assert row["question"] == x["question"]
+        assert row["messages"] == [{"role": "user", "content": PROMPT_TEMPLATE.format(question=x["question"])}]
+        assert x["question"] in row["messages"][-1]["content"]
+
+
+def test_chat_records_keep_their_messages():
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+3?"}]
+    for field, value, expected in [("answer", "5", "5"), ("ground_truth", "so #### 1,000", "1000"), ("solution", 2.50, "2.5")]:
+        row = normalize_record({"messages": messages, field: value}, "x line 1")
+        assert row == {"messages": messages, "answer": expected, "question": "What is 2+3?"}
+
+
+@pytest.mark.parametrize(
+    "record,field",
+    [
+        ({"answer": "#### 5"}, "'question'"),
+        ({"question": "How many?"}, "missing answer field"),
+        ({"question": "How many?", "answer": "five, I think"}, "'answer' holds no number"),
+        ({"question": "", "answer": "5"}, "'question' must be a non-empty string"),
+        ({"question": "How many?", "answer": True}, "'answer' must be a string or a number"),
+        ({"messages": "What is 2+3?", "answer": "5"}, "'messages' must be a non-empty list"),
+        ({"messages": [{"role": "user"}], "answer": "5"}, "messages[0] must be a dict"),
+        ({"messages": [{"role": "system", "content": "Hi"}], "answer": "5"}, "no 'user' message"),
+        ([1, 2], "expected a JSON object"),
+    ],
+)
+def test_malformed_records_name_place_and_field(record, field):
+    with pytest.raises(RowError) as err:
+        normalize_record(record, "gsm8k.jsonl line 17")
+    assert str(err.value).startswith("gsm8k.jsonl line 17: ") and field in str(err.value)
+
+
+def _bad_file(tmp_path: Path) -> Path:
+    # line 2: no answer; line 3: broken JSON; line 4 blank; line 6: answer without a number
+    return _write(tmp_path, [GOOD, {"question": "q"}, '{"question": "q", ', "", GOOD, {**GOOD, "answer": "none"}, GOOD])
+
+
+def test_raise_mode_stops_at_the_first_bad_line(tmp_path):
+    with pytest.raises(RowError, match=r"^gsm8k\.jsonl line 2: missing answer field"):
+        load_jsonl_rows(_bad_file(tmp_path))
+    with pytest.raises(RowError, match=r"^gsm8k\.jsonl line 3: invalid JSON"):
+        load_jsonl_rows(_write(tmp_path, [GOOD, GOOD, "{not json", GOOD]))
+
+
+def test_skip_mode_skips_bad_lines_and_lists_them(tmp_path, caplog):
+    with caplog.at_level(logging.WARNING):
+        rows, problems = load_jsonl_rows(_bad_file(tmp_path), on_error="skip")
+    assert [r["answer"] for r in rows] == ["5", "5", "5"]
+    assert [p.split(":")[0] for p in problems] == ["gsm8k.jsonl line 2", "gsm8k.jsonl line 3", "gsm8k.jsonl line 6"]
+    assert "missing answer field" in problems[0] and "invalid JSON" in problems[1]
+    assert "'answer' holds no number" in problems[2]
+    assert len([r for r in caplog.records if r.levelno == logging.WARNING]) == 3
+
+
+def test_max_rows_stops_after_that_many_valid_rows(tmp_path):
+    rows, problems = load_jsonl_rows(_bad_file(tmp_path), on_error="skip", max_rows=2)
+    assert len(rows) == 2 and len(problems) == 2  # line 6 is never read
+    assert len(load_jsonl_rows(SAMPLE, max_rows=5)[0]) == 5
+
+
+def test_files_with_no_usable_rows_are_errors(tmp_path):
+    with pytest.raises(RowError, match="no usable rows.*empty"):
+        load_jsonl_rows(_write(tmp_path, ["", "  "], name="empty.jsonl"))
+    with pytest.raises(RowError, match=r"bad\.jsonl: no usable rows \(2 bad records"):
+        load_jsonl_rows(_write(tmp_path, ["[", {"question": "q"}], name="bad.jsonl"), on_error="skip")
+
+
+def test_missing_file_and_bad_arguments(tmp_path):
+    missing = tmp_path / "nope.jsonl"
+    with pytest.raises(FileNotFoundError, match=re.escape(str(missing))):
+        load_jsonl_rows(missing)
+    with pytest.raises(ValueError, match="on_error"):
+        load_jsonl_rows(SAMPLE, on_error="ignore")
+    with pytest.raises(ValueError, match="max_rows"):
+        load_jsonl_rows(SAMPLE, max_rows=-1)
