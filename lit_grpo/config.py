@@ -77,8 +77,8 @@ class SamplerConfig:
     """Most sequences generated together in one batched call."""
     dtype: str = "auto"
     """vllm: engine dtype (`auto` follows the model; float32 for exact logprob checks)."""
-    max_model_len: int = 2048
-    """vllm: longest prompt + completion the engine accepts."""
+    max_model_len: Optional[int] = None
+    """vllm: longest prompt + completion the engine accepts (null: the model's own limit)."""
     gpu_memory_utilization: float = 0.3
     """vllm on CUDA: fraction of GPU memory for the engine (the rest is the trainer's, colocated)."""
     enforce_eager: bool = False

@@ -41,6 +41,7 @@ class AsyncRolloutProducer(RolloutProducer):
         self.running = 0
         """Samples in flight."""
         self._unfinished: set[tuple[int, int]] = set()  # row positions sampling or queued, not yet trained
+        self._position_lock = threading.Lock()  # the cursor and `_unfinished` change together, for a consistent snapshot
         self._ready: queue.Queue[Optional[tuple[tuple[int, int], PromptGroup]]] = queue.Queue()
         self._rejected: deque[PromptGroup] = deque()  # filtered groups still count in reward stats
         self._error: Optional[BaseException] = None
@@ -74,11 +75,12 @@ class AsyncRolloutProducer(RolloutProducer):
                 await self._wake.wait()
                 self._gate_wait_s += time.perf_counter() - waited_from
                 continue
-            taken = self.cursor.take_positioned(1)
-            if not taken:
-                break
-            position, row = taken[0]
-            self._unfinished.add(position)
+            with self._position_lock:
+                taken = self.cursor.take_positioned(1)
+                if not taken:
+                    break
+                position, row = taken[0]
+                self._unfinished.add(position)
             self.running += self.G
             task = asyncio.create_task(self._run_group(position, row, self.version))
             tasks.add(task)
@@ -104,7 +106,8 @@ class AsyncRolloutProducer(RolloutProducer):
             self.accepted_samples += self.G
             self._ready.put((position, group))
         else:
-            self._unfinished.discard(position)  # a filtered row is used up, like a trained one
+            with self._position_lock:
+                self._unfinished.discard(position)  # a filtered row is used up, like a trained one
             self._rejected.append(group)
 
     def _bump_version(self) -> None:
@@ -138,7 +141,8 @@ class AsyncRolloutProducer(RolloutProducer):
                     raise self._error
                 break
             position, group = item
-            self._unfinished.discard(position)
+            with self._position_lock:
+                self._unfinished.discard(position)
             accepted.append(group)
         now = time.perf_counter()
         wait_s = now - waited_from
@@ -157,18 +161,10 @@ class AsyncRolloutProducer(RolloutProducer):
         """Version, gate counters and data position between two steps.
 
         Rows sampling or queued (not yet trained) are saved as unfinished: a resumed run samples
-        them again first, so no row is lost or trained twice. The snapshot is taken on the
-        producer's loop, where every counter changes, so it is consistent.
+        them again first, so no row is lost or trained twice.
         """
-        if self._thread is None or not self._thread.is_alive():
-            return self._snapshot()
-        return asyncio.run_coroutine_threadsafe(self._async_snapshot(), self._loop).result(timeout=60)
-
-    async def _async_snapshot(self) -> dict:
-        return self._snapshot()
-
-    def _snapshot(self) -> dict:
-        return {**super().state_dict(), "cursor": self.cursor.state_dict(unfinished=sorted(self._unfinished))}
+        with self._position_lock:
+            return {**super().state_dict(), "cursor": self.cursor.state_dict(unfinished=sorted(self._unfinished))}
 
     def load_state_dict(self, state: dict) -> None:
         """Before the first batch: resume the gate as if every trained sample had just been accepted."""

@@ -219,3 +219,15 @@ def test_async_producer_state_loses_no_row_and_repeats_none():
         second.advance_version()
     second.close()
     assert sorted(before + after) == list(range(40))  # every row trained exactly once across the restart
+
+
+def test_an_async_run_resumes_after_sigkill(tmp_path):
+    run_dir = tmp_path / "run"
+    async_run = ["synchronous_training=false", "max_head_offpolicy_versions=1"]
+    killed = run_cli(run_dir, *async_run, "+callbacks.kill={_target_:fault_injection.KillAfterStep,step:5}")
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    resumed = run_cli(run_dir, *async_run, "resume=auto")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["resumed_from"].endswith("step_00000004") and summary["steps"] == STEPS
+    assert (run_dir / "final_model" / "model.safetensors").exists()

@@ -13,16 +13,12 @@ class RewardHistogram(L.Callback):
 
     def __init__(self, every_n_steps: int = 10) -> None:
         self.every_n_steps = every_n_steps
-        self.steps = 0
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int) -> None:
-        if not trained(outputs):
-            return
-        self.steps += 1
+        step = pl_module.rollout_step  # this step's index: the module counts it after the callbacks
         rewards = pl_module.last_rewards
-        if rewards is None or self.every_n_steps <= 0 or self.steps % self.every_n_steps:
+        if not trained(outputs) or rewards is None or self.every_n_steps <= 0 or (step + 1) % self.every_n_steps:
             return
-        step = self.steps - 1  # the step index the module logs this step's scalars at
         for logger in trainer.loggers:
             if isinstance(logger, TensorBoardLogger):
                 logger.experiment.add_histogram("reward/histogram", rewards, global_step=step)

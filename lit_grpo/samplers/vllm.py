@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Iterable
+from typing import Any, Iterable, Optional
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -46,7 +46,7 @@ class VLLMSampler(BatchingSampler):
         tokenizer: PreTrainedTokenizerBase,
         *,
         dtype: str = "auto",
-        max_model_len: int = 2048,
+        max_model_len: Optional[int] = None,
         gpu_memory_utilization: float = 0.3,
         enforce_eager: bool = False,
         tensor_parallel_size: int = 1,
