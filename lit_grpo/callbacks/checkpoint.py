@@ -29,7 +29,7 @@ from omegaconf import OmegaConf
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from lit_grpo.callbacks.history import MetricHistory
-from lit_grpo.checkpoint import CONFIG_FILE, CheckpointStore, config_as_dict, trainer_state_file
+from lit_grpo.checkpoint import CONFIG_FILE, CheckpointStore, config_as_dict, step_dir_name, trainer_state_file
 from lit_grpo.module import trained
 
 log = logging.getLogger(__name__)
@@ -100,7 +100,7 @@ class DCPCheckpoint(Checkpoint):
         dcp.save({"policy": model_sd, "optimizer": optim_sd}, checkpoint_id=staging)
         torch.save(self._trainer_state(trainer, pl_module), staging / trainer_state_file(trainer.global_rank))
         trainer.strategy.barrier("dcp_written")
-        final = self.store.root / staging.name
+        final = self.store.root / step_dir_name(step)
         if trainer.is_global_zero:
             (staging / CONFIG_FILE).write_text(OmegaConf.to_yaml(config_as_dict(self.run_config)))
             final = self.store.publish(step, staging, {"world_size": trainer.world_size, "format": FORMAT_VERSION})
@@ -109,7 +109,8 @@ class DCPCheckpoint(Checkpoint):
         for logger in trainer.loggers:  # what the loggers hold is on disk too
             logger.save()
         self.last_saved_step = step
-        log.info("saved checkpoint %s in %.2f s", final, time.perf_counter() - start)
+        if trainer.is_global_zero:
+            log.info("saved checkpoint %s in %.2f s", final, time.perf_counter() - start)
         return final
 
     def _trainer_state(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict:
