@@ -249,3 +249,29 @@ def test_ddp_checkpoints_per_rank_and_resumes_exactly(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads((resumed / "summary.json").read_text())["steps"] == 6
     assert_bit_identical(tensors(whole / "final_model"), tensors(resumed / "final_model"))
+
+
+def test_export_merges_a_lora_policy(tiny_model, tokenizer, tmp_path):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from lit_grpo.export import export_pretrained
+
+    policy = get_peft_model(tiny_model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    with torch.no_grad():
+        for name, param in policy.named_parameters():
+            if "lora_B" in name:
+                param.normal_(std=0.5)  # LoRA starts as a no-op (B = 0); make it change the outputs
+    tokens = torch.tensor([[5, 17, 23, 42, 8]])
+    with torch.no_grad():
+        expected = policy(input_ids=tokens).logits
+        with policy.disable_adapter():
+            base = policy(input_ids=tokens).logits
+    assert not torch.allclose(expected, base, atol=1e-4)
+
+    out = export_pretrained(policy, tokenizer, tmp_path / "merged")
+    loaded = AutoModelForCausalLM.from_pretrained(out)
+    assert not any("lora" in name for name in loaded.state_dict())  # a plain model, adapters merged in
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=tokens).logits, expected, atol=1e-5, rtol=1e-5)
+    assert any("lora_A" in name for name, _ in policy.named_parameters())  # the training policy is untouched
