@@ -31,11 +31,12 @@ from lit_grpo.config import ConfigError, TrainConfig, validate
 from lit_grpo.data import RolloutDataModule
 from lit_grpo.loggers import finish_runs
 from lit_grpo.models import load_policy, load_tokenizer
-from lit_grpo.preflight import check_sources
 from lit_grpo.module import GRPOModule, OptimConfig
+from lit_grpo.preflight import check_sources
 from lit_grpo.rollout import load_rollout_factory
 from lit_grpo.samplers import build_sampler
 from lit_grpo.tasks import build_eval_rows, build_rows, reward_fn
+from lit_grpo.tasks.gsm8k_rows import RowError
 from lit_grpo.types import RolloutSetup
 
 log = logging.getLogger(__name__)
@@ -226,7 +227,7 @@ def compose_config(overrides: list[str]) -> DictConfig:
 def main(cfg: DictConfig) -> float:
     try:
         return train(cfg)["final_reward"]
-    except ConfigError as err:  # a config or environment problem: its message, not a traceback
+    except (ConfigError, RowError) as err:  # a config, data or environment problem: its message, not a traceback
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
 
