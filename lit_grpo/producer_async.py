@@ -110,10 +110,6 @@ class AsyncRolloutProducer(RolloutProducer):
                 self._unfinished.discard(position)  # a filtered row is used up, like a trained one
             self._rejected.append(group)
 
-    def _bump_version(self) -> None:
-        self.version += 1
-        self._wake.set()
-
     # ---------------------------------------------------------------- trainer thread
 
     def start(self) -> None:
@@ -126,7 +122,11 @@ class AsyncRolloutProducer(RolloutProducer):
         self.start()
         while self._wake is None:  # the loop thread is still starting
             time.sleep(0.001)
-        self._loop.call_soon_threadsafe(self._bump_version)
+        # The sampler holds the new weights already: count the version now (a checkpoint taken
+        # right after must see it), then let the loop re-check its gate.
+        with self._position_lock:
+            self.version += 1
+        self._loop.call_soon_threadsafe(self._wake.set)
 
     def next_batch(self) -> Optional[RolloutBatch]:
         """Wait for P accepted groups (or the end of the rows) and make the step's batch."""
