@@ -97,10 +97,6 @@ def verify(folder: Path) -> Optional[str]:
     return None
 
 
-def read_manifest(folder: Path) -> dict:
-    return json.loads((folder / MANIFEST).read_text())
-
-
 class CheckpointStore:
     """The checkpoint folders of one run under `root`; rank 0 publishes and prunes."""
 
@@ -141,13 +137,16 @@ class CheckpointStore:
     def prune(self) -> None:
         """Keep the newest `keep_last` checkpoints; drop older ones and abandoned staging folders."""
         for _, path in self.step_dirs()[: -self.keep_last]:
-            shutil.rmtree(path, ignore_errors=True)
+            # Off its checkpoint name first, so a kill mid-delete leaves no torn step folder.
+            doomed = self.root / f"{TMP_PREFIX}old-{path.name}"
+            path.rename(doomed)
+            shutil.rmtree(doomed, ignore_errors=True)
         for path in self.root.glob(f"{TMP_PREFIX}*"):
             shutil.rmtree(path, ignore_errors=True)
 
     def newest_complete(self) -> Optional[Path]:
         """The newest checkpoint that verifies; newer broken ones are reported and skipped."""
-        for step, path in reversed(self.step_dirs()):
+        for _, path in reversed(self.step_dirs()):
             problem = verify(path)
             if problem is None:
                 return path

@@ -28,7 +28,7 @@ from lit_grpo.models import build_policy_skeleton, load_tokenizer, save_pretrain
 log = logging.getLogger(__name__)
 
 
-def mergeable_copy(policy: PreTrainedModel) -> PreTrainedModel:
+def merged_model(policy: PreTrainedModel) -> PreTrainedModel:
     """The policy as a plain transformers model: LoRA adapters merged into a copy of the base."""
     if hasattr(policy, "merge_and_unload"):  # a peft model
         return copy.deepcopy(policy).merge_and_unload()
@@ -45,7 +45,7 @@ def export_pretrained(
     out = Path(out_dir)
     staging = out.parent / f".tmp-{out.name}"
     shutil.rmtree(staging, ignore_errors=True)
-    save_pretrained(mergeable_copy(policy), tokenizer, staging, state_dict=state_dict)
+    save_pretrained(merged_model(policy), tokenizer, staging, state_dict=state_dict)
     if out.exists():
         shutil.rmtree(out)
     staging.rename(out)
