@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Awaitable, Callable, Optional
 
+from lit_grpo.samplers.base import chat_prompt_tokens
 from lit_grpo.types import Completion, RolloutSample, RolloutSetup
 
 RolloutFn = Callable[[dict], Awaitable[Optional[RolloutSample]]]
@@ -44,17 +45,20 @@ def sample_from_completion(c: Completion, reward: float) -> RolloutSample:
     )
 
 
+def row_prompt_tokens(row: dict, tokenizer) -> list[int]:
+    """A row's prompt: its `prompt_token_ids`, or its `messages` (minus any assistant answer) through the chat template."""
+    if "prompt_token_ids" in row:
+        return list(row["prompt_token_ids"])
+    return chat_prompt_tokens(tokenizer, [m for m in row["messages"] if m.get("role") != "assistant"])
+
+
 def make_rollout_fn(setup: RolloutSetup) -> RolloutFn:
     """Rows with `prompt_token_ids` are sampled token-in; rows with `messages` through the chat template."""
     sampler, sample_kwargs = setup.sampler, dict(setup.sample_kwargs)
     reward_fn = setup.extras["reward_fn"]
 
     async def rollout_fn(row: dict) -> Optional[RolloutSample]:
-        if "prompt_token_ids" in row:
-            completions = await sampler.sample_with_prompt_tokens(row["prompt_token_ids"], n=1, **sample_kwargs)
-        else:
-            messages = [m for m in row["messages"] if m.get("role") != "assistant"]
-            completions = await sampler.sample_with_tokens(messages, n=1, **sample_kwargs)
+        completions = await sampler.sample_with_prompt_tokens(row_prompt_tokens(row, setup.tokenizer), n=1, **sample_kwargs)
         if not completions:
             return None
         c = completions[0]

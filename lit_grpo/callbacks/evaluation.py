@@ -8,16 +8,9 @@ import time
 import lightning as L
 
 from lit_grpo.module import trained
-from lit_grpo.samplers.base import chat_prompt_tokens
+from lit_grpo.rollout import row_prompt_tokens
 
 log = logging.getLogger(__name__)
-
-
-def prompt_tokens(row: dict, tokenizer) -> list[int]:
-    """A row's prompt as the rollout sees it: its tokens, or its chat messages through the template."""
-    if "prompt_token_ids" in row:
-        return list(row["prompt_token_ids"])
-    return chat_prompt_tokens(tokenizer, [m for m in row["messages"] if m.get("role") != "assistant"])
 
 
 def greedy_accuracy(sampler, tokenizer, rows: list[dict], reward_fn, max_tokens: int, batch_size: int) -> float:
@@ -25,7 +18,7 @@ def greedy_accuracy(sampler, tokenizer, rows: list[dict], reward_fn, max_tokens:
     total = 0.0
     for start in range(0, len(rows), batch_size):
         chunk = rows[start : start + batch_size]
-        completions = sampler.generate([prompt_tokens(r, tokenizer) for r in chunk], 0.0, max_tokens)
+        completions = sampler.generate([row_prompt_tokens(r, tokenizer) for r in chunk], 0.0, max_tokens)
         total += sum(reward_fn(c.text, row) for c, row in zip(completions, chunk))
     return total / len(rows)
 
