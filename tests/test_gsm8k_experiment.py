@@ -121,6 +121,10 @@ def test_wandb_offline_run_writes_its_metrics(tmp_path, monkeypatch):
         "+experiment=arithmetic", "max_steps=3", "logger=wandb", "logger.wandb.name=offline-test",
         "callbacks.reward_histogram.every_n_steps=1", "trainer.enable_progress_bar=false", output_dir=tmp_path,
     ))
+    import wandb
+
+    assert wandb.run is None  # finished by `fit`: a next job in this process starts its own run
+    wandb.teardown()  # the run is finished; wait for wandb's service process to finish writing its file
     data = _wandb_run_file(tmp_path)
     assert b"reward/mean" in data and b"reward/histogram" in data and b"offline-test" in data
     rewards = json.loads((tmp_path / "summary.json").read_text())["reward_curve"]
