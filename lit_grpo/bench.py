@@ -84,7 +84,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as out:
         cfg = compose_config([
             "+experiment=arithmetic", f"max_steps={args.steps}", "~callbacks.reward_filter", "~callbacks.reward_curve",
-            "logger=none", "trainer.enable_progress_bar=false", f"output_dir={out}", *args.overrides,
+            "logger=none", "output_model_id=null", "trainer.enable_progress_bar=false", f"output_dir={out}", *args.overrides,
         ])
         c = validate(cfg)
         ours = framework_steps(c, args.warmup)

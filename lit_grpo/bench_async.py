@@ -42,7 +42,7 @@ def make_latency_rollout_fn(setup):
 def run_mode(overrides: list[str], steps: int, latency: float, warmup: int) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as out:
         c = validate(compose_config([
-            "+experiment=arithmetic", f"max_steps={steps}", "logger=none", "~callbacks.reward_curve",
+            "+experiment=arithmetic", f"max_steps={steps}", "logger=none", "output_model_id=null", "~callbacks.reward_curve",
             "trainer.enable_progress_bar=false", "rollout.factory=lit_grpo.bench_async:make_latency_rollout_fn",
             f"+rollout.extras.env_latency_s={latency}", f"output_dir={out}", *overrides,
         ]))
