@@ -25,13 +25,35 @@ from typing import Optional
 
 from omegaconf import OmegaConf
 
-from lit_grpo.config import STATE_DEFINING_FIELDS, ConfigError, TrainConfig
+from lit_grpo.config import ConfigError, TrainConfig
 
 log = logging.getLogger(__name__)
 MANIFEST = "manifest.json"
 CONFIG_FILE = "config.yaml"
 STEP_DIR = re.compile(r"^step_(\d+)$")
 TMP_PREFIX = ".tmp-"
+
+# Fields whose change makes a checkpoint mean something else: resuming with a different value is
+# refused (`check_resumable`). A prefix covers the whole group below it.
+STATE_DEFINING_FIELDS = (
+    "model",
+    "seed",
+    "policy_loss.name",
+    "data.task",
+    "data.completions_per_prompt",
+    "data.prompt_groups_per_step",
+    "data.num_rows",
+    "data.max_rows",
+    "data.max_operand",
+    "data.max_answer",
+    "data.operators",
+    "data.shuffle",
+    "data.path",
+    "data.dataset",
+    "data.dataset_config",
+    "data.split",
+    "ppo_n_minibatches",
+)
 
 
 def step_dir_name(step: int) -> str:

@@ -359,29 +359,6 @@ class TrainConfig:
             raise ConfigError(f"config group `policy_loss`: {err}") from None
 
 
-# Fields whose change makes a checkpoint mean something else: resuming with a different value is
-# refused (`lit_grpo.checkpoint.check_resumable`). A prefix covers the whole group below it.
-STATE_DEFINING_FIELDS = (
-    "model",
-    "seed",
-    "policy_loss.name",
-    "data.task",
-    "data.completions_per_prompt",
-    "data.prompt_groups_per_step",
-    "data.num_rows",
-    "data.max_rows",
-    "data.max_operand",
-    "data.max_answer",
-    "data.operators",
-    "data.shuffle",
-    "data.path",
-    "data.dataset",
-    "data.dataset_config",
-    "data.split",
-    "ppo_n_minibatches",
-)
-
-
 def register_configs() -> None:
     """Store the schema so `conf/train.yaml` can start from it (`defaults: [train_schema, ...]`)."""
     cs = ConfigStore.instance()

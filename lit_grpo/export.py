@@ -22,7 +22,7 @@ from omegaconf import OmegaConf
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from lit_grpo.checkpoint import CONFIG_FILE, locate_checkpoint
-from lit_grpo.config import TrainConfig
+from lit_grpo.config import TrainConfig, validate
 from lit_grpo.models import build_policy_skeleton, load_tokenizer, save_pretrained
 
 log = logging.getLogger(__name__)
@@ -54,8 +54,6 @@ def export_pretrained(
 
 def load_run_config(checkpoint: Path) -> TrainConfig:
     """The `TrainConfig` a checkpoint was written with."""
-    from lit_grpo.config import validate
-
     schema = OmegaConf.structured(TrainConfig)
     return validate(OmegaConf.merge(schema, OmegaConf.load(checkpoint / CONFIG_FILE)))
 

@@ -116,7 +116,8 @@ class GRPOModule(L.LightningModule):
         self.step_metrics: dict[str, float] = {}
         """Every scalar of the latest rollout step (callbacks read and extend it)."""
         self.rollout_step = 0
-        """Rollout steps completed (optimizer steps are `ppo_n_minibatches` times as many)."""
+        """Rollout steps completed, this one included once its optimizer steps are done (so the
+        batch-end callbacks see it); optimizer steps are `ppo_n_minibatches` times as many."""
         self.last_rewards: Optional[torch.Tensor] = None
         """The rewards of the latest trained batch, [B] (for histograms)."""
 
@@ -161,6 +162,7 @@ class GRPOModule(L.LightningModule):
         t_train = time.perf_counter()
 
         self._log_step(batch, metrics, ref_s=t_ref - t0, train_s=t_train - t_ref)
+        self.rollout_step += 1
         return {"loss": metrics["loss"]}
 
     def _optimizer_step(self, batch, rows: slice, mask_BT, sampler_logprobs_BT, ref_logprobs_BT, old_logprobs_BT) -> dict[str, torch.Tensor]:
@@ -235,7 +237,6 @@ class GRPOModule(L.LightningModule):
     def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
         if not trained(outputs):
             return
-        self.rollout_step += 1
         every = max(self.trainer.log_every_n_steps, 1)
         if self.rollout_step % every == 0:
             for logger in self.loggers:

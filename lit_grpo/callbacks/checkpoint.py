@@ -73,7 +73,6 @@ class DCPCheckpoint(Checkpoint):
         self.store, self.interval = store, interval
         self.run_config, self.weight_sync_interval = run_config, weight_sync_interval
         self.resume_from = resume_from
-        self.steps = 0
         self.last_saved_step: Optional[int] = None
         self._rng_to_restore: Optional[dict] = None
 
@@ -82,17 +81,18 @@ class DCPCheckpoint(Checkpoint):
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int) -> None:
         if not trained(outputs):
             return
-        self.steps += 1
-        if self.interval > 0 and self.steps % self.interval == 0 and not trainer.fast_dev_run:
+        if self.interval > 0 and pl_module.rollout_step % self.interval == 0 and not trainer.fast_dev_run:
             self.save(trainer, pl_module)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self.interval > 0 and self.steps > 0 and self.last_saved_step != self.steps and not trainer.fast_dev_run:
+        step = pl_module.rollout_step
+        if self.interval > 0 and step > 0 and self.last_saved_step != step and not trainer.fast_dev_run:
             self.save(trainer, pl_module)
 
     def save(self, trainer: L.Trainer, pl_module: L.LightningModule) -> Path:
         start = time.perf_counter()
-        step, staging = self.steps, self.store.staging_dir(self.steps)
+        step = pl_module.rollout_step
+        staging = self.store.staging_dir(step)
         if trainer.is_global_zero:
             self.store.begin(step)
         trainer.strategy.barrier("dcp_begin")
@@ -116,9 +116,9 @@ class DCPCheckpoint(Checkpoint):
     def _trainer_state(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict:
         return {
             "format": FORMAT_VERSION,
-            "step": self.steps,
+            "step": pl_module.rollout_step,
             "world_size": trainer.world_size,
-            "sampler_holds_policy": self.weight_sync_interval > 0 and self.steps % self.weight_sync_interval == 0,
+            "sampler_holds_policy": self.weight_sync_interval > 0 and pl_module.rollout_step % self.weight_sync_interval == 0,
             "lr_schedulers": [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs],
             "datamodule": trainer.datamodule.state_dict(),
             "callbacks": {cb.state_key: cb.state_dict() for cb in trainer.callbacks if cb is not self and cb.state_dict()},
@@ -143,7 +143,7 @@ class DCPCheckpoint(Checkpoint):
         for cb in trainer.callbacks:
             if cb.state_key in state["callbacks"]:
                 cb.load_state_dict(state["callbacks"][cb.state_key])
-        self.steps = self.last_saved_step = pl_module.rollout_step = state["step"]
+        self.last_saved_step = pl_module.rollout_step = state["step"]
         self._sync_sampler(trainer, pl_module, state["sampler_holds_policy"])
         self._rng_to_restore = state["rng"]
         self._replay_history_into_csv(trainer)

@@ -30,39 +30,38 @@ class GreedyEvaluation(L.Callback):
 
     def __init__(self, interval: int = 0, max_tokens: int = 256, batch_size: int = 64) -> None:
         self.interval, self.max_tokens, self.batch_size = interval, max_tokens, batch_size
-        self.steps = 0
         self.last: dict[str, float] = {}
         """The latest `eval/accuracy` (and its step), for the run summary."""
 
-    def _evaluate(self, trainer: L.Trainer) -> float | None:
+    def _evaluate(self, trainer: L.Trainer, step: int) -> float | None:
         dm = trainer.datamodule
         if not dm.eval_rows or dm.reward_fn is None:
             return None
         start = time.perf_counter()
         accuracy = greedy_accuracy(dm.sampler, dm.tokenizer, dm.eval_rows, dm.reward_fn, self.max_tokens, self.batch_size)
-        self.last = {"eval/accuracy": accuracy, "eval/step": float(self.steps)}
-        log.info("step %d: eval/accuracy %.4f on %d held-out rows (%.1f s)", self.steps, accuracy, len(dm.eval_rows), time.perf_counter() - start)
+        self.last = {"eval/accuracy": accuracy, "eval/step": float(step)}
+        log.info("step %d: eval/accuracy %.4f on %d held-out rows (%.1f s)", step, accuracy, len(dm.eval_rows), time.perf_counter() - start)
         return accuracy
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int) -> None:
-        if not trained(outputs):
+        step = pl_module.rollout_step
+        if not trained(outputs) or self.interval <= 0 or step % self.interval:
             return
-        self.steps += 1
-        if self.interval > 0 and self.steps % self.interval == 0:
-            accuracy = self._evaluate(trainer)
-            if accuracy is not None:
-                pl_module.record({"eval/accuracy": accuracy})
+        accuracy = self._evaluate(trainer, step)
+        if accuracy is not None:
+            pl_module.record({"eval/accuracy": accuracy})
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self.steps == 0 or self.last.get("eval/step") == float(self.steps):
+        step = pl_module.rollout_step
+        if step == 0 or self.last.get("eval/step") == float(step):
             return  # nothing trained, or this step was just evaluated
-        accuracy = self._evaluate(trainer)
+        accuracy = self._evaluate(trainer, step)
         if accuracy is not None:
             for logger in trainer.loggers:
-                logger.log_metrics({"eval/accuracy": accuracy}, step=max(self.steps - 1, 0))
+                logger.log_metrics({"eval/accuracy": accuracy}, step=step - 1)
 
     def state_dict(self) -> dict:
-        return {"steps": self.steps, "last": dict(self.last)}
+        return {"last": dict(self.last)}
 
     def load_state_dict(self, state_dict: dict) -> None:
-        self.steps, self.last = state_dict["steps"], dict(state_dict["last"])
+        self.last = dict(state_dict["last"])

@@ -15,7 +15,7 @@ class RewardHistogram(L.Callback):
         self.every_n_steps = every_n_steps
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int) -> None:
-        step = pl_module.rollout_step  # this step's index: the module counts it after the callbacks
+        step = pl_module.rollout_step - 1  # the 0-based index the module logs this step's scalars at
         rewards = pl_module.last_rewards
         if not trained(outputs) or rewards is None or self.every_n_steps <= 0 or (step + 1) % self.every_n_steps:
             return

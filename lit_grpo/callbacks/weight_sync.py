@@ -21,26 +21,18 @@ class WeightSync(L.Callback):
         if interval < 0:
             raise ValueError(f"WeightSync interval must be >= 0, got {interval}")
         self.interval = interval
-        self.rollout_steps = 0
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int) -> None:
         if not trained(outputs):
             return
-        self.rollout_steps += 1
         if self.interval == 0:
             # No weights move, but the off-policy gate counts steps as versions (else it would
             # stop admitting rows after max_head_offpolicy_versions + 1 steps).
             trainer.datamodule.sync_weights(None)
             return
-        if self.rollout_steps % self.interval:
+        if pl_module.rollout_step % self.interval:
             return
         start = time.perf_counter()
         with torch.no_grad():
             trainer.datamodule.sync_weights(pl_module.policy.state_dict().items())
         pl_module.record({"perf/weight_sync_s": time.perf_counter() - start})
-
-    def state_dict(self) -> dict:
-        return {"rollout_steps": self.rollout_steps}
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        self.rollout_steps = state_dict["rollout_steps"]
