@@ -14,6 +14,7 @@ disagrees with its files (a torn copy, a truncated file) is reported and skipped
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -21,7 +22,7 @@ import os
 import re
 import shutil
 from pathlib import Path
-from typing import Optional
+from typing import Optional, get_type_hints
 
 from omegaconf import OmegaConf
 
@@ -33,27 +34,23 @@ CONFIG_FILE = "config.yaml"
 STEP_DIR = re.compile(r"^step_(\d+)$")
 TMP_PREFIX = ".tmp-"
 
+
+def state_defining_fields(schema: type = TrainConfig, prefix: str = "") -> tuple[str, ...]:
+    """Dotted names of the fields of `schema` and its sub-configs marked `DEFINES_STATE` where
+    lit_grpo/config.py declares them; a marked sub-config is named alone and covers all below it."""
+    hints = get_type_hints(schema)
+    names: list[str] = []
+    for f in dataclasses.fields(schema):
+        if f.metadata.get("defines_state"):
+            names.append(prefix + f.name)
+        elif dataclasses.is_dataclass(hints[f.name]):
+            names.extend(state_defining_fields(hints[f.name], f"{prefix}{f.name}."))
+    return tuple(names)
+
+
 # Fields whose change makes a checkpoint mean something else: resuming with a different value is
-# refused (`check_resumable`). A prefix covers the whole group below it.
-STATE_DEFINING_FIELDS = (
-    "model",
-    "seed",
-    "policy_loss.name",
-    "data.task",
-    "data.completions_per_prompt",
-    "data.prompt_groups_per_step",
-    "data.num_rows",
-    "data.max_rows",
-    "data.max_operand",
-    "data.max_answer",
-    "data.operators",
-    "data.shuffle",
-    "data.path",
-    "data.dataset",
-    "data.dataset_config",
-    "data.split",
-    "ppo_n_minibatches",
-)
+# refused (`check_resumable`). A name covers the whole group below it (`model`, `task`).
+STATE_DEFINING_FIELDS = state_defining_fields()
 
 
 def step_dir_name(step: int) -> str:

@@ -3,7 +3,11 @@
 `conf/train.yaml` starts from the `train_schema` node stored here, so every YAML under `conf/`
 is merged onto these dataclasses: a misspelt key or a value of the wrong type fails while Hydra
 composes. Cross-field rules live in `__post_init__`; `validate(cfg)` turns a composed DictConfig
-into these objects (running those rules) before any model is loaded.
+into these objects (running those rules) before any model is loaded. Lists of valid names (loss
+variants, normalizations, TIS levels, advantage scales, sampler kinds, tasks) are read from the
+registries that own them, never written here. A field marked `metadata=DEFINES_STATE` defines what
+a checkpoint's state means (`lit_grpo.checkpoint.STATE_DEFINING_FIELDS`); `ineffective_knobs`
+names the knobs that a given config makes no-ops.
 """
 
 from __future__ import annotations
@@ -19,9 +23,15 @@ class ConfigError(ValueError):
     """A configuration value that cannot work; the message names the field."""
 
 
-def _require(ok: bool, field_name: str, message: str) -> None:
+def require(ok: bool, field_name: str, message: str) -> None:
+    """Raise `ConfigError` naming `field_name` (its dotted path, e.g. `task.num_rows`) unless `ok`."""
     if not ok:
         raise ConfigError(f"config field `{field_name}`: {message}")
+
+
+DEFINES_STATE = {"defines_state": True}
+"""Field metadata: the field defines what a checkpoint's state means, so resuming with another
+value is refused (`lit_grpo.checkpoint.check_resumable`). On a sub-config: all of it."""
 
 
 @dataclass
@@ -50,17 +60,17 @@ class ModelConfig:
     """Passed to transformers when `kind=hf`."""
 
     def __post_init__(self) -> None:
-        _require(self.kind in ("tiny", "hf"), "model.kind", f"must be 'tiny' or 'hf', got {self.kind!r}")
-        _require(
+        require(self.kind in ("tiny", "hf"), "model.kind", f"must be 'tiny' or 'hf', got {self.kind!r}")
+        require(
             self.kind != "hf" or bool(self.name_or_path),
             "model.name_or_path",
             "is required when model.kind=hf (a hub name or a local folder)",
         )
-        _require(self.dtype in ("float32", "bfloat16", "float16"), "model.dtype", f"unknown dtype {self.dtype!r}")
-        _require(self.alphabet in ("printable", "arithmetic"), "model.alphabet", "must be 'printable' or 'arithmetic'")
+        require(self.dtype in ("float32", "bfloat16", "float16"), "model.dtype", f"unknown dtype {self.dtype!r}")
+        require(self.alphabet in ("printable", "arithmetic"), "model.alphabet", "must be 'printable' or 'arithmetic'")
         for name in ("hidden_size", "num_layers", "num_heads", "intermediate_size", "max_position_embeddings"):
-            _require(getattr(self, name) > 0, f"model.{name}", "must be > 0")
-        _require(self.hidden_size % self.num_heads == 0, "model.hidden_size", "must be divisible by model.num_heads")
+            require(getattr(self, name) > 0, f"model.{name}", "must be > 0")
+        require(self.hidden_size % self.num_heads == 0, "model.hidden_size", "must be divisible by model.num_heads")
 
 
 @dataclass
@@ -68,7 +78,8 @@ class SamplerConfig:
     """The in-process sampler that produces rollouts."""
 
     kind: str = "hf"
-    """`hf`: batched transformers `generate` with its own copy of the weights; `vllm`: in-process vLLM."""
+    """A registered sampler (`lit_grpo.samplers`): `hf`, batched transformers `generate` with its own
+    copy of the weights; `vllm`, in-process vLLM."""
     temperature: float = 1.0
     """Sampling temperature; logprobs are reported at this temperature (top_p=1, top_k=0)."""
     max_completion_tokens: int = 8
@@ -89,83 +100,50 @@ class SamplerConfig:
     """vllm on CUDA: free the engine's memory while the trainer steps (CPU: ignored, with a log line)."""
 
     def __post_init__(self) -> None:
-        _require(self.kind in ("hf", "vllm"), "sampler.kind", f"unknown sampler {self.kind!r}; valid: hf, vllm")
-        _require(self.temperature > 0, "sampler.temperature", f"must be > 0, got {self.temperature}")
-        _require(self.max_completion_tokens > 0, "sampler.max_completion_tokens", "must be > 0")
-        _require(self.max_batch_size > 0, "sampler.max_batch_size", "must be > 0")
-        _require(0 < self.gpu_memory_utilization <= 1, "sampler.gpu_memory_utilization", "must be in (0, 1]")
-        _require(self.tensor_parallel_size >= 1, "sampler.tensor_parallel_size", "must be >= 1")
+        from lit_grpo.samplers import available_samplers
+
+        require(self.kind in available_samplers(), "sampler.kind", f"unknown sampler {self.kind!r}; valid: {', '.join(available_samplers())}")
+        require(self.temperature > 0, "sampler.temperature", f"must be > 0, got {self.temperature}")
+        require(self.max_completion_tokens > 0, "sampler.max_completion_tokens", "must be > 0")
+        require(self.max_batch_size > 0, "sampler.max_batch_size", "must be > 0")
+        require(0 < self.gpu_memory_utilization <= 1, "sampler.gpu_memory_utilization", "must be in (0, 1]")
+        require(self.tensor_parallel_size >= 1, "sampler.tensor_parallel_size", "must be >= 1")
 
 
 @dataclass
 class DataConfig:
-    """Where prompts come from and how they are grouped into steps."""
+    """How the task's rows are grouped into steps: what every task shares (the task's own options
+    are the `task` group)."""
 
-    task: str = "arithmetic"
-    """Task that makes rows and scores completions: `arithmetic` (generated) or `gsm8k` (a dataset)."""
-    completions_per_prompt: int = 8
+    completions_per_prompt: int = field(default=8, metadata=DEFINES_STATE)
     """G: completions sampled per prompt; advantages are relative within these."""
-    prompt_groups_per_step: int = 8
+    prompt_groups_per_step: int = field(default=8, metadata=DEFINES_STATE)
     """P: accepted prompt groups per training step (B = P·G sequences)."""
-    max_rows: int = 0
-    """Use at most this many rows of the dataset (0: all)."""
+    max_rows: int = field(default=0, metadata=DEFINES_STATE)
+    """Use at most this many rows of the task's dataset (0: all)."""
     epochs: int = 1
     """Passes over the rows; rows are reshuffled each epoch with the run seed."""
     max_seq_len: int = 256
     """Longest prompt + completion, in tokens."""
-    shuffle: bool = True
+    shuffle: bool = field(default=True, metadata=DEFINES_STATE)
     """Shuffle rows each epoch (seeded)."""
     min_group_size: int = 2
     """A group left with fewer samples (after dropped or failed rollouts) is dropped."""
-    num_rows: int = 1000
-    """Arithmetic: rows generated."""
-    max_operand: int = 9
-    """Arithmetic: operands are drawn from 0..max_operand."""
-    max_answer: int = 9
-    """Arithmetic: only problems whose answer is at most this (9: single-digit answers)."""
-    operators: str = "+"
-    """Arithmetic: operators to draw from, any of `+-*`."""
-    path: Optional[str] = None
-    """Dataset task: a local JSONL of training rows (GSM8K `question`/`answer`, or chat `messages` + `answer`);
-    null: the Hugging Face dataset below."""
-    dataset: str = "openai/gsm8k"
-    """Dataset task: Hugging Face dataset name (or local dataset folder) used when `path` is null."""
-    dataset_config: Optional[str] = "main"
-    """Dataset task: the dataset's config name."""
-    split: str = "train"
-    """Dataset task: the split trained on."""
-    eval_path: Optional[str] = None
-    """Local JSONL of held-out rows (null: `eval_split` of the dataset; arithmetic: rows from another seed)."""
-    eval_split: str = "test"
-    """Dataset task: the held-out split evaluated on."""
     eval_rows: int = 0
-    """Held-out rows scored greedily for `eval/accuracy` (0: no evaluation)."""
-    on_error: str = "raise"
-    """A malformed dataset row: `raise` (stop, naming the line) or `skip` (warn, naming the line)."""
+    """Held-out rows of the task scored greedily for `eval/accuracy` (0: no evaluation)."""
 
     def __post_init__(self) -> None:
-        _require(self.task in ("arithmetic", "gsm8k"), "data.task", f"unknown task {self.task!r}; valid: arithmetic, gsm8k")
-        _require(self.on_error in ("raise", "skip"), "data.on_error", f"must be 'raise' or 'skip', got {self.on_error!r}")
-        _require(self.eval_rows >= 0, "data.eval_rows", "must be >= 0 (0: no evaluation)")
-        _require(
-            not (self.task == "gsm8k" and self.path and not self.eval_path and self.eval_rows > 0),
-            "data.eval_path",
-            "is needed with a local data.path when data.eval_rows > 0 (or set data.eval_rows=0)",
-        )
-        _require(self.completions_per_prompt >= 2, "data.completions_per_prompt", "must be >= 2 (advantages are relative within a group)")
-        _require(self.prompt_groups_per_step >= 1, "data.prompt_groups_per_step", "must be >= 1")
-        _require(self.max_rows >= 0, "data.max_rows", "must be >= 0 (0 means all rows)")
-        _require(self.epochs >= 1, "data.epochs", "must be >= 1")
-        _require(self.max_seq_len > 1, "data.max_seq_len", "must be > 1")
-        _require(
+        require(self.eval_rows >= 0, "data.eval_rows", "must be >= 0 (0: no evaluation)")
+        require(self.completions_per_prompt >= 2, "data.completions_per_prompt", "must be >= 2 (advantages are relative within a group)")
+        require(self.prompt_groups_per_step >= 1, "data.prompt_groups_per_step", "must be >= 1")
+        require(self.max_rows >= 0, "data.max_rows", "must be >= 0 (0 means all rows)")
+        require(self.epochs >= 1, "data.epochs", "must be >= 1")
+        require(self.max_seq_len > 1, "data.max_seq_len", "must be > 1")
+        require(
             2 <= self.min_group_size <= self.completions_per_prompt,
             "data.min_group_size",
             "must be between 2 and data.completions_per_prompt",
         )
-        _require(self.num_rows >= 1, "data.num_rows", "must be >= 1")
-        _require(self.max_operand >= 1, "data.max_operand", "must be >= 1")
-        _require(self.max_answer >= 0, "data.max_answer", "must be >= 0")
-        _require(bool(self.operators) and set(self.operators) <= set("+-*"), "data.operators", "must be a non-empty subset of '+-*'")
 
 
 @dataclass
@@ -178,23 +156,31 @@ class RolloutConfig:
     """Anything the factory needs, handed over as `setup.extras` (next to `reward_fn`)."""
 
     def __post_init__(self) -> None:
-        _require(":" in self.factory, "rollout.factory", f"must be 'module:function', got {self.factory!r}")
+        require(":" in self.factory, "rollout.factory", f"must be 'module:function', got {self.factory!r}")
+
+
+# PolicyLossConfig's named hyper-parameters; any other goes in `params`.
+_NAMED_LOSS_HYPERPARAMS = ("eps_clip", "eps_clip_high", "eps_clip_c", "dro_beta", "tis_cap", "tis_level")
 
 
 @dataclass
 class PolicyLossConfig:
-    """The policy objective; `conf/policy_loss/<name>.yaml` holds each variant's defaults.
+    """The policy objective; `conf/policy_loss/<name>.yaml` holds each built-in variant's defaults.
 
-    Variant hyper-parameters are null unless the variant takes them; `validate` checks them
-    against the loss registry so a hyper-parameter the variant ignores is an error, not a no-op.
+    Variant hyper-parameters are null unless the variant takes them; validation checks every one
+    that is set (named here or in `params`) against the loss registry, so a hyper-parameter the
+    variant does not take is an error naming its field, not a silent no-op.
     """
 
-    name: str = "grpo"
-    """Registered variant: grpo, importance_sampling, reinforce, dapo, dro, gspo, cispo."""
+    name: str = field(default="grpo", metadata=DEFINES_STATE)
+    """A registered variant (`lit_grpo.losses`: grpo, importance_sampling, reinforce, dapo, dro,
+    gspo, cispo), or `module.path:name` for a user's loss: `module.path` is imported first (the
+    working directory is importable) and its `@register_policy_loss("name")` registers it."""
     kl_beta: float = 0.001
     """β of the k3 KL penalty to the frozen reference; > 0 builds the reference model."""
     loss_normalization: str = "token_mean"
-    """token_mean (over the whole optimizer step), seq_mean or sum."""
+    """A registered normalization (`lit_grpo.loss_terms.LOSS_NORMALIZATIONS`): token_mean (over
+    the whole optimizer step), seq_mean or sum."""
     advantage_scale: str = "std"
     """`std`: (r - mean) / std within the group; `none`: r - mean (Dr. GRPO)."""
     eps_clip: Optional[float] = None
@@ -208,23 +194,41 @@ class PolicyLossConfig:
     tis_cap: Optional[float] = None
     """Cap of the truncated importance weight against the sampler's logprobs."""
     tis_level: Optional[str] = None
-    """`token` or `sequence` TIS weights."""
+    """`token` or `sequence` TIS weights (`lit_grpo.loss_terms.TIS_LEVELS`)."""
+    params: dict = field(default_factory=dict)
+    """Any other hyper-parameter of the registered loss, by the name it was registered with
+    (`register_policy_loss("mine", scale=1.0)`: `+policy_loss.params.scale=3.0`)."""
 
     def __post_init__(self) -> None:
-        _require(self.kl_beta >= 0, "policy_loss.kl_beta", f"must be >= 0, got {self.kl_beta}")
-        _require(
-            self.loss_normalization in ("token_mean", "seq_mean", "sum"),
+        from lit_grpo.advantages import ADVANTAGE_SCALES
+        from lit_grpo.losses import LOSS_NORMALIZATIONS, check_policy_loss_hyperparams, policy_loss_defaults
+
+        require(self.kl_beta >= 0, "policy_loss.kl_beta", f"must be >= 0, got {self.kl_beta}")
+        require(
+            self.loss_normalization in LOSS_NORMALIZATIONS,
             "policy_loss.loss_normalization",
-            f"must be token_mean, seq_mean or sum, got {self.loss_normalization!r}",
+            f"must be one of {', '.join(LOSS_NORMALIZATIONS)}, got {self.loss_normalization!r}",
         )
-        _require(self.advantage_scale in ("std", "none"), "policy_loss.advantage_scale", "must be 'std' or 'none'")
+        require(self.advantage_scale in ADVANTAGE_SCALES, "policy_loss.advantage_scale", f"must be one of {', '.join(ADVANTAGE_SCALES)}, got {self.advantage_scale!r}")
+        try:
+            defaults = policy_loss_defaults(self.name)
+        except ValueError as err:
+            raise ConfigError(f"config field `policy_loss.name`: {err}") from None
+        valid = f"valid hyper-parameters of {self.name!r}: {', '.join(sorted(defaults))}"
+        for key in _NAMED_LOSS_HYPERPARAMS:
+            require(getattr(self, key) is None or key in defaults, f"policy_loss.{key}", f"the loss does not take it; {valid}")
+        for key in self.params:
+            require(key not in (*_NAMED_LOSS_HYPERPARAMS, "kl_beta"), f"policy_loss.params.{key}", f"set it as policy_loss.{key}")
+            require(key in defaults, f"policy_loss.params.{key}", f"the loss does not take it; {valid}")
+        try:
+            check_policy_loss_hyperparams(self.name, self.hyperparams())
+        except ValueError as err:
+            raise ConfigError(f"config group `policy_loss`: {err}") from None
 
     def hyperparams(self) -> dict[str, Any]:
-        """The variant-specific hyper-parameters that are set, plus kl_beta."""
-        names = ("eps_clip", "eps_clip_high", "eps_clip_c", "dro_beta", "tis_cap", "tis_level")
-        params = {n: getattr(self, n) for n in names if getattr(self, n) is not None}
-        params["kl_beta"] = self.kl_beta
-        return params
+        """The hyper-parameters to call the loss with: the named ones that are set, `params`, kl_beta."""
+        named = {n: getattr(self, n) for n in _NAMED_LOSS_HYPERPARAMS if getattr(self, n) is not None}
+        return {**named, **self.params, "kl_beta": self.kl_beta}
 
 
 @dataclass
@@ -250,8 +254,12 @@ class TrainerConfig:
 class TrainConfig:
     """The whole run. Top-level fields are the cookbook Config's knobs, under the same names."""
 
-    model: ModelConfig = field(default_factory=ModelConfig)
+    model: ModelConfig = field(default_factory=ModelConfig, metadata=DEFINES_STATE)
     sampler: SamplerConfig = field(default_factory=SamplerConfig)
+    task: dict = field(default_factory=lambda: {"name": "arithmetic"}, metadata=DEFINES_STATE)
+    """The task (`conf/task/<name>.yaml`): `name`, a registered task (`lit_grpo.tasks`) or
+    `module.path:name` for a user's, plus that task's own options (e.g. `task.num_rows`), checked
+    strictly against the options dataclass the task registered."""
     data: DataConfig = field(default_factory=DataConfig)
     policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -261,7 +269,7 @@ class TrainConfig:
     logger: dict = field(default_factory=dict)
     """Keyed Lightning loggers (`_target_` dicts)."""
 
-    seed: int = 0
+    seed: int = field(default=0, metadata=DEFINES_STATE)
     """Seeds python, numpy, torch, the tiny model's init and the data order."""
     max_steps: int = -1
     """Rollout steps to train (-1: until the rows × epochs are used up)."""
@@ -296,7 +304,7 @@ class TrainConfig:
     """Most rollout calls in flight at once (asynchronous mode)."""
     micro_batch_size: int = 0
     """Sequences per forward/backward; gradients accumulate over a step (0: the whole batch)."""
-    ppo_n_minibatches: int = 1
+    ppo_n_minibatches: int = field(default=1, metadata=DEFINES_STATE)
     """K: optimizer steps per rollout batch, each on 1/K of it, all against the same old policy."""
     output_dir: str = "."
     """Run folder: logs, plots, checkpoints. Set by Hydra to its run directory."""
@@ -306,57 +314,74 @@ class TrainConfig:
     """Greedy accuracy on `data.eval_rows` held-out rows every N rollout steps and at the end (0: at the end only)."""
 
     def __post_init__(self) -> None:
-        _require(self.max_steps == -1 or self.max_steps > 0, "max_steps", "must be -1 (until data is exhausted) or > 0")
-        _require(self.learning_rate > 0, "learning_rate", f"must be > 0, got {self.learning_rate}")
-        _require(0 <= self.adam_beta1 < 1, "adam_beta1", "must be in [0, 1)")
-        _require(0 <= self.adam_beta2 < 1, "adam_beta2", "must be in [0, 1)")
-        _require(self.adam_eps > 0, "adam_eps", "must be > 0")
-        _require(self.weight_decay >= 0, "weight_decay", "must be >= 0")
-        _require(self.grad_clip_norm >= 0, "grad_clip_norm", "must be >= 0 (0: off)")
-        _require(self.warmup_steps >= 0, "warmup_steps", "must be >= 0")
-        _require(self.lr_decay in ("constant", "linear", "cosine"), "lr_decay", "must be constant, linear or cosine")
-        _require(self.lr_decay == "constant" or self.max_steps > 0, "lr_decay", f"{self.lr_decay!r} decay needs max_steps > 0")
-        _require(self.weight_sync_interval >= 0, "weight_sync_interval", "must be >= 0 (0: never sync)")
-        _require(self.dcp_save_interval >= 0, "dcp_save_interval", "must be >= 0 (0: off)")
-        _require(self.dcp_keep_last >= 1, "dcp_keep_last", "must be >= 1")
-        _require(self.eval_interval >= 0, "eval_interval", "must be >= 0 (0: evaluate at the end only)")
-        _require(
+        require(self.max_steps == -1 or self.max_steps > 0, "max_steps", "must be -1 (until data is exhausted) or > 0")
+        require(self.learning_rate > 0, "learning_rate", f"must be > 0, got {self.learning_rate}")
+        require(0 <= self.adam_beta1 < 1, "adam_beta1", "must be in [0, 1)")
+        require(0 <= self.adam_beta2 < 1, "adam_beta2", "must be in [0, 1)")
+        require(self.adam_eps > 0, "adam_eps", "must be > 0")
+        require(self.weight_decay >= 0, "weight_decay", "must be >= 0")
+        require(self.grad_clip_norm >= 0, "grad_clip_norm", "must be >= 0 (0: off)")
+        require(self.warmup_steps >= 0, "warmup_steps", "must be >= 0")
+        require(self.lr_decay in ("constant", "linear", "cosine"), "lr_decay", "must be constant, linear or cosine")
+        require(self.lr_decay == "constant" or self.max_steps > 0, "lr_decay", f"{self.lr_decay!r} decay needs max_steps > 0")
+        require(self.weight_sync_interval >= 0, "weight_sync_interval", "must be >= 0 (0: never sync)")
+        require(self.dcp_save_interval >= 0, "dcp_save_interval", "must be >= 0 (0: off)")
+        require(self.dcp_keep_last >= 1, "dcp_keep_last", "must be >= 1")
+        require(self.eval_interval >= 0, "eval_interval", "must be >= 0 (0: evaluate at the end only)")
+        require(
             self.dcp_save_interval == 0 or self.weight_sync_interval == 0 or self.dcp_save_interval % self.weight_sync_interval == 0,
             "dcp_save_interval",
             f"must be a multiple of weight_sync_interval ({self.weight_sync_interval}) so a checkpoint is taken when the "
             "sampler holds the saved policy (an exact resume needs both)",
         )
-        _require(self.resume is None or bool(self.resume.strip()), "resume", "must be null, 'auto' or a checkpoint path")
-        _require(self.output_model_id is None or bool(self.output_model_id.strip()), "output_model_id", "must be null or a folder name")
-        _require(self.max_head_offpolicy_versions >= 0, "max_head_offpolicy_versions", "must be >= 0 (0: on-policy)")
-        _require(
-            self.weight_sync_interval <= self.max_head_offpolicy_versions + 1,
+        require(self.resume is None or bool(self.resume.strip()), "resume", "must be null, 'auto' or a checkpoint path")
+        require(self.output_model_id is None or bool(self.output_model_id.strip()), "output_model_id", "must be null or a folder name")
+        require(self.max_head_offpolicy_versions >= 0, "max_head_offpolicy_versions", "must be >= 0 (0: on-policy)")
+        require(
+            self.synchronous_training or self.weight_sync_interval <= self.max_head_offpolicy_versions + 1,
             "weight_sync_interval",
-            f"must be <= max_head_offpolicy_versions + 1 = {self.max_head_offpolicy_versions + 1}: the gate admits rows "
-            "at most that many versions ahead, so a longer sync window would wait forever for rollouts",
+            f"must be <= max_head_offpolicy_versions + 1 = {self.max_head_offpolicy_versions + 1} with the off-policy "
+            "scheduler (synchronous_training=false): the gate admits rows at most that many versions ahead, so a "
+            "longer sync window would wait forever for rollouts",
         )
-        _require(
+        require(
             self.max_concurrency_rollout_sample >= self.data.completions_per_prompt,
             "max_concurrency_rollout_sample",
             f"must be >= data.completions_per_prompt ({self.data.completions_per_prompt}): rows are admitted whole",
         )
-        _require(self.micro_batch_size >= 0, "micro_batch_size", "must be >= 0 (0: whole batch)")
-        _require(self.ppo_n_minibatches >= 1, "ppo_n_minibatches", "must be >= 1")
+        require(self.micro_batch_size >= 0, "micro_batch_size", "must be >= 0 (0: whole batch)")
+        require(self.ppo_n_minibatches >= 1, "ppo_n_minibatches", "must be >= 1")
         batch_size = self.data.prompt_groups_per_step * self.data.completions_per_prompt
-        _require(
+        require(
             self.ppo_n_minibatches <= batch_size,
             "ppo_n_minibatches",
             f"must be <= the sequences per step (prompt_groups_per_step × completions_per_prompt = {batch_size})",
         )
         if self.sampler.kind == "vllm" and self.model.kind == "tiny":
             head_dim = self.model.hidden_size // self.model.num_heads
-            _require(head_dim >= 32, "model.num_heads", f"vLLM's CPU attention needs a head size >= 32, got {head_dim}; try model.num_heads={max(self.model.hidden_size // 32, 1)}")
-        from lit_grpo.losses import check_policy_loss_hyperparams
+            require(head_dim >= 32, "model.num_heads", f"vLLM's CPU attention needs a head size >= 32, got {head_dim}; try model.num_heads={max(self.model.hidden_size // 32, 1)}")
+        from lit_grpo.tasks import check_task
 
-        try:
-            check_policy_loss_hyperparams(self.policy_loss.name, self.policy_loss.hyperparams())
-        except ValueError as err:
-            raise ConfigError(f"config group `policy_loss`: {err}") from None
+        check_task(self)
+
+
+def ineffective_knobs(c: TrainConfig) -> list[str]:
+    """One message per knob that this config sets but that has no effect in it (logged at start-up).
+
+    A knob at its default is not reported: only values someone chose and that do nothing.
+    """
+    knobs = []
+    if c.synchronous_training and c.max_head_offpolicy_versions > 0:
+        knobs.append(
+            f"max_head_offpolicy_versions={c.max_head_offpolicy_versions} has no effect with synchronous_training=true: "
+            "every rollout is drained before each step, so none is ever off-policy"
+        )
+    if c.eval_interval > 0 and c.data.eval_rows == 0:
+        knobs.append(f"eval_interval={c.eval_interval} has no effect with data.eval_rows=0: there is nothing to evaluate")
+    default_keep = TrainConfig.__dataclass_fields__["dcp_keep_last"].default
+    if c.dcp_save_interval == 0 and c.dcp_keep_last != default_keep:
+        knobs.append(f"dcp_keep_last={c.dcp_keep_last} has no effect with dcp_save_interval=0: no checkpoint is saved")
+    return knobs
 
 
 def register_configs() -> None:

@@ -1,39 +1,47 @@
-"""The rollout data module: an `IterableDataset` of `RolloutBatch`es made by a producer.
+"""The rollout data module: an `IterableDataset` of `RolloutBatch`es made by a scheduler.
 
-`RolloutDataModule` owns the sampler, the rollout function and the rows; its training dataloader
-yields one batch per training step. The module pulls batches itself (see
-`GRPOModule.training_step`) so no batch is sampled before the previous step's weights are synced.
+`RolloutDataModule` owns this rank's row cursor, the group sampler, the scheduler and the
+sampler; its training dataloader yields one batch per training step. The module pulls batches
+itself (see `GRPOModule.training_step`) so no batch is sampled before the previous step's
+weights are synced. The step sequence (`lit_grpo.step_sequence`) pushes weights and advances
+the policy version through `sync_weights`.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Callable, Iterator, Optional
 
 import lightning as L
 from torch.utils.data import DataLoader, IterableDataset
 
-from lit_grpo.producer import GroupFilter, RolloutProducer, RowCursor, collate_groups
-from lit_grpo.producer_async import AsyncRolloutProducer
 from lit_grpo.rollout import RolloutFn
+from lit_grpo.rollouts import GroupFilter, GroupSampler, OffPolicyScheduler, RowCursor, Scheduler, SynchronousScheduler, make_batch
 from lit_grpo.types import RolloutBatch
 
-__all__ = ["RolloutDataModule", "RolloutStream", "RolloutProducer", "RowCursor", "collate_groups", "GroupFilter"]
+log = logging.getLogger(__name__)
 
 
 class RolloutStream(IterableDataset):
     """Yields one `RolloutBatch` per step until `max_steps` or the rows run out."""
 
-    def __init__(self, producer: RolloutProducer, max_steps: int) -> None:
-        self.producer, self.max_steps = producer, max_steps
+    def __init__(self, scheduler: Scheduler, groups: GroupSampler, *, max_steps: int, advantage_scale: str, pad_id: int) -> None:
+        self.scheduler, self.groups = scheduler, groups
+        self.max_steps, self.advantage_scale, self.pad_id = max_steps, advantage_scale, pad_id
         self.steps_done = 0
-        self.rest_between_steps = None
+        self.rest_between_steps: Optional[Callable[[], None]] = None
         """Called once a step's rollouts are in (synchronous mode: lets a colocated engine sleep)."""
 
     def __iter__(self) -> Iterator[RolloutBatch]:
         while self.max_steps < 0 or self.steps_done < self.max_steps:
-            batch = self.producer.next_batch()
-            if batch is None:
+            step = self.scheduler.next_groups()
+            if not step.accepted:
+                log.info("the rows are used up after %d steps", self.steps_done)
                 return
+            batch = make_batch(
+                step.accepted, step.sampled, version=self.scheduler.version, advantage_scale=self.advantage_scale,
+                pad_id=self.pad_id, counts=self.groups.take_counts(), timings=step.timings,
+            )
             if self.rest_between_steps is not None:
                 self.rest_between_steps()
             self.steps_done += 1
@@ -41,7 +49,7 @@ class RolloutStream(IterableDataset):
 
 
 class RolloutDataModule(L.LightningDataModule):
-    """Streams rollouts from an in-process sampler; rows are tokenized with the policy's tokenizer."""
+    """Streams rollouts of this rank's rows from an in-process sampler; rows are tokenized with the policy's tokenizer."""
 
     def __init__(
         self,
@@ -64,6 +72,8 @@ class RolloutDataModule(L.LightningDataModule):
         max_concurrency: int = 256,
         eval_rows: Optional[list[dict]] = None,
         reward_fn: Optional[Callable[[str, dict], float]] = None,
+        rank: int = 0,
+        world_size: int = 1,
     ) -> None:
         super().__init__()
         self.tokenizer, self.sampler = tokenizer, sampler
@@ -71,17 +81,17 @@ class RolloutDataModule(L.LightningDataModule):
         """Held-out rows for greedy evaluation (`prompt_token_ids` or `messages`)."""
         self.reward_fn = reward_fn
         """The task's `reward(completion_text, row)`, for evaluation."""
-        self.group_filters: list[GroupFilter] = []
-        self.cursor = RowCursor([self._tokenized(r) for r in rows], epochs, seed, shuffle)
-        args = (self.cursor, rollout_fn, completions_per_prompt, prompt_groups_per_step, advantage_scale, tokenizer.pad_token_id, self.group_filters)
-        checks = dict(max_seq_len=max_seq_len, min_group_size=min_group_size)
+        self.cursor = RowCursor([self._tokenized(r) for r in rows], epochs, seed, shuffle, rank=rank, world_size=world_size)
+        self.groups = GroupSampler(rollout_fn, completions_per_prompt, max_seq_len=max_seq_len, min_group_size=min_group_size, filters=[])
+        self.scheduler: Scheduler
         if synchronous_training:
-            self.producer = RolloutProducer(*args, **checks)
+            self.scheduler = SynchronousScheduler(self.cursor, self.groups, prompt_groups_per_step, max_concurrency=max_concurrency)
         else:
-            self.producer = AsyncRolloutProducer(
-                *args, **checks, max_head_offpolicy_versions=max_head_offpolicy_versions, max_concurrency=max_concurrency
+            self.scheduler = OffPolicyScheduler(
+                self.cursor, self.groups, prompt_groups_per_step,
+                max_head_offpolicy_versions=max_head_offpolicy_versions, max_concurrency=max_concurrency,
             )
-        self.stream = RolloutStream(self.producer, max_steps)
+        self.stream = RolloutStream(self.scheduler, self.groups, max_steps=max_steps, advantage_scale=advantage_scale, pad_id=tokenizer.pad_token_id)
         if synchronous_training and hasattr(sampler, "sleep"):
             self.stream.rest_between_steps = sampler.sleep  # it wakes itself for the next sync or sample
 
@@ -90,28 +100,39 @@ class RolloutDataModule(L.LightningDataModule):
             row = {**row, "prompt_token_ids": self.tokenizer(row["prompt"], add_special_tokens=False)["input_ids"]}
         return row
 
+    @property
+    def group_filters(self) -> list[GroupFilter]:
+        return self.groups.filters
+
     def add_group_filter(self, keep: GroupFilter) -> None:
         """Accept a group only if `keep(group)` is True (and every other filter agrees)."""
-        self.group_filters.append(keep)
+        if keep not in self.groups.filters:
+            self.groups.filters.append(keep)
 
-    def sync_weights(self, named_tensors=None) -> None:
-        """Load the policy's weights into the sampler (None: keep the sampler's weights, only
-        advance the version, for `weight_sync_interval=0`); later rows are sampled at the next version."""
-        if named_tensors is not None:
-            self.sampler.update_weights(named_tensors)
-        self.producer.advance_version()
+    @property
+    def version(self) -> int:
+        """The policy version of the sampler: version advances (weight syncs) so far."""
+        return self.scheduler.version
+
+    def push_weights(self, named_tensors) -> None:
+        """Load `(name, full tensor)` pairs of the policy into the sampler."""
+        self.sampler.update_weights(named_tensors)
+
+    def advance_version(self) -> None:
+        """Later rows are sampled at the next policy version (the gate admits accordingly)."""
+        self.scheduler.advance_version()
 
     def state_dict(self) -> dict:
-        """Steps done and the producer's data position, gate counters and version (between steps)."""
-        return {"steps_done": self.stream.steps_done, "producer": self.producer.state_dict()}
+        """Steps done and the scheduler's data position, gate counter and version (between steps)."""
+        return {"steps_done": self.stream.steps_done, "scheduler": self.scheduler.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         self.stream.steps_done = state["steps_done"]
-        self.producer.load_state_dict(state["producer"])
+        self.scheduler.load_state_dict(state["scheduler"])
 
     def close(self) -> None:
-        """Stop the sampler's worker and the producer's event loop."""
-        self.producer.close()  # first: in-flight rollouts still need the sampler to finish
+        """Stop the scheduler's event loop, then the sampler's worker."""
+        self.scheduler.close()  # first: in-flight rollouts still need the sampler to finish
         self.sampler.close()
 
     def train_dataloader(self) -> DataLoader:

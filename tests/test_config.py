@@ -1,17 +1,29 @@
-"""Every shipped config composes, and bad configs fail early with the field named."""
+"""Every shipped config composes, and bad configs fail early with the field named; a user's loss
+and task are usable from the command line alone; valid names come from the registries."""
 
-from pathlib import Path
+import dataclasses
+import sys
+from dataclasses import dataclass
 
 import pytest
+import torch
 from hydra.errors import ConfigCompositionException
-from omegaconf.errors import ConfigKeyError, ValidationError
+from omegaconf import OmegaConf
+from torch.testing import assert_close
 
-from lit_grpo.config import ConfigError, TrainConfig, validate
-from lit_grpo.losses import available_policy_losses
+import lit_grpo.losses
+import lit_grpo.samplers
+import lit_grpo.tasks.registry
+from lit_grpo.checkpoint import STATE_DEFINING_FIELDS
+from lit_grpo.config import ConfigError, TrainConfig, ineffective_knobs, validate
+from lit_grpo.losses import available_policy_losses, policy_loss
+from lit_grpo.tasks import available_tasks, build_eval_rows, build_rows, get_task, register_task, reward_fn
 
 from conftest import CONF_DIR, compose_config
 
-GROUPS = ["model", "sampler", "data", "policy_loss", "trainer", "callbacks", "logger"]
+GROUPS = ["model", "sampler", "task", "data", "policy_loss", "trainer", "callbacks", "logger"]
+# The `user` options of `policy_loss` and `task` leave `name` to the command line.
+USER_NAMES = {("policy_loss", "user"): "policy_loss.name=reinforce", ("task", "user"): "task.name=arithmetic"}
 
 
 def _options(group: str) -> list[str]:
@@ -25,6 +37,8 @@ def test_every_group_option_composes_and_validates(group, option, tmp_path):
         overrides.append("model.name_or_path=some/model")
     if (group, option) == ("sampler", "vllm"):
         overrides.append("model.num_heads=2")  # vLLM's CPU attention needs a head size >= 32
+    if (group, option) in USER_NAMES:
+        overrides.append(USER_NAMES[group, option])
     cfg = compose_config(*overrides, output_dir=tmp_path)
     assert isinstance(validate(cfg), TrainConfig)
 
@@ -36,7 +50,15 @@ def test_every_experiment_composes_and_validates(experiment, tmp_path):
 
 
 def test_policy_loss_files_match_the_registry():
-    assert set(_options("policy_loss")) == set(available_policy_losses())
+    assert set(_options("policy_loss")) - {"user"} == set(available_policy_losses())
+
+
+def test_task_files_match_the_registry_and_mirror_each_options_dataclass():
+    assert set(_options("task")) - {"user"} == set(available_tasks())
+    for name in available_tasks():
+        yaml = OmegaConf.to_container(OmegaConf.load(CONF_DIR / "task" / f"{name}.yaml"))
+        assert yaml.pop("name") == name
+        assert set(yaml) == {f.name for f in dataclasses.fields(get_task(name).options)}, name
 
 
 def test_misspelt_key_fails_at_compose_naming_it(tmp_path):
@@ -59,7 +81,12 @@ def test_wrong_type_fails_at_compose_naming_it(tmp_path):
         ("sampler.temperature=0", "sampler.temperature"),
         ("learning_rate=0", "learning_rate"),
         ("model.kind=hf", "model.name_or_path"),
-        ("policy_loss.dro_beta=0.1", "dro_beta"),
+        ("policy_loss.dro_beta=0.1", "policy_loss.dro_beta"),
+        ("policy_loss.loss_normalization=mean", "policy_loss.loss_normalization"),
+        ("policy_loss.name=no_such_module:mine", "policy_loss.name"),
+        ("task.max_answer=-1", "task.max_answer"),
+        ("task=gsm8k task.on_error=ignore", "task.on_error"),
+        ("task=gsm8k task.path=train.jsonl data.eval_rows=5", "task.eval_path"),
         ("ppo_n_minibatches=1000", "ppo_n_minibatches"),
         ("weight_sync_interval=3", "weight_sync_interval"),
         ("max_concurrency_rollout_sample=4", "max_concurrency_rollout_sample"),
@@ -87,3 +114,143 @@ def test_validation_happens_before_any_model_is_loaded(tmp_path, monkeypatch):
     monkeypatch.setattr(train_mod, "load_tokenizer", boom)
     with pytest.raises(ConfigError, match="sampler.temperature"):
         train_mod.train(compose_config("sampler.temperature=-1", output_dir=tmp_path))
+
+
+# --------------------------------------------------------------------------- a user's policy loss
+
+
+@pytest.fixture
+def isolated_losses(monkeypatch):
+    """The loss registry as it is now, restored after the test, with `user_losses` not yet imported."""
+    monkeypatch.setattr(lit_grpo.losses, "POLICY_LOSSES", dict(lit_grpo.losses.POLICY_LOSSES))
+    monkeypatch.delitem(sys.modules, "user_losses", raising=False)
+    yield
+    sys.modules.pop("user_losses", None)  # its import registered into the registry just dropped
+
+
+USER_LOSS = ["policy_loss=user", "policy_loss.name=user_losses:scaled_pg"]
+
+
+def test_a_user_loss_and_its_hyperparameter_come_from_the_command_line(isolated_losses, tmp_path):
+    c = validate(compose_config(*USER_LOSS, "+policy_loss.params.scale=3.0", output_dir=tmp_path))
+    assert c.policy_loss.hyperparams() == {"scale": 3.0, "kl_beta": 0.0}
+    # user_losses.scaled_pg: L = -scale·π·A·w, w = 1 without sampler logprobs; token_mean.
+    # π = [-1, -2, -4], A = 1, the last token masked out: (3·1 + 3·2) / 2 = 4.5; dL/dπ = -3/2 on
+    # each masked-in token, 0 on the masked one.
+    pi = torch.tensor([[-1.0, -2.0, -4.0]], requires_grad=True)
+    loss, _ = policy_loss(
+        c.policy_loss.name, logprobs=pi, old_logprobs=pi.detach(), advantages=torch.tensor([1.0]),
+        mask=torch.tensor([[1, 1, 0]]), normalization=c.policy_loss.loss_normalization, **c.policy_loss.hyperparams(),
+    )  # fmt: skip
+    (grad,) = torch.autograd.grad(loss, pi)
+    assert_close(loss, torch.tensor(4.5))
+    assert_close(grad, torch.tensor([[-1.5, -1.5, 0.0]]))
+
+
+def test_a_misspelt_loss_hyperparameter_is_refused_naming_it(isolated_losses, tmp_path):
+    with pytest.raises(ConfigError, match=r"policy_loss\.params\.scael.*valid hyper-parameters.*scale"):
+        validate(compose_config(*USER_LOSS, "+policy_loss.params.scael=3.0", output_dir=tmp_path))
+    with pytest.raises(ConfigError, match=r"policy_loss\.params\.eps_clip.*set it as policy_loss\.eps_clip"):
+        validate(compose_config("+policy_loss.params.eps_clip=0.1", output_dir=tmp_path))
+
+
+def test_a_user_loss_module_is_imported_from_the_working_directory(isolated_losses, tmp_path, monkeypatch):
+    (tmp_path / "my_cwd_losses.py").write_text(
+        "from lit_grpo.losses import register_policy_loss\n"
+        "@register_policy_loss('halved', uses_tis=False, factor=0.5)\n"
+        "def halved(*, logprobs, old_logprobs, advantages, mask, factor):\n"
+        "    return -factor * logprobs * advantages, {}\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    monkeypatch.delitem(sys.modules, "my_cwd_losses", raising=False)
+    c = validate(compose_config("policy_loss=user", "policy_loss.name=my_cwd_losses:halved", output_dir=tmp_path))
+    assert "halved" in available_policy_losses()
+    assert c.policy_loss.hyperparams() == {"kl_beta": 0.0}  # `factor` keeps its registered default
+    with pytest.raises(ConfigError, match=r"policy_loss\.name.*my_cwd_losses.*registers none.*halved"):
+        validate(compose_config("policy_loss=user", "policy_loss.name=my_cwd_losses:doubled", output_dir=tmp_path))
+
+
+# --------------------------------------------------------------------------- tasks
+
+
+def test_the_task_options_are_checked_strictly_naming_the_key(tmp_path):
+    with pytest.raises(ConfigCompositionException, match="num_rowz"):  # not in conf/task/arithmetic.yaml
+        compose_config("task.num_rowz=3", output_dir=tmp_path)
+    with pytest.raises(ConfigError, match=r"task\.num_rowz.*valid: num_rows, max_operand, max_answer, operators"):
+        validate(compose_config("+task.num_rowz=3", output_dir=tmp_path))
+    with pytest.raises(ConfigError, match=r"task\.num_rows.*'many'"):
+        validate(compose_config("task.num_rows=many", output_dir=tmp_path))
+    with pytest.raises(ConfigError, match=r"task\.path.*arithmetic"):  # a gsm8k option on the arithmetic task
+        validate(compose_config("+task.path=train.jsonl", output_dir=tmp_path))
+    with pytest.raises(ConfigError, match=r"task\.name.*unknown task 'countdown'; valid: arithmetic, gsm8k"):
+        validate(compose_config("task.name=countdown", output_dir=tmp_path))
+
+
+def test_the_task_group_sets_the_rows(tmp_path):
+    c = validate(compose_config("task.num_rows=16", "task.operators=*", "data.max_rows=10", "data.eval_rows=3", output_dir=tmp_path))
+    rows = build_rows(c)
+    assert len(rows) == 10 and all("*" in r["prompt"] for r in rows)
+    assert len(build_eval_rows(c)) == 3
+    row = rows[0]
+    assert reward_fn(c)(row["answer"], row) == 1.0 and reward_fn(c)("x", row) == 0.0
+
+
+@dataclass
+class _EchoOptions:
+    """Options of the test's echo task."""
+
+    word: str = "hi"
+    """The word every prompt asks to repeat."""
+    repeats: int = 1
+    """How many times."""
+
+
+def test_a_user_task_is_a_registry_entry_with_its_own_options(tmp_path, monkeypatch):
+    monkeypatch.setattr(lit_grpo.tasks.registry, "TASKS", dict(lit_grpo.tasks.registry.TASKS))
+    register_task(
+        "echo", options=_EchoOptions,
+        rows=lambda o, *, seed, max_rows: [{"prompt": f"say {o.word}", "answer": o.word * o.repeats}] * 4,
+        eval_rows=lambda o, *, seed, count: [], reward=lambda o: (lambda text, row: float(text == row["answer"])),
+    )  # fmt: skip
+    c = validate(compose_config("task=user", "task.name=echo", "+task.repeats=2", output_dir=tmp_path))
+    assert build_rows(c)[0] == {"prompt": "say hi", "answer": "hihi"}
+    with pytest.raises(ConfigError, match=r"task\.repeats.*could not be converted"):
+        validate(compose_config("task=user", "task.name=echo", "+task.repeats=twice", output_dir=tmp_path))
+    with pytest.raises(ConfigError, match=r"task\.name.*valid: arithmetic, echo, gsm8k"):
+        validate(compose_config("task=user", "task.name=ech", output_dir=tmp_path))
+
+
+# --------------------------------------------------------------------------- registries, state, knobs
+
+
+def test_sampler_kinds_come_from_the_registry(tmp_path, monkeypatch):
+    monkeypatch.setattr(lit_grpo.samplers, "SAMPLERS", dict(lit_grpo.samplers.SAMPLERS))
+    lit_grpo.samplers.register_sampler("scripted")(lambda cfg, policy, tokenizer, **kw: None)
+    assert validate(compose_config("sampler.kind=scripted", output_dir=tmp_path)).sampler.kind == "scripted"
+    with pytest.raises(ConfigError, match=r"sampler\.kind.*valid: hf, scripted, vllm"):
+        validate(compose_config("sampler.kind=vlm", output_dir=tmp_path))
+
+
+def test_the_state_defining_fields_are_the_marked_ones():
+    assert set(STATE_DEFINING_FIELDS) == {
+        "model", "seed", "policy_loss.name", "task", "data.completions_per_prompt", "data.prompt_groups_per_step",
+        "data.max_rows", "data.shuffle", "ppo_n_minibatches",
+    }  # fmt: skip
+
+
+def test_synchronous_training_may_sync_every_n_steps(tmp_path):
+    with pytest.raises(ConfigError, match="weight_sync_interval.*off-policy"):
+        validate(compose_config("synchronous_training=false", "weight_sync_interval=3", output_dir=tmp_path))
+    c = validate(compose_config("synchronous_training=true", "weight_sync_interval=3", output_dir=tmp_path))
+    assert c.weight_sync_interval == 3
+
+
+def test_ineffective_knobs_are_named(tmp_path):
+    assert ineffective_knobs(validate(compose_config(output_dir=tmp_path))) == []
+    assert ineffective_knobs(validate(compose_config("+experiment=arithmetic", output_dir=tmp_path))) == []
+    c = validate(compose_config("synchronous_training=true", "max_head_offpolicy_versions=2", "eval_interval=5", output_dir=tmp_path))
+    knobs = ineffective_knobs(c)
+    assert len(knobs) == 2
+    assert "max_head_offpolicy_versions=2" in knobs[0] and "synchronous_training=true" in knobs[0]
+    assert "eval_interval=5" in knobs[1] and "data.eval_rows=0" in knobs[1]

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from lit_grpo.callbacks.reward_filter import UniformRewardFilter, has_reward_variance
-from lit_grpo.data import RolloutProducer, RowCursor, collate_groups
+from lit_grpo.data import RolloutStream
+from lit_grpo.rollouts import GroupSampler, RowCursor, SynchronousScheduler, collate_groups, rollout_metrics
 from lit_grpo.types import PromptGroup, RolloutSample
 
 
@@ -35,7 +36,13 @@ def test_row_cursor_is_seeded_and_covers_every_row_each_epoch():
     assert a.take(1) == []
 
 
-def _producer(rewards_by_row, filters, P=2, G=3):
+def _stream(rows, rollout_fn, filters, P=2, G=3):
+    groups = GroupSampler(rollout_fn, G, max_seq_len=64, min_group_size=2, filters=filters)
+    scheduler = SynchronousScheduler(RowCursor(rows, 1, 0, shuffle=False), groups, P, max_concurrency=256)
+    return iter(RolloutStream(scheduler, groups, max_steps=-1, advantage_scale="std", pad_id=0))
+
+
+def _next_batch(rewards_by_row, filters, P=2, G=3):
     """Rows carry their G rewards; the rollout returns them in turn."""
     rows = [{"id": i, "rewards": r} for i, r in enumerate(rewards_by_row)]
     counters = {}
@@ -45,25 +52,24 @@ def _producer(rewards_by_row, filters, P=2, G=3):
         counters[row["id"]] = k + 1
         return _sample([1, 2], [0, 1], row["rewards"][k])
 
-    return RolloutProducer(RowCursor(rows, 1, 0, shuffle=False), rollout_fn, G, P, "std", 0, filters)
+    batch = next(_stream(rows, rollout_fn, filters, P, G))
+    return batch, rollout_metrics([batch.record])
 
 
 def test_filter_drops_exactly_the_uniform_groups_and_refills():
     rewards = [[1, 1, 1], [0, 1, 0], [0, 0, 0], [0.5, 0.5, 0.5], [1, 0, 0], [1, 0, 1]]
-    producer = _producer(rewards, [has_reward_variance])
-    batch = producer.next_batch()
+    batch, metrics = _next_batch(rewards, [has_reward_variance])
     # rows 0, 2 and 3 are uniform; rows 1 and 4 fill the step; row 5 (sampled in the last refill) is surplus.
     assert batch.rewards_B.tolist() == [0, 1, 0, 1, 0, 0]
-    assert batch.stats["filter/dropped_groups"] == 3
+    assert metrics["rollout/filtered_groups"] == 3
     # Refill rounds over-sample by the running acceptance rate: rows 0-5 were all sampled.
-    assert batch.stats["reward/mean"] == pytest.approx(sum(sum(r) for r in rewards) / 18)
+    assert metrics["reward/mean"] == pytest.approx(sum(sum(r) for r in rewards) / 18)
 
 
 def test_without_filter_uniform_groups_train_with_zero_advantage():
-    producer = _producer([[1, 1, 1], [0, 1, 0]], [])
-    batch = producer.next_batch()
+    batch, metrics = _next_batch([[1, 1, 1], [0, 1, 0]], [])
     assert batch.advantages_B[:3].tolist() == [0, 0, 0]
-    assert batch.stats["filter/dropped_groups"] == 0
+    assert metrics["rollout/filtered_groups"] == 0
 
 
 def test_failed_rollouts_are_counted_and_dropped():
@@ -76,9 +82,8 @@ def test_failed_rollouts_are_counted_and_dropped():
             raise RuntimeError("tool crashed")
         return _sample([1, 2], [0, 1], float(calls["n"] % 2))
 
-    producer = RolloutProducer(RowCursor(rows, 1, 0, False), rollout_fn, 3, 2, "std", 0, [])
-    batch = producer.next_batch()
-    assert batch.stats["rollout/failures"] == 1
+    batch = next(_stream(rows, rollout_fn, []))
+    assert rollout_metrics([batch.record])["rollout/failures"] == 1
     assert batch.num_sequences == 5
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from lit_grpo.callbacks.evaluation import greedy_accuracy
+from lit_grpo.evaluation import greedy_accuracy
 from lit_grpo.config import validate
 from lit_grpo.tasks.gsm8k_rows import RowError
 from lit_grpo.train import train
@@ -25,7 +25,7 @@ SAMPLE = REPO / "tests" / "data" / "gsm8k_test_sample.jsonl"
 # The experiment on CPU: the tiny model and the transformers sampler, vendored rows, a short budget.
 ON_CPU = [
     "+experiment=gsm8k", "model=tiny", "sampler=hf", "trainer=cpu", "model.max_position_embeddings=1024",
-    f"data.path={SAMPLE}", f"data.eval_path={SAMPLE}", "data.eval_rows=6",
+    f"task.path={SAMPLE}", f"task.eval_path={SAMPLE}", "data.eval_rows=6",
     "data.prompt_groups_per_step=2", "data.completions_per_prompt=4", "sampler.max_completion_tokens=24",
     "micro_batch_size=0", "trainer.enable_progress_bar=false",
     "~callbacks.reward_filter",  # a random-init model never solves GSM8K: every group is uniform (all 0)
@@ -34,8 +34,8 @@ ON_CPU = [
 
 def test_the_experiment_composes_as_the_gpu_recipe(tmp_path):
     c = validate(compose_config("+experiment=gsm8k", output_dir=tmp_path))
-    assert (c.model.kind, c.model.name_or_path, c.sampler.kind, c.data.task) == ("hf", "Qwen/Qwen2.5-0.5B-Instruct", "vllm", "gsm8k")
-    assert (c.data.dataset, c.data.dataset_config, c.trainer.accelerator) == ("openai/gsm8k", "main", "gpu")
+    assert (c.model.kind, c.model.name_or_path, c.sampler.kind, c.task["name"]) == ("hf", "Qwen/Qwen2.5-0.5B-Instruct", "vllm", "gsm8k")
+    assert (c.task["dataset"], c.task["dataset_config"], c.trainer.accelerator) == ("openai/gsm8k", "main", "gpu")
     assert c.data.eval_rows > 0 and c.eval_interval > 0
     # Every field stays overridable from the command line.
     c = validate(compose_config("+experiment=gsm8k", "data.completions_per_prompt=4", "learning_rate=3e-6", output_dir=tmp_path))
@@ -86,13 +86,13 @@ def test_a_malformed_row_is_named_by_line_before_any_model_loads(tmp_path, monke
     lines.insert(1, json.dumps({"question": "How many?", "answer": "no number here"}))
     bad.write_text("\n".join(lines) + "\n")
     with pytest.raises(RowError, match=r"train\.jsonl line 2: field 'answer' holds no number"):
-        train(compose_config(*ON_CPU, f"data.path={bad}", "trainer.fast_dev_run=true", output_dir=tmp_path / "run"))
+        train(compose_config(*ON_CPU, f"task.path={bad}", "trainer.fast_dev_run=true", output_dir=tmp_path / "run"))
 
 
 def test_skip_mode_drops_the_bad_row_and_trains(tmp_path):
     bad = tmp_path / "train.jsonl"
     bad.write_text(SAMPLE.read_text().splitlines()[0] + "\n{not json\n" + "\n".join(SAMPLE.read_text().splitlines()[1:4]) + "\n")
-    summary = train(compose_config(*ON_CPU, f"data.path={bad}", "data.on_error=skip", "trainer.fast_dev_run=true", output_dir=tmp_path / "run"))
+    summary = train(compose_config(*ON_CPU, f"task.path={bad}", "task.on_error=skip", "trainer.fast_dev_run=true", output_dir=tmp_path / "run"))
     assert summary["steps"] == 1
 
 
@@ -103,7 +103,7 @@ def test_offline_the_cli_fails_fast_with_one_message(tmp_path):
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 2
-    for needle in ("Qwen/Qwen2.5-0.5B-Instruct", "openai/gsm8k", "model.name_or_path=", "data.path="):
+    for needle in ("Qwen/Qwen2.5-0.5B-Instruct", "openai/gsm8k", "model.name_or_path=", "task.path="):
         assert needle in proc.stderr
     assert "Traceback" not in proc.stderr
 
@@ -149,7 +149,7 @@ def test_tensorboard_gets_scalars_and_reward_histograms(tmp_path):
 
 
 def test_rows_through_hugging_face_datasets_match_the_jsonl_loader(tmp_path):
-    from lit_grpo.config import DataConfig
+    from lit_grpo.config import DataConfig, TrainConfig
     from lit_grpo.tasks import build_eval_rows, build_rows
     from lit_grpo.tasks.gsm8k_rows import load_jsonl_rows
 
@@ -158,15 +158,15 @@ def test_rows_through_hugging_face_datasets_match_the_jsonl_loader(tmp_path):
     lines = SAMPLE.read_text().splitlines()
     (folder / "train.jsonl").write_text("\n".join(lines[:30]) + "\n")
     (folder / "test.jsonl").write_text("\n".join(lines[30:]) + "\n")
-    cfg = DataConfig(task="gsm8k", dataset=str(folder), dataset_config=None, eval_rows=5)
-    assert build_rows(cfg, seed=0) == load_jsonl_rows(folder / "train.jsonl")[0]
-    assert build_eval_rows(cfg, seed=0) == load_jsonl_rows(folder / "test.jsonl", max_rows=5)[0]
+    c = TrainConfig(task={"name": "gsm8k", "dataset": str(folder), "dataset_config": None}, data=DataConfig(eval_rows=5))
+    assert build_rows(c) == load_jsonl_rows(folder / "train.jsonl")[0]
+    assert build_eval_rows(c) == load_jsonl_rows(folder / "test.jsonl", max_rows=5)[0]
 
 
 def test_without_the_datasets_extra_the_error_names_it(monkeypatch):
-    from lit_grpo.config import DataConfig
+    from lit_grpo.config import TrainConfig
     from lit_grpo.tasks import build_rows
 
     monkeypatch.setitem(sys.modules, "datasets", None)  # as if not installed
-    with pytest.raises(ImportError, match=r"lit_grpo\[datasets\].*data\.path="):
-        build_rows(DataConfig(task="gsm8k"), seed=0)
+    with pytest.raises(ImportError, match=r"lit_grpo\[datasets\].*task\.path="):
+        build_rows(TrainConfig(task={"name": "gsm8k"}))

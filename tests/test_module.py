@@ -3,21 +3,16 @@
 import lightning as L
 import torch
 
-from lit_grpo.callbacks.history import MetricHistory
 from lit_grpo.config import validate
-from lit_grpo.models import load_policy, load_tokenizer
 from lit_grpo.module import token_logprobs
-from lit_grpo.train import build_datamodule, build_module, build_trainer
+from lit_grpo.train import build_run
 
 from conftest import compose_config
 
 
 def _build(tmp_path, *overrides):
     c = validate(compose_config("+experiment=arithmetic", "trainer.fast_dev_run=1", "trainer.enable_progress_bar=false", *overrides, output_dir=tmp_path))
-    L.seed_everything(c.seed, verbose=False)
-    tokenizer = load_tokenizer(c.model)
-    policy = load_policy(c.model, tokenizer, c.seed)
-    return c, build_datamodule(c, policy, tokenizer), build_module(c, policy)
+    return build_run(c)
 
 
 def _snapshot(model):
@@ -25,14 +20,14 @@ def _snapshot(model):
 
 
 def test_one_step_changes_the_policy_and_not_the_reference(tmp_path):
-    c, datamodule, module = _build(tmp_path, "policy_loss.kl_beta=0.5")
+    trainer, module, datamodule = _build(tmp_path, "policy_loss.kl_beta=0.5")
     assert module.reference is not None
     assert not any(p.requires_grad for p in module.reference.parameters())
     policy_before, reference_before = _snapshot(module.policy), _snapshot(module.reference)
 
-    history = MetricHistory()
-    build_trainer(c, history).fit(module, datamodule=datamodule)
+    trainer.fit(module, datamodule=datamodule)
 
+    history = module.step_sequence.history
     assert len(history.steps) == 1
     changed = [k for k, v in module.policy.state_dict().items() if not torch.equal(v, policy_before[k])]
     assert changed, "a training step left every policy parameter unchanged"
@@ -41,11 +36,11 @@ def test_one_step_changes_the_policy_and_not_the_reference(tmp_path):
     assert not module.reference.training
     optimizer_params = {id(p) for group in module.trainer.optimizers[0].param_groups for p in group["params"]}
     assert not optimizer_params & {id(p) for p in module.reference.parameters()}
-    assert "kl/ref" in history.steps[0]
+    assert "train/ref_kl" in history.steps[0]
 
 
 def test_no_reference_without_kl(tmp_path):
-    _, _, module = _build(tmp_path, "policy_loss.kl_beta=0")
+    _, module, _ = _build(tmp_path, "policy_loss.kl_beta=0")
     assert module.reference is None
     assert not any("reference" in name for name, _ in module.named_modules())
 
@@ -72,9 +67,8 @@ def test_micro_batches_accumulate_to_the_whole_batch_step(tmp_path):
 
     grads = []
     for micro in (0, 3):
-        c, datamodule, module = _build(tmp_path / str(micro), "~callbacks.reward_filter", f"micro_batch_size={micro}", "sampler.max_completion_tokens=3", "grad_clip_norm=0")
+        trainer, module, datamodule = _build(tmp_path / str(micro), "~callbacks.reward_filter", f"micro_batch_size={micro}", "sampler.max_completion_tokens=3", "grad_clip_norm=0")
         capture = GradCapture()
-        trainer = build_trainer(c, MetricHistory())
         trainer.callbacks.append(capture)
         trainer.fit(module, datamodule=datamodule)
         grads.append(capture.grads)
@@ -84,8 +78,7 @@ def test_micro_batches_accumulate_to_the_whole_batch_step(tmp_path):
 
 
 def test_ppo_minibatches_make_k_optimizer_steps(tmp_path):
-    c, datamodule, module = _build(tmp_path, "ppo_n_minibatches=4", "~callbacks.reward_filter")
-    trainer = build_trainer(c, MetricHistory())
+    trainer, module, datamodule = _build(tmp_path, "ppo_n_minibatches=4", "~callbacks.reward_filter")
     trainer.fit(module, datamodule=datamodule)
     assert trainer.global_step == 4
 

@@ -5,7 +5,7 @@ import asyncio
 import pytest
 import torch
 
-from lit_grpo.data import collate_groups
+from lit_grpo.rollouts import collate_groups
 from lit_grpo.module import align_to_predictions, token_logprobs
 from lit_grpo.rollout import Trajectory
 from lit_grpo.samplers.hf import HFSampler

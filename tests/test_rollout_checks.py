@@ -4,9 +4,10 @@ import math
 
 import pytest
 
-from lit_grpo.data import RolloutProducer, RowCursor
+from lit_grpo.data import RolloutStream
+from lit_grpo.rollouts import GroupSampler, RowCursor, SynchronousScheduler, rollout_metrics
 from lit_grpo.rollout import load_rollout_factory
-from lit_grpo.rollout_checks import CircuitBreaker, RolloutCircuitOpen, sample_problem
+from lit_grpo.rollouts.checks import CircuitBreaker, RolloutCircuitOpen, sample_problem
 from lit_grpo.types import RolloutSample
 
 GOOD = dict(tokens=[1, 2, 3], logprobs=[0.0, -0.1, -0.2], loss_mask=[0, 1, 1], reward=1.0)
@@ -28,7 +29,13 @@ def test_each_bad_sample_kind_is_named(change, reason):
     assert sample_problem({"tokens": [1]}, max_seq_len=8) == "not_a_sample"
 
 
-def test_producer_drops_and_counts_bad_samples_and_small_groups():
+def _stream(rows, rollout_fn, *, G, max_seq_len=64, P=2):
+    groups = GroupSampler(rollout_fn, G, max_seq_len=max_seq_len, min_group_size=2, filters=[])
+    scheduler = SynchronousScheduler(RowCursor(rows, 1, 0, False), groups, P, max_concurrency=256)
+    return iter(RolloutStream(scheduler, groups, max_steps=-1, advantage_scale="std", pad_id=0))
+
+
+def test_pipeline_drops_and_counts_bad_samples_and_small_groups():
     # Row 0: one good sample, two bad ones -> group of 1 < min_group_size, dropped.
     # Row 1: rewards 1, 0 plus a NaN reward -> a group of 2 that trains.
     bad = {0: [GOOD, {**GOOD, "loss_mask": [0, 0, 0]}, {**GOOD, "tokens": [1] * 20, "logprobs": [0.0] * 20, "loss_mask": [1] * 20}],
@@ -40,13 +47,13 @@ def test_producer_drops_and_counts_bad_samples_and_small_groups():
         calls[row["id"]] += 1
         return RolloutSample(**bad[row["id"]][k])
 
-    producer = RolloutProducer(RowCursor([{"id": 0}, {"id": 1}], 1, 0, False), rollout_fn, 3, 2, "std", 0, [], max_seq_len=8)
-    batch = producer.next_batch()
+    batch = next(_stream([{"id": 0}, {"id": 1}], rollout_fn, G=3, max_seq_len=8))
+    metrics = rollout_metrics([batch.record])
     assert batch.num_sequences == 2 and batch.rewards_B.tolist() == [1.0, 0.0]
-    assert batch.stats["rollout/dropped_empty_mask"] == 1
-    assert batch.stats["rollout/dropped_too_long"] == 1
-    assert batch.stats["rollout/dropped_nonfinite_reward"] == 1
-    assert batch.stats["rollout/dropped_small_group"] == 1
+    assert metrics["rollout/dropped_empty_mask"] == 1
+    assert metrics["rollout/dropped_too_long"] == 1
+    assert metrics["rollout/dropped_nonfinite_reward"] == 1
+    assert metrics["rollout/dropped_small_group"] == 1
 
 
 def test_circuit_breaker_trips_on_consecutive_failures():
@@ -68,13 +75,12 @@ def test_circuit_breaker_trips_on_failure_rate():
         breaker.record(False)  # 10 of 20 = 50 %
 
 
-def test_producer_stops_training_when_rollouts_keep_failing():
+def test_training_stops_when_rollouts_keep_failing():
     async def rollout_fn(row):
         raise ConnectionError("environment is down")
 
-    producer = RolloutProducer(RowCursor([{"id": i} for i in range(10)], 1, 0, False), rollout_fn, 4, 2, "std", 0, [])
     with pytest.raises(RolloutCircuitOpen, match="environment is down"):
-        producer.next_batch()
+        next(_stream([{"id": i} for i in range(10)], rollout_fn, G=4))
 
 
 def test_rollout_factory_is_imported_from_the_working_directory(tmp_path, monkeypatch):

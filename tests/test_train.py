@@ -66,15 +66,16 @@ def test_a_short_run_raises_the_reward(tmp_path):
     assert summary["final_reward"] > summary["first_reward"] + 0.15, summary
     assert (tmp_path / "reward_curve.png").stat().st_size > 0
     header = (tmp_path / "metrics.csv").read_text().splitlines()[0].split(",")
-    for key in ["reward/mean", "reward/std", "reward/max", "loss", "kl/ref", "clip_frac", "completion_len/mean",
-                "filter/dropped_groups", "perf/step_s", "perf/sample_tokens_per_s"]:
+    for key in ["reward/mean", "reward/std", "reward/max", "train/loss", "train/lr", "train/ref_kl", "train/clip_frac",
+                "train/entropy", "rollout/completion_len_mean", "rollout/filtered_groups", "policy/version",
+                "perf/step_s", "perf/weight_sync_s", "perf/sample_tokens_per_s"]:
         assert key in header, key
 
 
 def test_training_ends_cleanly_when_the_rows_run_out(tmp_path):
     # 16 rows, 8 per step, no filter: exactly two steps, and no hook runs for a third.
     summary = train(compose_config(
-        "+experiment=arithmetic", "data.num_rows=16", "data.epochs=1", "max_steps=-1", "lr_decay=constant",
+        "+experiment=arithmetic", "task.num_rows=16", "data.epochs=1", "max_steps=-1", "lr_decay=constant",
         "~callbacks.reward_filter", "trainer.enable_progress_bar=false", output_dir=tmp_path,
     ))
     assert summary["steps"] == 2

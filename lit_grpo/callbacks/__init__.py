@@ -1,10 +1,12 @@
-"""Lightning callbacks: weight sync, the uniform-reward filter, the reward curve and histograms,
-greedy evaluation, DCP checkpoints and the final export (the last two are made by `lit_grpo.train`)."""
+"""Optional extras, as Lightning callbacks: the uniform-reward filter, the reward curve and
+histograms, and the final export (made by `lit_grpo.train` from `output_model_id`).
 
-from lit_grpo.callbacks.evaluation import GreedyEvaluation
+Dropping any of them never stalls training or changes its maths: the end of a step (weight sync
+and policy version, checkpoint, evaluation, metrics) is `lit_grpo.step_sequence`.
+"""
+
 from lit_grpo.callbacks.reward_curve import RewardCurve
 from lit_grpo.callbacks.reward_filter import UniformRewardFilter
 from lit_grpo.callbacks.reward_histogram import RewardHistogram
-from lit_grpo.callbacks.weight_sync import WeightSync
 
-__all__ = ["GreedyEvaluation", "RewardCurve", "RewardHistogram", "UniformRewardFilter", "WeightSync"]
+__all__ = ["RewardCurve", "RewardHistogram", "UniformRewardFilter"]

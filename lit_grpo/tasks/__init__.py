@@ -1,48 +1,58 @@
-"""Tasks: each makes dataset rows and names the reward that scores them."""
+"""Tasks: each makes dataset rows and names the reward that scores them (a registry, see
+`lit_grpo.tasks.registry`). The built-ins are `arithmetic` (the CPU demo) and `gsm8k`.
+
+What the training entry point calls, all from the validated `TrainConfig`:
+
+    rows = build_rows(c); eval_rows = build_eval_rows(c); reward = reward_fn(c)
+"""
 
 from __future__ import annotations
 
-import random
-from typing import Callable
+from lit_grpo.config import TrainConfig
+from lit_grpo.tasks import arithmetic, gsm8k  # noqa: F401  (registers the built-in tasks)
+from lit_grpo.tasks.registry import (
+    TASKS,
+    RewardFn,
+    TaskSpec,
+    available_tasks,
+    get_task,
+    register_task,
+    task_options,
+    task_spec,
+)
 
-from lit_grpo.config import DataConfig
+__all__ = [
+    "TASKS", "RewardFn", "TaskSpec", "available_tasks", "build_eval_rows", "build_rows", "check_task",
+    "get_task", "register_task", "reward_fn", "source_problems", "task_options", "task_spec",
+]  # fmt: skip
 
-# Held-out arithmetic rows come from another seed: the same distribution, other draws.
-_EVAL_SEED_OFFSET = 1_000_003
+
+def check_task(c: TrainConfig) -> None:
+    """Validate `c.task` (name, options, and the task's rule with `c.data`); raises `ConfigError`."""
+    task_spec(c.task).check(task_options(c.task), c.data)
 
 
-def build_rows(cfg: DataConfig, seed: int) -> list[dict]:
-    """The task's training rows, truncated to `cfg.max_rows` when set."""
-    if cfg.task == "gsm8k":
-        from lit_grpo.tasks import gsm8k
-
-        return gsm8k.load_split(cfg, held_out=False)
-    from lit_grpo.tasks import arithmetic
-
-    rows = arithmetic.make_rows(cfg, seed)
+def build_rows(c: TrainConfig) -> list[dict]:
+    """The task's training rows, at most `c.data.max_rows` when that is set. Shape: a list of row dicts."""
+    spec, opts = task_spec(c.task), task_options(c.task)
+    rows = spec.rows(opts, seed=c.seed, max_rows=c.data.max_rows)
     if not rows:
-        raise ValueError(f"task {cfg.task!r} produced no rows; check the data config")
-    return rows[: cfg.max_rows] if cfg.max_rows else rows
+        raise ValueError(f"task {spec.name!r} produced no rows; check the `task` config")
+    return rows[: c.data.max_rows] if c.data.max_rows else rows
 
 
-def build_eval_rows(cfg: DataConfig, seed: int) -> list[dict]:
-    """`cfg.eval_rows` held-out rows for greedy evaluation (none when it is 0)."""
-    if cfg.eval_rows == 0:
+def build_eval_rows(c: TrainConfig) -> list[dict]:
+    """`c.data.eval_rows` held-out rows for greedy evaluation (none when it is 0)."""
+    if c.data.eval_rows == 0:
         return []
-    if cfg.task == "gsm8k":
-        from lit_grpo.tasks import gsm8k
-
-        return gsm8k.load_split(cfg, held_out=True)
-    from lit_grpo.tasks import arithmetic
-
-    rows = arithmetic.make_rows(cfg, seed + _EVAL_SEED_OFFSET)
-    return random.Random(seed).sample(rows, min(cfg.eval_rows, len(rows)))
+    return task_spec(c.task).eval_rows(task_options(c.task), seed=c.seed, count=c.data.eval_rows)
 
 
-def reward_fn(cfg: DataConfig) -> Callable[[str, dict], float]:
-    """`reward(completion_text, row) -> float` of the task."""
-    if cfg.task == "gsm8k":
-        from lit_grpo.rewards.gsm8k import score
-    else:
-        from lit_grpo.rewards.arithmetic import score
-    return lambda text, row: score(text, row["answer"])
+def reward_fn(c: TrainConfig) -> RewardFn:
+    """`reward(completion_text, row) -> float | None` of the configured task."""
+    return task_spec(c.task).reward(task_options(c.task))
+
+
+def source_problems(c: TrainConfig) -> list[str]:
+    """What the task reads that cannot be reached from here (for `lit_grpo.preflight`)."""
+    return task_spec(c.task).sources(task_options(c.task), c.data)

@@ -1,25 +1,54 @@
-"""The GSM8K task: rows from a local JSONL (`data.path`) or the Hugging Face dataset, scored by
+"""The GSM8K task: rows from a local JSONL (`task.path`) or the Hugging Face dataset, scored by
 `lit_grpo.rewards.gsm8k.score`. Rows are chat rows (`messages`), sampled through the chat template."""
 
 from __future__ import annotations
 
-from lit_grpo.config import DataConfig
-from lit_grpo.tasks.gsm8k_rows import collect_rows, load_jsonl_rows
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
 
-DATASETS_HINT = "pip install 'lit_grpo[datasets]', or give a local JSONL with data.path=/path/to/train.jsonl"
+from lit_grpo.config import DataConfig, require
+from lit_grpo.rewards.gsm8k import score
+from lit_grpo.tasks.gsm8k_rows import ON_ERROR_MODES, collect_rows, load_jsonl_rows
+from lit_grpo.tasks.registry import RewardFn, register_task
+
+DATASETS_HINT = "pip install 'lit_grpo[datasets]', or give a local JSONL with task.path=/path/to/train.jsonl"
 
 
-def load_split(cfg: DataConfig, *, held_out: bool) -> list[dict]:
-    """Training rows (at most `max_rows`) or held-out rows (at most `eval_rows`)."""
-    path = cfg.eval_path if held_out else cfg.path
-    limit = cfg.eval_rows if held_out else cfg.max_rows
+@dataclass
+class GSM8KOptions:
+    """Options of `task=gsm8k` (`conf/task/gsm8k.yaml`)."""
+
+    path: Optional[str] = None
+    """A local JSONL of training rows (GSM8K `question`/`answer`, or chat `messages` + `answer`);
+    null: the Hugging Face dataset below."""
+    dataset: str = "openai/gsm8k"
+    """Hugging Face dataset name (or local dataset folder) used when `path` is null."""
+    dataset_config: Optional[str] = "main"
+    """The dataset's config name."""
+    split: str = "train"
+    """The split trained on."""
+    eval_path: Optional[str] = None
+    """A local JSONL of held-out rows (null: `eval_split` of the dataset)."""
+    eval_split: str = "test"
+    """The held-out split evaluated on (`data.eval_rows` of its rows)."""
+    on_error: str = "raise"
+    """A malformed row: `raise` (stop, naming the line) or `skip` (warn, naming the line)."""
+
+    def __post_init__(self) -> None:
+        require(self.on_error in ON_ERROR_MODES, "task.on_error", f"must be one of {', '.join(ON_ERROR_MODES)}, got {self.on_error!r}")
+
+
+def load_split(opts: GSM8KOptions, *, held_out: bool, limit: int) -> list[dict]:
+    """Training rows or held-out rows, at most `limit` (0: all)."""
+    path = opts.eval_path if held_out else opts.path
     if path:
-        return load_jsonl_rows(path, on_error=cfg.on_error, max_rows=limit)[0]
-    split = cfg.eval_split if held_out else cfg.split
-    records = hub_records(cfg.dataset, cfg.dataset_config, split)
-    source = f"{cfg.dataset}[{cfg.dataset_config}] split {split!r}"
+        return load_jsonl_rows(path, on_error=opts.on_error, max_rows=limit)[0]
+    split = opts.eval_split if held_out else opts.split
+    records = hub_records(opts.dataset, opts.dataset_config, split)
+    source = f"{opts.dataset}[{opts.dataset_config}] split {split!r}"
     numbered = ((f"{source} row {i}", (lambda r=r: r)) for i, r in enumerate(records))
-    return collect_rows(numbered, source=source, on_error=cfg.on_error, max_rows=limit)[0]
+    return collect_rows(numbered, source=source, on_error=opts.on_error, max_rows=limit)[0]
 
 
 def hub_records(name: str, config: str | None, split: str):
@@ -29,3 +58,47 @@ def hub_records(name: str, config: str | None, split: str):
     except ImportError:
         raise ImportError(f"loading {name!r} from the Hugging Face hub needs the `datasets` extra: {DATASETS_HINT}") from None
     return datasets.load_dataset(name, config, split=split)
+
+
+def train_rows(opts: GSM8KOptions, *, seed: int, max_rows: int) -> list[dict]:
+    return load_split(opts, held_out=False, limit=max_rows)
+
+
+def held_out_rows(opts: GSM8KOptions, *, seed: int, count: int) -> list[dict]:
+    return load_split(opts, held_out=True, limit=count)
+
+
+def reward(opts: GSM8KOptions) -> RewardFn:
+    """1.0 when the completion's final number equals the row's `answer` (see `rewards.gsm8k`)."""
+    return lambda text, row: score(text, row["answer"])
+
+
+def check(opts: GSM8KOptions, data: DataConfig) -> None:
+    """A local training file needs a local held-out file too when evaluation is on."""
+    require(
+        not (opts.path and not opts.eval_path and data.eval_rows > 0),
+        "task.eval_path",
+        "is needed with a local task.path when data.eval_rows > 0 (or set data.eval_rows=0)",
+    )
+
+
+def sources(opts: GSM8KOptions, data: DataConfig) -> list[str]:
+    """Missing JSONL files, and the hub dataset when it is needed and cannot be reached."""
+    from lit_grpo.preflight import hub_problem
+
+    problems = []
+    for name, path in (("task.path", opts.path), ("task.eval_path", opts.eval_path if data.eval_rows else None)):
+        if path and not Path(path).is_file():
+            problems.append(f"{name}: no file {path}")
+    needs_hub = not opts.path or (data.eval_rows > 0 and not opts.eval_path)
+    if needs_hub and (why := hub_problem(opts.dataset, "dataset")):
+        problems.append(
+            f"dataset {opts.dataset!r}: {why}; use local JSONL copies with task.path=/path/train.jsonl "
+            "task.eval_path=/path/test.jsonl (or data.eval_rows=0)"
+        )
+    return problems
+
+
+register_task(
+    "gsm8k", options=GSM8KOptions, rows=train_rows, eval_rows=held_out_rows, reward=reward, check=check, sources=sources,
+)

@@ -1,0 +1,18 @@
+"""Rows to training batches: the row cursor, the pure pipeline, the group sampler and the two schedulers.
+
+    cursor.py      RowCursor: this rank's disjoint, seeded, resumable share of the rows
+    pipeline.py    pure functions: checks, group verdicts, advantages and padding, rollout metrics
+    groups.py      GroupSampler: the G rollout calls of a row, the circuit breaker, drop counts
+    schedulers.py  SynchronousScheduler and OffPolicyScheduler (the gate) behind one interface
+    checks.py      what makes a sample malformed; the circuit breaker
+"""
+
+from lit_grpo.rollouts.cursor import RowCursor
+from lit_grpo.rollouts.groups import GroupSampler
+from lit_grpo.rollouts.pipeline import GroupFilter, collate_groups, make_batch, rollout_metrics
+from lit_grpo.rollouts.schedulers import OffPolicyScheduler, Scheduler, StepGroups, SynchronousScheduler
+
+__all__ = [
+    "GroupFilter", "GroupSampler", "OffPolicyScheduler", "RowCursor", "Scheduler", "StepGroups", "SynchronousScheduler",
+    "collate_groups", "make_batch", "rollout_metrics",
+]

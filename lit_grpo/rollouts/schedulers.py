@@ -1,0 +1,288 @@
+"""The two schedulers: when rows are sampled relative to training. One small interface
+(`Scheduler`); both compose the same `RowCursor` and `GroupSampler`.
+
+- `SynchronousScheduler` (`synchronous_training: true`): a step's groups are sampled on the
+  trainer's thread, then the step trains, then the weights sync; nothing overlaps.
+- `OffPolicyScheduler` (`synchronous_training: false`): rollouts run on a background event loop
+  and overlap training, admitted through the off-policy gate of DESIGN.md. With B = P·G samples
+  per step and O = max_head_offpolicy_versions, a row (all G samples at the version of the
+  moment) may start only while
+
+      (O + version + 1) · B - (accepted + running) >= G
+
+  where `accepted` counts samples of groups that passed the filters so far and `running` those in
+  flight. A group admitted at version v is among the first (O + v + 1)·B accepted samples, so it
+  trains at most O versions after it was sampled; O = 0 is strictly on-policy.
+
+The policy `version` of both is advanced by the step sequence (`lit_grpo.step_sequence`) after each
+weight sync, never by a callback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Optional, Protocol
+
+from lit_grpo.rollouts.cursor import Position, RowCursor
+from lit_grpo.rollouts.groups import GroupSampler
+from lit_grpo.types import PromptGroup
+
+
+@dataclass
+class StepGroups:
+    """What a scheduler hands over for one step."""
+
+    accepted: list[PromptGroup]
+    """The groups to train on (at most P; fewer, or none, only when the rows run out)."""
+    sampled: list[PromptGroup]
+    """Every group sampled since the previous step, rejected ones included (for reward metrics)."""
+    timings: dict[str, float] = field(default_factory=dict)
+    """`perf/*` (and `async/in_flight`) values of this step's sampling."""
+
+
+class Scheduler(Protocol):
+    """When rows are sampled; `version` counts the weight syncs the sampler has received."""
+
+    version: int
+
+    def next_groups(self) -> StepGroups: ...
+
+    def advance_version(self) -> None: ...
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class SynchronousScheduler:
+    """Samples a step's groups concurrently on the trainer's thread until P pass every check."""
+
+    def __init__(self, cursor: RowCursor, groups: GroupSampler, prompt_groups_per_step: int, *, max_concurrency: int) -> None:
+        self.cursor, self.groups, self.P = cursor, groups, prompt_groups_per_step
+        self.max_rows_in_flight = max(max_concurrency // groups.G, 1)
+        self.version = 0
+        self.trained_samples = 0
+        self.accept_rate = 1.0
+        """Running fraction of sampled groups that are accepted (sizes the refill rounds)."""
+        self.max_oversample = 4
+        self._loop = asyncio.new_event_loop()  # one loop for the whole run: no per-step set-up
+
+    def _rows_to_request(self, missing: int) -> int:
+        """Rows to sample for `missing` groups: more when many are rejected, so a step needs few
+        rounds (each is a batched generate call). Accepted groups beyond P are discarded rather
+        than trained on later at a stale version."""
+        wanted = min(math.ceil(missing / max(self.accept_rate, 0.05)), self.P * self.max_oversample)
+        return min(wanted, self.max_rows_in_flight)
+
+    async def _sample_rows(self, rows: list[dict]) -> list[PromptGroup]:
+        return await asyncio.gather(*(self.groups.sample(r, self.version) for r in rows))
+
+    def next_groups(self) -> StepGroups:
+        start = time.perf_counter()
+        accepted: list[PromptGroup] = []
+        sampled: list[PromptGroup] = []
+        while len(accepted) < self.P:
+            rows = self.cursor.take(self._rows_to_request(self.P - len(accepted)))
+            if not rows:
+                break
+            for group in self._loop.run_until_complete(self._sample_rows(rows)):
+                sampled.append(group)
+                keep = self.groups.accept(group)
+                self.accept_rate = 0.9 * self.accept_rate + 0.1 * float(keep)
+                if keep and len(accepted) < self.P:
+                    accepted.append(group)
+        self.trained_samples += self.groups.G * len(accepted)
+        seconds = time.perf_counter() - start
+        # The trainer waits for all of the sampling, and nothing overlaps.
+        return StepGroups(accepted, sampled, {"perf/sample_s": seconds, "perf/trainer_wait_s": seconds, "perf/overlap_ratio": 0.0})
+
+    def advance_version(self) -> None:
+        self.version += 1
+
+    def state_dict(self) -> dict:
+        return {"version": self.version, "trained_samples": self.trained_samples, "accept_rate": self.accept_rate, "cursor": self.cursor.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.version, self.trained_samples = state["version"], state["trained_samples"]
+        self.accept_rate = state.get("accept_rate", 1.0)
+        self.cursor.load_state_dict(state["cursor"])
+
+    def close(self) -> None:
+        self._loop.close()
+
+
+_DONE = None  # queue sentinel: no more groups will come (rows used up, or an error)
+
+
+class OffPolicyScheduler:
+    """Samples on its own thread and event loop, bounded by the off-policy gate and `max_concurrency`."""
+
+    def __init__(self, cursor: RowCursor, groups: GroupSampler, prompt_groups_per_step: int, *,
+                 max_head_offpolicy_versions: int, max_concurrency: int) -> None:
+        self.cursor, self.groups, self.P = cursor, groups, prompt_groups_per_step
+        self.G = groups.G
+        self.B = self.P * self.G
+        self.max_head_offpolicy_versions, self.max_concurrency = max_head_offpolicy_versions, max_concurrency
+        self.version = 0
+        self.trained_samples = 0
+        """Samples (G per group) of the groups handed to the trainer so far."""
+        self.accepted_samples = 0
+        """Samples (G per group) of every group accepted so far, trained or queued."""
+        self.running = 0
+        """Samples in flight."""
+        self._loop = asyncio.new_event_loop()
+        self._unfinished: set[Position] = set()  # rows sampling or queued, not yet trained
+        self._lock = threading.Lock()  # the cursor, `_unfinished` and `version` change together, for a consistent snapshot
+        self._ready: queue.Queue[Optional[tuple[Position, PromptGroup]]] = queue.Queue()
+        self._rejected: deque[PromptGroup] = deque()
+        self._error: Optional[BaseException] = None
+        self._stopping = self._finished = False
+        self._wake: Optional[asyncio.Event] = None
+        self._thread: Optional[threading.Thread] = None
+        self._gate_wait_s = 0.0
+        self._last_handover: Optional[float] = None
+        self.rollout_intervals: list[tuple[float, float]] = []
+        """(start, end) of every group's sampling, for the overlap measurement."""
+
+    # ---------------------------------------------------------------- sampling thread
+
+    def can_admit(self) -> bool:
+        """The off-policy gate and the concurrency cap, for one more row of G samples."""
+        budget = (self.max_head_offpolicy_versions + self.version + 1) * self.B
+        return budget - (self.accepted_samples + self.running) >= self.G and self.running + self.G <= self.max_concurrency
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._loop.run_until_complete(self._admit_rows())
+
+    async def _admit_rows(self) -> None:
+        tasks: set[asyncio.Task] = set()
+        while not self._stopping:
+            if not self.can_admit():
+                waited_from = time.perf_counter()
+                self._wake.clear()
+                await self._wake.wait()
+                self._gate_wait_s += time.perf_counter() - waited_from
+                continue
+            with self._lock:
+                taken = self.cursor.take_positioned(1)
+                if not taken:
+                    break
+                position, row = taken[0]
+                self._unfinished.add(position)
+                version = self.version
+            self.running += self.G
+            task = asyncio.create_task(self._run_group(position, row, version))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+        self._ready.put(_DONE)
+
+    async def _run_group(self, position: Position, row: dict, version: int) -> None:
+        started = time.perf_counter()
+        try:
+            group = await self.groups.sample(row, version)
+            keep = self.groups.accept(group)
+        except BaseException as err:  # the circuit breaker, or a user filter that raised
+            self._error, self._stopping = err, True
+            self._ready.put(_DONE)
+            return
+        finally:
+            self.running -= self.G
+            self.rollout_intervals.append((started, time.perf_counter()))
+            self._wake.set()
+        if keep:
+            self.accepted_samples += self.G
+            self._ready.put((position, group))
+        else:
+            with self._lock:
+                self._unfinished.discard(position)  # a rejected row is used up, like a trained one
+            self._rejected.append(group)
+
+    # ---------------------------------------------------------------- trainer thread
+
+    def _start(self) -> None:
+        if self._thread is None:
+            self._wake = asyncio.Event()
+            self._thread = threading.Thread(target=self._run, name="rollout-scheduler", daemon=True)
+            self._thread.start()
+
+    def advance_version(self) -> None:
+        # Counted at once (a checkpoint taken right after must see it), then the loop re-checks its gate.
+        with self._lock:
+            self.version += 1
+        self._start()
+        self._loop.call_soon_threadsafe(self._wake.set)
+
+    def next_groups(self) -> StepGroups:
+        """Wait for P accepted groups (or the end of the rows)."""
+        self._start()
+        waited_from = time.perf_counter()
+        accepted: list[PromptGroup] = []
+        while len(accepted) < self.P and not self._finished:
+            item = self._ready.get()
+            if item is _DONE:
+                self._finished = True
+                if self._error is not None:
+                    raise self._error
+                break
+            position, group = item
+            with self._lock:
+                self._unfinished.discard(position)
+            accepted.append(group)
+        self.trained_samples += self.G * len(accepted)
+        now = time.perf_counter()
+        train_window = (self._last_handover or waited_from, waited_from)  # the previous step trained here
+        self._last_handover = now
+        rejected = [self._rejected.popleft() for _ in range(len(self._rejected))]
+        gate_wait_s, self._gate_wait_s = self._gate_wait_s, 0.0
+        timings = {
+            "perf/sample_s": now - train_window[0], "perf/trainer_wait_s": now - waited_from, "perf/sampler_wait_s": gate_wait_s,
+            "perf/overlap_ratio": self._overlap(*train_window), "async/in_flight": float(self.running),
+        }
+        return StepGroups(accepted, accepted + rejected, timings)
+
+    def state_dict(self) -> dict:
+        """Version, gate counter and data position between two steps. Rows sampling or queued
+        (not yet trained) are saved as unfinished: a resumed run samples them again first."""
+        with self._lock:
+            return {"version": self.version, "trained_samples": self.trained_samples,
+                    "cursor": self.cursor.state_dict(unfinished=sorted(self._unfinished))}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Before the first step: the gate resumes as if every trained sample had just been accepted."""
+        if self._thread is not None:
+            raise RuntimeError("load the scheduler's state before it starts sampling")
+        self.version, self.trained_samples = state["version"], state["trained_samples"]
+        self.accepted_samples = self.trained_samples
+        self.cursor.load_state_dict(state["cursor"])
+
+    def _overlap(self, start: float, end: float) -> float:
+        """Fraction of [start, end] (the trainer's last step) during which some rollout ran."""
+        if end <= start:
+            return 0.0
+        intervals = sorted((max(a, start), min(b, end)) for a, b in list(self.rollout_intervals) if b > start and a < end)
+        covered, reach = 0.0, start
+        for a, b in intervals:
+            if b > reach:
+                covered += b - max(a, reach)
+                reach = b
+        self.rollout_intervals = [iv for iv in self.rollout_intervals if iv[1] > end]  # older ones are done with
+        return covered / (end - start)
+
+    def close(self) -> None:
+        self._stopping = True
+        if self._thread is not None:
+            self._loop.call_soon_threadsafe(self._wake.set)
+            self._thread.join(timeout=60)
+        if not self._loop.is_running():
+            self._loop.close()

@@ -1,0 +1,179 @@
+"""The end of a rollout step, in one place and a fixed order.
+
+After a step's optimizer steps, `GRPOModule.on_train_batch_end` runs `StepSequence.finish_step`,
+on every rank:
+
+    0. merge    the step's metrics over all ranks (rewards pooled, counts summed, slowest timings)
+    1. sync     if due (every `weight_sync_interval` steps): the policy's full weights into the
+                sampler; then the policy version advances (with `weight_sync_interval=0` the
+                sampler keeps its weights and only the version advances, every step, so the
+                off-policy gate keeps admitting rows)
+    2. save     a DCP checkpoint if due (`dcp_save_interval`)
+    3. eval     greedy accuracy on the held-out rows if due (`eval_interval`)
+    4. log      the metrics to the loggers (and the history the run summary reads)
+
+The policy version is advanced here and nowhere else; no callback is needed for training to
+advance. Lightning runs every callback's `on_train_batch_end` before the module's, so callbacks
+see a trained step whose weights are not yet synced. On resume, the same `sync_sampler` path
+gives the fresh sampler the weights it held when the checkpoint was taken.
+
+`policy/version` is the trainer's policy version during the step: the version advances before
+it. A sample's version offset (`async/version_offset_*`) is that minus the version it was sampled at.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Optional
+
+import lightning as L
+import torch
+from lightning.pytorch.loggers import CSVLogger
+
+from lit_grpo.evaluation import GreedyEvaluator
+from lit_grpo.metrics import MetricHistory, merge_step_metrics
+from lit_grpo.run_state import RunCheckpointer, restore_rng
+from lit_grpo.weights import full_named_tensors
+
+if TYPE_CHECKING:
+    from lit_grpo.data import RolloutDataModule
+    from lit_grpo.module import GRPOModule, StepResult
+
+log = logging.getLogger(__name__)
+
+
+class StepSequence:
+    """Weight sync and version → checkpoint → evaluation → metrics, after every step."""
+
+    def __init__(
+        self,
+        datamodule: "RolloutDataModule",
+        *,
+        weight_sync_interval: int = 1,
+        checkpointer: Optional[RunCheckpointer] = None,
+        evaluator: Optional[GreedyEvaluator] = None,
+        resume_from: Optional[Path] = None,
+        log_every_n_steps: int = 1,
+    ) -> None:
+        self.datamodule = datamodule
+        self.weight_sync_interval = weight_sync_interval
+        self.checkpointer, self.evaluator = checkpointer, evaluator
+        self.resume_from = resume_from
+        self.log_every_n_steps = max(log_every_n_steps, 1)
+        self.history = MetricHistory()
+        self._rng_to_restore: Optional[dict] = None
+        self._last_end: Optional[float] = None
+
+    # ------------------------------------------------------------------ the sequence
+
+    def finish_step(self, trainer: L.Trainer, module: "GRPOModule", result: "StepResult") -> dict[str, float]:
+        """Run the end of step `module.rollout_step`; returns its metrics (every rank gets them)."""
+        step = module.rollout_step
+        metrics = merge_step_metrics(result.record, result.train_metrics, result.timings)
+        metrics["train/lr"] = module.lr_schedulers().get_last_lr()[0]
+        metrics["policy/version"] = float(self.datamodule.version)
+        self.history.append(metrics)  # before the checkpoint, which saves the history
+
+        metrics.update(self.sync(module, step))
+        if self.checkpointer is not None and self.checkpointer.due(trainer, step):
+            metrics["perf/checkpoint_s"] = self._save(trainer, module, step)
+        if self.evaluator is not None and self.evaluator.due(step):
+            accuracy = self.evaluator.evaluate(self.datamodule, step, trainer.global_rank, trainer.world_size)
+            if accuracy is not None:
+                metrics["eval/accuracy"] = accuracy
+
+        now = time.perf_counter()
+        metrics["perf/step_s"] = now - self._last_end if self._last_end is not None else sum(
+            metrics.get(k, 0.0) for k in ("perf/sample_s", "perf/ref_s", "perf/train_s"))
+        self._last_end = now
+        if step % self.log_every_n_steps == 0:
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=step - 1)
+        return metrics
+
+    def sync(self, module: "GRPOModule", step: int) -> dict[str, float]:
+        """Phase 1: the weights into the sampler if a sync is due, and the version advance."""
+        if self.weight_sync_interval > 0 and step % self.weight_sync_interval:
+            return {}
+        start = time.perf_counter()
+        if self.weight_sync_interval > 0:
+            self.sync_sampler(module)
+        self.datamodule.advance_version()
+        return {"perf/weight_sync_s": time.perf_counter() - start} if self.weight_sync_interval > 0 else {}
+
+    def sync_sampler(self, module: "GRPOModule") -> None:
+        """The policy's full weights into this rank's sampler: gathered tensor by tensor when the
+        policy is sharded (a collective, in the same order on every rank). Through the strategy's
+        model, because a sharding strategy may wrap the whole module, not the policy alone."""
+        with torch.no_grad():
+            self.datamodule.push_weights(full_named_tensors(module.trainer.strategy.model, prefix="policy."))
+
+    def _save(self, trainer: L.Trainer, module: "GRPOModule", step: int) -> float:
+        start = time.perf_counter()
+        holds_policy = self.weight_sync_interval > 0 and step % self.weight_sync_interval == 0
+        self.checkpointer.save(trainer, module, step, {
+            "sampler_holds_policy": holds_policy,
+            "datamodule": self.datamodule.state_dict(),
+            "sequence": self.state_dict(),
+            "callbacks": {cb.state_key: cb.state_dict() for cb in trainer.callbacks if cb.state_dict()},
+        })
+        for logger in trainer.loggers:  # what the loggers hold is on disk too
+            logger.save()
+        return time.perf_counter() - start
+
+    # ------------------------------------------------------------------ start, resume, end
+
+    def on_train_start(self, trainer: L.Trainer, module: "GRPOModule") -> None:
+        self._last_end = time.perf_counter()
+        if self.resume_from is None:
+            return
+        state = self.checkpointer.load(self.resume_from, trainer, module)
+        module.rollout_step = state["step"]
+        self.datamodule.load_state_dict(state["datamodule"])
+        self.load_state_dict(state["sequence"])
+        for cb in trainer.callbacks:
+            if cb.state_key in state["callbacks"]:
+                cb.load_state_dict(state["callbacks"][cb.state_key])
+        if self.weight_sync_interval > 0:  # interval 0: the base weights the fresh sampler has are right
+            if not state["sampler_holds_policy"]:
+                log.warning("the checkpoint was taken between weight syncs; the sampler restarts from the saved policy (not an exact resume)")
+            self.sync_sampler(module)
+        self._rng_to_restore = state["rng"]
+        self._replay_history_into_csv(trainer)
+        log.info("resumed from %s at step %d", self.resume_from, state["step"])
+
+    def before_step(self) -> None:
+        """At each batch start; after a resume, the RNG states go back as late as possible:
+        Lightning draws from torch's RNG when it makes the dataloader iterator."""
+        if self._rng_to_restore is not None:
+            restore_rng(self._rng_to_restore)
+            self._rng_to_restore = None
+
+    def on_train_end(self, trainer: L.Trainer, module: "GRPOModule") -> None:
+        """A last checkpoint and a last evaluation, unless the last step just had them."""
+        step = module.rollout_step
+        if self.checkpointer is not None and self.checkpointer.due_at_end(trainer, step):
+            self._save(trainer, module, step)
+        if self.evaluator is not None and step > 0 and self.evaluator.last.get("eval/step") != float(step):
+            accuracy = self.evaluator.evaluate(self.datamodule, step, trainer.global_rank, trainer.world_size)
+            if accuracy is not None:
+                for logger in trainer.loggers:
+                    logger.log_metrics({"eval/accuracy": accuracy}, step=step - 1)
+
+    def _replay_history_into_csv(self, trainer: L.Trainer) -> None:
+        """Lightning's CSV logger starts a fresh metrics.csv; write the restored steps back into it."""
+        for logger in trainer.loggers:
+            if isinstance(logger, CSVLogger):
+                for step, metrics in enumerate(self.history.steps):
+                    logger.log_metrics(metrics, step=step)
+                logger.save()
+
+    def state_dict(self) -> dict:
+        return {"history": self.history.state_dict(), "evaluator": self.evaluator.state_dict() if self.evaluator else None}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.history.load_state_dict(state["history"])
+        if self.evaluator is not None and state["evaluator"] is not None:
+            self.evaluator.load_state_dict(state["evaluator"])

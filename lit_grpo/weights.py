@@ -1,0 +1,87 @@
+"""The policy's full (unsharded) weights by state-dict name: what a weight sync hands the sampler.
+
+Each training rank has its own sampler, and samplers load `(name, tensor)` pairs of whole
+tensors. How to get those depends on how the trainer holds the policy:
+
+- a plain module (one process, DDP): the state dict's own tensors, no copies;
+- DTensor parameters (FSDP2 `fully_shard`, Lightning's `ModelParallelStrategy`, tensor
+  parallelism): each tensor is all-gathered with `full_tensor()` when the consumer asks for it,
+  so a rank holds its shards plus about one full tensor at a time, not the whole model twice;
+- FSDP1 (`FullyShardedDataParallel`, Lightning's `FSDPStrategy`): torch's `get_model_state_dict`
+  with `full_state_dict=True` and `cpu_offload=False` (with `cpu_offload=True` only rank 0 gets
+  the tensors). FSDP1 gathers unit by unit and clones, so here the whole model is materialised
+  on every rank at once; FSDP1 offers no simple per-tensor path.
+
+Names and order come from `get_model_state_dict` (the state dict without the `module.` /
+`_orig_mod.` / `_fsdp_wrapped_module.` wrapper parts), which is the same on every rank. The order
+matters because the gathers are collectives: every rank must consume the iterator in the same
+order and to the end. A rank that stops early (its sampler raised) leaves the others blocked in
+the next gather until the process-group timeout.
+
+Tied weights (the embedding and the LM head) appear under every name, as in `state_dict()`, so
+each engine finds every weight under the name its own model uses (vLLM looks weights up by its
+model's names; the `hf` sampler refuses a sync that leaves one of its weights stale). Under
+DTensor each name is gathered separately: one extra all-gather of the embedding per sync, in
+exchange for a rule that needs no rank to agree with another about which tensors are the same.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.fsdp import FullyShardedDataParallel
+
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # torch 2.4
+    from torch.distributed._tensor import DTensor
+
+
+def full_named_tensors(model: nn.Module, *, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+    """`(name, full tensor)` for each state-dict entry of `model` under `prefix` (stripped), lazily.
+
+    Call it on every rank and consume it to the end on every rank (see the module docstring).
+    `prefix` selects one submodule of a wrapper, e.g. `full_named_tensors(trainer.strategy.model,
+    prefix="policy.")` works under every Lightning strategy, FSDP1 included (there the FSDP root
+    is the whole LightningModule, not `pl_module.policy`). Tensors are detached; plain ones share
+    storage with the parameters, so copy them before the next optimizer step if you keep them.
+    """
+    fsdp1_modules = FullyShardedDataParallel.fsdp_modules(model)
+    _reject_fsdp1_above(model, fsdp1_modules)
+    # FSDP1: one collective over the whole wrapped model (the reference too, when it sits inside),
+    # run here at the call so that every rank runs it at the same point.
+    full = StateDictOptions(full_state_dict=True, cpu_offload=False) if fsdp1_modules else None
+    return _stream(get_model_state_dict(model, options=full), prefix)
+
+
+def _stream(state: dict[str, torch.Tensor], prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """The entries under `prefix`, each DTensor gathered only when the consumer asks for it."""
+    for name, tensor in state.items():
+        if not name.startswith(prefix):
+            continue
+        if isinstance(tensor, DTensor):
+            tensor = _gather(tensor)
+        yield name[len(prefix) :], tensor.detach()
+        del tensor  # drop this rank's reference before gathering the next one
+
+
+def _gather(tensor: DTensor) -> torch.Tensor:
+    """The whole tensor on every rank of its mesh (a collective)."""
+    if tensor.device.type != tensor.device_mesh.device_type:  # CPU-offloaded shards of a GPU mesh
+        tensor = tensor.to(tensor.device_mesh.device_type)
+    with torch.no_grad():  # here, not around the yield: grad mode would leak into the consumer
+        return tensor.full_tensor()
+
+
+def _reject_fsdp1_above(model: nn.Module, fsdp1_modules: list[nn.Module]) -> None:
+    """Fail loudly when an FSDP1 wrapper above `model` owns some of its parameters (they hold shards)."""
+    owned = {id(p) for m in fsdp1_modules for p in m.parameters()}
+    if any(getattr(p, "_fsdp_flattened", False) and id(p) not in owned for p in model.parameters()):
+        raise ValueError(
+            f"the parameters of this {type(model).__name__} are sharded by a FullyShardedDataParallel wrapper "
+            "around it; pass that wrapper with a prefix instead, e.g. "
+            "full_named_tensors(trainer.strategy.model, prefix='policy.')"
+        )

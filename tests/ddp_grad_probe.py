@@ -1,0 +1,103 @@
+"""Run by tests/test_ddp.py: one training step per loss normalization on fixed batches, saving
+each step's gradient (before any optimizer update, which is skipped so every step starts from the
+same weights).
+
+    python ddp_grad_probe.py <out_dir> <devices> <rank batch sizes, e.g. 4,6>
+
+With 2 devices (DDP, gloo), rank r trains on batch r; with 1 device, on the union of the batches.
+Lightning re-runs this script for rank 1.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader
+
+from lit_grpo.config import validate
+from lit_grpo.models import load_policy, load_tokenizer
+from lit_grpo.module import GRPOModule
+from lit_grpo.train import compose_config
+from lit_grpo.types import RolloutBatch
+
+NORMALIZATIONS = ["token_mean", "seq_mean", "sum"]
+T = 12
+
+
+def fixed_batch(rank: int, size: int, vocab: int) -> RolloutBatch:
+    """A batch that depends only on (rank, size): prompts of 3-5 tokens, ragged completions."""
+    g = torch.Generator().manual_seed(1000 + rank)
+    tokens = torch.randint(3, vocab, (size, T), generator=g)
+    lengths = torch.randint(T - 4, T + 1, (size,), generator=g)
+    prompt = torch.randint(3, 6, (size,), generator=g)
+    position = torch.arange(T)[None]
+    attention = (position < lengths[:, None]).long()
+    loss_mask = ((position >= prompt[:, None]) & (attention > 0)).float()
+    return RolloutBatch(
+        tokens_BT=tokens * attention,
+        attention_mask_BT=attention,
+        loss_mask_BT=loss_mask,
+        sampler_logprobs_BT=-torch.rand(size, T, generator=g) * loss_mask,
+        advantages_B=torch.randn(size, generator=g),
+        rewards_B=torch.rand(size, generator=g),
+        versions_B=torch.zeros(size, dtype=torch.long),
+    )
+
+
+def union(batches: list[RolloutBatch]) -> RolloutBatch:
+    fields = ["tokens_BT", "attention_mask_BT", "loss_mask_BT", "sampler_logprobs_BT", "advantages_B", "rewards_B", "versions_B"]
+    return RolloutBatch(**{f: torch.cat([getattr(b, f) for b in batches]) for f in fields})
+
+
+class Probe(L.Callback):
+    """Sets each step's normalization, keeps its gradient, and drops it so the weights never move."""
+
+    def __init__(self) -> None:
+        self.grads: list[dict[str, torch.Tensor]] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        step = pl_module.rollout_step  # (with `dataloader_iter`, batch_idx lags the steps)
+        if step < len(NORMALIZATIONS):
+            pl_module.config.policy_loss.loss_normalization = NORMALIZATIONS[step]
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        self.grads.append({k: p.grad.detach().clone() for k, p in pl_module.policy.named_parameters()})
+        for p in pl_module.policy.parameters():
+            p.grad = None
+
+
+class FixedData(L.LightningDataModule):
+    def __init__(self, sizes: list[int], vocab: int) -> None:
+        super().__init__()
+        self.sizes, self.vocab = sizes, vocab
+
+    def train_dataloader(self) -> DataLoader:
+        rank, world = self.trainer.global_rank, self.trainer.world_size
+        batches = [fixed_batch(r, n, self.vocab) for r, n in enumerate(self.sizes)]
+        batch = batches[rank] if world > 1 else union(batches)
+        return DataLoader([batch] * len(NORMALIZATIONS), batch_size=None, collate_fn=lambda b: b)
+
+
+def main() -> None:
+    out, devices, sizes = Path(sys.argv[1]), int(sys.argv[2]), [int(n) for n in sys.argv[3].split(",")]
+    c = validate(compose_config([
+        "micro_batch_size=3", "grad_clip_norm=0", "policy_loss.kl_beta=0", "logger=none", f"output_dir={out}",
+    ]))
+    L.seed_everything(0, verbose=False)
+    tokenizer = load_tokenizer(c.model)
+    policy = load_policy(c.model, tokenizer, c.seed)
+    probe = Probe()
+    trainer = L.Trainer(
+        accelerator="cpu", devices=devices, strategy="ddp" if devices > 1 else "auto", max_epochs=1, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[probe],
+        use_distributed_sampler=False,  # each rank its own fixed batch
+    )
+    trainer.fit(GRPOModule(policy, c), datamodule=FixedData(sizes, len(tokenizer)))
+    torch.save(probe.grads, out / f"grads_world{devices}_rank{trainer.global_rank}.pt")
+
+
+if __name__ == "__main__":
+    main()
