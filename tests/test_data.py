@@ -90,3 +90,46 @@ def test_failed_rollouts_are_counted_and_dropped():
 def test_custom_predicate_by_dotted_path():
     keep = UniformRewardFilter(predicate="lit_grpo.callbacks.reward_filter.has_reward_variance")
     assert keep.predicate is has_reward_variance
+
+
+def test_rank_shares_are_disjoint_and_interleave_into_the_single_process_order():
+    rows = [{"i": i} for i in range(11)]
+    single = [r["i"] for r in RowCursor(rows, epochs=2, seed=3, shuffle=True).take(100)]
+    shares = [RowCursor(rows, epochs=2, seed=3, shuffle=True, rank=r, world_size=2) for r in (0, 1)]
+    taken = [[r["i"] for r in s.take(100)] for s in shares]
+    # 11 rows over 2 ranks: 5 each per epoch (the odd row is left out so the ranks stay in step).
+    assert [len(t) for t in taken] == [10, 10]
+    for epoch in (0, 1):
+        a, b = taken[0][5 * epoch : 5 * epoch + 5], taken[1][5 * epoch : 5 * epoch + 5]
+        assert not set(a) & set(b)
+        # Position k of rank r is position 2k + r of the single-process order.
+        assert [x for pair in zip(a, b) for x in pair] == single[11 * epoch : 11 * epoch + 10]
+
+
+def test_a_rank_cursor_resumes_where_it_stopped_and_refuses_another_rank():
+    rows = [{"i": i} for i in range(20)]
+    cursor = RowCursor(rows, epochs=1, seed=0, shuffle=True, rank=1, world_size=2)
+    first = cursor.take(3)
+    state = cursor.state_dict(unfinished=[(0, 1)])  # row 1 of this share was still in flight
+    resumed = RowCursor(rows, epochs=1, seed=0, shuffle=True, rank=1, world_size=2)
+    resumed.load_state_dict(state)
+    assert resumed.take(2) == [first[1], cursor.take(1)[0]]
+    with pytest.raises(ValueError, match="rank"):
+        RowCursor(rows, epochs=1, seed=0, shuffle=True, rank=0, world_size=2).load_state_dict(state)
+
+
+def test_rollout_metrics_pool_ranks_by_hand():
+    from lit_grpo.types import RolloutRecord
+
+    a = RolloutRecord(rewards=[0.0, 1.0], completion_tokens=[2, 4], counts={"rollout/failures": 1}, version_offsets=[0],
+                      timings={"perf/sample_s": 1.0})
+    b = RolloutRecord(rewards=[1.0, 1.0, 1.0, 1.0], completion_tokens=[1, 1, 1, 1], counts={"rollout/failures": 2, "rollout/filtered_groups": 1},
+                      version_offsets=[1, 0], timings={"perf/sample_s": 2.0})
+    m = rollout_metrics([a, b])
+    assert m["reward/mean"] == pytest.approx(5 / 6)  # pooled samples, not the mean of rank means (0.75)
+    assert m["reward/std"] == pytest.approx((5 / 6 * 1 / 6 * 6 / 5) ** 0.5)  # unbiased: Σ(r - m)² / (n - 1)
+    assert m["rollout/failures"] == 3 and m["rollout/filtered_groups"] == 1 and m["rollout/groups_accepted"] == 3
+    assert m["async/version_offset_mean"] == pytest.approx(1 / 3) and m["async/version_offset_max"] == 1
+    assert m["perf/sample_s"] == 2.0  # the slowest rank
+    assert m["rollout/completion_len_mean"] == pytest.approx(10 / 6)
+    assert m["perf/sample_tokens_per_s"] == pytest.approx(10 / 2.0)
