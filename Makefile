@@ -31,10 +31,10 @@ test-fast: install-dev ## Run the tests without vLLM and without the slow end-to
 	$(PYTHON) -m pytest -q -m "not slow" --ignore=tests/test_sampler_vllm.py
 
 bench: install ## Time each phase of a training step against a bare-torch floor
-	$(PYTHON) -m lit_grpo.bench
+	$(PYTHON) -m benchmarks.bench
 
 bench-async: install ## Sync vs async training with a latency-bound environment
-	$(PYTHON) -m lit_grpo.bench_async
+	$(PYTHON) -m benchmarks.bench_async
 
 clean: ## Remove run outputs and caches
 	rm -rf outputs multirun lightning_logs .pytest_cache

@@ -138,7 +138,7 @@ class GRPOModule(L.LightningModule):
     # ------------------------------------------------------------------ the step
 
     def training_step(self, dataloader_iter: Iterator) -> Optional[dict[str, torch.Tensor]]:
-        batch = self._next_batch(dataloader_iter)
+        batch, fewest_sequences = self._next_batch(dataloader_iter)
         if batch is None:
             return None
         t0 = time.perf_counter()
@@ -153,8 +153,7 @@ class GRPOModule(L.LightningModule):
         K = self.config.ppo_n_minibatches
         old_logprobs_BT = self._no_grad_logprobs(self.policy, tokens, attention, temperature) if K > 1 else None
 
-        # Every rank makes the same number of optimizer steps, even with a short batch.
-        k = int(all_reduce(torch.tensor(min(K, batch.num_sequences), device=tokens.device), "min"))
+        k = min(K, fewest_sequences)  # every rank makes the same number of optimizer steps, even with a short batch
         per_minibatch = [
             self._optimizer_step(batch, rows, mask_BT, sampler_logprobs_BT, ref_logprobs_BT, old_logprobs_BT)
             for rows in even_slices(batch.num_sequences, k)
@@ -169,15 +168,18 @@ class GRPOModule(L.LightningModule):
         )
         return {"loss": metrics["train/loss"]}
 
-    def _next_batch(self, dataloader_iter: Iterator) -> Optional[RolloutBatch]:
-        """This rank's next batch, or None on every rank once any rank's stream has ended (then
-        training stops after this step: the ranks must make the same collective calls)."""
+    def _next_batch(self, dataloader_iter: Iterator) -> tuple[Optional[RolloutBatch], int]:
+        """This rank's next batch and the fewest sequences any rank's batch has; (None, 0) on every
+        rank once any rank's stream has ended (training then stops: the ranks must make the same
+        collective calls). One collective answers both."""
         item = next(dataloader_iter, None)
         batch = None if item is None else item[0]
-        if not self.trainer.strategy.reduce_boolean_decision(batch is not None, all=True):
+        mine = torch.tensor([0 if batch is None else batch.num_sequences], device=self.device)
+        fewest = int(all_reduce(mine, "min"))
+        if fewest == 0:
             self.trainer.should_stop = True
-            return None
-        return self.trainer.strategy.batch_to_device(batch)
+            return None, 0
+        return self.trainer.strategy.batch_to_device(batch), fewest
 
     def _optimizer_step(self, batch, rows: slice, mask_BT, sampler_logprobs_BT, ref_logprobs_BT, old_logprobs_BT) -> dict[str, torch.Tensor]:
         """One optimizer step over `rows`, accumulating gradients over micro-batches."""
@@ -185,8 +187,9 @@ class GRPOModule(L.LightningModule):
         optimizer.zero_grad()
         world_size = self.trainer.world_size
         # Normalizers of the whole optimizer step over every rank: W ranks' step = one step on the union.
-        num_tokens = all_reduce(mask_BT[rows].sum()).clamp_min(1.0)
-        num_sequences = all_reduce(torch.tensor(float(rows.stop - rows.start), device=mask_BT.device))
+        counts = torch.stack([mask_BT[rows].sum(), torch.tensor(float(rows.stop - rows.start), device=mask_BT.device)])
+        num_tokens, num_sequences = all_reduce(counts)
+        num_tokens = num_tokens.clamp_min(1.0)
         micros = micro_slices(rows.stop - rows.start, self.config.micro_batch_size)
         totals: dict[str, torch.Tensor] = {}
         for i, micro in enumerate(micros):
@@ -234,6 +237,16 @@ class GRPOModule(L.LightningModule):
         return torch.cat(parts)
 
     # ------------------------------------------------------------------ hooks that run the step sequence
+
+    def setup(self, stage: str) -> None:
+        # A module built without a step sequence (not through `lit_grpo.train`) still syncs the
+        # sampler and advances the version: without that the off-policy gate would stall.
+        from lit_grpo.data import RolloutDataModule
+        from lit_grpo.step_sequence import StepSequence
+
+        datamodule = getattr(self.trainer, "datamodule", None)
+        if self.step_sequence is None and isinstance(datamodule, RolloutDataModule):
+            self.step_sequence = StepSequence(datamodule, weight_sync_interval=self.config.weight_sync_interval)
 
     def on_train_start(self) -> None:
         if self.step_sequence is not None:

@@ -93,3 +93,15 @@ def test_sampler_holds_the_policy_exactly_when_a_sync_was_due(interval, tmp_path
     # The version advances with each sync (every step for interval 0); logged is the version a step trained at.
     assert module.step_sequence.history.series("policy/version") == [float(v) for v in versions[:-1]]
     assert datamodule.version == versions[-1]
+
+
+def test_a_module_built_without_a_step_sequence_gets_one_and_does_not_stall(tmp_path):
+    c = validate(compose_config(*NO_EXTRAS[:3], "synchronous_training=false", "logger=none", "output_model_id=null",
+                                "trainer.enable_progress_bar=false", output_dir=tmp_path))
+    trainer, module, datamodule = build_run(c)
+    module.step_sequence = None  # as a user wiring GRPOModule and RolloutDataModule by hand would have it
+    try:
+        trainer.fit(module, datamodule=datamodule)
+    finally:
+        datamodule.close()
+    assert module.rollout_step == 3 and datamodule.version == 3

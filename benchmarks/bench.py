@@ -1,7 +1,7 @@
 """Benchmark: seconds per training step by phase, against a bare-torch floor measured in the same process.
 
-    python -m lit_grpo.bench                    # `make bench`
-    python -m lit_grpo.bench --steps 80 max_completion_tokens=...   (extra args are Hydra overrides)
+    python -m benchmarks.bench                    # `make bench`, from the repository root
+    python -m benchmarks.bench --steps 80 sampler.max_completion_tokens=...   (extra args are Hydra overrides)
 
 The run is the arithmetic experiment without the uniform-reward filter, so every step samples
 exactly P·G completions once: the floor does the same work with no framework (one batched
@@ -34,8 +34,8 @@ def _median(values: list[float]) -> float:
 
 def framework_steps(c: TrainConfig, warmup: int) -> dict[str, float]:
     """Median seconds of each phase over the steps after `warmup`, from the real training loop."""
-    _, history = fit(c)
-    steps = history.steps[warmup:]
+    _, module = fit(c)
+    steps = module.step_sequence.history.steps[warmup:]
     out = {phase: _median([s[phase] for s in steps if phase in s]) for phase in PHASES}
     out["sample_tokens_per_s"] = _median([s["perf/sample_tokens_per_s"] for s in steps])
     out["train_tokens_per_s"] = _median([s["perf/train_tokens_per_s"] for s in steps])

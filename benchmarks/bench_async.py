@@ -4,7 +4,7 @@ Each rollout samples one completion and then awaits `env_latency_s` (standing in
 call). The same arithmetic run is timed with `synchronous_training: true` and with the
 off-policy gate at O = 1 and O = 2, in one process, and the medians are printed side by side.
 
-    python -m lit_grpo.bench_async --steps 150 --latency 0.05
+    python -m benchmarks.bench_async --steps 150 --latency 0.05   # from the repository root
 """
 
 from __future__ import annotations
@@ -43,11 +43,12 @@ def run_mode(overrides: list[str], steps: int, latency: float, warmup: int) -> d
     with tempfile.TemporaryDirectory() as out:
         c = validate(compose_config([
             "+experiment=arithmetic", f"max_steps={steps}", "logger=none", "output_model_id=null", "~callbacks.reward_curve",
-            "trainer.enable_progress_bar=false", "rollout.factory=lit_grpo.bench_async:make_latency_rollout_fn",
+            "trainer.enable_progress_bar=false", "rollout.factory=benchmarks.bench_async:make_latency_rollout_fn",
             f"+rollout.extras.env_latency_s={latency}", f"output_dir={out}", *overrides,
         ]))
         start = time.perf_counter()
-        _, history = fit(c)
+        _, module = fit(c)
+        history = module.step_sequence.history
         wall = time.perf_counter() - start
     steps_after = history.steps[warmup:]
     samples = c.data.prompt_groups_per_step * c.data.completions_per_prompt

@@ -1,0 +1,1 @@
+"""Benchmarks (`make bench`, `make bench-async`); not part of the package."""
