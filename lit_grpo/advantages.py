@@ -25,7 +25,11 @@ def group_advantages(rewards_PG: torch.Tensor, scale: str = "std") -> torch.Tens
         raise ValueError(f"need rewards of shape [P, G] with G >= 2, got {tuple(rewards_PG.shape)}")
     rewards_PG = rewards_PG.to(torch.float64)
     centred_PG = rewards_PG - rewards_PG.mean(dim=1, keepdim=True)
-    std_P1 = rewards_PG.std(dim=1, unbiased=True, keepdim=True)
+    # The std of the centred rewards divided by their largest magnitude, scaled back: squares of
+    # rewards near 1e200 would overflow float64.
+    magnitude_P1 = centred_PG.abs().amax(dim=1, keepdim=True)
+    magnitude_P1 = torch.where(magnitude_P1 > 0, magnitude_P1, torch.ones_like(magnitude_P1))
+    std_P1 = (centred_PG / magnitude_P1).std(dim=1, unbiased=True, keepdim=True) * magnitude_P1
     uniform_P1 = std_P1 < _STD_FLOOR
     if scale == "std":
         centred_PG = centred_PG / (std_P1 + _STD_FLOOR)

@@ -5,11 +5,16 @@ A checkpoint is a folder `<root>/step_NNNNNNNN/` holding
     .metadata, *.distcp          torch.distributed.checkpoint shards: policy + optimizer
     trainer_state_rank<R>.pt     per-rank state: loop, data cursor, producer, callbacks, RNG, LR schedule
     config.yaml                  the run's resolved config (what the state means)
-    manifest.json                written last: every file's size and sha256
+    run_id.txt                   the id of the run that wrote it (also in the manifest)
+    manifest.json                written last: every file's size and sha256, the step, the run id
 
 It is written under `<root>/.tmp-step_NNNNNNNN/` and renamed into place only when complete, so a
 crash mid-save leaves no folder under a checkpoint name. A folder whose manifest is missing or
 disagrees with its files (a torn copy, a truncated file) is reported and skipped on resume.
+
+Every checkpoint names the run that wrote it (a fresh run draws a new id; a resumed run keeps the
+id of the checkpoint it resumed from). A store prunes only its own run's verified checkpoints:
+another run's folders, and folders it cannot attribute, are never deleted.
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ import logging
 import os
 import re
 import shutil
+import time
+import uuid
 from pathlib import Path
 from typing import Optional, get_type_hints
 
@@ -31,6 +38,7 @@ from lit_grpo.config import ConfigError, TrainConfig
 log = logging.getLogger(__name__)
 MANIFEST = "manifest.json"
 CONFIG_FILE = "config.yaml"
+RUN_ID_FILE = "run_id.txt"
 STEP_DIR = re.compile(r"^step_(\d+)$")
 TMP_PREFIX = ".tmp-"
 
@@ -92,20 +100,49 @@ def write_manifest(folder: Path, meta: dict) -> None:
     _fsync_dir(folder)
 
 
-def verify(folder: Path) -> Optional[str]:
-    """None when `folder` is a complete checkpoint, else what is wrong with it."""
+def read_manifest(folder: Path) -> tuple[Optional[dict], Optional[str]]:
+    """`folder`'s manifest as a dict whose `files` is a dict, or None and what is wrong with it."""
     manifest_path = folder / MANIFEST
     if not manifest_path.is_file():
-        return "no manifest.json (the save did not finish)"
+        return None, "no manifest.json (the save did not finish)"
     try:
         manifest = json.loads(manifest_path.read_text())
-        files = manifest["files"]
-    except (ValueError, KeyError) as err:
-        return f"unreadable manifest.json ({err})"
+    except (OSError, ValueError) as err:
+        return None, f"unreadable manifest.json ({err})"
+    if not isinstance(manifest, dict):
+        kind = {list: "array", str: "string", bool: "boolean", int: "number", float: "number"}.get(type(manifest), "null")
+        return None, f"manifest.json holds a JSON {kind}, not an object"
+    if not isinstance(manifest.get("files"), dict):
+        return None, "manifest.json has no `files` object"
+    return manifest, None
+
+
+def run_id_of(folder: Path) -> Optional[str]:
+    """The id of the run that wrote checkpoint `folder`, from its manifest (None: unreadable, or
+    written before checkpoints carried one). Reads the manifest only: no hashing."""
+    manifest, _ = read_manifest(folder)
+    run_id = manifest.get("run_id") if manifest else None
+    return run_id if isinstance(run_id, str) and run_id else None
+
+
+def new_run_id() -> str:
+    return uuid.uuid4().hex
+
+
+def verify(folder: Path) -> Optional[str]:
+    """None when `folder` is a complete checkpoint, else what is wrong with it."""
+    manifest, problem = read_manifest(folder)
+    if problem is not None:
+        return problem
+    files = manifest["files"]
     for required in (".metadata", CONFIG_FILE, trainer_state_file(0)):
         if required not in files:
             return f"the manifest lists no {required}"
     for name, expected in files.items():
+        if Path(name).is_absolute() or ".." in Path(name).parts:
+            return f"the manifest lists {name!r}, outside the checkpoint"
+        if not (isinstance(expected, dict) and isinstance(expected.get("bytes"), int) and isinstance(expected.get("sha256"), str)):
+            return f"the manifest's entry for {name} is not {{bytes, sha256}}"
         path = folder / name
         if not path.is_file():
             return f"{name} is missing"
@@ -117,51 +154,89 @@ def verify(folder: Path) -> Optional[str]:
 
 
 class CheckpointStore:
-    """The checkpoint folders of one run under `root`; rank 0 publishes and prunes."""
+    """The checkpoint folders of run `run_id` under `root` (a new id when none is given); rank 0
+    publishes and prunes. Other runs' folders under `root` are read, never deleted."""
 
-    def __init__(self, root: str | os.PathLike, keep_last: int = 2) -> None:
+    def __init__(self, root: str | os.PathLike, keep_last: int = 2, run_id: Optional[str] = None) -> None:
         self.root, self.keep_last = Path(root), keep_last
+        self.run_id = run_id or new_run_id()
+        self._verified: dict[tuple[Path, int], bool] = {}  # (folder, manifest mtime) -> verifies
+        self._reported: set[Path] = set()
 
     def staging_dir(self, step: int) -> Path:
         return self.root / f"{TMP_PREFIX}{step_dir_name(step)}"
 
     def begin(self, step: int) -> Path:
-        """An empty staging folder for `step` (rank 0; others wait at a barrier before writing)."""
+        """An empty staging folder for `step`, marked with this run's id (rank 0; others wait at a
+        barrier before writing)."""
         staging = self.staging_dir(step)
         if staging.exists():
             shutil.rmtree(staging)  # left by a save that was killed
         staging.mkdir(parents=True)
+        (staging / RUN_ID_FILE).write_text(self.run_id)
         return staging
 
     def publish(self, step: int, staging: Path, meta: dict) -> Path:
         """Seal `staging` with its manifest and rename it to its final name (rank 0)."""
-        write_manifest(staging, {"step": step, **meta})
+        write_manifest(staging, {"step": step, "run_id": self.run_id, **meta})
         final = self.root / step_dir_name(step)
         if final.exists():  # e.g. a corrupt checkpoint of this step, found and skipped on resume
-            displaced = self.root / f"{TMP_PREFIX}old-{final.name}"
-            shutil.rmtree(displaced, ignore_errors=True)
-            final.rename(displaced)
-            shutil.rmtree(displaced)
+            if run_id_of(final) == self.run_id:
+                self._remove(final)
+            else:  # not provably ours: kept under a name no resume or prune looks at
+                aside = self.root / f"{final.name}.displaced-{time.strftime('%Y%m%d-%H%M%S')}"
+                final.rename(aside)
+                log.warning("checkpoint folder %s was not written by this run (%s); moved to %s", final, self.run_id, aside)
         staging.rename(final)
         _fsync_dir(self.root)
+        self.mark_verified(final)  # its manifest was just computed from these files
         return final
 
     def step_dirs(self) -> list[tuple[int, Path]]:
-        """Checkpoint folders by step, oldest first (complete or not)."""
+        """Checkpoint folders by step, oldest first (complete or not, of any run)."""
         if not self.root.is_dir():
             return []
         found = [(int(m.group(1)), p) for p in self.root.iterdir() if p.is_dir() and (m := STEP_DIR.match(p.name))]
         return sorted(found)
 
+    def mark_verified(self, folder: Path) -> None:
+        """Record that `folder` verifies (it was just written, or verified when the run resumed from it)."""
+        self._verified[(folder, (folder / MANIFEST).stat().st_mtime_ns)] = True
+
+    def _verifies(self, folder: Path) -> bool:
+        """`verify(folder) is None`, hashing each folder once per store: a run's own checkpoints
+        were verified when published, so a prune hashes nothing in a steady run."""
+        key = (folder, (folder / MANIFEST).stat().st_mtime_ns)
+        if key not in self._verified:
+            problem = verify(folder)
+            if problem is not None and folder not in self._reported:
+                self._reported.add(folder)
+                log.warning("checkpoint %s of this run does not verify (%s); pruning leaves it in place", folder, problem)
+            self._verified[key] = problem is None
+        return self._verified[key]
+
+    def _remove(self, path: Path) -> None:
+        # Off its checkpoint name first, so a kill mid-delete leaves no torn step folder.
+        doomed = self.root / f"{TMP_PREFIX}old-{path.name}"
+        shutil.rmtree(doomed, ignore_errors=True)
+        path.rename(doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
+
     def prune(self) -> None:
-        """Keep the newest `keep_last` checkpoints; drop older ones and abandoned staging folders."""
-        for _, path in self.step_dirs()[: -self.keep_last]:
-            # Off its checkpoint name first, so a kill mid-delete leaves no torn step folder.
-            doomed = self.root / f"{TMP_PREFIX}old-{path.name}"
-            path.rename(doomed)
-            shutil.rmtree(doomed, ignore_errors=True)
+        """Keep this run's newest `keep_last` verified checkpoints and delete its older verified
+        ones, plus abandoned staging folders of this run. Another run's folders, folders whose
+        manifest names no run, and this run's folders that do not verify are left in place."""
+        kept = 0
+        for _, path in reversed(self.step_dirs()):
+            if run_id_of(path) != self.run_id or not self._verifies(path):
+                continue
+            if kept < self.keep_last:
+                kept += 1
+            else:
+                self._remove(path)
         for path in self.root.glob(f"{TMP_PREFIX}*"):
-            shutil.rmtree(path, ignore_errors=True)
+            if path.name.startswith(f"{TMP_PREFIX}old-") or _staging_run_id(path) == self.run_id:
+                shutil.rmtree(path, ignore_errors=True)  # a deletion or a save that was killed
 
     def newest_complete(self) -> Optional[Path]:
         """The newest checkpoint that verifies; newer broken ones are reported and skipped."""
@@ -170,6 +245,13 @@ class CheckpointStore:
             if problem is None:
                 return path
             log.warning("checkpoint %s is incomplete or corrupt (%s); trying the previous one", path, problem)
+        return None
+
+
+def _staging_run_id(staging: Path) -> Optional[str]:
+    try:
+        return (staging / RUN_ID_FILE).read_text().strip() or None
+    except OSError:
         return None
 
 
@@ -192,22 +274,6 @@ def locate_checkpoint(path: str | os.PathLike) -> Path:
         if found is not None:
             return found
     raise ValueError(f"no complete checkpoint under {path}")
-
-
-def find_resume_checkpoint(resume: Optional[str], output_dir: str) -> Optional[Path]:
-    """The checkpoint `resume` designates (None: start fresh). `auto` looks in
-    `<output_dir>/checkpoints` and starts fresh when there is none; a path goes to `locate_checkpoint`."""
-    if resume is None:
-        return None
-    if resume == "auto":
-        found = CheckpointStore(Path(output_dir) / "checkpoints").newest_complete()
-        if found is None:
-            log.info("resume=auto: no complete checkpoint in %s, starting fresh", Path(output_dir) / "checkpoints")
-        return found
-    try:
-        return locate_checkpoint(resume)
-    except (FileNotFoundError, ValueError) as err:
-        raise ConfigError(f"config field `resume`: {err}") from None
 
 
 def config_as_dict(c: TrainConfig) -> dict:
@@ -243,7 +309,8 @@ def check_resumable(checkpoint: Path, c: TrainConfig) -> None:
         details = "; ".join(f"{k}: {saved.get(k, '<unset>')!r} in the checkpoint, {now.get(k, '<unset>')!r} now" for k in refused)
         raise ConfigError(
             f"cannot resume from {checkpoint}: these fields change what its state means: {details}. "
-            "Resume with the checkpoint's values, or start a new run (resume=null or another output_dir)."
+            "Resume with the checkpoint's values, or start a new run in another folder "
+            "(resume=null with another hydra.run.dir, or output_dir)."
         )
     allowed = [k for k in differing if k not in ("resume", "output_dir")]
     if allowed:

@@ -12,14 +12,18 @@ names the knobs that a given config makes no-ops.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
+from lit_grpo.config_keys import unknown_keys, unknown_keys_message
+from lit_grpo.errors import UserError
 
-class ConfigError(ValueError):
+
+class ConfigError(UserError, ValueError):
     """A configuration value that cannot work; the message names the field."""
 
 
@@ -27,6 +31,16 @@ def require(ok: bool, field_name: str, message: str) -> None:
     """Raise `ConfigError` naming `field_name` (its dotted path, e.g. `task.num_rows`) unless `ok`."""
     if not ok:
         raise ConfigError(f"config field `{field_name}`: {message}")
+
+
+def require_finite(value: Any, field_name: str) -> None:
+    """Raise `ConfigError` unless `value` is a finite number (NaN and ±inf pass the usual `> 0` checks badly)."""
+    require(isinstance(value, (int, float)) and math.isfinite(value), field_name, f"must be a finite number, got {value!r}")
+
+
+MAX_TEMPERATURE = 100.0
+"""Above this the sampling distribution is uniform to any precision: a typo, not a setting."""
+MAX_LEARNING_RATE = 1.0
 
 
 DEFINES_STATE = {"defines_state": True}
@@ -103,7 +117,8 @@ class SamplerConfig:
         from lit_grpo.samplers import available_samplers
 
         require(self.kind in available_samplers(), "sampler.kind", f"unknown sampler {self.kind!r}; valid: {', '.join(available_samplers())}")
-        require(self.temperature > 0, "sampler.temperature", f"must be > 0, got {self.temperature}")
+        require_finite(self.temperature, "sampler.temperature")
+        require(0 < self.temperature <= MAX_TEMPERATURE, "sampler.temperature", f"must be in (0, {MAX_TEMPERATURE:g}], got {self.temperature}")
         require(self.max_completion_tokens > 0, "sampler.max_completion_tokens", "must be > 0")
         require(self.max_batch_size > 0, "sampler.max_batch_size", "must be > 0")
         require(0 < self.gpu_memory_utilization <= 1, "sampler.gpu_memory_utilization", "must be in (0, 1]")
@@ -203,7 +218,11 @@ class PolicyLossConfig:
         from lit_grpo.advantages import ADVANTAGE_SCALES
         from lit_grpo.losses import LOSS_NORMALIZATIONS, check_policy_loss_hyperparams, policy_loss_defaults
 
+        require_finite(self.kl_beta, "policy_loss.kl_beta")
         require(self.kl_beta >= 0, "policy_loss.kl_beta", f"must be >= 0, got {self.kl_beta}")
+        for key in ("eps_clip", "eps_clip_high", "eps_clip_c", "dro_beta", "tis_cap"):
+            if getattr(self, key) is not None:
+                require_finite(getattr(self, key), f"policy_loss.{key}")
         require(
             self.loss_normalization in LOSS_NORMALIZATIONS,
             "policy_loss.loss_normalization",
@@ -312,15 +331,38 @@ class TrainConfig:
     """Metric reported in the run summary and the reward curve."""
     eval_interval: int = 0
     """Greedy accuracy on `data.eval_rows` held-out rows every N rollout steps and at the end (0: at the end only)."""
+    rollout_timeout_s: float = 300.0
+    """Deadline of each rollout call, in seconds: a call still running is cancelled and counted in
+    `rollout/timeouts` (retried like any transient error, then a `rollout/failures`). It also bounds
+    each batched sampler call, and how long the rollout event loop may go without running: a
+    rollout that blocks it (`time.sleep` in an async rollout) stops the run with `RolloutStalled`."""
+    rollout_max_retries: int = 2
+    """Retries of a rollout call that ended in a transient error (a timeout, `ConnectionError`,
+    `OSError`), with backoff 0.5 s, 1 s, 2 s, ...; counted in `rollout/retries`. A bug in the rollout
+    (`TypeError`, `KeyError`, ...) is never retried: it stops the run at once."""
+    max_rows_without_progress: int = 1000
+    """Consecutive rows sampled without one accepted group before the run stops with
+    `NoProgressError`, whose message counts the rows per drop reason (None returned, malformed
+    samples, non-finite rewards, uniform groups filtered, prompts too long, failures)."""
+    max_nonfinite_steps: int = 3
+    """Consecutive training steps whose loss or gradient norm is non-finite before the run stops;
+    each such step's update is skipped."""
 
     def __post_init__(self) -> None:
         require(self.max_steps == -1 or self.max_steps > 0, "max_steps", "must be -1 (until data is exhausted) or > 0")
-        require(self.learning_rate > 0, "learning_rate", f"must be > 0, got {self.learning_rate}")
+        for name in ("learning_rate", "adam_beta1", "adam_beta2", "adam_eps", "weight_decay", "grad_clip_norm", "rollout_timeout_s"):
+            require_finite(getattr(self, name), name)
+        require(0 < self.learning_rate <= MAX_LEARNING_RATE, "learning_rate",
+                f"must be in (0, {MAX_LEARNING_RATE:g}], got {self.learning_rate}")
         require(0 <= self.adam_beta1 < 1, "adam_beta1", "must be in [0, 1)")
         require(0 <= self.adam_beta2 < 1, "adam_beta2", "must be in [0, 1)")
         require(self.adam_eps > 0, "adam_eps", "must be > 0")
         require(self.weight_decay >= 0, "weight_decay", "must be >= 0")
         require(self.grad_clip_norm >= 0, "grad_clip_norm", "must be >= 0 (0: off)")
+        require(self.rollout_timeout_s > 0, "rollout_timeout_s", f"must be > 0 seconds, got {self.rollout_timeout_s}")
+        require(0 <= self.rollout_max_retries <= 10, "rollout_max_retries", f"must be in [0, 10], got {self.rollout_max_retries}")
+        require(self.max_rows_without_progress >= 1, "max_rows_without_progress", "must be >= 1")
+        require(self.max_nonfinite_steps >= 1, "max_nonfinite_steps", "must be >= 1")
         require(self.warmup_steps >= 0, "warmup_steps", "must be >= 0")
         require(self.lr_decay in ("constant", "linear", "cosine"), "lr_decay", "must be constant, linear or cosine")
         require(self.lr_decay == "constant" or self.max_steps > 0, "lr_decay", f"{self.lr_decay!r} decay needs max_steps > 0")
@@ -397,6 +439,8 @@ def validate(cfg: DictConfig | TrainConfig) -> TrainConfig:
     """
     if isinstance(cfg, TrainConfig):
         return cfg
+    if problems := unknown_keys(cfg, TrainConfig):  # a misspelt `+key=value`: to_object would drop it silently
+        raise ConfigError(unknown_keys_message(problems))
     obj = OmegaConf.to_object(cfg)
     if not isinstance(obj, TrainConfig):
         raise ConfigError("config does not follow the train schema; compose it from conf/train.yaml")

@@ -10,16 +10,30 @@ the policy version through `sync_weights`.
 from __future__ import annotations
 
 import logging
-from typing import Callable, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 import lightning as L
 from torch.utils.data import DataLoader, IterableDataset
 
 from lit_grpo.rollout import RolloutFn
 from lit_grpo.rollouts import GroupFilter, GroupSampler, OffPolicyScheduler, RowCursor, Scheduler, SynchronousScheduler, make_batch
+from lit_grpo.rollouts.checks import NoProgressError
+from lit_grpo.samplers.base import BatchingSampler
 from lit_grpo.types import RolloutBatch
 
+if TYPE_CHECKING:
+    from lit_grpo.config import TrainConfig
+
 log = logging.getLogger(__name__)
+
+
+def rollout_guards(c: "TrainConfig") -> dict[str, Any]:
+    """The `RolloutDataModule` arguments that bound the rollouts, from the run's config."""
+    return {
+        "rollout_timeout_s": c.rollout_timeout_s,
+        "rollout_max_retries": c.rollout_max_retries,
+        "max_rows_without_progress": c.max_rows_without_progress,
+    }
 
 
 class RolloutStream(IterableDataset):
@@ -31,12 +45,14 @@ class RolloutStream(IterableDataset):
         self.steps_done = 0
         self.rest_between_steps: Optional[Callable[[], None]] = None
         """Called once a step's rollouts are in (synchronous mode: lets a colocated engine sleep)."""
+        self.rows_exhausted = False
+        """True when the rows ran out before `max_steps` steps were trained (for the run summary)."""
 
     def __iter__(self) -> Iterator[RolloutBatch]:
         while self.max_steps < 0 or self.steps_done < self.max_steps:
             step = self.scheduler.next_groups()
             if not step.accepted:
-                log.info("the rows are used up after %d steps", self.steps_done)
+                self._rows_ran_out()
                 return
             batch = make_batch(
                 step.accepted, step.sampled, version=self.scheduler.version, advantage_scale=self.advantage_scale,
@@ -46,6 +62,17 @@ class RolloutStream(IterableDataset):
                 self.rest_between_steps()
             self.steps_done += 1
             yield batch
+
+    def _rows_ran_out(self) -> None:
+        guard = self.groups.guard
+        if self.steps_done == 0 and guard.rows > 0:  # not one group of the whole share was usable
+            raise NoProgressError(guard.message(f"all {guard.rows} rows of this rank's share (they ran out first)"))
+        if self.max_steps > 0 and not self.rows_exhausted:
+            self.rows_exhausted = True
+            log.warning("the rows ran out after %d of max_steps=%d steps (data.epochs, data.max_rows or the task's rows "
+                        "bound them): the run ends early", self.steps_done, self.max_steps)
+        elif self.max_steps < 0:
+            log.info("the rows are used up after %d steps", self.steps_done)
 
 
 class RolloutDataModule(L.LightningDataModule):
@@ -74,6 +101,9 @@ class RolloutDataModule(L.LightningDataModule):
         reward_fn: Optional[Callable[[str, dict], float]] = None,
         rank: int = 0,
         world_size: int = 1,
+        rollout_timeout_s: float = 300.0,
+        rollout_max_retries: int = 2,
+        max_rows_without_progress: int = 1000,
     ) -> None:
         super().__init__()
         self.tokenizer, self.sampler = tokenizer, sampler
@@ -82,7 +112,13 @@ class RolloutDataModule(L.LightningDataModule):
         self.reward_fn = reward_fn
         """The task's `reward(completion_text, row)`, for evaluation."""
         self.cursor = RowCursor([self._tokenized(r) for r in rows], epochs, seed, shuffle, rank=rank, world_size=world_size)
-        self.groups = GroupSampler(rollout_fn, completions_per_prompt, max_seq_len=max_seq_len, min_group_size=min_group_size, filters=[])
+        self.groups = GroupSampler(
+            rollout_fn, completions_per_prompt, max_seq_len=max_seq_len, min_group_size=min_group_size, filters=[],
+            vocab_size=len(tokenizer), rollout_timeout_s=rollout_timeout_s, max_retries=rollout_max_retries,
+            max_rows_without_progress=max_rows_without_progress,
+        )
+        if isinstance(sampler, BatchingSampler):  # its calls get the same bounds as the rollouts
+            sampler.call_timeout_s, sampler.max_seq_len = rollout_timeout_s, max_seq_len
         self.scheduler: Scheduler
         if synchronous_training:
             self.scheduler = SynchronousScheduler(self.cursor, self.groups, prompt_groups_per_step, max_concurrency=max_concurrency)

@@ -1,7 +1,9 @@
 """Policy models and tokenizers: a tiny random-init model built locally, or a real one loaded by name.
 
 The tiny model is a Qwen2-architecture causal LM (so vLLM can serve it too) with a character
-tokenizer made with the `tokenizers` library: no download, seeded init.
+tokenizer made with the `tokenizers` library: no download, seeded init. A real model that cannot
+be loaded is a `ModelLoadError` naming `model.name_or_path` and the fix; a local path that is not
+a model folder is reported as such, without trying the hub.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from lit_grpo.config import ModelConfig
+from lit_grpo.errors import UserError
 
 SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|unk|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
 ALPHABETS = {
@@ -71,18 +74,31 @@ def build_tiny_model(cfg: ModelConfig, vocab_size: int, seed: int, tokenizer: Pr
     return model.to(DTYPES[cfg.dtype])
 
 
-def _unreachable(name: str, err: Exception) -> OSError:
-    return OSError(
+class ModelLoadError(UserError, OSError):
+    """`model.name_or_path` cannot be loaded from here; the message names it and the fix."""
+
+
+def _unreachable(name: str, err: Exception) -> ModelLoadError:
+    return ModelLoadError(
         f"Could not load model or tokenizer {name!r}: {type(err).__name__}: {err}\n"
         f"If this machine cannot reach the Hugging Face hub, download the model elsewhere and point at the "
         f"local copy with `model.name_or_path=/path/to/model` (set HF_HUB_OFFLINE=1 to fail fast)."
     )
 
 
+def _check_local_path(name: str) -> None:
+    """A local path that is no model folder: say so, instead of asking the hub for a repo of that name."""
+    from lit_grpo.preflight import model_path_problem
+
+    if why := model_path_problem(name):
+        raise ModelLoadError(f"model.name_or_path={name}: {why}")
+
+
 def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
     """The policy's tokenizer; it needs a pad token (eos is used when the model has none)."""
     if cfg.kind == "tiny":
         return build_char_tokenizer(cfg.alphabet)
+    _check_local_path(cfg.name_or_path)
     try:
         tokenizer = AutoTokenizer.from_pretrained(cfg.name_or_path, trust_remote_code=cfg.trust_remote_code)
     except (OSError, ValueError) as err:
@@ -96,6 +112,7 @@ def load_policy(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, seed: int)
     """The trainable policy, built (`tiny`) or loaded (`hf`)."""
     if cfg.kind == "tiny":
         return build_tiny_model(cfg, len(tokenizer), seed, tokenizer)
+    _check_local_path(cfg.name_or_path)
     try:
         return AutoModelForCausalLM.from_pretrained(
             cfg.name_or_path, dtype=DTYPES[cfg.dtype], trust_remote_code=cfg.trust_remote_code
@@ -110,6 +127,7 @@ def build_policy_skeleton(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, 
         return build_tiny_model(cfg, len(tokenizer), seed, tokenizer)
     from transformers import AutoConfig
 
+    _check_local_path(cfg.name_or_path)
     try:
         config = AutoConfig.from_pretrained(cfg.name_or_path, trust_remote_code=cfg.trust_remote_code)
     except (OSError, ValueError) as err:

@@ -31,7 +31,9 @@ from transformers import PreTrainedModel
 
 from lit_grpo.config import TrainConfig
 from lit_grpo.distributed import all_reduce
+from lit_grpo.errors import UserError
 from lit_grpo.losses import policy_loss
+from lit_grpo.signals import StopRequested
 from lit_grpo.types import RolloutBatch, RolloutRecord
 
 if TYPE_CHECKING:
@@ -99,6 +101,10 @@ class StepResult:
     """`perf/ref_s`, `perf/train_s` of this rank, and `train_tokens`, its real tokens."""
 
 
+class NonFiniteTraining(UserError, RuntimeError):
+    """The loss or the gradients stayed non-finite: training stops instead of corrupting the weights."""
+
+
 class GRPOModule(L.LightningModule):
     """Policy + (only when kl_beta > 0) a frozen reference; the loss comes from `lit_grpo.losses`."""
 
@@ -117,6 +123,8 @@ class GRPOModule(L.LightningModule):
         """Rollout steps completed (each is `ppo_n_minibatches` optimizer steps)."""
         self.last_step: Optional[StepResult] = None
         """The latest step's result, for the step sequence and callbacks (histograms)."""
+        self.nonfinite_in_a_row = 0
+        """Optimizer steps in a row whose loss or gradient norm was non-finite (their updates were skipped)."""
 
     def train(self, mode: bool = True) -> "GRPOModule":
         # Dropout stays off in both models: the trainer's logprobs must match the sampler's.
@@ -159,6 +167,7 @@ class GRPOModule(L.LightningModule):
             for rows in even_slices(batch.num_sequences, k)
         ]
         metrics = {key: sum(m[key] for m in per_minibatch) / len(per_minibatch) for key in per_minibatch[0]}
+        metrics["train/skipped_nonfinite"] = metrics["train/skipped_nonfinite"] * len(per_minibatch)  # a count, not a mean
         t_train = time.perf_counter()
 
         self.rollout_step += 1
@@ -172,11 +181,20 @@ class GRPOModule(L.LightningModule):
         """This rank's next batch and the fewest sequences any rank's batch has; (None, 0) on every
         rank once any rank's stream has ended (training then stops: the ranks must make the same
         collective calls). One collective answers both."""
-        item = next(dataloader_iter, None)
+        stopped = False
+        try:
+            with self.step_sequence.stop.interruptible() if self.step_sequence is not None else contextlib.nullcontext():
+                item = next(dataloader_iter, None)
+        except StopRequested:  # a stop signal while waiting for rollouts (a stall, a hung rollout)
+            item, stopped = None, True
         batch = None if item is None else item[0]
-        mine = torch.tensor([0 if batch is None else batch.num_sequences], device=self.device)
-        fewest = int(all_reduce(mine, "min"))
+        # max(-n) is the fewest sequences of any rank; max(stopped) whether any rank was stopped.
+        mine = torch.tensor([-(0 if batch is None else batch.num_sequences), float(stopped)], device=self.device)
+        negative_fewest, any_stopped = all_reduce(mine, "max").tolist()
+        fewest = int(-negative_fewest)
         if fewest == 0:
+            if any_stopped and self.step_sequence is not None:
+                self.step_sequence.stop_between_steps(self.trainer, self)
             self.trainer.should_stop = True
             return None, 0
         return self.trainer.strategy.batch_to_device(batch), fewest
@@ -220,11 +238,36 @@ class GRPOModule(L.LightningModule):
             for key, value in metrics.items():
                 totals[f"train/{key}"] = totals.get(f"train/{key}", 0.0) + value.detach() * weight
             totals["train/loss"] = totals.get("train/loss", 0.0) + loss.detach()
-        if self.config.grad_clip_norm > 0:
-            self.clip_gradients(optimizer, gradient_clip_val=self.config.grad_clip_norm, gradient_clip_algorithm="norm")
-        optimizer.step()
+        grad_norm = torch.nn.utils.get_total_norm([p.grad for p in self.policy.parameters() if p.grad is not None])
+        totals["train/grad_norm"] = grad_norm.detach() / world_size  # summed over ranks (equal under DDP)
+        if self._finite_everywhere(totals["train/loss"], grad_norm):
+            if self.config.grad_clip_norm > 0:
+                self.clip_gradients(optimizer, gradient_clip_val=self.config.grad_clip_norm, gradient_clip_algorithm="norm")
+            optimizer.step()
+            self.nonfinite_in_a_row = 0
+            totals["train/skipped_nonfinite"] = torch.zeros((), device=grad_norm.device)
+        else:
+            self._skip_nonfinite_update(optimizer, totals["train/loss"], grad_norm)
+            totals["train/skipped_nonfinite"] = torch.ones((), device=grad_norm.device) / world_size
         self.lr_schedulers().step()
         return totals
+
+    def _finite_everywhere(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> bool:
+        """Whether the loss and the gradient norm are finite on every rank (the ranks must agree to skip)."""
+        bad = (~torch.isfinite(loss.detach()) | ~torch.isfinite(grad_norm)).float()
+        return not bool(all_reduce(bad, "max"))
+
+    def _skip_nonfinite_update(self, optimizer, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
+        """Drop a non-finite update (the weights stay as they were); stop after `max_nonfinite_steps` in a row."""
+        optimizer.zero_grad()
+        self.nonfinite_in_a_row += 1
+        if self.nonfinite_in_a_row >= self.config.max_nonfinite_steps:
+            raise NonFiniteTraining(
+                f"the loss ({float(loss):.4g}) or the gradient norm ({float(grad_norm):.4g}) was non-finite in "
+                f"{self.nonfinite_in_a_row} optimizer steps in a row (max_nonfinite_steps={self.config.max_nonfinite_steps}); "
+                "each update was skipped, so the weights are those before them. Check learning_rate, the rewards and "
+                "the sampler's logprobs (a rollout that reports positive or NaN logprobs poisons the importance weights)."
+            )
 
     def _no_gradient_sync(self):
         """No gradient all-reduce for this backward (all but a step's last micro-batch): one per optimizer step."""

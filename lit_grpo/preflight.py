@@ -1,23 +1,50 @@
-"""Before anything loads: can the model and the dataset the config names be reached?
+"""Before anything loads: can the run read its model, data and code, and write its folder?
 
 On a machine without the Hugging Face hub, transformers and datasets retry for a minute and end
-in a deep traceback. This check answers in seconds, naming everything unreachable and how to
-point at local copies, in one `ConfigError`.
+in a deep traceback; a missing local model folder is tried on the hub as a repo name; an
+unwritable or full output folder fails after the model has loaded, or at the first checkpoint.
+`check_sources` answers in seconds, naming everything that is wrong and how to fix it, in one
+`ConfigError`. `RunDirCheck` (a Hydra callback) checks the run folder before Hydra writes to it.
 """
 
 from __future__ import annotations
 
+import errno
 import os
+import shutil
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, OmegaConf
 
 from lit_grpo.config import ConfigError, TrainConfig
+from lit_grpo.errors import UserError, config_composed, import_user_object, run_cli
 
 PROBE_TIMEOUT_S = 5.0
+MIN_FREE_BYTES = 100 * 2**20
+"""Free space an output folder's disk needs at the start (logs, plots, a tiny model's export)."""
+MODEL_MARKERS = ("config.json", "adapter_config.json")
+"""A local model folder holds one of these (a full model, or a peft adapter)."""
+
+
+class OutputDirError(UserError):
+    """The run folder cannot be created or written, or its disk is (almost) full."""
 
 
 def _offline() -> bool:
     return any(os.environ.get(v, "").lower() in ("1", "true", "yes") for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"))
+
+
+def _valid_hub_name(name: str) -> bool:
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return False
+    return True
 
 
 def _cached(repo_id: str, repo_type: str) -> bool:
@@ -27,9 +54,38 @@ def _cached(repo_id: str, repo_type: str) -> bool:
     return isinstance(try_to_load_from_cache(repo_id, marker, repo_type=repo_type), str)
 
 
+def looks_local(name: str) -> bool:
+    """Whether `name` can only mean a folder on this machine: not a valid hub name (an absolute
+    path, `~`, `./`, several `/`), or `dir/name` where `dir` is a folder here."""
+    if not _valid_hub_name(name):
+        return True
+    head, sep, _ = name.partition("/")
+    return bool(sep) and Path(head).is_dir()
+
+
+def model_path_problem(name: str) -> Optional[str]:
+    """Why `name` (`model.name_or_path`) is not a usable local model folder when it is meant to be one
+    (it exists, or `looks_local`); None for a good folder or a hub name."""
+    fix = "point model.name_or_path at the folder that holds the model's config.json and weights, or give a hub name such as Qwen/Qwen2.5-0.5B-Instruct"
+    path = Path(name).expanduser()
+    if path.is_dir():
+        if any((path / m).is_file() for m in MODEL_MARKERS):
+            return None
+        return f"folder {path} holds no model ({' or '.join(MODEL_MARKERS)} is missing); {fix}"
+    if path.exists():
+        return f"{path} is a file, not a model folder; {fix}"
+    if looks_local(name):
+        return f"no such folder (a local path, so the hub was not tried); {fix}"
+    return None
+
+
 def hub_problem(repo_id: str, repo_type: str) -> Optional[str]:
     """None when `repo_id` is a local folder, in the local cache or answers on the hub; else why not."""
-    if Path(repo_id).exists() or _cached(repo_id, repo_type):
+    if Path(repo_id).expanduser().exists():
+        return None
+    if not _valid_hub_name(repo_id):
+        return "not a folder on this machine, nor a hub name ('namespace/name')"
+    if _cached(repo_id, repo_type):
         return None
     if _offline():
         return "not in the local cache, and the hub is switched off (HF_HUB_OFFLINE)"
@@ -43,17 +99,98 @@ def hub_problem(repo_id: str, repo_type: str) -> Optional[str]:
     return None
 
 
+def output_dir_problem(path: str | os.PathLike, *, field: str = "output_dir", min_free_bytes: int = MIN_FREE_BYTES) -> Optional[str]:
+    """Why the run cannot write to folder `path` (named as config `field`), or None.
+
+    Creates the folder, writes and deletes a small file in it, and checks that its disk has at
+    least `min_free_bytes` free.
+    """
+    folder = Path(path).expanduser()
+    where = f"{field}={folder}"
+    fix = f"point it at a writable folder with {field}=/path/to/folder"
+    if folder.exists() and not folder.is_dir():
+        return f"{where}: is a file, not a folder; {fix}"
+    probe = folder / f".lit_grpo_write_probe_{os.getpid()}"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"lit_grpo")
+        probe.unlink()
+    except OSError as err:
+        if err.errno in (errno.ENOSPC, errno.EDQUOT):
+            fix = f"free some space, or point it at another disk with {field}=/path/to/folder"
+        detail = err.strerror or str(err)
+        if err.filename and str(err.filename) not in (str(folder), str(probe)):  # a parent folder failed
+            detail += f": {err.filename}"
+        return f"{where}: cannot write there ({detail}); {fix}"
+    free = shutil.disk_usage(folder).free
+    if free < min_free_bytes:
+        return (
+            f"{where}: only {free / 2**20:.1f} MiB free on its disk, less than the {min_free_bytes / 2**20:.0f} MiB "
+            f"a run needs for its logs, checkpoints and exported model; free some space, or point it at another disk "
+            f"with {field}=/path/to/folder"
+        )
+    return None
+
+
+def check_output_dir(path: str | os.PathLike, *, field: str = "output_dir", min_free_bytes: int = MIN_FREE_BYTES) -> None:
+    """Raise `OutputDirError` with `output_dir_problem`'s message unless the folder is usable."""
+    if why := output_dir_problem(path, field=field, min_free_bytes=min_free_bytes):
+        raise OutputDirError(why)
+
+
+def rollout_factory_problem(factory: str) -> Optional[str]:
+    """Why `rollout.factory` cannot be imported (or is not callable), or None; imports the user's module."""
+    try:
+        obj = import_user_object(factory, "rollout.factory")
+    except UserError as err:
+        return str(err)
+    return None if callable(obj) else f"config field `rollout.factory`: {factory!r} is not callable"
+
+
 def check_sources(c: TrainConfig) -> None:
     """Raise one `ConfigError` listing every unreachable model or dataset (with the overrides that
-    point at local copies) and a sampler backend that is not installed."""
+    point at local copies), a sampler backend that is not installed, a rollout factory that cannot
+    be imported, and an output folder that cannot be written."""
     from lit_grpo.samplers import get_sampler
     from lit_grpo.tasks import source_problems
 
     problems = []
-    if c.model.kind == "hf" and (why := hub_problem(c.model.name_or_path, "model")):
-        problems.append(f"model {c.model.name_or_path!r}: {why}; use a local copy with model.name_or_path=/path/to/model")
+    if c.model.kind == "hf":
+        name = c.model.name_or_path
+        if why := model_path_problem(name):
+            problems.append(f"model.name_or_path={name}: {why}")
+        elif why := hub_problem(name, "model"):
+            problems.append(f"model {name!r}: {why}; use a local copy with model.name_or_path=/path/to/model")
     problems.extend(source_problems(c))
     if why := get_sampler(c.sampler.kind).missing():
         problems.append(f"sampler={c.sampler.kind}: {why}")
+    if why := rollout_factory_problem(c.rollout.factory):
+        problems.append(why)
+    if why := output_dir_problem(c.output_dir):
+        problems.append(why)
     if problems:
         raise ConfigError("cannot start this run:" + "".join(f"\n  - {p}" for p in problems))
+
+
+class RunDirCheck(Callback):
+    """Hydra callback: the run (or sweep) folder is checked with `check_output_dir` before Hydra
+    creates it and writes its config there, so an unwritable or full one is one message, exit 2.
+    Its start also tells `errors.run_hydra_cli` that the config was composed."""
+
+    def __init__(self) -> None:
+        config_composed()
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        self._check(config, "hydra.run.dir")
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        self._check(config, "hydra.sweep.dir")
+
+    @staticmethod
+    def _check(config: DictConfig, key: str) -> None:
+        try:
+            path = OmegaConf.select(config, key)
+        except Exception:  # an interpolation only Hydra's job can resolve: Hydra reports it
+            return
+        if path:
+            run_cli(check_output_dir, path, field=key)

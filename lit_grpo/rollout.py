@@ -1,7 +1,10 @@
 """The default rollout function: one completion per call, scored by the configured reward.
 
 A user's own `make_rollout_fn(setup)` replaces this one (multi-turn, tools, retries); it only has
-to return a `RolloutSample` (or None to drop the sample) per call.
+to return a `RolloutSample` (or None to drop the sample) per call. Each call is bounded by
+`rollout_timeout_s`; a prompt (token ids or a templated chat) that leaves no room for a completion
+within `data.max_seq_len` is refused by the sampler with `PromptTooLong` before it reaches the
+engine, and the sample is counted as `rollout/dropped_prompt_too_long`.
 """
 
 from __future__ import annotations
@@ -15,20 +18,17 @@ RolloutFn = Callable[[dict], Awaitable[Optional[RolloutSample]]]
 
 
 def load_rollout_factory(path: str) -> Callable[[RolloutSetup], RolloutFn]:
-    """Import `module:function` (the working directory is importable) and return the factory."""
-    import importlib
-    import os
-    import sys
+    """Import `module:function` (the working directory is importable) and return the factory;
+    `ConfigError` naming `rollout.factory` and what went wrong (file and line of an import error)."""
+    from lit_grpo.config import ConfigError
+    from lit_grpo.errors import UserError, import_user_object
 
-    module_name, _, attr = path.partition(":")
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
     try:
-        factory = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as err:
-        raise ValueError(f"config field `rollout.factory`: cannot import {path!r}: {err}") from None
+        factory = import_user_object(path, "rollout.factory")
+    except UserError as err:
+        raise ConfigError(str(err)) from err.__cause__
     if not callable(factory):
-        raise ValueError(f"config field `rollout.factory`: {path!r} is not callable")
+        raise ConfigError(f"config field `rollout.factory`: {path!r} is not callable")
     return factory
 
 

@@ -3,8 +3,8 @@
 What is saved (by the step sequence, after the step's weight sync):
 - with `torch.distributed.checkpoint` (sharded under FSDP, deduplicated under DDP): the policy and
   the optimizer state. The reference is not saved: it is the base model, rebuilt at start.
-- per rank, in `trainer_state_rank<R>.pt`: the step, the LR schedules, the RNG states (python,
-  numpy, torch, CUDA) and what the step sequence hands over (data cursor, rows in flight,
+- per rank, in `trainer_state_rank<R>.pt`: the step, the run id, the LR schedules, the RNG states
+  (python, numpy, torch, CUDA) and what the step sequence hands over (data cursor, rows in flight,
   scheduler version and gate counter, metric history, stateful callbacks).
 
 Folders, manifests and pruning are `lit_grpo.checkpoint`'s job.
@@ -25,7 +25,7 @@ import torch.distributed.checkpoint as dcp
 from omegaconf import OmegaConf
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from lit_grpo.checkpoint import CONFIG_FILE, CheckpointStore, config_as_dict, step_dir_name, trainer_state_file
+from lit_grpo.checkpoint import CONFIG_FILE, CheckpointStore, config_as_dict, run_id_of, step_dir_name, trainer_state_file
 
 log = logging.getLogger(__name__)
 FORMAT_VERSION = 2
@@ -55,6 +55,7 @@ class RunCheckpointer:
     def __init__(self, store: CheckpointStore, *, interval: int, run_config) -> None:
         self.store, self.interval, self.run_config = store, interval, run_config
         self.last_saved_step: Optional[int] = None
+        self._run_id_agreed = False
 
     def due(self, trainer: L.Trainer, step: int) -> bool:
         return self.interval > 0 and step % self.interval == 0 and not trainer.fast_dev_run
@@ -63,9 +64,13 @@ class RunCheckpointer:
         """After the last step, unless it was just saved (or nothing was trained)."""
         return self.interval > 0 and step > 0 and self.last_saved_step != step and not trainer.fast_dev_run
 
-    def save(self, trainer: L.Trainer, module: L.LightningModule, step: int, state: dict) -> Path:
-        """Write step `step`'s checkpoint; `state` is this rank's part (picklable)."""
+    def save(self, trainer: L.Trainer, module: L.LightningModule, step: int, state: dict, rng: Optional[dict] = None) -> Path:
+        """Write step `step`'s checkpoint; `state` is this rank's part (picklable); `rng` the RNG
+        states to save (None: the current ones)."""
         start = time.perf_counter()
+        if not self._run_id_agreed:  # a fresh run's ranks each drew an id; rank 0's names the run
+            self.store.run_id = trainer.strategy.broadcast(self.store.run_id, src=0)
+            self._run_id_agreed = True
         staging = self.store.staging_dir(step)
         if trainer.is_global_zero:
             self.store.begin(step)
@@ -73,9 +78,9 @@ class RunCheckpointer:
         model_sd, optim_sd = get_state_dict(module.policy, trainer.optimizers)
         dcp.save({"policy": model_sd, "optimizer": optim_sd}, checkpoint_id=staging)
         full_state = {
-            "format": FORMAT_VERSION, "step": step, "world_size": trainer.world_size,
+            "format": FORMAT_VERSION, "step": step, "world_size": trainer.world_size, "run_id": self.store.run_id,
             "lr_schedulers": [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs],
-            "rng": capture_rng(), **state,
+            "rng": rng if rng is not None else capture_rng(), **state,
         }
         torch.save(full_state, staging / trainer_state_file(trainer.global_rank))
         trainer.strategy.barrier("dcp_written")
@@ -103,4 +108,16 @@ class RunCheckpointer:
         for config, saved in zip(trainer.lr_scheduler_configs, state["lr_schedulers"]):
             config.scheduler.load_state_dict(saved)
         self.last_saved_step = state["step"]
+        self._adopt_run(path)
         return state
+
+    def _adopt_run(self, path: Path) -> None:
+        """A resumed run keeps the id of the checkpoint it resumed from, so it prunes that run's
+        older checkpoints (and nobody else's); `path` was verified when the run chose it."""
+        run_id = run_id_of(path)
+        if run_id is None:
+            log.info("checkpoint %s names no run (written by an older lit_grpo); this run is %s and leaves it in place", path, self.store.run_id)
+            return
+        self.store.run_id, self._run_id_agreed = run_id, True
+        if path.parent.resolve() == self.store.root.resolve():
+            self.store.mark_verified(self.store.root / path.name)

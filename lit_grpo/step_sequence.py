@@ -12,6 +12,11 @@ on every rank:
     3. eval     greedy accuracy on the held-out rows if due (`eval_interval`)
     4. log      the metrics to the loggers (and the history the run summary reads)
 
+A stop signal (`lit_grpo.signals`) received during the step makes its checkpoint due (when
+checkpoints are on) and skips its evaluation; training then stops. One received while the
+trainer waits for rollouts abandons the wait and checkpoints the last finished step from the
+state kept at its end (`stop_between_steps`).
+
 The policy version is advanced here and nowhere else; no callback is needed for training to
 advance. Lightning runs every callback's `on_train_batch_end` before the module's, so callbacks
 see a trained step whose weights are not yet synced. On resume, the same `sync_sampler` path
@@ -34,14 +39,25 @@ from lightning.pytorch.loggers import CSVLogger
 
 from lit_grpo.evaluation import GreedyEvaluator
 from lit_grpo.metrics import MetricHistory, merge_step_metrics
-from lit_grpo.run_state import RunCheckpointer, restore_rng
-from lit_grpo.weights import full_named_tensors
+from lit_grpo.distributed import all_reduce
+from lit_grpo.run_state import RunCheckpointer, capture_rng, restore_rng
+from lit_grpo.signals import StopSignals
+from lit_grpo.weights import first_nonfinite, full_named_tensors
 
 if TYPE_CHECKING:
     from lit_grpo.data import RolloutDataModule
     from lit_grpo.module import GRPOModule, StepResult
 
 log = logging.getLogger(__name__)
+
+
+def check_finite(policy, what: str) -> None:
+    """Refuse (on every rank) to `what` when any rank's policy holds a NaN or an infinity."""
+    from lit_grpo.module import NonFiniteTraining
+
+    bad = first_nonfinite(policy)
+    if all_reduce(torch.tensor(float(bad is not None)), "max"):
+        raise NonFiniteTraining(f"refusing to {what}: the policy's weights are not finite ({bad or 'on another rank'})")
 
 
 class StepSequence:
@@ -56,6 +72,7 @@ class StepSequence:
         evaluator: Optional[GreedyEvaluator] = None,
         resume_from: Optional[Path] = None,
         log_every_n_steps: int = 1,
+        stop: Optional[StopSignals] = None,
     ) -> None:
         self.datamodule = datamodule
         self.weight_sync_interval = weight_sync_interval
@@ -63,6 +80,11 @@ class StepSequence:
         self.resume_from = resume_from
         self.log_every_n_steps = max(log_every_n_steps, 1)
         self.history = MetricHistory()
+        self.stop = stop or StopSignals()
+        """The stop signals received (installed by `lit_grpo.train.train` around the fit)."""
+        self.stopping = False
+        """True once every rank agreed to stop on a signal (training ends after this step)."""
+        self._end_of_last_step: Optional[tuple[dict, dict]] = None  # data state and RNG, for a stop between steps
         self._rng_to_restore: Optional[dict] = None
         self._last_end: Optional[float] = None
 
@@ -75,11 +97,12 @@ class StepSequence:
         metrics["train/lr"] = module.lr_schedulers().get_last_lr()[0]
         metrics["policy/version"] = float(self.datamodule.version)
         self.history.append(metrics)  # before the checkpoint, which saves the history
+        self.stopping = self._stop_requested_anywhere()
 
         metrics.update(self.sync(module, step))
-        if self.checkpointer is not None and self.checkpointer.due(trainer, step):
+        if self.checkpointer is not None and (self.checkpointer.due(trainer, step) or self.stopping and not trainer.fast_dev_run):
             metrics["perf/checkpoint_s"] = self._save(trainer, module, step)
-        if self.evaluator is not None and self.evaluator.due(step):
+        if self.evaluator is not None and self.evaluator.due(step) and not self.stopping:
             accuracy = self.evaluator.evaluate(self.datamodule, step, trainer.global_rank, trainer.world_size)
             if accuracy is not None:
                 metrics["eval/accuracy"] = accuracy
@@ -88,10 +111,29 @@ class StepSequence:
         metrics["perf/step_s"] = now - self._last_end if self._last_end is not None else sum(
             metrics.get(k, 0.0) for k in ("perf/sample_s", "perf/ref_s", "perf/train_s"))
         self._last_end = now
-        if step % self.log_every_n_steps == 0:
+        if step % self.log_every_n_steps == 0 or self.stopping:
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=step - 1)
+        if self.stopping:
+            trainer.should_stop = True
+        elif self.checkpointer is not None:
+            self._end_of_last_step = (self.datamodule.state_dict(), capture_rng())
         return metrics
+
+    def _stop_requested_anywhere(self) -> bool:
+        """Whether any rank received a stop signal (a collective, so that every rank stops at this step)."""
+        return bool(all_reduce(torch.tensor(float(self.stop.requested)), "max"))
+
+    def stop_between_steps(self, trainer: L.Trainer, module: "GRPOModule") -> None:
+        """A stop signal came while waiting for rollouts (on some rank): checkpoint the last finished
+        step as it was at its end, if it is not saved yet, and end training (every rank calls it)."""
+        self.stopping = True
+        trainer.should_stop = True
+        step = module.rollout_step
+        if self.checkpointer is None or self._end_of_last_step is None or self.checkpointer.last_saved_step == step or trainer.fast_dev_run:
+            return
+        data_state, rng = self._end_of_last_step
+        self._save(trainer, module, step, data_state=data_state, rng=rng)
 
     def sync(self, module: "GRPOModule", step: int) -> dict[str, float]:
         """Phase 1: the weights into the sampler if a sync is due, and the version advance."""
@@ -110,15 +152,16 @@ class StepSequence:
         with torch.no_grad():
             self.datamodule.push_weights(full_named_tensors(module.trainer.strategy.model, prefix="policy."))
 
-    def _save(self, trainer: L.Trainer, module: "GRPOModule", step: int) -> float:
+    def _save(self, trainer: L.Trainer, module: "GRPOModule", step: int, *, data_state: Optional[dict] = None, rng: Optional[dict] = None) -> float:
         start = time.perf_counter()
+        check_finite(module.policy, f"checkpoint step {step}")
         holds_policy = self.weight_sync_interval > 0 and step % self.weight_sync_interval == 0
         self.checkpointer.save(trainer, module, step, {
             "sampler_holds_policy": holds_policy,
-            "datamodule": self.datamodule.state_dict(),
+            "datamodule": data_state if data_state is not None else self.datamodule.state_dict(),
             "sequence": self.state_dict(),
             "callbacks": {cb.state_key: cb.state_dict() for cb in trainer.callbacks if cb.state_dict()},
-        })
+        }, rng=rng)
         for logger in trainer.loggers:  # what the loggers hold is on disk too
             logger.save()
         return time.perf_counter() - start
@@ -156,7 +199,7 @@ class StepSequence:
         step = module.rollout_step
         if self.checkpointer is not None and self.checkpointer.due_at_end(trainer, step):
             self._save(trainer, module, step)
-        if self.evaluator is not None and step > 0 and self.evaluator.last.get("eval/step") != float(step):
+        if self.evaluator is not None and step > 0 and self.evaluator.last.get("eval/step") != float(step) and not self.stopping:
             accuracy = self.evaluator.evaluate(self.datamodule, step, trainer.global_rank, trainer.world_size)
             if accuracy is not None:
                 for logger in trainer.loggers:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import signal
 import sys
 import time
 import warnings
@@ -20,12 +21,14 @@ from typing import Any, Optional
 import hydra
 import lightning as L
 from hydra.utils import instantiate
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig
 
 from lit_grpo.callbacks.export import HFExport
-from lit_grpo.checkpoint import CheckpointStore, check_resumable, find_resume_checkpoint
-from lit_grpo.config import ConfigError, TrainConfig, ineffective_knobs, validate
-from lit_grpo.data import RolloutDataModule
+from lit_grpo.checkpoint import CheckpointStore, check_resumable
+from lit_grpo.config import TrainConfig, ineffective_knobs, validate
+from lit_grpo.data import RolloutDataModule, rollout_guards
+from lit_grpo.errors import run_cli, run_hydra_cli
 from lit_grpo.evaluation import GreedyEvaluator
 from lit_grpo.loggers import finish_runs
 from lit_grpo.metrics import MetricHistory
@@ -33,11 +36,12 @@ from lit_grpo.models import load_policy, load_tokenizer
 from lit_grpo.module import GRPOModule
 from lit_grpo.preflight import check_sources
 from lit_grpo.rollout import load_rollout_factory
+from lit_grpo.run_folder import claim_output_dir, find_resume_checkpoint, set_aside_metrics
 from lit_grpo.run_state import RunCheckpointer
 from lit_grpo.samplers import build_sampler
+from lit_grpo.signals import StopRequested, StopSignals
 from lit_grpo.step_sequence import StepSequence
 from lit_grpo.tasks import build_eval_rows, build_rows, reward_fn
-from lit_grpo.tasks.gsm8k_rows import RowError
 from lit_grpo.types import RolloutSetup
 
 log = logging.getLogger(__name__)
@@ -51,6 +55,9 @@ warnings.filterwarnings("ignore", message=r".*module\(s\) in eval mode.*")
 warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
 # A single-process run saves its DCP checkpoints without a process group, as intended.
 warnings.filterwarnings("ignore", message=r".*torch.distributed is disabled, unavailable or uninitialized.*")
+# Lightning's CSV logger warns whenever the run folder is not empty; an earlier run's metrics.csv
+# has been moved aside by then (`set_aside_metrics`), or is this run's own, rewritten on resume.
+warnings.filterwarnings("ignore", message=r".*Previous log files in this directory will be deleted.*")
 
 
 # Rank r samples from its own stream: the ranks' completions must differ, as their rows do.
@@ -87,6 +94,7 @@ def build_datamodule(c: TrainConfig, policy, tokenizer, rows: list[dict], eval_r
         max_concurrency=c.max_concurrency_rollout_sample,
         rank=rank,
         world_size=world_size,
+        **rollout_guards(c),
     )
 
 
@@ -94,7 +102,7 @@ def _instantiate_all(group: dict) -> list[Any]:
     return [instantiate(spec) for spec in group.values() if spec is not None]
 
 
-def build_step_sequence(c: TrainConfig, datamodule: RolloutDataModule, resume_from: Optional[Path]) -> StepSequence:
+def build_step_sequence(c: TrainConfig, datamodule: RolloutDataModule, resume_from: Optional[Path], stop: Optional[StopSignals] = None) -> StepSequence:
     """Weight sync, checkpoints (and the resume) and evaluation, as the run's config sets them."""
     checkpointer = None
     if c.dcp_save_interval > 0 or resume_from is not None:
@@ -103,7 +111,7 @@ def build_step_sequence(c: TrainConfig, datamodule: RolloutDataModule, resume_fr
     evaluator = GreedyEvaluator(c.eval_interval, max_tokens=c.sampler.max_completion_tokens, batch_size=c.sampler.max_batch_size)
     return StepSequence(
         datamodule, weight_sync_interval=c.weight_sync_interval, checkpointer=checkpointer, evaluator=evaluator,
-        resume_from=resume_from, log_every_n_steps=c.trainer.log_every_n_steps,
+        resume_from=resume_from, log_every_n_steps=c.trainer.log_every_n_steps, stop=stop,
     )
 
 
@@ -133,7 +141,7 @@ def build_trainer(c: TrainConfig, extra_callbacks: list[L.Callback] = ()) -> L.T
 
 def build_run(
     c: TrainConfig, *, rows: Optional[list[dict]] = None, eval_rows: Optional[list[dict]] = None,
-    resume_from: Optional[Path] = None, extra_callbacks: list[L.Callback] = (),
+    resume_from: Optional[Path] = None, extra_callbacks: list[L.Callback] = (), stop: Optional[StopSignals] = None,
 ) -> tuple[L.Trainer, GRPOModule, RolloutDataModule]:
     """Seed, then build the model, the trainer (which knows this process's rank), this rank's data and the module."""
     L.seed_everything(c.seed, workers=True, verbose=False)
@@ -146,7 +154,7 @@ def build_run(
     trainer = build_trainer(c, [*callbacks, *extra_callbacks])
     L.seed_everything(c.seed + RANK_SEED_STRIDE * trainer.global_rank, verbose=False)
     datamodule = build_datamodule(c, policy, tokenizer, rows, eval_rows, rank=trainer.global_rank, world_size=trainer.world_size)
-    module = GRPOModule(policy, c, build_step_sequence(c, datamodule, resume_from))
+    module = GRPOModule(policy, c, build_step_sequence(c, datamodule, resume_from, stop))
     return trainer, module, datamodule
 
 
@@ -169,6 +177,8 @@ def fit(c: TrainConfig, resume_from: Optional[Path] = None, **build_kwargs) -> t
     trainer, module, datamodule = build_run(c, resume_from=resume_from, **build_kwargs)
     try:
         trainer.fit(module, datamodule=datamodule)
+    except SIGTERMException:
+        pass  # Lightning's own end of a run that got SIGTERM, after our step sequence checkpointed it
     finally:
         datamodule.close()
         finish_runs(trainer.loggers)
@@ -184,31 +194,44 @@ def _job_overrides() -> str:
     return " ".join(o for o in HydraConfig.get().overrides.task if not o.startswith(("output_dir", "hydra.")))
 
 
+def write_summary(c: TrainConfig, trainer: L.Trainer, module: GRPOModule, resume_from: Optional[Path], wall_s: float, stop: StopSignals) -> dict:
+    """The run's summary, also written to `<output_dir>/summary.json` (with the reward curve) by rank 0."""
+    sequence = module.step_sequence
+    summary = summarize(sequence.history, c.summary_metric, wall_s)
+    if sequence.evaluator is not None and sequence.evaluator.last:
+        summary["eval_accuracy"] = sequence.evaluator.last["eval/accuracy"]
+    if stop.requested:
+        summary["stopped_by"] = signal.Signals(stop.signum).name
+    if sequence.datamodule.stream.rows_exhausted:
+        summary["rows_exhausted"] = 1.0  # the rows ran out before max_steps
+    summary_file = {
+        **summary, "overrides": _job_overrides(), "resumed_from": str(resume_from) if resume_from else None,
+        "run_id": sequence.checkpointer.store.run_id if sequence.checkpointer else None,
+        "reward_curve": sequence.history.series(c.summary_metric),
+    }
+    if trainer.is_global_zero:
+        (Path(c.output_dir) / "summary.json").write_text(json.dumps(summary_file, indent=1))
+        log.info("run summary: %s", json.dumps(summary))
+    return summary
+
+
 def train(cfg: DictConfig | TrainConfig) -> dict[str, float]:
     """Run one training job; returns (and writes to `<output_dir>/summary.json`) its summary."""
     c = validate(cfg)  # every field error surfaces here, before a model is touched
     for note in ineffective_knobs(c):
         log.warning(note)
     check_sources(c)  # an unreachable model or dataset: one message in seconds, not a retry loop
-    resume_from = find_resume_checkpoint(c.resume, c.output_dir)
-    if resume_from is not None:
-        check_resumable(resume_from, c)  # refused before a model is touched, too
-    start = time.perf_counter()
-    Path(c.output_dir).mkdir(parents=True, exist_ok=True)
-
-    trainer, module = fit(c, resume_from)
-    sequence = module.step_sequence
-    history = sequence.history
-    summary = summarize(history, c.summary_metric, time.perf_counter() - start)
-    if sequence.evaluator is not None and sequence.evaluator.last:
-        summary["eval_accuracy"] = sequence.evaluator.last["eval/accuracy"]
-    summary_file = {
-        **summary, "overrides": _job_overrides(), "resumed_from": str(resume_from) if resume_from else None,
-        "reward_curve": history.series(c.summary_metric),
-    }
-    if trainer.is_global_zero:
-        (Path(c.output_dir) / "summary.json").write_text(json.dumps(summary_file, indent=1))
-        log.info("run summary: %s", json.dumps(summary))
+    with claim_output_dir(c.output_dir):  # held to the end: a second run on this folder is refused at once
+        resume_from = find_resume_checkpoint(c.resume, c.output_dir)  # or refused, saying what the folder holds
+        if resume_from is not None:
+            check_resumable(resume_from, c)  # refused before a model is touched, too
+        set_aside_metrics(c.output_dir, resume_from)  # an earlier run's metrics.csv survives a fresh start
+        start = time.perf_counter()
+        with StopSignals() as stop:
+            trainer, module = fit(c, resume_from, stop=stop)
+        summary = write_summary(c, trainer, module, resume_from, time.perf_counter() - start, stop)
+    if stop.requested:
+        raise StopRequested(stop.signum)  # after the summary and the metrics are written
     return summary
 
 
@@ -223,11 +246,13 @@ def compose_config(overrides: list[str]) -> DictConfig:
 @hydra.main(version_base="1.3", config_path="../conf", config_name="train")
 def main(cfg: DictConfig) -> float:
     try:
-        return train(cfg)["final_reward"]
-    except (ConfigError, RowError) as err:  # a config, data or environment problem: its message, not a traceback
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
+        # A config, data, rollout or environment problem: its message and exit code 2, no traceback
+        # (HYDRA_FULL_ERROR=1 shows it); a bug keeps its traceback.
+        return run_cli(train, cfg)["final_reward"]
+    except StopRequested as stop:  # non-zero, so that a preempting scheduler requeues the job
+        print(f"{stop}: checkpoint, metrics and summary written", file=sys.stderr)
+        sys.exit(128 + stop.signum)
 
 
 if __name__ == "__main__":
-    main()
+    run_hydra_cli(main)

@@ -88,9 +88,11 @@ class PromptGroup:
     row: dict
     """The dataset row the group was sampled from."""
     samples: list[RolloutSample]
-    """The trajectories that came back (None results already dropped)."""
+    """The trajectories that passed the checks (None, malformed and failed results already dropped)."""
     version: int
     """Policy version (number of weight syncs) when the row was submitted."""
+    dropped: Counter = field(default_factory=Counter)
+    """Why the row's other rollout calls gave no sample, by metric key (`rollout/dropped_none`, `rollout/failures`, ...)."""
 
     @property
     def rewards(self) -> list[float]:
@@ -128,7 +130,7 @@ class RolloutBatch:
     advantages_B: torch.Tensor
     """Group-relative advantage of each sequence. Shape: [B], float."""
     rewards_B: torch.Tensor
-    """Reward of each sequence. Shape: [B], float."""
+    """Reward of each sequence. Shape: [B], float64 (a reward of 1e200 stays finite)."""
     versions_B: torch.Tensor
     """Policy version each sequence was sampled at. Shape: [B], long."""
     record: RolloutRecord = field(default_factory=RolloutRecord)

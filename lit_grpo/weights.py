@@ -98,3 +98,12 @@ def _reject_fsdp1_above(model: nn.Module, fsdp1_modules: list[nn.Module]) -> Non
             "around it; pass that wrapper with a prefix instead, e.g. "
             "full_named_tensors(trainer.strategy.model, prefix='policy.')"
         )
+
+
+def first_nonfinite(model: nn.Module) -> str | None:
+    """The name of the first parameter holding a NaN or an infinity (this rank's shard), or None."""
+    for name, p in model.named_parameters():
+        local = p.to_local() if isinstance(p, DTensor) else p
+        if not bool(torch.isfinite(local.detach()).all()):
+            return name
+    return None

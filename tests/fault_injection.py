@@ -1,4 +1,4 @@
-"""Callbacks that kill the training process on purpose, for the crash/resume tests.
+"""Callbacks and rollouts that kill or signal the training process on purpose, for the crash, resume and stop tests.
 
 They are added from the command line (`+callbacks.kill={_target_: fault_injection.KillAfterStep, step: 5}`)
 with this folder on PYTHONPATH, so the run under test is the real CLI, killed as a crash would.
@@ -6,8 +6,11 @@ with this folder on PYTHONPATH, so the run under test is the real CLI, killed as
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
+import threading
+import time
 
 import lightning as L
 
@@ -44,3 +47,39 @@ class KillDuringSave(L.Callback):
             return original(store, at_step, staging, meta)
 
         CheckpointStore.publish = publish
+
+
+class SignalAfterStep(L.Callback):
+    """Send this process `signum` at the end of rollout step `step` (before the step sequence runs).
+    With `linger_s`, keep the step busy that long, and with `again_after_s` send the signal again
+    that many seconds into it (a slow step end that a second signal must cut short)."""
+
+    def __init__(self, step: int, signum: int = signal.SIGTERM, linger_s: float = 0.0, again_after_s: float | None = None) -> None:
+        self.step, self.signum, self.linger_s, self.again_after_s = step, signum, linger_s, again_after_s
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if outputs and pl_module.rollout_step == self.step:
+            os.kill(os.getpid(), self.signum)
+            if self.again_after_s is not None:
+                threading.Timer(self.again_after_s, os.kill, (os.getpid(), self.signum)).start()
+            time.sleep(self.linger_s)
+
+
+def make_hanging_rollout_fn(setup):
+    """The default rollout until call `hang_at_call` (extras), which never returns; `signal_after_s`
+    later this process gets `signum` (extras, a name such as SIGTERM): a stop during a hung rollout."""
+    from lit_grpo.rollout import make_rollout_fn
+
+    inner = make_rollout_fn(setup)
+    hang_at = int(setup.extras["hang_at_call"])
+    signum = getattr(signal, setup.extras.get("signal", "SIGTERM"))
+    calls = {"n": 0}
+
+    async def rollout_fn(row):
+        calls["n"] += 1
+        if calls["n"] == hang_at:
+            threading.Timer(float(setup.extras.get("signal_after_s", 0.5)), os.kill, (os.getpid(), signum)).start()
+            await asyncio.sleep(10**6)
+        return await inner(row)
+
+    return rollout_fn

@@ -45,3 +45,9 @@ def test_bad_inputs_are_refused():
         group_advantages(torch.tensor([[1.0]]))
     with pytest.raises(ValueError, match="valid: std, none"):
         group_advantages(torch.tensor([[1.0, 0.0]]), scale="rank")
+
+
+def test_huge_rewards_do_not_overflow_the_std():
+    # Rewards 2e200 and 0: mean 1e200, unbiased std sqrt(2)·1e200, so A = ±1/sqrt(2) (not 0 from an inf std).
+    adv = group_advantages(torch.tensor([[2e200, 0.0]], dtype=torch.float64))
+    torch.testing.assert_close(adv, torch.tensor([[2 ** -0.5, -(2 ** -0.5)]]))

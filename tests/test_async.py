@@ -10,7 +10,6 @@ import pytest
 from lit_grpo.module import GRPOModule
 from lit_grpo.rollouts import GroupSampler, OffPolicyScheduler, RowCursor
 from lit_grpo.train import train
-from lit_grpo.types import RolloutSample
 
 from conftest import compose_config
 

@@ -1,5 +1,6 @@
 """DCP checkpoints: an exact resume after SIGKILL, a kill during a save, corrupt checkpoints,
-the config-mismatch refusal, and the Hugging Face export (end of fit and `python -m lit_grpo.export`)."""
+pruning that touches only its own run's checkpoints, the config-mismatch refusal, and the Hugging
+Face export (end of fit and `python -m lit_grpo.export`)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from lit_grpo.checkpoint import CheckpointStore, check_resumable, locate_checkpoint, verify
+from lit_grpo.checkpoint import CheckpointStore, check_resumable, locate_checkpoint, run_id_of, verify
 from lit_grpo.config import ConfigError, validate
 from lit_grpo.data import RolloutStream
 from lit_grpo.rollouts import GroupSampler, OffPolicyScheduler, RowCursor
@@ -62,6 +63,15 @@ def uninterrupted(tmp_path_factory) -> Path:
     return run_dir
 
 
+def fake_checkpoint(root: Path, step: int, run_id: str, keep_last: int = 100) -> Path:
+    """A small checkpoint of run `run_id` published through the real store (placeholder shards)."""
+    store = CheckpointStore(root, keep_last=keep_last, run_id=run_id)
+    staging = store.begin(step)
+    for name in (".metadata", "config.yaml", "trainer_state_rank0.pt"):
+        (staging / name).write_text(f"{name} of {run_id} at step {step}")
+    return store.publish(step, staging, {})
+
+
 def test_checkpoints_are_published_whole_and_pruned(uninterrupted):
     store = CheckpointStore(uninterrupted / "checkpoints")
     # dcp_keep_last=2 of the saves at steps 2, 4, 6, 8; no staging folder left behind.
@@ -70,6 +80,11 @@ def test_checkpoints_are_published_whole_and_pruned(uninterrupted):
     for _, path in store.step_dirs():
         assert verify(path) is None
         assert {".metadata", "config.yaml", "manifest.json", "trainer_state_rank0.pt"} <= {p.name for p in path.iterdir()}
+    # Both name the run that wrote them, in the manifest and in the trainer state.
+    run_ids = {run_id_of(path) for _, path in store.step_dirs()}
+    assert len(run_ids) == 1 and len(run_ids.pop()) == 32
+    state = torch.load(store.root / "step_00000008" / "trainer_state_rank0.pt", weights_only=False)
+    assert state["run_id"] == run_id_of(store.root / "step_00000008")
 
 
 def test_resume_after_sigkill_is_exact(uninterrupted, tmp_path):
@@ -78,11 +93,15 @@ def test_resume_after_sigkill_is_exact(uninterrupted, tmp_path):
     assert killed.returncode == -9, killed.stderr[-3000:]  # SIGKILL, after the step-4 checkpoint
     assert not (run_dir / "final_model").exists()
 
+    run_id = run_id_of(run_dir / "checkpoints" / "step_00000004")
     resumed = run_cli(run_dir, "resume=auto")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["resumed_from"].endswith("step_00000004")
     assert summary["steps"] == STEPS
+    # The resumed run kept the killed run's id, so it pruned that run's steps 2 and 4 as its own.
+    store = CheckpointStore(run_dir / "checkpoints")
+    assert [(step, run_id_of(path)) for step, path in store.step_dirs()] == [(6, run_id), (8, run_id)]
 
     assert_bit_identical(tensors(uninterrupted / "final_model"), tensors(run_dir / "final_model"))
     expected = json.loads((uninterrupted / "summary.json").read_text())["reward_curve"]
@@ -128,6 +147,71 @@ def test_a_corrupt_newest_checkpoint_is_reported_and_the_previous_used(uninterru
 
     (root / "step_00000004").mkdir()  # a folder with a checkpoint's name but no manifest
     assert "no manifest" in verify(root / "step_00000004")
+
+
+def test_pruning_deletes_only_this_runs_verified_checkpoints(tmp_path, caplog):
+    """The issue's case: a new run in a folder that holds an older, longer run's checkpoints must
+    not delete its own checkpoints (they are not the highest steps), nor the older run's."""
+    root = tmp_path / "checkpoints"
+    for step in (10, 20, 30):
+        fake_checkpoint(root, step, "older")
+    (root / "step_00000030" / "config.yaml").write_text("torn")  # the older run's, corrupt
+    (root / "step_00000040").mkdir()  # nobody's: no manifest
+    CheckpointStore(root, run_id="older").begin(50)  # the older run's save, killed
+    ours = CheckpointStore(root, keep_last=2, run_id="new")
+    (ours.begin(9) / "__0_0.distcp").write_text("a save of ours that was killed")
+    foreign = {"step_00000010", "step_00000020", "step_00000030", "step_00000040", ".tmp-step_00000050"}
+
+    def names() -> set[str]:
+        return {p.name for p in root.iterdir()}
+
+    for step in (1, 2, 3):
+        staging = ours.begin(step)
+        for name in (".metadata", "config.yaml", "trainer_state_rank0.pt"):
+            (staging / name).write_text(f"{name} {step}")
+        ours.publish(step, staging, {})
+        ours.prune()
+    assert names() == foreign | {"step_00000002", "step_00000003"}  # our staging .tmp-step_00000009 is cleaned
+    assert run_id_of(root / "step_00000003") == "new" and verify(root / "step_00000010") is None
+
+    # After a restart (a new store of the same run): our newest is corrupt, so it does not count
+    # towards keep_last and is left in place; step 2 is now the newest verified one and stays.
+    (root / "step_00000003" / ".metadata").write_text("torn")
+    resumed = CheckpointStore(root, keep_last=2, run_id="new")
+    with caplog.at_level(logging.WARNING):
+        resumed.prune()
+    assert names() == foreign | {"step_00000002", "step_00000003"}
+    assert "step_00000003" in caplog.text and "does not verify" in caplog.text
+    for step in (4, 5):
+        fake_checkpoint(root, step, "new")
+        resumed.prune()
+    assert names() == foreign | {"step_00000003", "step_00000004", "step_00000005"}
+
+    # Publishing over a folder at our step that another run wrote moves it aside, never deletes it.
+    fake_checkpoint(root, 20, "new")
+    assert run_id_of(root / "step_00000020") == "new"
+    displaced = [p for p in root.iterdir() if p.name.startswith("step_00000020.displaced-")]
+    assert len(displaced) == 1 and run_id_of(displaced[0]) == "older"
+
+
+@pytest.mark.parametrize("manifest, reason", [
+    ("[1, 2]", "holds a JSON array, not an object"),
+    ('"files"', "holds a JSON string, not an object"),
+    ("null", "holds a JSON null, not an object"),
+    ("{}", "no `files` object"),
+    ('{"files": ["config.yaml"]}', "no `files` object"),
+    ('{"files": {".metadata": 5, "config.yaml": 5, "trainer_state_rank0.pt": 5}}', "entry for .metadata is not {bytes, sha256}"),
+    ('{"files": {"../x": {}, ".metadata": {}, "config.yaml": {}, "trainer_state_rank0.pt": {}}}', "outside the checkpoint"),
+    ("{not json", "unreadable manifest.json"),
+])
+def test_a_manifest_that_is_not_an_object_is_corrupt_not_a_crash(tmp_path, manifest, reason):
+    path = fake_checkpoint(tmp_path / "checkpoints", 2, "r")
+    (path / "manifest.json").write_text(manifest)
+    assert reason in verify(path)
+    assert run_id_of(path) is None
+    with pytest.raises(ValueError, match="cannot be used"):
+        locate_checkpoint(path)
+    assert CheckpointStore(tmp_path / "checkpoints").newest_complete() is None
 
 
 def test_resuming_with_a_config_that_changes_the_state_is_refused(uninterrupted, tmp_path, monkeypatch):

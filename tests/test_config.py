@@ -16,7 +16,7 @@ import lit_grpo.samplers
 import lit_grpo.tasks.registry
 from lit_grpo.checkpoint import STATE_DEFINING_FIELDS
 from lit_grpo.config import ConfigError, TrainConfig, ineffective_knobs, validate
-from lit_grpo.losses import available_policy_losses, policy_loss
+from lit_grpo.losses import available_policy_losses, get_policy_loss, policy_loss
 from lit_grpo.tasks import available_tasks, build_eval_rows, build_rows, get_task, register_task, reward_fn
 
 from conftest import CONF_DIR, compose_config
@@ -50,7 +50,9 @@ def test_every_experiment_composes_and_validates(experiment, tmp_path):
 
 
 def test_policy_loss_files_match_the_registry():
-    assert set(_options("policy_loss")) - {"user"} == set(available_policy_losses())
+    # Every built-in loss has its file (other tests register losses of their own, without one).
+    built_in = {n for n in available_policy_losses() if get_policy_loss(n).fn.__module__.startswith("lit_grpo.")}
+    assert set(_options("policy_loss")) - {"user"} == built_in
 
 
 def test_task_files_match_the_registry_and_mirror_each_options_dataclass():
@@ -96,12 +98,36 @@ def test_wrong_type_fails_at_compose_naming_it(tmp_path):
         ("sampler=vllm", "model.num_heads"),
         ("dcp_save_interval=3 max_head_offpolicy_versions=1 weight_sync_interval=2", "dcp_save_interval"),
         ("dcp_keep_last=0", "dcp_keep_last"),
+        ("learning_rate=nan", "learning_rate"),
+        ("learning_rate=inf", "learning_rate"),
+        ("learning_rate=3", "learning_rate"),
+        ("adam_eps=inf", "adam_eps"),
+        ("weight_decay=nan", "weight_decay"),
+        ("grad_clip_norm=inf", "grad_clip_norm"),
+        ("policy_loss.kl_beta=inf", "policy_loss.kl_beta"),
+        ("policy_loss.kl_beta=nan", "policy_loss.kl_beta"),
+        ("policy_loss.eps_clip=nan", "policy_loss.eps_clip"),
+        ("sampler.temperature=nan", "sampler.temperature"),
+        ("sampler.temperature=inf", "sampler.temperature"),
+        ("sampler.temperature=1000", "sampler.temperature"),
+        ("rollout_timeout_s=0", "rollout_timeout_s"),
+        ("rollout_timeout_s=inf", "rollout_timeout_s"),
+        ("rollout_max_retries=-1", "rollout_max_retries"),
+        ("max_rows_without_progress=0", "max_rows_without_progress"),
+        ("max_nonfinite_steps=0", "max_nonfinite_steps"),
     ],
 )
 def test_bad_value_fails_validation_naming_the_field(override, field, tmp_path):
     cfg = compose_config(*override.split(), output_dir=tmp_path)
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
         validate(cfg)
+
+
+def test_the_run_guards_have_documented_defaults(tmp_path):
+    c = validate(compose_config(output_dir=tmp_path))
+    assert (c.rollout_timeout_s, c.rollout_max_retries, c.max_rows_without_progress, c.max_nonfinite_steps) == (300.0, 2, 1000, 3)
+    c = validate(compose_config("sampler.temperature=1e-6", "learning_rate=1", output_dir=tmp_path))  # extreme, not absurd
+    assert c.sampler.temperature == 1e-6
 
 
 def test_validation_happens_before_any_model_is_loaded(tmp_path, monkeypatch):
@@ -121,8 +147,10 @@ def test_validation_happens_before_any_model_is_loaded(tmp_path, monkeypatch):
 
 @pytest.fixture
 def isolated_losses(monkeypatch):
-    """The loss registry as it is now, restored after the test, with `user_losses` not yet imported."""
-    monkeypatch.setattr(lit_grpo.losses, "POLICY_LOSSES", dict(lit_grpo.losses.POLICY_LOSSES))
+    """The loss registry without `user_losses`' entries (another test may have imported it), restored
+    after the test, with `user_losses` not yet imported."""
+    registry = {k: v for k, v in lit_grpo.losses.POLICY_LOSSES.items() if v.fn.__module__ != "user_losses"}
+    monkeypatch.setattr(lit_grpo.losses, "POLICY_LOSSES", registry)
     monkeypatch.delitem(sys.modules, "user_losses", raising=False)
     yield
     sys.modules.pop("user_losses", None)  # its import registered into the registry just dropped

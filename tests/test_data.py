@@ -1,7 +1,5 @@
 """The rollout stream: row order, padding, the group filter and its replacement rows."""
 
-import asyncio
-
 import pytest
 import torch
 
@@ -133,3 +131,38 @@ def test_rollout_metrics_pool_ranks_by_hand():
     assert m["perf/sample_s"] == 2.0  # the slowest rank
     assert m["rollout/completion_len_mean"] == pytest.approx(10 / 6)
     assert m["perf/sample_tokens_per_s"] == pytest.approx(10 / 2.0)
+
+
+def test_reward_statistics_of_huge_rewards_stay_finite():
+    from lit_grpo.types import RolloutRecord
+
+    # Rewards 0 and 2e200: mean 1e200, unbiased std sqrt(2·(1e200)² / 1) = 1.414e200; float32 would give inf.
+    m = rollout_metrics([RolloutRecord(rewards=[0.0, 2e200], completion_tokens=[1, 1])])
+    assert m["reward/mean"] == pytest.approx(1e200) and m["reward/std"] == pytest.approx(2**0.5 * 1e200)
+    g = PromptGroup(row={}, version=0, samples=[_sample([1, 2], [0, 1], 2e200), _sample([1, 2], [0, 1], 0.0)])
+    batch = collate_groups([g], [[1.0, -1.0]], pad_id=0)
+    assert batch.rewards_B.dtype == torch.float64 and batch.rewards_B.tolist() == [2e200, 0.0]
+
+
+def test_sampler_logprobs_where_nothing_is_trained_are_zeroed():
+    g = PromptGroup(row={}, version=0, samples=[_sample([1, 2, 3], [0, 1, 1], 1.0, [float("nan"), -0.5, -0.25]), _sample([1, 2], [0, 1], 0.0)])
+    batch = collate_groups([g], [[1.0, -1.0]], pad_id=0)
+    assert batch.sampler_logprobs_BT.tolist() == [[0.0, -0.5, -0.25], [0.0, 0.0, 0.0]]
+
+
+def test_rows_running_out_before_max_steps_is_flagged_and_logged_once(caplog):
+    rows = [{"id": i, "rewards": [0, 1, 0]} for i in range(3)]
+
+    async def rollout_fn(row):
+        return _sample([1, 2], [0, 1], float(row["id"] % 2))
+
+    groups = GroupSampler(rollout_fn, 3, max_seq_len=64, min_group_size=2, filters=[])
+    scheduler = SynchronousScheduler(RowCursor(rows, 1, 0, shuffle=False), groups, 2, max_concurrency=256)
+    stream = RolloutStream(scheduler, groups, max_steps=10, advantage_scale="std", pad_id=0)
+    with caplog.at_level("WARNING", logger="lit_grpo.data"):
+        assert [b.num_sequences for b in stream] == [6, 3]  # 2 groups, then the last row alone
+        assert list(stream) == []
+    assert stream.rows_exhausted
+    assert [r.message for r in caplog.records].count(
+        "the rows ran out after 2 of max_steps=10 steps (data.epochs, data.max_rows or the task's rows bound them): the run ends early"
+    ) == 1

@@ -103,3 +103,32 @@ def test_missing_file_and_bad_arguments(tmp_path):
         load_jsonl_rows(SAMPLE, on_error="ignore")
     with pytest.raises(ValueError, match="max_rows"):
         load_jsonl_rows(SAMPLE, max_rows=-1)
+
+
+def _with_bad_bytes(tmp_path: Path) -> Path:
+    """Lines 1 and 4 are good; line 2 holds a Latin-1 byte (0xe9, "é"); line 3 a cut UTF-8 sequence."""
+    good = json.dumps(GOOD).encode()
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes(b"\n".join([good, b'{"question": "Caf\xe9?", "answer": "#### 1"}', b'{"question": "\xe2\x82", "answer": "1"}', good]) + b"\n")
+    return path
+
+
+def test_a_non_utf8_line_is_a_row_error_naming_file_line_and_byte(tmp_path):
+    from lit_grpo.errors import UserError
+
+    with pytest.raises(RowError, match=r"^latin1\.jsonl line 2: not UTF-8 text \(byte 0xe9 at byte 18 of the line\); re-save") as err:
+        load_jsonl_rows(_with_bad_bytes(tmp_path))
+    assert isinstance(err.value, UserError)  # the CLI prints it and exits 2
+    rows, problems = load_jsonl_rows(_with_bad_bytes(tmp_path), on_error="skip")
+    assert len(rows) == 2 and [p.split(":")[0] for p in problems] == ["latin1.jsonl line 2", "latin1.jsonl line 3"]
+    assert "byte 0xe2" in problems[1]
+
+
+def test_a_byte_order_mark_starts_the_file_only(tmp_path):
+    good = json.dumps(GOOD).encode()
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + good + b"\r\n" + good + b"\r\n")  # Windows Notepad's UTF-8
+    assert [r["answer"] for r in load_jsonl_rows(path)[0]] == ["5", "5"]
+    path.write_bytes(good + b"\n\xef\xbb\xbf" + good + b"\n")
+    with pytest.raises(RowError, match=r"bom\.jsonl line 2: invalid JSON"):
+        load_jsonl_rows(path)

@@ -1,13 +1,17 @@
-"""Malformed samples are dropped and counted by reason; failing rollouts trip the circuit breaker."""
+"""Malformed samples are dropped and counted by reason; failing rollouts are retried, counted or
+raised by kind and trip the circuit breaker; rows that give nothing to train on stop the run."""
 
+import asyncio
 import math
 
+import numpy as np
 import pytest
 
 from lit_grpo.data import RolloutStream
 from lit_grpo.rollouts import GroupSampler, RowCursor, SynchronousScheduler, rollout_metrics
 from lit_grpo.rollout import load_rollout_factory
-from lit_grpo.rollouts.checks import CircuitBreaker, RolloutCircuitOpen, sample_problem
+from lit_grpo.rollouts.checks import CircuitBreaker, NoProgressError, ProgressGuard, RolloutCircuitOpen, sample_problem
+from lit_grpo.rollouts.deadlines import RolloutTimeout, call_rollout
 from lit_grpo.types import RolloutSample
 
 GOOD = dict(tokens=[1, 2, 3], logprobs=[0.0, -0.1, -0.2], loss_mask=[0, 1, 1], reward=1.0)
@@ -21,18 +25,47 @@ GOOD = dict(tokens=[1, 2, 3], logprobs=[0.0, -0.1, -0.2], loss_mask=[0, 1, 1], r
         (dict(reward=math.nan), "nonfinite_reward"),
         (dict(reward=math.inf), "nonfinite_reward"),
         (dict(tokens=[1] * 9, logprobs=[0.0] * 9, loss_mask=[1] * 9), "too_long"),
+        (dict(tokens=None), "not_a_list"),
+        (dict(loss_mask=[0, 2, 1]), "bad_mask"),
+        (dict(loss_mask=[0, 1, "1"]), "bad_mask"),
+        (dict(tokens=[1, 2, 100]), "bad_token"),  # vocabulary of 50
+        (dict(tokens=[1, -2, 3]), "bad_token"),
+        (dict(tokens=[1, 2.0, 3]), "bad_token"),
+        (dict(tokens=[1, True, 3]), "bad_token"),
+        (dict(logprobs=[0.0, 0.5, -0.2]), "bad_logprob"),
+        (dict(logprobs=[0.0, math.nan, -0.2]), "bad_logprob"),
+        (dict(logprobs=[0.0, -math.inf, -0.2]), "bad_logprob"),
+        (dict(logprobs=[0.0, "-0.1", -0.2]), "bad_logprob"),
+        (dict(reward="1.0"), "nonnumeric_reward"),
+        (dict(reward=None), "nonnumeric_reward"),
+        (dict(reward=True), "nonnumeric_reward"),
     ],
 )
 def test_each_bad_sample_kind_is_named(change, reason):
-    assert sample_problem(RolloutSample(**GOOD), max_seq_len=8) is None
-    assert sample_problem(RolloutSample(**{**GOOD, **change}), max_seq_len=8) == reason
+    assert sample_problem(RolloutSample(**GOOD), max_seq_len=8, vocab_size=50) is None
+    assert sample_problem(RolloutSample(**{**GOOD, **change}), max_seq_len=8, vocab_size=50) == reason
     assert sample_problem({"tokens": [1]}, max_seq_len=8) == "not_a_sample"
 
 
-def _stream(rows, rollout_fn, *, G, max_seq_len=64, P=2):
-    groups = GroupSampler(rollout_fn, G, max_seq_len=max_seq_len, min_group_size=2, filters=[])
+def test_what_passes_the_checks():
+    # numpy ints and floats are numbers; a logprob a hair above 0 is rounding; a NaN where nothing is
+    # trained is left to the batch (which zeroes it); without a vocabulary size any id >= 0 passes.
+    fine = [
+        dict(tokens=[int(t) for t in np.array([1, 2, 3])], reward=np.float64(0.5)),
+        dict(tokens=list(np.array([1, 2, 3], dtype=np.int64))),
+        dict(logprobs=[0.0, 1e-6, -0.2]),
+        dict(logprobs=[math.nan, -0.1, -0.2]),
+        dict(loss_mask=[0.0, 1.0, True]),
+    ]
+    for change in fine:
+        assert sample_problem(RolloutSample(**{**GOOD, **change}), max_seq_len=8, vocab_size=50) is None, change
+    assert sample_problem(RolloutSample(**{**GOOD, "tokens": [1, 2, 10**6]}), max_seq_len=8) is None
+
+
+def _stream(rows, rollout_fn, *, G, max_seq_len=64, P=2, max_steps=-1, **group_kwargs):
+    groups = GroupSampler(rollout_fn, G, max_seq_len=max_seq_len, min_group_size=2, filters=[], **group_kwargs)
     scheduler = SynchronousScheduler(RowCursor(rows, 1, 0, False), groups, P, max_concurrency=256)
-    return iter(RolloutStream(scheduler, groups, max_steps=-1, advantage_scale="std", pad_id=0))
+    return RolloutStream(scheduler, groups, max_steps=max_steps, advantage_scale="std", pad_id=0)
 
 
 def test_pipeline_drops_and_counts_bad_samples_and_small_groups():
@@ -47,7 +80,7 @@ def test_pipeline_drops_and_counts_bad_samples_and_small_groups():
         calls[row["id"]] += 1
         return RolloutSample(**bad[row["id"]][k])
 
-    batch = next(_stream([{"id": 0}, {"id": 1}], rollout_fn, G=3, max_seq_len=8))
+    batch = next(iter(_stream([{"id": 0}, {"id": 1}], rollout_fn, G=3, max_seq_len=8)))
     metrics = rollout_metrics([batch.record])
     assert batch.num_sequences == 2 and batch.rewards_B.tolist() == [1.0, 0.0]
     assert metrics["rollout/dropped_empty_mask"] == 1
@@ -80,7 +113,7 @@ def test_training_stops_when_rollouts_keep_failing():
         raise ConnectionError("environment is down")
 
     with pytest.raises(RolloutCircuitOpen, match="environment is down"):
-        next(_stream([{"id": i} for i in range(10)], rollout_fn, G=4))
+        next(iter(_stream([{"id": i} for i in range(10)], rollout_fn, G=4, max_retries=0)))
 
 
 def test_rollout_factory_is_imported_from_the_working_directory(tmp_path, monkeypatch):
@@ -89,3 +122,110 @@ def test_rollout_factory_is_imported_from_the_working_directory(tmp_path, monkey
     assert load_rollout_factory("my_rollout:make_rollout_fn")(None) == "built"
     with pytest.raises(ValueError, match="rollout.factory"):
         load_rollout_factory("my_rollout:missing")
+
+
+# --------------------------------------------------------------------------- deadlines and error kinds
+
+
+def _call(rollout_fn, *, timeout_s=5.0, max_retries=2):
+    events = []
+    result = asyncio.run(call_rollout(rollout_fn, {"id": 0}, timeout_s=timeout_s, max_retries=max_retries,
+                                      count=lambda key, err: events.append(key)))
+    return result, events
+
+
+def test_a_transient_error_is_retried_then_returned(monkeypatch):
+    monkeypatch.setattr("lit_grpo.rollouts.deadlines.RETRY_BACKOFF_S", 0.01)
+    calls = []
+
+    async def flaky(row):
+        calls.append(1)
+        if len(calls) <= 2:
+            raise ConnectionError("down")
+        return "ok"
+
+    assert _call(flaky) == ("ok", ["rollout/retries", "rollout/retries"])
+    calls.clear()
+    result, events = _call(flaky, max_retries=1)  # the second failure is the last try
+    assert isinstance(result, ConnectionError) and events == ["rollout/retries"]
+
+
+def test_other_errors_are_returned_at_once_and_bugs_are_raised():
+    async def broken_tool(row):
+        raise RuntimeError("tool crashed")
+
+    result, events = _call(broken_tool)
+    assert isinstance(result, RuntimeError) and events == []  # a failure, not retried
+
+    async def buggy(row):
+        return row["missing"]
+
+    with pytest.raises(KeyError) as raised:
+        _call(buggy)
+    assert "a bug in the rollout stops training at once" in raised.value.__notes__[0]
+    assert "buggy" in raised.value.__notes__[0]
+
+    def not_async(row):
+        return RolloutSample(**GOOD)
+
+    with pytest.raises(TypeError, match="must be `async def"):
+        _call(not_async)
+
+
+def test_a_rollout_past_its_deadline_is_cancelled_and_counted(monkeypatch):
+    monkeypatch.setattr("lit_grpo.rollouts.deadlines.RETRY_BACKOFF_S", 0.01)
+    cancelled = []
+
+    async def sleeps(row):
+        try:
+            await asyncio.sleep(10**9)
+        except asyncio.CancelledError:
+            cancelled.append(1)
+            raise
+
+    result, events = _call(sleeps, timeout_s=0.05, max_retries=1)
+    assert isinstance(result, RolloutTimeout) and "rollout_timeout_s=0.05" in str(result)
+    assert events == ["rollout/timeouts", "rollout/retries", "rollout/timeouts"]
+    assert len(cancelled) == 2
+
+
+def test_a_none_is_counted_and_rows_that_give_nothing_stop_the_run():
+    async def none(row):
+        return None
+
+    with pytest.raises(NoProgressError, match=r"(?s)last 3 rows.*3  none: the rollout returned None.*12  rollout/dropped_none"):
+        next(iter(_stream([{"id": i} for i in range(10)], none, G=4, max_rows_without_progress=3)))
+    # Fewer rows than the guard's bound: the rows run out before any step, which is no success either.
+    with pytest.raises(NoProgressError, match=r"all 2 rows of this rank's share \(they ran out first\)"):
+        next(iter(_stream([{"id": i} for i in range(2)], none, G=4)))
+
+
+def test_a_prompt_that_fills_max_seq_len_is_never_sampled():
+    calls = []
+
+    async def rollout_fn(row):
+        calls.append(row["id"])
+        return RolloutSample(**{**GOOD, "reward": float(len(calls) % 2)})
+
+    rows = [{"id": 0, "prompt_token_ids": [5] * 8}, {"id": 1, "prompt_token_ids": [5]}, {"id": 2, "prompt_token_ids": [5]}]
+    batch = next(iter(_stream(rows, rollout_fn, G=2, max_seq_len=8)))
+    assert 0 not in calls and batch.num_sequences == 4
+    assert rollout_metrics([batch.record])["rollout/dropped_prompt_too_long"] == 2
+
+
+def test_the_no_progress_message_names_the_dominant_reason_and_what_to_check():
+    guard = ProgressGuard(4, max_seq_len=64)
+    guard.examples["nonnumeric_reward"] = "reward '1' (str)"
+    guard.rejected("rollout/filtered_groups", {})
+    guard.accepted()  # progress: the count starts again
+    for _ in range(2):
+        guard.rejected("rollout/dropped_small_group", {"rollout/dropped_nonnumeric_reward": 3, "rollout/retries": 9})
+    guard.rejected("rollout/filtered_groups", {})
+    with pytest.raises(NoProgressError) as stopped:
+        guard.rejected("rollout/dropped_small_group", {"rollout/failures": 4})
+    message = str(stopped.value)
+    assert "last 4 rows sampled (max_rows_without_progress=4)" in message
+    assert "2  nonnumeric_reward: a reward that is not a number" in message
+    assert "1  filtered_groups" in message and "1  failures" in message
+    assert "6  rollout/dropped_nonnumeric_reward" in message
+    assert "Check: the reward must be a float" in message and "first seen: reward '1' (str)" in message

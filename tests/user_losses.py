@@ -7,3 +7,17 @@ from lit_grpo.losses import register_policy_loss
 def scaled_pg(*, logprobs, old_logprobs, advantages, mask, tis_weight, scale):
     """REINFORCE times a constant, -scale·π·A·w. Shape: [B, T]."""
     return -scale * logprobs * advantages * tis_weight, {}
+
+
+NAN_ON_CALLS: set[int] = set()
+_calls = {"n": 0}
+
+
+@register_policy_loss("nan_on_calls")
+def nan_on_calls(*, logprobs, old_logprobs, advantages, mask, tis_weight):
+    """REINFORCE, except NaN on the calls listed in `NAN_ON_CALLS` (all calls when it holds -1). Shape: [B, T]."""
+    _calls["n"] += 1
+    loss_BT = -logprobs * advantages * tis_weight
+    if _calls["n"] in NAN_ON_CALLS or -1 in NAN_ON_CALLS:
+        loss_BT = loss_BT * float("nan")
+    return loss_BT, {}

@@ -10,6 +10,7 @@ import lightning as L
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from lit_grpo.export import export_pretrained
+from lit_grpo.step_sequence import check_finite
 
 log = logging.getLogger(__name__)
 
@@ -25,9 +26,10 @@ class HFExport(L.Callback):
         self.out_dir, self.tokenizer = Path(out_dir), tokenizer
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if trainer.fast_dev_run or pl_module.rollout_step == 0:
-            return
+        if trainer.fast_dev_run or pl_module.rollout_step == 0 or getattr(pl_module.step_sequence, "stopping", False):
+            return  # a smoke test, nothing trained, or stopped by a signal (not a final model)
         start = time.perf_counter()
+        check_finite(pl_module.policy, f"export {self.out_dir}")
         full_state = None
         if trainer.world_size > 1:
             full_state = get_model_state_dict(pl_module.policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True))

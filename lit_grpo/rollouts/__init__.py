@@ -4,15 +4,19 @@
     pipeline.py    pure functions: checks, group verdicts, advantages and padding, rollout metrics
     groups.py      GroupSampler: the G rollout calls of a row, the circuit breaker, drop counts
     schedulers.py  SynchronousScheduler and OffPolicyScheduler (the gate) behind one interface
-    checks.py      what makes a sample malformed; the circuit breaker
+    checks.py      what makes a sample malformed; the circuit breaker; the no-progress guard
+    deadlines.py   each rollout call's deadline and retries; a blocked event loop detected and named
 """
 
+from lit_grpo.rollouts.checks import NoProgressError, RolloutCircuitOpen
 from lit_grpo.rollouts.cursor import RowCursor
+from lit_grpo.rollouts.deadlines import RolloutStalled, RolloutTimeout
 from lit_grpo.rollouts.groups import GroupSampler
 from lit_grpo.rollouts.pipeline import GroupFilter, collate_groups, make_batch, rollout_metrics
 from lit_grpo.rollouts.schedulers import OffPolicyScheduler, Scheduler, StepGroups, SynchronousScheduler
 
 __all__ = [
-    "GroupFilter", "GroupSampler", "OffPolicyScheduler", "RowCursor", "Scheduler", "StepGroups", "SynchronousScheduler",
-    "collate_groups", "make_batch", "rollout_metrics",
+    "GroupFilter", "GroupSampler", "NoProgressError", "OffPolicyScheduler", "RolloutCircuitOpen", "RolloutStalled",
+    "RolloutTimeout", "RowCursor", "Scheduler", "StepGroups", "SynchronousScheduler", "collate_groups", "make_batch",
+    "rollout_metrics",
 ]

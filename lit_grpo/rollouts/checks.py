@@ -1,37 +1,131 @@
-"""Guards between a user's rollout function and the trainer: malformed samples and failing rollouts.
+"""Guards between a user's rollout function and the trainer: malformed samples, failing rollouts,
+and a search for usable groups that finds none.
 
-A malformed `RolloutSample` is dropped with a named reason (counted as `rollout/dropped_<reason>`)
-instead of corrupting a batch; a rollout function that keeps raising trips the circuit breaker,
-which stops training with a clear error rather than training on whatever trickles through.
+- A malformed `RolloutSample` is dropped with a named reason (counted as `rollout/dropped_<reason>`)
+  instead of corrupting a batch (`sample_problem`).
+- A rollout function that keeps raising trips the circuit breaker (`CircuitBreaker`), which stops
+  training with a clear error rather than training on whatever trickles through.
+- Rows that never give an accepted group (every sample None or malformed, every group uniform,
+  every prompt too long) stop the run after `max_rows_without_progress` rows (`ProgressGuard`),
+  with the counts per reason and what to check (`NoProgressError`).
 """
 
 from __future__ import annotations
 
 import math
-from collections import deque
+import numbers
+from collections import Counter, deque
 from typing import Optional
 
+from lit_grpo.errors import UserError
 from lit_grpo.types import RolloutSample
 
-DROP_REASONS = ("length_mismatch", "empty_mask", "nonfinite_reward", "too_long", "not_a_sample")
+LOGPROB_TOLERANCE = 1e-4
+"""A sampler's logprob may exceed 0 by this much (rounding); more is not a log-probability."""
+
+# reason -> (what happened, what to check when it is why no group was accepted)
+DROP_REASONS: dict[str, tuple[str, str]] = {
+    "none": ("the rollout returned None",
+             "the rollout function returns None for every sample: check when it gives up (an empty completion, "
+             "a reward it could not compute, a parse failure)"),
+    "not_a_sample": ("not a RolloutSample",
+                     "a rollout function must return lit_grpo.types.RolloutSample(tokens, logprobs, loss_mask, reward) "
+                     "or None"),
+    "not_a_list": ("tokens, logprobs or loss_mask is not a list",
+                   "RolloutSample.tokens, .logprobs and .loss_mask are lists with one entry per token"),
+    "length_mismatch": ("tokens, logprobs and loss_mask differ in length",
+                        "tokens, logprobs and loss_mask are parallel lists: one entry per token, 0.0 logprob and "
+                        "mask 0 on tokens that were not generated (lit_grpo.rollout.Trajectory builds them)"),
+    "bad_mask": ("loss_mask holds values other than 0 and 1",
+                 "loss_mask is 1 on tokens the policy generated and is trained on, 0 elsewhere"),
+    "empty_mask": ("loss_mask trains on no token", "at least one token of a sample must have loss_mask 1"),
+    "bad_token": ("token ids that are not ints in [0, vocab)",
+                  "token ids must come from the policy's tokenizer (ints in [0, len(tokenizer)))"),
+    "bad_logprob": ("sampler logprobs that are not numbers, positive or non-finite on trained tokens",
+                    "logprobs are the sampler's log-probabilities of the generated tokens (finite, <= 0): take "
+                    "them from the Completion (inference_logprobs), 0.0 on tokens that were not generated"),
+    "nonnumeric_reward": ("a reward that is not a number",
+                          "the reward must be a float (not a string, None or a bool): check the reward function"),
+    "nonfinite_reward": ("a NaN or infinite reward", "the reward must be finite: check the reward function"),
+    "too_long": ("prompt + completion longer than data.max_seq_len",
+                 "samples are longer than data.max_seq_len: raise it, or lower sampler.max_completion_tokens"),
+    "prompt_too_long": ("the prompt alone fills data.max_seq_len (never sampled)",
+                        "the prompts are at least data.max_seq_len tokens long: raise data.max_seq_len or drop "
+                        "the long rows"),
+}
+GROUP_REASONS: dict[str, tuple[str, str]] = {
+    "failures": ("the rollout function raised",
+                         "the rollout function keeps raising: see the warning that names its error"),
+    "filtered_groups": ("a group filter rejected the group (the uniform-reward filter: all G rewards equal)",
+                                "every group's rewards are all equal, so no group carries a learning signal: a "
+                                "near-zero sampler.temperature makes the G samples identical; a task too hard "
+                                "(all 0) or too easy (all 1) does the same. Raise the temperature, change the "
+                                "task, or drop the filter (~callbacks.reward_filter) to train on them anyway"),
+    "small_group": ("fewer than data.min_group_size samples were left",
+                                    "too few samples of each row came back: see the drop reasons above"),
+}
+
+REASONS = {**DROP_REASONS, **GROUP_REASONS}
 
 
-def sample_problem(sample: object, max_seq_len: int) -> Optional[str]:
-    """Why `sample` cannot be trained on (one of DROP_REASONS), or None when it is fine."""
+def short_reason(metric_key: str) -> str:
+    """`rollout/dropped_none` -> `none`, `rollout/failures` -> `failures`: a key of REASONS."""
+    return metric_key.removeprefix("rollout/").removeprefix("dropped_")
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _is_real(x: object) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def check_sample(sample: object, max_seq_len: int, vocab_size: Optional[int] = None) -> Optional[tuple[str, str]]:
+    """`(reason, detail)` when `sample` cannot be trained on, else None. `reason` is a key of
+    DROP_REASONS; `detail` shows what was wrong, for the warning."""
     if not isinstance(sample, RolloutSample):
-        return "not_a_sample"
-    if not len(sample.tokens) == len(sample.logprobs) == len(sample.loss_mask):
-        return "length_mismatch"
-    if not any(sample.loss_mask):
-        return "empty_mask"
-    if not isinstance(sample.reward, (int, float)) or not math.isfinite(sample.reward):
-        return "nonfinite_reward"
-    if len(sample.tokens) > max_seq_len:
-        return "too_long"
+        shown = f"a {type(sample).__name__}" + (f" with keys {sorted(map(str, sample))[:6]}" if isinstance(sample, dict) else "")
+        return "not_a_sample", f"got {shown}"
+    lists = {"tokens": sample.tokens, "logprobs": sample.logprobs, "loss_mask": sample.loss_mask}
+    for name, value in lists.items():
+        if not isinstance(value, (list, tuple)):
+            return "not_a_list", f"{name} is a {type(value).__name__}"
+    tokens, logprobs, mask = sample.tokens, sample.logprobs, sample.loss_mask
+    if not len(tokens) == len(logprobs) == len(mask):
+        return "length_mismatch", f"{len(tokens)} tokens, {len(logprobs)} logprobs, {len(mask)} mask values"
+    odd_mask = [m for m in mask if not (isinstance(m, numbers.Real) and m in (0, 1))]  # True/False are fine
+    if odd_mask:
+        return "bad_mask", f"loss_mask values {sorted(set(map(repr, odd_mask)))[:4]}"
+    if not any(mask):
+        return "empty_mask", f"{len(mask)} tokens, none with loss_mask 1"
+    odd_tokens = [t for t in tokens if not _is_int(t)]
+    if odd_tokens:
+        return "bad_token", f"token ids {[repr(t) for t in odd_tokens[:4]]} are not ints"
+    if tokens and (min(tokens) < 0 or (vocab_size is not None and max(tokens) >= vocab_size)):
+        return "bad_token", f"token ids from {min(tokens)} to {max(tokens)}, the vocabulary is [0, {vocab_size})"
+    if not all(_is_real(lp) for lp in logprobs):
+        return "bad_logprob", f"logprobs {[repr(lp) for lp in logprobs if not _is_real(lp)][:4]} are not numbers"
+    trained = [float(lp) for lp, m in zip(logprobs, mask) if m]
+    odd_lp = [lp for lp in trained if not math.isfinite(lp) or lp > LOGPROB_TOLERANCE]
+    if odd_lp:
+        return "bad_logprob", f"logprobs {odd_lp[:4]} on trained tokens (a logprob is finite and <= 0)"
+    if not _is_real(sample.reward):
+        return "nonnumeric_reward", f"reward {sample.reward!r} ({type(sample.reward).__name__})"
+    if not math.isfinite(sample.reward):
+        return "nonfinite_reward", f"reward {sample.reward!r}"
+    if len(tokens) > max_seq_len:
+        return "too_long", f"{len(tokens)} tokens > data.max_seq_len={max_seq_len}"
     return None
 
 
-class RolloutCircuitOpen(RuntimeError):
+def sample_problem(sample: object, max_seq_len: int, vocab_size: Optional[int] = None) -> Optional[str]:
+    """Why `sample` cannot be trained on (a key of DROP_REASONS), or None when it is fine."""
+    problem = check_sample(sample, max_seq_len, vocab_size)
+    return None if problem is None else problem[0]
+
+
+class RolloutCircuitOpen(UserError, RuntimeError):
     """The rollout function failed too often; training stops instead of limping on."""
 
 
@@ -50,8 +144,66 @@ class CircuitBreaker:
         self.consecutive = self.consecutive + 1 if failed else 0
         rate = sum(self.recent) / len(self.recent)
         if self.consecutive >= self.max_consecutive or (len(self.recent) == self.recent.maxlen and rate >= self.max_failure_rate):
+            hint = ("raise rollout_timeout_s if the rollouts are slow but sound" if isinstance(error, TimeoutError)
+                    else "fix the rollout function (or its environment) and resume")
             raise RolloutCircuitOpen(
                 f"rollout_fn failed {self.consecutive} times in a row and {sum(self.recent)} of the last "
-                f"{len(self.recent)} calls; last error: {error!r}. Fix the rollout function (or its "
-                f"environment) and resume."
+                f"{len(self.recent)} calls; last error: {error!r}. Training stops: {hint}."
             ) from error
+
+
+class NoProgressError(UserError, RuntimeError):
+    """Rows keep being sampled and none gives a group that trains; the message says why."""
+
+
+class ProgressGuard:
+    """Counts the rows sampled since the last accepted group, and why each was rejected; raises
+    `NoProgressError` when `max_rows` rows in a row gave nothing to train on."""
+
+    def __init__(self, max_rows: int, *, max_seq_len: int) -> None:
+        self.max_rows, self.max_seq_len = max_rows, max_seq_len
+        self.rows = 0
+        """Rows rejected since the last accepted group."""
+        self.row_reasons: Counter = Counter()
+        """Per rejected row, its main reason (a key of DROP_REASONS or GROUP_REASONS)."""
+        self.sample_counts: Counter = Counter()
+        """Metric counts (`rollout/dropped_<reason>`, `rollout/failures`, ...) of those rows."""
+        self.examples: dict[str, str] = {}
+        """reason -> the first detail seen (what a dropped sample looked like)."""
+
+    def accepted(self) -> None:
+        self.rows = 0
+        self.row_reasons.clear()
+        self.sample_counts.clear()
+
+    def rejected(self, verdict: str, dropped: Counter) -> None:
+        """One more row without an accepted group: `verdict` is the group's metric key, `dropped`
+        the row's sample counts by metric key."""
+        self.rows += 1
+        self.sample_counts.update(dropped)
+        main = verdict
+        drops = Counter({key: n for key, n in dropped.items() if short_reason(key) in REASONS})
+        if verdict == "rollout/dropped_small_group" and drops:
+            main = drops.most_common(1)[0][0]
+        self.row_reasons[short_reason(main)] += 1
+        if self.rows >= self.max_rows:
+            raise NoProgressError(self.message(f"the last {self.rows} rows sampled (max_rows_without_progress={self.max_rows})"))
+
+    def message(self, where: str) -> str:
+        def describe(reason: str) -> str:
+            return REASONS[reason][0] if reason in REASONS else reason
+
+        lines = [f"no prompt group was accepted in {where}: training cannot make progress."]
+        lines.append("Rows, by why their group was rejected:")
+        lines += [f"  {n:6d}  {reason}: {describe(reason)}" for reason, n in self.row_reasons.most_common()]
+        if self.sample_counts:
+            lines.append("Samples of those rows, by metric:")
+            lines += [f"  {n:6d}  {key}" for key, n in sorted(self.sample_counts.items(), key=lambda kv: -kv[1])]
+        dominant = self.row_reasons.most_common(1)[0][0] if self.row_reasons else None
+        if dominant is not None:
+            hint = REASONS[dominant][1] if dominant in REASONS else "see the warnings above"
+            example = self.examples.get(dominant)
+            lines.append(f"Check: {hint}" + (f" (first seen: {example})" if example else "") + ".")
+            if dominant in ("too_long", "prompt_too_long"):
+                lines.append(f"data.max_seq_len is {self.max_seq_len}.")
+        return "\n".join(lines)

@@ -1,20 +1,22 @@
 """`GroupSampler`: the G rollout calls of one row, their checks, and whether the group trains.
 
-It is the one stateful piece the two schedulers share (by composition): the circuit breaker over
-the user's rollout function, the drop counts since the last step, and one warning per new kind
-of problem. The decisions themselves are the pure functions of `lit_grpo.rollouts.pipeline`.
+It is the one stateful piece the two schedulers share (by composition): the deadline, retries
+and circuit breaker over the user's rollout function, the drop counts since the last step, the
+no-progress guard, and one warning per new kind of problem. The decisions themselves are the pure
+functions of `lit_grpo.rollouts.pipeline`.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import threading
 from collections import Counter
+from typing import Optional
 
 from lit_grpo.rollout import RolloutFn
-from lit_grpo.rollouts.checks import CircuitBreaker
-from lit_grpo.rollouts.pipeline import GroupFilter, checked_samples, group_verdict
+from lit_grpo.rollouts.checks import CircuitBreaker, ProgressGuard, short_reason
+from lit_grpo.rollouts.deadlines import call_rollout, gather_or_cancel
+from lit_grpo.rollouts.pipeline import GroupFilter, checked_samples, error_key, group_verdict
 from lit_grpo.types import PromptGroup
 
 log = logging.getLogger(__name__)
@@ -29,40 +31,60 @@ def row_label(row: dict) -> str:
 
 
 class GroupSampler:
-    """Samples the `completions_per_prompt` trajectories of a row and judges the group."""
+    """Samples the `completions_per_prompt` trajectories of a row and judges the group.
+
+    Each rollout call is bounded by `rollout_timeout_s` and transient errors are retried up to
+    `max_retries` times (`lit_grpo.rollouts.deadlines.call_rollout`); a row whose prompt
+    (`prompt_token_ids`) leaves no room for a completion within `max_seq_len` is never sampled;
+    token ids are checked against `[0, vocab_size)` when it is given; `max_rows_without_progress`
+    rows in a row without an accepted group raise `NoProgressError`.
+    """
 
     def __init__(self, rollout_fn: RolloutFn, completions_per_prompt: int, *, max_seq_len: int, min_group_size: int,
-                 filters: list[GroupFilter]) -> None:
+                 filters: list[GroupFilter], vocab_size: Optional[int] = None, rollout_timeout_s: float = 300.0,
+                 max_retries: int = 2, max_rows_without_progress: int = 1000) -> None:
         self.rollout_fn, self.G = rollout_fn, completions_per_prompt
-        self.max_seq_len, self.min_group_size = max_seq_len, min_group_size
+        self.max_seq_len, self.min_group_size, self.vocab_size = max_seq_len, min_group_size, vocab_size
+        self.timeout_s, self.max_retries = rollout_timeout_s, max_retries
         self.filters = filters
         """Group predicates, all of which must keep a group (the uniform-reward filter registers here)."""
         self.breaker = CircuitBreaker()
+        self.guard = ProgressGuard(max_rows_without_progress, max_seq_len=max_seq_len)
+        self.rows_sampled = 0
         self._counts: Counter = Counter()
         self._lock = threading.Lock()  # the off-policy scheduler counts on its own thread
         self._warned: set[str] = set()
 
     async def sample(self, row: dict, version: int) -> PromptGroup:
-        """The row's group, sampled at policy `version`; raises when the circuit breaker trips."""
-        results = await asyncio.gather(*(self.rollout_fn(row) for _ in range(self.G)), return_exceptions=True)
+        """The row's group, sampled at policy `version`. Raises when the circuit breaker trips, and
+        a rollout's bug (`lit_grpo.rollouts.deadlines.BUG_ERRORS`) as it was raised."""
+        self.rows_sampled += 1
+        prompt = row.get("prompt_token_ids")
+        if prompt is not None and len(prompt) >= self.max_seq_len:  # no room left for one generated token
+            counts = Counter({"rollout/dropped_prompt_too_long": self.G})
+            self._note(row, counts, {"rollout/dropped_prompt_too_long": f"a prompt of {len(prompt)} tokens, data.max_seq_len={self.max_seq_len}"})
+            return PromptGroup(row=row, samples=[], version=version, dropped=counts)
+        results = await gather_or_cancel(*(
+            call_rollout(self.rollout_fn, row, timeout_s=self.timeout_s, max_retries=self.max_retries, count=self._count_event)
+            for _ in range(self.G)
+        ))
+        samples, counts, details = checked_samples(results, self.max_seq_len, self.vocab_size)
+        self._note(row, counts, details)
         for result in results:
-            failed = isinstance(result, BaseException)
+            failed = isinstance(result, BaseException) and error_key(result) == "rollout/failures"
             self.breaker.record(failed, result if failed else None)
-        samples, counts, error = checked_samples(results, self.max_seq_len)
-        self._add(counts)
-        for key in counts:
-            if key not in self._warned:
-                self._warned.add(key)
-                detail = f": {error!r}" if key == "rollout/failures" else ""
-                log.warning("row %s: a rollout sample was dropped (%s, counted in that metric)%s", row_label(row), key, detail)
-        return PromptGroup(row=row, samples=samples, version=version)
+        return PromptGroup(row=row, samples=samples, version=version, dropped=counts)
 
     def accept(self, group: PromptGroup) -> bool:
-        """Whether the group trains; a rejection is counted under its reason."""
+        """Whether the group trains; a rejection is counted under its reason. Raises
+        `NoProgressError` when too many rows in a row were rejected."""
         verdict = group_verdict(group, self.min_group_size, self.filters)
-        if verdict is not None:
-            self._add(Counter({verdict: 1}))
-        return verdict is None
+        if verdict is None:
+            self.guard.accepted()
+            return True
+        self._add(Counter({verdict: 1}))
+        self.guard.rejected(verdict, group.dropped)
+        return False
 
     def take_counts(self) -> Counter:
         """The drop and failure counts since the previous call."""
@@ -73,3 +95,21 @@ class GroupSampler:
     def _add(self, counts: Counter) -> None:
         with self._lock:
             self._counts.update(counts)
+
+    def _count_event(self, key: str, error: Optional[BaseException]) -> None:
+        """A retry or a timeout inside one rollout call."""
+        self._add(Counter({key: 1}))
+        if key not in self._warned:
+            self._warned.add(key)
+            log.warning("a rollout call hit %s (counted in that metric)%s", key, f": {error!r}" if error else "")
+
+    def _note(self, row: dict, counts: Counter, details: dict[str, str]) -> None:
+        """Count a row's drops; warn once per kind of drop, naming the row and what was wrong."""
+        self._add(counts)
+        for key in counts:
+            self.guard.examples.setdefault(short_reason(key), details.get(key, ""))
+            if key not in self._warned:
+                self._warned.add(key)
+                detail = f": {details[key]}" if details.get(key) else ""
+                log.warning("row %s: a rollout sample was dropped (%s, counted in that metric)%s", row_label(row), key, detail)
+

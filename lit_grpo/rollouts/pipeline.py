@@ -18,31 +18,42 @@ from typing import Callable, Iterable, Optional
 import torch
 
 from lit_grpo.advantages import ragged_group_advantages
-from lit_grpo.rollouts.checks import sample_problem
+from lit_grpo.rollouts.checks import check_sample
+from lit_grpo.samplers.base import PromptTooLong
 from lit_grpo.types import PromptGroup, RolloutBatch, RolloutRecord, RolloutSample
 
 GroupFilter = Callable[[PromptGroup], bool]
 """A group predicate: True keeps the group (the seeds' `dynamic_filter_fn`)."""
 
 
-def checked_samples(results: Iterable[object], max_seq_len: int) -> tuple[list[RolloutSample], Counter, Optional[BaseException]]:
+def error_key(err: BaseException) -> str:
+    """The metric key that counts a rollout call that ended in `err`: a prompt the sampler refused
+    as too long is a drop (`rollout/dropped_prompt_too_long`), anything else a failure."""
+    return "rollout/dropped_prompt_too_long" if isinstance(err, PromptTooLong) else "rollout/failures"
+
+
+def checked_samples(results: Iterable[object], max_seq_len: int,
+                    vocab_size: Optional[int] = None) -> tuple[list[RolloutSample], Counter, dict[str, str]]:
     """The results of G rollout calls that can train, the count of each reason the others were
-    dropped (`rollout/failures` for an exception, `rollout/dropped_<reason>` for a malformed
-    sample; a None result is the rollout's own choice and is not counted), and the first exception."""
+    dropped (`rollout/failures` for an exception, `rollout/dropped_none` for a None,
+    `rollout/dropped_<reason>` for a malformed sample), and per key the first detail (for the warning)."""
     samples: list[RolloutSample] = []
     counts: Counter = Counter()
-    first_error = None
+    details: dict[str, str] = {}
     for result in results:
         if isinstance(result, BaseException):
-            counts["rollout/failures"] += 1
-            first_error = first_error or result
-        elif result is not None:
-            problem = sample_problem(result, max_seq_len)
+            key, detail = error_key(result), repr(result)
+        elif result is None:
+            key, detail = "rollout/dropped_none", "the rollout returned None"
+        else:
+            problem = check_sample(result, max_seq_len, vocab_size)
             if problem is None:
                 samples.append(result)
-            else:
-                counts[f"rollout/dropped_{problem}"] += 1
-    return samples, counts, first_error
+                continue
+            key, detail = f"rollout/dropped_{problem[0]}", problem[1]
+        counts[key] += 1
+        details.setdefault(key, detail)
+    return samples, counts, details
 
 
 def group_verdict(group: PromptGroup, min_group_size: int, filters: Iterable[GroupFilter]) -> Optional[str]:
@@ -63,13 +74,15 @@ def collate_groups(groups: list[PromptGroup], advantages: list[list[float]], pad
     def padded(field_name: str, pad) -> list[list]:
         return [list(getattr(s, field_name)) + [pad] * (width - len(s.tokens)) for s in samples]
 
+    loss_mask_BT = torch.tensor(padded("loss_mask", 0), dtype=torch.float32)
     return RolloutBatch(
         tokens_BT=torch.tensor(padded("tokens", pad_id), dtype=torch.long),
         attention_mask_BT=torch.tensor([[1] * len(s.tokens) + [0] * (width - len(s.tokens)) for s in samples], dtype=torch.long),
-        loss_mask_BT=torch.tensor(padded("loss_mask", 0), dtype=torch.float32),
-        sampler_logprobs_BT=torch.tensor(padded("logprobs", 0.0), dtype=torch.float32),
+        loss_mask_BT=loss_mask_BT,
+        # The checks saw finite logprobs on trained tokens only; elsewhere they are 0.0 by contract.
+        sampler_logprobs_BT=torch.tensor(padded("logprobs", 0.0), dtype=torch.float32).nan_to_num(0.0, 0.0, 0.0) * loss_mask_BT,
         advantages_B=torch.tensor([a for adv in advantages for a in adv], dtype=torch.float32),
-        rewards_B=torch.tensor([s.reward for s in samples], dtype=torch.float32),
+        rewards_B=torch.tensor([float(s.reward) for s in samples], dtype=torch.float64),  # float32 overflows at 3.4e38
         versions_B=torch.tensor([g.version for g in groups for _ in g.samples], dtype=torch.long),
     )
 
@@ -90,20 +103,32 @@ def make_batch(accepted: list[PromptGroup], sampled: list[PromptGroup], *, versi
     return batch
 
 
+def reward_stats(rewards: list[float]) -> tuple[float, float]:
+    """Mean and unbiased std of finite float64 rewards, finite whenever the values are (1e200
+    included): the sum is taken of r / n, and the squares of deviations scaled by the largest."""
+    n = len(rewards)
+    if n == 0:
+        return 0.0, 0.0
+    mean = math.fsum(r / n for r in rewards)
+    scale = max(abs(r - mean) for r in rewards)
+    if n == 1 or scale == 0.0:
+        return mean, 0.0
+    return mean, scale * math.sqrt(math.fsum(((r - mean) / scale) ** 2 for r in rewards) / (n - 1))
+
+
 def rollout_metrics(records: list[RolloutRecord]) -> dict[str, float]:
     """The rollout metrics of one step over every rank's record (a list of one without DDP).
 
     Rewards and lengths are pooled over all ranks' samples; counts add up; perf timings are the
     slowest rank's; `rollout/groups_accepted` is the groups trained on by all ranks together.
     """
-    rewards = [r for rec in records for r in rec.rewards]
+    rewards = [float(r) for rec in records for r in rec.rewards]
     lengths = [n for rec in records for n in rec.completion_tokens]
     offsets = [o for rec in records for o in rec.version_offsets]
-    n = max(len(rewards), 1)
-    mean = sum(rewards) / n
+    mean, std = reward_stats(rewards)
     metrics = {
         "reward/mean": mean,
-        "reward/std": math.sqrt(sum((r - mean) ** 2 for r in rewards) / max(n - 1, 1)),
+        "reward/std": std,
         "reward/max": max(rewards, default=0.0),
         "rollout/completion_len_mean": sum(lengths) / max(len(lengths), 1),
         "rollout/groups_accepted": float(len(offsets)),

@@ -16,6 +16,11 @@
 
 The policy `version` of both is advanced by the step sequence (`lit_grpo.step_sequence`) after each
 weight sync, never by a callback.
+
+Neither waits without a bound: each rollout call has its deadline (`GroupSampler`), rows that never
+give an accepted group stop the run (`NoProgressError`), and a rollout that blocks the event loop
+itself is caught by the loop's heartbeat (`RolloutStalled`): on the trainer's thread by a watchdog
+that interrupts it, on the background thread by the trainer, which waits for groups in slices.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Protocol
 
 from lit_grpo.rollouts.cursor import Position, RowCursor
+from lit_grpo.rollouts.deadlines import Heartbeat, LoopWatchdog, RolloutStalled, gather_or_cancel, heartbeat_period, stall_report
 from lit_grpo.rollouts.groups import GroupSampler
 from lit_grpo.types import PromptGroup
 
@@ -74,6 +80,11 @@ class SynchronousScheduler:
         """Running fraction of sampled groups that are accepted (sizes the refill rounds)."""
         self.max_oversample = 4
         self._loop = asyncio.new_event_loop()  # one loop for the whole run: no per-step set-up
+        self.heartbeat = Heartbeat(heartbeat_period(groups.timeout_s))
+        self.watchdog = LoopWatchdog(
+            self.heartbeat, groups.timeout_s,
+            lambda stale, thread_id: stall_report(stale, groups.timeout_s, thread_id, groups.rollout_fn),
+        )
 
     def _rows_to_request(self, missing: int) -> int:
         """Rows to sample for `missing` groups: more when many are rejected, so a step needs few
@@ -83,7 +94,22 @@ class SynchronousScheduler:
         return min(wanted, self.max_rows_in_flight)
 
     async def _sample_rows(self, rows: list[dict]) -> list[PromptGroup]:
-        return await asyncio.gather(*(self.groups.sample(r, self.version) for r in rows))
+        try:
+            return await gather_or_cancel(*(self.groups.sample(r, self.version) for r in rows))
+        finally:
+            await asyncio.sleep(0)  # let cancelled rollouts (timed out) finish now, not at the next step
+
+    def _run(self, awaitable):
+        """Run `awaitable` on the loop, on this thread, with the heartbeat beating and the watchdog armed."""
+        async def beating():
+            beat = asyncio.ensure_future(self.heartbeat.run())
+            try:
+                return await awaitable
+            finally:
+                beat.cancel()
+
+        with self.watchdog.watching():
+            return self._loop.run_until_complete(beating())
 
     def next_groups(self) -> StepGroups:
         start = time.perf_counter()
@@ -93,7 +119,7 @@ class SynchronousScheduler:
             rows = self.cursor.take(self._rows_to_request(self.P - len(accepted)))
             if not rows:
                 break
-            for group in self._loop.run_until_complete(self._sample_rows(rows)):
+            for group in self._run(self._sample_rows(rows)):
                 sampled.append(group)
                 keep = self.groups.accept(group)
                 self.accept_rate = 0.9 * self.accept_rate + 0.1 * float(keep)
@@ -116,6 +142,16 @@ class SynchronousScheduler:
         self.cursor.load_state_dict(state["cursor"])
 
     def close(self) -> None:
+        """Cancel what a stopped step left on the loop (bounded: a cancelled rollout gets 1 s), then close it."""
+        pending = asyncio.all_tasks(self._loop)
+        if pending and not self._loop.is_closed():
+            for task in pending:
+                task.cancel()
+            self._run(asyncio.wait(pending, timeout=1.0))
+            for task in pending:  # their outcome was the stopped step's, already reported
+                if task.done() and not task.cancelled():
+                    task.exception()
+        self.watchdog.close()
         self._loop.close()
 
 
@@ -151,6 +187,9 @@ class OffPolicyScheduler:
         self._last_handover: Optional[float] = None
         self.rollout_intervals: list[tuple[float, float]] = []
         """(start, end) of every group's sampling, for the overlap measurement."""
+        self.heartbeat = Heartbeat(heartbeat_period(groups.timeout_s))
+        self._stalled = False
+        self._gate_shut_before = False
 
     # ---------------------------------------------------------------- sampling thread
 
@@ -164,6 +203,14 @@ class OffPolicyScheduler:
         self._loop.run_until_complete(self._admit_rows())
 
     async def _admit_rows(self) -> None:
+        beat = asyncio.create_task(self.heartbeat.run())
+        try:
+            await self._admit_until_done()
+        finally:
+            beat.cancel()
+            self._ready.put(_DONE)
+
+    async def _admit_until_done(self) -> None:
         tasks: set[asyncio.Task] = set()
         while not self._stopping:
             if not self.can_admit():
@@ -184,8 +231,10 @@ class OffPolicyScheduler:
             tasks.add(task)
             task.add_done_callback(tasks.discard)
         if tasks:
+            if self._stopping:  # closing: nobody will train these groups, so do not wait for them
+                for task in tasks:
+                    task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-        self._ready.put(_DONE)
 
     async def _run_group(self, position: Position, row: dict, version: int) -> None:
         started = time.perf_counter()
@@ -212,6 +261,7 @@ class OffPolicyScheduler:
 
     def _start(self) -> None:
         if self._thread is None:
+            self.heartbeat.reset()
             self._wake = asyncio.Event()
             self._thread = threading.Thread(target=self._run, name="rollout-scheduler", daemon=True)
             self._thread.start()
@@ -229,7 +279,11 @@ class OffPolicyScheduler:
         waited_from = time.perf_counter()
         accepted: list[PromptGroup] = []
         while len(accepted) < self.P and not self._finished:
-            item = self._ready.get()
+            try:
+                item = self._ready.get(timeout=self.heartbeat.period_s)
+            except queue.Empty:
+                self._check_loop()
+                continue
             if item is _DONE:
                 self._finished = True
                 if self._error is not None:
@@ -250,6 +304,27 @@ class OffPolicyScheduler:
             "perf/overlap_ratio": self._overlap(*train_window), "async/in_flight": float(self.running),
         }
         return StepGroups(accepted, accepted + rejected, timings)
+
+    def _check_loop(self) -> None:
+        """While the trainer waits: the sampling loop must be alive and running."""
+        stale = self.heartbeat.stale_for()
+        if stale > self.groups.timeout_s:
+            self._stalled = True
+            raise RolloutStalled(stall_report(stale, self.groups.timeout_s, self._thread.ident, self.groups.rollout_fn))
+        if not self._thread.is_alive() and self._ready.empty():
+            self._finished = True
+            raise RuntimeError("the rollout thread ended without handing over its groups or an error")
+        # Nothing in flight and the gate shut while the trainer waits: only a version advance (which
+        # needs this step) could open it. Seen twice in a row, a slice apart, so a group between its
+        # end and its hand-over does not count.
+        gate_shut = self.running == 0 and not self.can_admit() and self._ready.empty()
+        if gate_shut and self._gate_shut_before:
+            raise RuntimeError(
+                f"the off-policy gate admits no row while the trainer waits for groups (version {self.version}, "
+                f"{self.accepted_samples} samples accepted, {self.trained_samples} trained, B={self.B}): check "
+                "weight_sync_interval <= max_head_offpolicy_versions + 1"
+            )
+        self._gate_shut_before = gate_shut
 
     def state_dict(self) -> dict:
         """Version, gate counter and data position between two steps. Rows sampling or queued
@@ -283,6 +358,7 @@ class OffPolicyScheduler:
         self._stopping = True
         if self._thread is not None:
             self._loop.call_soon_threadsafe(self._wake.set)
-            self._thread.join(timeout=60)
+            # In-flight rollouts are cancelled; a loop blocked by a rollout never ends: leave its daemon thread.
+            self._thread.join(timeout=1 if self._stalled else 10)
         if not self._loop.is_running():
             self._loop.close()

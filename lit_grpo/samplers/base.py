@@ -1,13 +1,15 @@
-"""What every sampler shares: request batching, sampling-argument checks, chat templating, weight names."""
+"""What every sampler shares: request batching, sampling-argument checks, chat templating, weight
+names, and the bounds on a sampler call (a deadline, the longest prompt)."""
 
 from __future__ import annotations
 
 import asyncio
+import queue
 import threading
 from abc import ABC, abstractmethod
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -61,6 +63,60 @@ def normalize_weight_name(name: str, known: dict) -> str:
     return key
 
 
+class PromptTooLong(ValueError):
+    """A prompt leaves no room for a completion within `data.max_seq_len`; it is never sent to
+    the engine. A rollout that lets it propagate has the sample counted as
+    `rollout/dropped_prompt_too_long` (not a failure)."""
+
+
+CLOSE_WAIT_S = 10.0
+"""How long closing a sampler waits for an engine call still running."""
+
+
+class SamplerTimeout(TimeoutError):
+    """A batched generate call did not return within the sampler's deadline."""
+
+
+class _DaemonWorker(Executor):
+    """One daemon worker thread. Unlike a ThreadPoolExecutor's, it is not joined at interpreter
+    exit, so an engine call that never returns cannot keep a stopped run's process alive."""
+
+    def __init__(self, name: str) -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._work, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable, /, *args: Any, **kwargs: Any) -> Future:
+        future: Future = Future()
+        self._jobs.put((future, fn, args, kwargs))
+        return future
+
+    def _work(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            future, fn, args, kwargs = job
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args, **kwargs))
+                except BaseException as err:
+                    future.set_exception(err)
+
+    def join(self, timeout: Optional[float] = None) -> None:
+        self._thread.join(timeout)
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        if cancel_futures:
+            while True:
+                try:
+                    job = self._jobs.get_nowait()
+                except queue.Empty:
+                    break
+                if job is not None:
+                    job[0].cancel()
+        self._jobs.put(None)
+        if wait:
+            self._thread.join()
+
+
 @dataclass
 class _Request:
     prompt: list[int]
@@ -76,18 +132,28 @@ class BatchingSampler(ABC):
     in the same event-loop tick are gathered into one batched call, run on a worker thread so
     the event loop (tool calls, other rollouts) keeps going while the engine generates. A weight
     sync never lands in the middle of a batch. Subclasses implement `_generate` and `_load`.
+
+    The rollout data module sets the two bounds: `call_timeout_s` (the rollout deadline) and
+    `max_seq_len` (`data.max_seq_len`).
     """
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, *, max_batch_size: int = 256) -> None:
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
+        self.call_timeout_s: Optional[float] = None
+        """A batched generate that takes longer fails its requests with `SamplerTimeout` (None: no bound)."""
+        self.max_seq_len: Optional[int] = None
+        """A prompt of this many tokens or more is refused with `PromptTooLong` (None: no bound)."""
         self._queue: list[_Request] = []
         self._flushing: dict[asyncio.AbstractEventLoop, asyncio.Task] = {}
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sampler")
+        self._worker = _DaemonWorker("sampler")
         self._weights_lock = threading.Lock()
 
     async def sample_with_prompt_tokens(self, prompt_token_ids: list[int], n: int = 1, **kwargs: Any) -> list[Completion]:
         temperature, max_tokens = check_sample_kwargs(kwargs)
+        if self.max_seq_len is not None and len(prompt_token_ids) >= self.max_seq_len:
+            raise PromptTooLong(f"a prompt of {len(prompt_token_ids)} tokens leaves no room for a completion within "
+                                f"data.max_seq_len={self.max_seq_len}; it was not sampled")
         loop = asyncio.get_running_loop()
         futures = []
         for _ in range(n):
@@ -106,7 +172,10 @@ class BatchingSampler(ABC):
             self._load(named_tensors)
 
     def close(self) -> None:
+        """Drop queued calls and let a running one finish, for at most CLOSE_WAIT_S (a stuck engine
+        call is left to its daemon thread rather than keeping the process alive)."""
         self._worker.shutdown(wait=False, cancel_futures=True)
+        self._worker.join(timeout=CLOSE_WAIT_S)
 
     async def _flush(self, loop: asyncio.AbstractEventLoop) -> None:
         """Generate for everything queued, in batches, until the queue is empty."""
@@ -119,9 +188,9 @@ class BatchingSampler(ABC):
                 taken = set(map(id, batch))
                 self._queue = [r for r in self._queue if id(r) not in taken]
                 try:
-                    completions = await loop.run_in_executor(
+                    completions = await self._bounded(loop.run_in_executor(
                         self._worker, self.generate, [r.prompt for r in batch], head.temperature, head.max_tokens
-                    )
+                    ), len(batch))
                 except Exception as err:  # every waiting rollout sees the failure
                     for r in batch:
                         if not r.future.done():
@@ -132,6 +201,17 @@ class BatchingSampler(ABC):
                         r.future.set_result(c)
         finally:
             self._flushing.pop(loop, None)
+
+    async def _bounded(self, call: asyncio.Future, num_prompts: int) -> list[Completion]:
+        """The result of a generate call on the worker, waited for at most `call_timeout_s`. The
+        engine call itself cannot be cancelled: later calls queue behind it and time out too, so a
+        stuck engine shows as failing rollouts and the circuit breaker stops the run."""
+        done, _ = await asyncio.wait({call}, timeout=self.call_timeout_s)
+        if not done:
+            call.add_done_callback(lambda f: f.cancelled() or f.exception())  # its late outcome is nobody's to log
+            raise SamplerTimeout(f"the sampler's batched generate of {num_prompts} prompts did not return within "
+                                 f"{self.call_timeout_s:g} s (rollout_timeout_s): the engine looks stuck")
+        return call.result()
 
     def generate(self, prompts: list[list[int]], temperature: float, max_tokens: int) -> list[Completion]:
         """One batched call. Returns one `Completion` per prompt."""

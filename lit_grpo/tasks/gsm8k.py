@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Optional
 
 from lit_grpo.config import DataConfig, require
+from lit_grpo.errors import MissingExtraError
 from lit_grpo.rewards.gsm8k import score
 from lit_grpo.tasks.gsm8k_rows import ON_ERROR_MODES, collect_rows, load_jsonl_rows
 from lit_grpo.tasks.registry import RewardFn, register_task
@@ -56,7 +57,7 @@ def hub_records(name: str, config: str | None, split: str):
     try:
         import datasets
     except ImportError:
-        raise ImportError(f"loading {name!r} from the Hugging Face hub needs the `datasets` extra: {DATASETS_HINT}") from None
+        raise MissingExtraError(f"loading {name!r} from the Hugging Face hub needs the `datasets` extra: {DATASETS_HINT}") from None
     return datasets.load_dataset(name, config, split=split)
 
 

@@ -9,7 +9,8 @@ Two record formats are accepted, one JSON object a line:
 
 `answer` in a row is the reference as a canonical number string ("18", "2.5"), the form
 `lit_grpo.rewards.gsm8k.score` compares against. A bad record raises `RowError` naming its
-place (file and line) and the bad field, so a broken data file fails before any model loads.
+place (file and line) and the bad field, so a broken data file fails before any model loads;
+a line that is not UTF-8 text is such a record too (each line is decoded on its own).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import logging
 from pathlib import Path
 from typing import Callable, Iterable
 
+from lit_grpo.errors import UserError
 from lit_grpo.rewards.gsm8k import parse_reference_answer
 
 log = logging.getLogger(__name__)
@@ -31,8 +33,12 @@ ANSWER_FIELDS = ("answer", "ground_truth", "solution")
 ON_ERROR_MODES = ("raise", "skip")
 
 
-class RowError(ValueError):
+class RowError(UserError, ValueError):
     """A record that cannot become a row; the message names where it is and what is wrong."""
+
+
+class MissingFileError(UserError, FileNotFoundError):
+    """A data file that is not there; the message names it."""
 
 
 def _answer(record: dict, where: str) -> str:
@@ -111,8 +117,15 @@ def collect_rows(records: Iterable[tuple[str, Callable[[], object]]], *, source:
     return rows, problems
 
 
-def _json_line(line: str, where: str) -> Callable[[], object]:
+def _json_line(raw: bytes, where: str, *, first: bool) -> Callable[[], object]:
     def read() -> object:
+        try:  # a byte-order mark is allowed at the start of the file only
+            line = raw.decode("utf-8-sig" if first else "utf-8")
+        except UnicodeDecodeError as e:
+            raise RowError(
+                f"{where}: not UTF-8 text (byte 0x{raw[e.start]:02x} at byte {e.start + 1} of the line); "
+                "re-save the file as UTF-8, or drop the line (task.on_error=skip skips it)"
+            ) from None
         try:
             return json.loads(line)
         except json.JSONDecodeError as e:
@@ -125,7 +138,10 @@ def load_jsonl_rows(path: str | Path, *, on_error: str = "raise", max_rows: int 
     """Rows of a JSONL file (blank lines ignored, lines numbered from 1) and the problems of the lines skipped."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"GSM8K JSONL file not found: {path}")
-    with path.open(encoding="utf-8") as f:
-        lines = [(f"{path.name} line {n}", _json_line(line, f"{path.name} line {n}")) for n, line in enumerate(f, start=1) if line.strip()]
+        raise MissingFileError(f"GSM8K JSONL file not found: {path}")
+    with path.open("rb") as f:
+        lines = [
+            (f"{path.name} line {n}", _json_line(raw, f"{path.name} line {n}", first=n == 1))
+            for n, raw in enumerate(f, start=1) if raw.strip()
+        ]  # fmt: skip
     return collect_rows(lines, source=path.name, on_error=on_error, max_rows=max_rows)

@@ -1,0 +1,80 @@
+"""SIGTERM and SIGINT stop a run within seconds, keeping its finished work.
+
+The first signal asks the run to stop. When the trainer is computing, the current step finishes
+and its end (the step sequence) writes a checkpoint if checkpoints are configured. When the
+trainer is waiting for rollouts (possibly forever: a stalled or hung rollout), the wait is
+abandoned at once and the last finished step is checkpointed instead. Either way the run then
+writes its summary and metrics and exits with 128 + the signal number (143 for SIGTERM, 130 for
+SIGINT), so a preempting scheduler sees a failure and requeues. A second signal exits at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import sys
+import threading
+from typing import Iterator, Optional
+
+log = logging.getLogger(__name__)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class StopRequested(KeyboardInterrupt):
+    """Raised inside a wait for rollouts when a stop signal arrives. A `KeyboardInterrupt`, so that
+    asyncio lets it through (an `Exception` landing in a rollout task would count as its failure)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"stopped by {signal.Signals(signum).name}")
+        self.signum = signum
+
+
+class StopSignals:
+    """Installs the stop handlers (main thread only; elsewhere it only records nothing)."""
+
+    def __init__(self) -> None:
+        self.signum: Optional[int] = None
+        """The first stop signal received, if any."""
+        self._waiting = False
+        self._previous: dict[int, object] = {}
+
+    @property
+    def requested(self) -> bool:
+        return self.signum is not None
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum if self.signum is not None else 0
+
+    def __enter__(self) -> "StopSignals":
+        if threading.current_thread() is threading.main_thread():
+            for signum in STOP_SIGNALS:
+                self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame) -> None:
+        if self.signum is not None:  # the second signal: no more waiting
+            print(f"\n{signal.Signals(signum).name} again: exiting now", file=sys.stderr, flush=True)
+            os._exit(128 + signum)
+        self.signum = signum
+        print(f"\n{signal.Signals(signum).name}: stopping after the current step (send it again to exit at once)", file=sys.stderr, flush=True)
+        if self._waiting:
+            raise StopRequested(signum)
+
+    @contextlib.contextmanager
+    def interruptible(self) -> Iterator[None]:
+        """A wait (for rollouts) that a stop signal abandons by raising `StopRequested`."""
+        if self.signum is not None:
+            raise StopRequested(self.signum)
+        self._waiting = True
+        try:
+            yield
+        finally:
+            self._waiting = False

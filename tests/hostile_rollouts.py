@@ -1,0 +1,97 @@
+"""Rollout functions that misbehave on purpose, for the fault tests (`tests/test_faults_rollouts.py`).
+
+Each `make_*` is a `make_rollout_fn(setup)` factory, used as `rollout.factory=hostile_rollouts:make_*`.
+Most wrap the default rollout and break its output one way. Run as a script,
+`python tests/hostile_rollouts.py +experiment=arithmetic ...` composes the config from its
+arguments and runs `lit_grpo.train.train` on the main thread of its own process, with the rollout
+guards wired into the data module: for a rollout that blocks the trainer's thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import math
+import time
+from typing import Callable
+
+from lit_grpo.rollout import make_rollout_fn
+from lit_grpo.types import RolloutSample, RolloutSetup
+
+
+def _corrupting(change: Callable[[RolloutSample, RolloutSetup], object]):
+    """A factory whose rollout is the default one with `change` applied to each sample."""
+
+    def factory(setup: RolloutSetup):
+        inner = make_rollout_fn(setup)
+
+        async def rollout_fn(row):
+            return change(await inner(row), setup)
+
+        return rollout_fn
+
+    return factory
+
+
+def _generated(sample: RolloutSample, value):
+    """`value` on the generated tokens (mask 1), the sample's own values elsewhere."""
+    return [value if m else lp for lp, m in zip(sample.logprobs, sample.loss_mask)]
+
+
+make_always_none = _corrupting(lambda s, setup: None)
+make_dict = _corrupting(lambda s, setup: dataclasses.asdict(s))
+make_tuple = _corrupting(lambda s, setup: (s.tokens, s.logprobs, s.loss_mask, s.reward))
+make_ragged = _corrupting(lambda s, setup: dataclasses.replace(s, logprobs=s.logprobs[:-1]))
+make_nan_reward = _corrupting(lambda s, setup: dataclasses.replace(s, reward=math.nan))
+make_inf_reward = _corrupting(lambda s, setup: dataclasses.replace(s, reward=math.inf))
+make_string_reward = _corrupting(lambda s, setup: dataclasses.replace(s, reward=str(s.reward)))
+make_out_of_vocab = _corrupting(lambda s, setup: dataclasses.replace(s, tokens=[*s.tokens[:-1], len(setup.tokenizer) + 5]))
+make_mask_two = _corrupting(lambda s, setup: dataclasses.replace(s, loss_mask=[2 * m for m in s.loss_mask]))
+make_positive_logprob = _corrupting(lambda s, setup: dataclasses.replace(s, logprobs=_generated(s, 0.5)))
+make_huge_reward = _corrupting(lambda s, setup: dataclasses.replace(s, reward=s.reward * 1e200))
+
+
+def make_sleeps_forever(setup: RolloutSetup):
+    async def rollout_fn(row):
+        await asyncio.sleep(10**9)
+
+    return rollout_fn
+
+
+def make_blocking(setup: RolloutSetup):
+    async def rollout_fn(row):
+        time.sleep(10**6)  # blocks the event loop: the mistake the watchdog names
+
+    return rollout_fn
+
+
+def make_type_error(setup: RolloutSetup):
+    async def rollout_fn(row):
+        return row["prompt"] + 1  # str + int: a bug in the rollout
+
+    return rollout_fn
+
+
+FLAKY_FAILURES = 3
+
+
+def make_flaky_connection(setup: RolloutSetup):
+    """The default rollout, after its environment refused the first FLAKY_FAILURES calls."""
+    inner = make_rollout_fn(setup)
+    calls = {"n": 0}
+
+    async def rollout_fn(row):
+        calls["n"] += 1
+        if calls["n"] <= FLAKY_FAILURES:
+            raise ConnectionError(f"environment not up yet (call {calls['n']})")
+        return await inner(row)
+
+    return rollout_fn
+
+
+if __name__ == "__main__":
+    import sys
+
+    import lit_grpo.train
+
+    lit_grpo.train.train(lit_grpo.train.compose_config(sys.argv[1:]))

@@ -1,0 +1,217 @@
+"""Hostile rollouts through the real training entry: each stops the run with its own error (or is
+counted and survived), within seconds, never a silent stall.
+
+Each case runs `lit_grpo.train.train` on the arithmetic demo with small settings (2 prompts × 4
+completions, `max_rows_without_progress=8`, `rollout_timeout_s=1`); a rollout that blocks the
+trainer's thread runs in a subprocess (`python tests/hostile_rollouts.py <overrides>`), since the
+watchdog interrupts the main thread.
+`pytest --durations=0` shows how long each case takes to stop (model build included).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import csv
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import hostile_rollouts
+import lit_grpo.train
+from lit_grpo.rollouts import NoProgressError, RolloutCircuitOpen
+from lit_grpo.samplers.base import BatchingSampler, PromptTooLong, SamplerTimeout
+from lit_grpo.types import Completion
+
+from conftest import compose_config
+
+REPO = Path(__file__).resolve().parents[1]
+SMALL = (
+    "+experiment=arithmetic", "max_steps=2", "data.prompt_groups_per_step=2", "data.completions_per_prompt=4",
+    "max_rows_without_progress=8", "rollout_timeout_s=1", "trainer.enable_progress_bar=false", "output_model_id=null",
+    "~callbacks.reward_curve",
+)
+
+
+@pytest.fixture
+def run(monkeypatch, tmp_path):
+    """`run(*overrides)`: train the small config with those overrides; returns (summary, seconds)."""
+    def go(*overrides: str):
+        start = time.perf_counter()
+        summary = lit_grpo.train.train(compose_config(*SMALL, *overrides, output_dir=tmp_path))
+        return summary, time.perf_counter() - start
+
+    return go
+
+
+def _factory(name: str) -> str:
+    return f"rollout.factory=hostile_rollouts:make_{name}"
+
+
+# --------------------------------------------------------------------------- malformed output: no progress
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "factory,reason,shown",
+    [
+        ("always_none", "none", "returned None"),
+        ("dict", "not_a_sample", "got a dict with keys"),
+        ("tuple", "not_a_sample", "got a tuple"),
+        ("ragged", "length_mismatch", "logprobs"),
+        ("nan_reward", "nonfinite_reward", "reward nan"),
+        ("inf_reward", "nonfinite_reward", "reward inf"),
+        ("string_reward", "nonnumeric_reward", "(str)"),
+        ("out_of_vocab", "bad_token", "the vocabulary is [0,"),
+        ("mask_two", "bad_mask", "loss_mask values ['2']"),
+        ("positive_logprob", "bad_logprob", "[0.5]"),
+    ],
+)
+def test_a_rollout_that_never_gives_a_usable_sample_stops_the_run(run, factory, reason, shown):
+    with pytest.raises(NoProgressError) as stopped:
+        run(_factory(factory), "synchronous_training=true")
+    message = str(stopped.value)
+    assert "max_rows_without_progress=8" in message
+    assert f"       8  {reason}:" in message  # all 8 rows, by their reason
+    assert f"rollout/dropped_{reason}" in message  # and their samples, by metric
+    assert shown in message and "Check: " in message
+
+
+@pytest.mark.timeout(120)
+def test_no_progress_stops_the_off_policy_scheduler_too(run):
+    with pytest.raises(NoProgressError, match=r"(?s)8  none:.*Check: the rollout function returns None"):
+        run(_factory("always_none"), "synchronous_training=false")
+
+
+@pytest.mark.timeout(120)
+def test_every_group_uniform_with_the_filter_on_names_the_temperature(run):
+    # Near-greedy sampling: the G completions of a prompt are identical, so are their rewards.
+    with pytest.raises(NoProgressError, match=r"(?s)8  filtered_groups:.*sampler\.temperature.*~callbacks\.reward_filter"):
+        run("sampler.temperature=1e-6", "synchronous_training=true")
+
+
+@pytest.mark.timeout(120)
+def test_prompts_longer_than_max_seq_len_are_never_sampled(run, monkeypatch):
+    sent = []
+    real_generate = BatchingSampler.generate
+    monkeypatch.setattr(BatchingSampler, "generate", lambda self, prompts, *a: sent.append(prompts) or real_generate(self, prompts, *a))
+    with pytest.raises(NoProgressError, match=r"(?s)8  prompt_too_long:.*data\.max_seq_len is 3"):
+        run("data.max_seq_len=3")  # every arithmetic prompt ("3+4=") is 4 tokens
+    assert sent == []
+
+
+# --------------------------------------------------------------------------- deadlines and errors
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("synchronous", ["true", "false"])
+def test_a_rollout_that_sleeps_forever_is_cancelled_and_trips_the_breaker(run, synchronous):
+    start = time.perf_counter()
+    with pytest.raises(RolloutCircuitOpen, match=r"RolloutTimeout.*rollout_timeout_s=1 s.*raise rollout_timeout_s"):
+        run(_factory("sleeps_forever"), "rollout_max_retries=1", f"synchronous_training={synchronous}")
+    assert time.perf_counter() - start < 60  # 1 s deadline, one retry after 0.5 s, model build
+
+
+@pytest.mark.timeout(120)
+def test_a_bug_in_the_rollout_stops_at_once_with_its_traceback(run):
+    with pytest.raises(TypeError) as stopped:
+        run(_factory("type_error"))
+    frames = [frame.name for frame in stopped.traceback]
+    assert "rollout_fn" in frames  # the user's frame, not a wrapper's
+    assert any("a bug in the rollout stops training at once" in note for note in stopped.value.__notes__)
+
+
+@pytest.mark.timeout(120)
+def test_a_flaky_environment_is_retried_and_training_goes_on(run, tmp_path):
+    summary, _ = run(_factory("flaky_connection"), "synchronous_training=true", "~callbacks.reward_filter")
+    assert summary["steps"] == 2
+    steps = list(csv.DictReader((tmp_path / "metrics.csv").open()))
+    total = lambda key: sum(float(s[key]) for s in steps if s.get(key))  # noqa: E731
+    assert total("rollout/retries") == hostile_rollouts.FLAKY_FAILURES
+    assert total("rollout/failures") == 0
+
+
+@pytest.mark.timeout(120)
+def test_huge_rewards_keep_finite_statistics(run, tmp_path):
+    run(_factory("huge_reward"), "synchronous_training=true", "~callbacks.reward_filter")
+    steps = list(csv.DictReader((tmp_path / "metrics.csv").open()))
+    for key in ("reward/mean", "reward/std", "reward/max"):
+        values = [float(s[key]) for s in steps if s.get(key)]
+        assert values and all(abs(v) < float("inf") for v in values), key
+
+
+def _cli(tmp_path: Path, *overrides: str, timeout: float) -> tuple[subprocess.CompletedProcess, float]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])}
+    start = time.perf_counter()
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "tests" / "hostile_rollouts.py"), *SMALL, *overrides, f"output_dir={tmp_path}"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout,
+    )
+    return proc, time.perf_counter() - start
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("synchronous", ["true", "false"])
+def test_a_rollout_that_blocks_the_event_loop_is_named(tmp_path, synchronous):
+    proc, seconds = _cli(tmp_path, _factory("blocking"), f"synchronous_training={synchronous}", timeout=150)
+    err = proc.stderr
+    assert proc.returncode != 0, err[-3000:]
+    assert "RolloutStalled" in err, err[-3000:]
+    assert "make_blocking.<locals>.rollout_fn" in err and "time.sleep(10**6)" in err
+    assert "asyncio.to_thread" in err
+    print(f"blocked rollout (synchronous_training={synchronous}) stopped the CLI in {seconds:.1f} s")
+
+
+# --------------------------------------------------------------------------- the sampler's own bounds
+
+
+class _StuckSampler(BatchingSampler):
+    """A sampler whose engine takes `seconds` per batched call."""
+
+    def __init__(self, tokenizer, seconds: float) -> None:
+        super().__init__(tokenizer)
+        self.seconds = seconds
+
+    def _generate(self, prompts, temperature, max_tokens):
+        time.sleep(self.seconds)
+        return [Completion(list(p) + [1], len(p), [-0.1], "length", "x") for p in prompts]
+
+    def _load(self, named_tensors):
+        pass
+
+
+@pytest.mark.timeout(30)
+def test_a_sampler_call_has_a_deadline_and_a_prompt_limit(tokenizer):
+    sampler = _StuckSampler(tokenizer, seconds=1.5)
+    sampler.call_timeout_s, sampler.max_seq_len = 0.2, 8
+    start = time.perf_counter()
+    with pytest.raises(SamplerTimeout, match="did not return within 0.2 s"):
+        asyncio.run(sampler.sample_with_prompt_tokens([1, 2, 3], temperature=1.0, max_tokens=1))
+    assert time.perf_counter() - start < 1.0
+    with pytest.raises(PromptTooLong, match="8 tokens"):
+        asyncio.run(sampler.sample_with_prompt_tokens(list(range(8)), temperature=1.0, max_tokens=1))
+    sampler.close()
+
+
+@pytest.mark.timeout(30)
+def test_the_default_rollout_never_sends_a_templated_prompt_that_is_too_long(tokenizer):
+    from lit_grpo.rollout import make_rollout_fn
+    from lit_grpo.rollouts import GroupSampler
+    from lit_grpo.types import RolloutSetup
+
+    sampler = _StuckSampler(tokenizer, seconds=0.0)
+    sampler.max_seq_len = 32
+    sent = []
+    sampler.generate = lambda prompts, *a: sent.append(prompts) or BatchingSampler.generate(sampler, prompts, *a)
+    setup = RolloutSetup(sampler, tokenizer, {"temperature": 1.0, "max_tokens": 1}, {"reward_fn": lambda text, row: 1.0})
+    groups = GroupSampler(make_rollout_fn(setup), 2, max_seq_len=32, min_group_size=2, filters=[])
+    long_row = {"messages": [{"role": "user", "content": "x" * 40}]}
+    group = asyncio.run(groups.sample(long_row, version=0))
+    assert group.samples == [] and group.dropped == {"rollout/dropped_prompt_too_long": 2}
+    assert sent == [] and groups.breaker.consecutive == 0  # a drop, not a failure
+    short = asyncio.run(groups.sample({"messages": [{"role": "user", "content": "1+1="}]}, version=0))
+    assert len(short.samples) == 2 and len(sent) == 1
+    sampler.close()

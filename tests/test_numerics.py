@@ -1,0 +1,55 @@
+"""A non-finite loss or gradient skips the update and is counted; several in a row stop the run
+with a clear error; non-finite weights are never checkpointed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import user_losses
+from lit_grpo.config import validate
+from lit_grpo.module import NonFiniteTraining
+from lit_grpo.train import build_run
+
+from conftest import compose_config
+
+RUN = ["+experiment=arithmetic", "policy_loss=user", "policy_loss.name=user_losses:nan_on_calls", "~callbacks.reward_filter",
+       "lr_decay=constant", "logger=none", "output_model_id=null", "trainer.enable_progress_bar=false"]
+
+
+def _fit(tmp_path, *overrides):
+    c = validate(compose_config(*RUN, *overrides, output_dir=tmp_path))
+    trainer, module, datamodule = build_run(c)
+    before = {k: v.detach().clone() for k, v in module.policy.state_dict().items()}
+    try:
+        trainer.fit(module, datamodule=datamodule)
+    finally:
+        datamodule.close()
+    return module, before
+
+
+@pytest.mark.timeout(300)
+def test_one_nonfinite_step_is_skipped_and_counted(tmp_path, monkeypatch):
+    monkeypatch.setattr(user_losses, "NAN_ON_CALLS", {2})  # one micro-batch per step: call 2 is step 2
+    module, _ = _fit(tmp_path, "max_steps=4")
+    skipped = module.step_sequence.history.series("train/skipped_nonfinite")
+    assert skipped == [0.0, 1.0, 0.0, 0.0]
+    assert all(torch.isfinite(p).all() for p in module.policy.parameters())
+    assert module.rollout_step == 4
+
+
+@pytest.mark.timeout(300)
+def test_nonfinite_steps_in_a_row_stop_the_run_and_leave_the_weights_alone(tmp_path, monkeypatch):
+    monkeypatch.setattr(user_losses, "NAN_ON_CALLS", {-1})
+    c = validate(compose_config(*RUN, "max_steps=10", "max_nonfinite_steps=3", "dcp_save_interval=1", output_dir=tmp_path))
+    trainer, module, datamodule = build_run(c)
+    before = {k: v.detach().clone() for k, v in module.policy.state_dict().items()}
+    with pytest.raises(NonFiniteTraining, match="3 optimizer steps in a row"):
+        try:
+            trainer.fit(module, datamodule=datamodule)
+        finally:
+            datamodule.close()
+    assert all(torch.equal(v, before[k]) for k, v in module.policy.state_dict().items())
+    # Steps 1 and 2 were skipped updates (finite weights, checkpointed); step 3 raised before its end.
+    names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith("step_"))
+    assert names == ["step_00000001", "step_00000002"]
