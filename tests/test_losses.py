@@ -523,7 +523,8 @@ def test_per_token_loss_is_zero_on_masked_tokens(name):
 def test_conf_files_match_registry():
     # user.yaml is the base for a loss of the user's own module (its name is given on the CLI).
     files = {path.stem: path for path in CONF_DIR.glob("*.yaml") if path.stem != "user"}
-    assert set(files) == set(available_policy_losses())
+    # Every built-in loss (other tests register losses of their own, without a file).
+    assert set(files) == {n for n in available_policy_losses() if POLICY_LOSSES[n].fn.__module__.startswith("lit_grpo.")}
     for name, path in files.items():
         cfg = OmegaConf.to_container(OmegaConf.load(path))
         assert cfg.pop("name") == name

@@ -43,5 +43,8 @@ def test_model_hf_loads_a_local_folder_and_trains(tmp_path, tiny_model, tokenize
 
 def test_unreachable_model_names_it_and_the_fix(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    # huggingface_hub reads the variable when first imported (earlier tests did): set its constant too,
+    # or the load spends ~45 s retrying the network.
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
     with pytest.raises(OSError, match=r"no-such-org/no-such-model(.|\n)*model\.name_or_path=/path"):
         load_tokenizer(ModelConfig(kind="hf", name_or_path="no-such-org/no-such-model"))

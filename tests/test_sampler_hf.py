@@ -82,3 +82,30 @@ def test_chat_messages_go_through_the_template(tiny_model, tokenizer):
     assert len(completions) == 2
     expected = tokenizer("<|user|>1+1=<|end|><|assistant|>", add_special_tokens=False)["input_ids"]
     assert completions[0].full_tokens[: completions[0].prompt_len] == expected
+
+
+def test_a_weight_sync_behind_a_stuck_generate_call_times_out(tiny_model, tokenizer):
+    import threading
+    import time
+
+    from lit_grpo.samplers.base import SamplerTimeout
+
+    sampler = HFSampler(tiny_model, tokenizer)
+    sampler.call_timeout_s = 0.2
+    stuck = threading.Event()
+
+    def stuck_generate():  # holds the engine, as a generate call that never returns would
+        with sampler._weights_lock:
+            stuck.wait(5)
+
+    holder = threading.Thread(target=stuck_generate)
+    holder.start()
+    time.sleep(0.05)
+    start = time.perf_counter()
+    with pytest.raises(SamplerTimeout, match="weight sync"):
+        sampler.update_weights(tiny_model.state_dict().items())
+    assert time.perf_counter() - start < 2
+    stuck.set()
+    holder.join()
+    sampler.update_weights(tiny_model.state_dict().items())  # free again: it loads
+    sampler.close()

@@ -168,8 +168,15 @@ class BatchingSampler(ABC):
         return await self.sample_with_prompt_tokens(chat_prompt_tokens(self.tokenizer, messages), n, **kwargs)
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        with self._weights_lock:
+        """Load the weights between two generate calls; waiting for a running call is bounded by
+        `call_timeout_s` (a stuck engine would otherwise hold the sync, and training, forever)."""
+        if not self._weights_lock.acquire(timeout=-1 if self.call_timeout_s is None else self.call_timeout_s):
+            raise SamplerTimeout(f"the weight sync waited {self.call_timeout_s:g} s (rollout_timeout_s) for the sampler's "
+                                 "running generate call to end: the engine looks stuck")
+        try:
             self._load(named_tensors)
+        finally:
+            self._weights_lock.release()
 
     def close(self) -> None:
         """Drop queued calls and let a running one finish, for at most CLOSE_WAIT_S (a stuck engine

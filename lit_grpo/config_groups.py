@@ -1,0 +1,260 @@
+"""The config groups' dataclasses (model, sampler, data, rollout, policy loss, trainer) and the
+validation helpers they share; `lit_grpo.config` composes them into `TrainConfig`.
+
+Every field has a docstring, and `__post_init__` checks what one group can check alone, naming
+the field; `ConfigError` is what a user sees.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from lit_grpo.errors import UserError
+
+
+class ConfigError(UserError, ValueError):
+    """A configuration value that cannot work; the message names the field."""
+
+
+def require(ok: bool, field_name: str, message: str) -> None:
+    """Raise `ConfigError` naming `field_name` (its dotted path, e.g. `task.num_rows`) unless `ok`."""
+    if not ok:
+        raise ConfigError(f"config field `{field_name}`: {message}")
+
+
+def require_finite(value: Any, field_name: str) -> None:
+    """Raise `ConfigError` unless `value` is a finite number (NaN and ±inf pass the usual `> 0` checks badly)."""
+    require(isinstance(value, (int, float)) and math.isfinite(value), field_name, f"must be a finite number, got {value!r}")
+
+
+MAX_TEMPERATURE = 100.0
+"""Above this the sampling distribution is uniform to any precision: a typo, not a setting."""
+MAX_LEARNING_RATE = 1.0
+
+
+DEFINES_STATE = {"defines_state": True}
+"""Field metadata: the field defines what a checkpoint's state means, so resuming with another
+value is refused (`lit_grpo.checkpoint.check_resumable`). On a sub-config: all of it."""
+
+
+@dataclass
+class ModelConfig:
+    """The policy model. `kind=tiny` builds a random-init model locally; `kind=hf` loads one."""
+
+    kind: str = "tiny"
+    """`tiny` (built from the fields below, no download) or `hf` (`AutoModelForCausalLM`)."""
+    name_or_path: Optional[str] = None
+    """Hub name or local folder of the model and tokenizer when `kind=hf`."""
+    hidden_size: int = 64
+    """Tiny model: width of the residual stream."""
+    num_layers: int = 2
+    """Tiny model: number of decoder layers."""
+    num_heads: int = 4
+    """Tiny model: attention heads."""
+    intermediate_size: int = 256
+    """Tiny model: MLP width."""
+    max_position_embeddings: int = 256
+    """Tiny model: longest sequence it can read."""
+    alphabet: str = "printable"
+    """Tiny model: characters of the tokenizer; `printable` (ASCII) or `arithmetic` (digits, signs)."""
+    dtype: str = "float32"
+    """Parameter dtype: float32, bfloat16 or float16."""
+    trust_remote_code: bool = False
+    """Passed to transformers when `kind=hf`."""
+
+    def __post_init__(self) -> None:
+        require(self.kind in ("tiny", "hf"), "model.kind", f"must be 'tiny' or 'hf', got {self.kind!r}")
+        require(
+            self.kind != "hf" or bool(self.name_or_path),
+            "model.name_or_path",
+            "is required when model.kind=hf (a hub name or a local folder)",
+        )
+        require(self.dtype in ("float32", "bfloat16", "float16"), "model.dtype", f"unknown dtype {self.dtype!r}")
+        require(self.alphabet in ("printable", "arithmetic"), "model.alphabet", "must be 'printable' or 'arithmetic'")
+        for name in ("hidden_size", "num_layers", "num_heads", "intermediate_size", "max_position_embeddings"):
+            require(getattr(self, name) > 0, f"model.{name}", "must be > 0")
+        require(self.hidden_size % self.num_heads == 0, "model.hidden_size", "must be divisible by model.num_heads")
+
+
+@dataclass
+class SamplerConfig:
+    """The in-process sampler that produces rollouts."""
+
+    kind: str = "hf"
+    """A registered sampler (`lit_grpo.samplers`): `hf`, batched transformers `generate` with its own
+    copy of the weights; `vllm`, in-process vLLM."""
+    temperature: float = 1.0
+    """Sampling temperature; logprobs are reported at this temperature (top_p=1, top_k=0)."""
+    max_completion_tokens: int = 8
+    """Most tokens generated per completion."""
+    max_batch_size: int = 256
+    """Most sequences generated together in one batched call."""
+    dtype: str = "auto"
+    """vllm: engine dtype (`auto` follows the model; float32 for exact logprob checks)."""
+    max_model_len: Optional[int] = None
+    """vllm: longest prompt + completion the engine accepts (null: the model's own limit)."""
+    gpu_memory_utilization: float = 0.3
+    """vllm on CUDA: fraction of GPU memory for the engine (the rest is the trainer's, colocated)."""
+    enforce_eager: bool = False
+    """vllm: no CUDA graphs (faster start, slower decode)."""
+    tensor_parallel_size: int = 1
+    """vllm on CUDA: GPUs the engine shards over."""
+    sleep_between_phases: bool = False
+    """vllm on CUDA: free the engine's memory while the trainer steps (CPU: ignored, with a log line)."""
+
+    def __post_init__(self) -> None:
+        from lit_grpo.samplers import available_samplers
+
+        require(self.kind in available_samplers(), "sampler.kind", f"unknown sampler {self.kind!r}; valid: {', '.join(available_samplers())}")
+        require_finite(self.temperature, "sampler.temperature")
+        require(0 < self.temperature <= MAX_TEMPERATURE, "sampler.temperature", f"must be in (0, {MAX_TEMPERATURE:g}], got {self.temperature}")
+        require(self.max_completion_tokens > 0, "sampler.max_completion_tokens", "must be > 0")
+        require(self.max_batch_size > 0, "sampler.max_batch_size", "must be > 0")
+        require(0 < self.gpu_memory_utilization <= 1, "sampler.gpu_memory_utilization", "must be in (0, 1]")
+        require(self.tensor_parallel_size >= 1, "sampler.tensor_parallel_size", "must be >= 1")
+
+
+@dataclass
+class DataConfig:
+    """How the task's rows are grouped into steps: what every task shares (the task's own options
+    are the `task` group)."""
+
+    completions_per_prompt: int = field(default=8, metadata=DEFINES_STATE)
+    """G: completions sampled per prompt; advantages are relative within these."""
+    prompt_groups_per_step: int = field(default=8, metadata=DEFINES_STATE)
+    """P: accepted prompt groups per training step (B = P·G sequences)."""
+    max_rows: int = field(default=0, metadata=DEFINES_STATE)
+    """Use at most this many rows of the task's dataset (0: all)."""
+    epochs: int = 1
+    """Passes over the rows; rows are reshuffled each epoch with the run seed."""
+    max_seq_len: int = 256
+    """Longest prompt + completion, in tokens."""
+    shuffle: bool = field(default=True, metadata=DEFINES_STATE)
+    """Shuffle rows each epoch (seeded)."""
+    min_group_size: int = 2
+    """A group left with fewer samples (after dropped or failed rollouts) is dropped."""
+    eval_rows: int = 0
+    """Held-out rows of the task scored greedily for `eval/accuracy` (0: no evaluation)."""
+
+    def __post_init__(self) -> None:
+        require(self.eval_rows >= 0, "data.eval_rows", "must be >= 0 (0: no evaluation)")
+        require(self.completions_per_prompt >= 2, "data.completions_per_prompt", "must be >= 2 (advantages are relative within a group)")
+        require(self.prompt_groups_per_step >= 1, "data.prompt_groups_per_step", "must be >= 1")
+        require(self.max_rows >= 0, "data.max_rows", "must be >= 0 (0 means all rows)")
+        require(self.epochs >= 1, "data.epochs", "must be >= 1")
+        require(self.max_seq_len > 1, "data.max_seq_len", "must be > 1")
+        require(
+            2 <= self.min_group_size <= self.completions_per_prompt,
+            "data.min_group_size",
+            "must be between 2 and data.completions_per_prompt",
+        )
+
+
+@dataclass
+class RolloutConfig:
+    """The rollout function: the user's extension point."""
+
+    factory: str = "lit_grpo.rollout:make_rollout_fn"
+    """`module:function` of a `make_rollout_fn(setup) -> rollout_fn`, importable from the working directory."""
+    extras: dict = field(default_factory=dict)
+    """Anything the factory needs, handed over as `setup.extras` (next to `reward_fn`)."""
+
+    def __post_init__(self) -> None:
+        require(":" in self.factory, "rollout.factory", f"must be 'module:function', got {self.factory!r}")
+
+
+# PolicyLossConfig's named hyper-parameters; any other goes in `params`.
+_NAMED_LOSS_HYPERPARAMS = ("eps_clip", "eps_clip_high", "eps_clip_c", "dro_beta", "tis_cap", "tis_level")
+
+
+@dataclass
+class PolicyLossConfig:
+    """The policy objective; `conf/policy_loss/<name>.yaml` holds each built-in variant's defaults.
+
+    Variant hyper-parameters are null unless the variant takes them; validation checks every one
+    that is set (named here or in `params`) against the loss registry, so a hyper-parameter the
+    variant does not take is an error naming its field, not a silent no-op.
+    """
+
+    name: str = field(default="grpo", metadata=DEFINES_STATE)
+    """A registered variant (`lit_grpo.losses`: grpo, importance_sampling, reinforce, dapo, dro,
+    gspo, cispo), or `module.path:name` for a user's loss: `module.path` is imported first (the
+    working directory is importable) and its `@register_policy_loss("name")` registers it."""
+    kl_beta: float = 0.001
+    """β of the k3 KL penalty to the frozen reference; > 0 builds the reference model."""
+    loss_normalization: str = "token_mean"
+    """A registered normalization (`lit_grpo.loss_terms.LOSS_NORMALIZATIONS`): token_mean (over
+    the whole optimizer step), seq_mean or sum."""
+    advantage_scale: str = "std"
+    """`std`: (r - mean) / std within the group; `none`: r - mean (Dr. GRPO)."""
+    eps_clip: Optional[float] = None
+    """Lower clip ε of the ratio (1 - ε)."""
+    eps_clip_high: Optional[float] = None
+    """Upper clip ε of the ratio (1 + ε)."""
+    eps_clip_c: Optional[float] = None
+    """dapo's dual-clip constant c for negative advantages (null: off)."""
+    dro_beta: Optional[float] = None
+    """dro's quadratic penalty β."""
+    tis_cap: Optional[float] = None
+    """Cap of the truncated importance weight against the sampler's logprobs."""
+    tis_level: Optional[str] = None
+    """`token` or `sequence` TIS weights (`lit_grpo.loss_terms.TIS_LEVELS`)."""
+    params: dict = field(default_factory=dict)
+    """Any other hyper-parameter of the registered loss, by the name it was registered with
+    (`register_policy_loss("mine", scale=1.0)`: `+policy_loss.params.scale=3.0`)."""
+
+    def __post_init__(self) -> None:
+        from lit_grpo.advantages import ADVANTAGE_SCALES
+        from lit_grpo.losses import LOSS_NORMALIZATIONS, check_policy_loss_hyperparams, policy_loss_defaults
+
+        require_finite(self.kl_beta, "policy_loss.kl_beta")
+        require(self.kl_beta >= 0, "policy_loss.kl_beta", f"must be >= 0, got {self.kl_beta}")
+        for key in ("eps_clip", "eps_clip_high", "eps_clip_c", "dro_beta", "tis_cap"):
+            if getattr(self, key) is not None:
+                require_finite(getattr(self, key), f"policy_loss.{key}")
+        require(
+            self.loss_normalization in LOSS_NORMALIZATIONS,
+            "policy_loss.loss_normalization",
+            f"must be one of {', '.join(LOSS_NORMALIZATIONS)}, got {self.loss_normalization!r}",
+        )
+        require(self.advantage_scale in ADVANTAGE_SCALES, "policy_loss.advantage_scale", f"must be one of {', '.join(ADVANTAGE_SCALES)}, got {self.advantage_scale!r}")
+        try:
+            defaults = policy_loss_defaults(self.name)
+        except ValueError as err:
+            raise ConfigError(f"config field `policy_loss.name`: {err}") from None
+        valid = f"valid hyper-parameters of {self.name!r}: {', '.join(sorted(defaults))}"
+        for key in _NAMED_LOSS_HYPERPARAMS:
+            require(getattr(self, key) is None or key in defaults, f"policy_loss.{key}", f"the loss does not take it; {valid}")
+        for key in self.params:
+            require(key not in (*_NAMED_LOSS_HYPERPARAMS, "kl_beta"), f"policy_loss.params.{key}", f"set it as policy_loss.{key}")
+            require(key in defaults, f"policy_loss.params.{key}", f"the loss does not take it; {valid}")
+        try:
+            check_policy_loss_hyperparams(self.name, self.hyperparams())
+        except ValueError as err:
+            raise ConfigError(f"config group `policy_loss`: {err}") from None
+
+    def hyperparams(self) -> dict[str, Any]:
+        """The hyper-parameters to call the loss with: the named ones that are set, `params`, kl_beta."""
+        named = {n: getattr(self, n) for n in _NAMED_LOSS_HYPERPARAMS if getattr(self, n) is not None}
+        return {**named, **self.params, "kl_beta": self.kl_beta}
+
+
+@dataclass
+class TrainerConfig:
+    """Arguments of `lightning.Trainer` that lit_grpo exposes; `extra` passes any other one."""
+
+    accelerator: str = "auto"
+    devices: Any = 1
+    strategy: str = "auto"
+    precision: str = "32-true"
+    max_epochs: int = 1
+    """One Lightning epoch is the whole rollout stream (all data epochs)."""
+    fast_dev_run: Any = False
+    """True or N: run 1 (or N) steps as a smoke test, no checkpoints, no plots."""
+    log_every_n_steps: int = 1
+    enable_progress_bar: bool = True
+    enable_model_summary: bool = False
+    deterministic: bool = False
+    extra: dict = field(default_factory=dict)
