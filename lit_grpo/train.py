@@ -177,8 +177,9 @@ def fit(c: TrainConfig, resume_from: Optional[Path] = None, **build_kwargs) -> t
     trainer, module, datamodule = build_run(c, resume_from=resume_from, **build_kwargs)
     try:
         trainer.fit(module, datamodule=datamodule)
-    except SIGTERMException:
-        pass  # Lightning's own end of a run that got SIGTERM, after our step sequence checkpointed it
+    except SIGTERMException:  # Lightning's own end of a run that got SIGTERM
+        if not module.step_sequence.stop.requested:
+            raise  # no stop handlers installed (fit called outside `train`): nothing was saved for it
     finally:
         datamodule.close()
         finish_runs(trainer.loggers)
