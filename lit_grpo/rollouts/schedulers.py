@@ -241,8 +241,12 @@ class OffPolicyScheduler:
         try:
             group = await self.groups.sample(row, version)
             keep = self.groups.accept(group)
+        except asyncio.CancelledError:  # closing: the scheduler stops, and this row is not trained
+            return
         except BaseException as err:  # the circuit breaker, or a user filter that raised
-            self._error, self._stopping = err, True
+            if self._error is None:  # the first error is the cause; later ones (or cancellations) follow from it
+                self._error = err
+            self._stopping = True
             self._ready.put(_DONE)
             return
         finally:
