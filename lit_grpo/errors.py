@@ -172,19 +172,14 @@ def _module_file(module_name: str) -> Optional[str]:
     return spec.origin if spec is not None and spec.origin and os.path.exists(spec.origin) else None
 
 
-def import_user_object(path: str, field: str) -> Any:
-    """The object named by `path` (`module.path:attribute`), importing the module (the working
-    directory is importable). `UserError` naming `field` (e.g. `rollout.factory`) when the module
-    is not there, fails to import (a missing dependency, a syntax error, an exception at import:
-    with the file and line) or has no such attribute (with the closest name it has)."""
-    module_name, sep, attr = path.partition(":")
-    if not sep or not module_name or not attr:
-        raise UserError(f"config field `{field}`: must be 'module.path:name', got {path!r}")
+def import_user_module(module_name: str, prefix: str):
+    """`module_name` imported (the working directory is importable); `UserError` starting with
+    `prefix` when it is not there or fails to import (a missing dependency, a syntax error, an
+    exception at import: with the file and line)."""
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
-    prefix = f"config field `{field}`: cannot import {path!r}"
     try:
-        module = importlib.import_module(module_name)
+        return importlib.import_module(module_name)
     except ModuleNotFoundError as err:
         missing = err.name or ""
         if missing and (module_name == missing or module_name.startswith(missing + ".")):
@@ -201,6 +196,17 @@ def import_user_object(path: str, field: str) -> Any:
             f"{prefix}: importing module {module_name!r} raised {type(err).__name__}{_user_frame(err, _module_file(module_name))}: "
             f"{err}; fix it ({TRACEBACK_ENV}=1 shows the traceback)"
         ) from err
+
+
+def import_user_object(path: str, field: str) -> Any:
+    """The object named by `path` (`module.path:attribute`), importing the module (see
+    `import_user_module`). `UserError` naming `field` (e.g. `rollout.factory`) when the module
+    cannot be imported or has no such attribute (with the closest name it has)."""
+    module_name, sep, attr = path.partition(":")
+    if not sep or not module_name or not attr:
+        raise UserError(f"config field `{field}`: must be 'module.path:name', got {path!r}")
+    prefix = f"config field `{field}`: cannot import {path!r}"
+    module = import_user_module(module_name, prefix)
     try:
         obj = getattr(module, attr)
     except AttributeError:

@@ -8,10 +8,9 @@ import is what registers `mine`. So a user's entry is usable from YAML or the co
 
 from __future__ import annotations
 
-import importlib
-import os
-import sys
 from typing import Mapping, TypeVar
+
+from lit_grpo.errors import UserError, import_user_module
 
 T = TypeVar("T")
 
@@ -26,12 +25,10 @@ def lookup(name: str, registry: Mapping[str, T], what: str) -> T:
     if sep:
         if not module_name or not entry:
             raise ValueError(f"{what} {name!r}: expected 'name' or 'module.path:name'")
-        if os.getcwd() not in sys.path:
-            sys.path.insert(0, os.getcwd())
         try:
-            importlib.import_module(module_name)
-        except ImportError as err:
-            raise ValueError(f"{what} {name!r}: cannot import module {module_name!r} ({err})") from None
+            import_user_module(module_name, f"{what} {name!r}: cannot import module {module_name!r}")
+        except UserError as err:
+            raise ValueError(str(err)) from err.__cause__
     else:
         entry = name
     try:
