@@ -37,7 +37,7 @@ def sample_from_completion(c: Completion, reward: float) -> RolloutSample:
     generated = len(c.full_tokens) - c.prompt_len
     return RolloutSample(
         tokens=list(c.full_tokens),
-        logprobs=[0.0] * c.prompt_len + list(c.inference_logprobs),
+        logprobs=[0.0] * c.prompt_len + list(c.sampling_logprobs),
         loss_mask=[0] * c.prompt_len + [1] * generated,
         reward=float(reward),
         finish_reason=c.finish_reason,
@@ -91,7 +91,7 @@ class Trajectory:
             raise ValueError("the completion's prompt is not this trajectory: sample with prompt_token_ids=trajectory.tokens")
         generated = list(c.full_tokens[c.prompt_len :])
         self.tokens += generated
-        self.logprobs += list(c.inference_logprobs)
+        self.logprobs += list(c.sampling_logprobs)
         self.loss_mask += [1] * len(generated)
 
     def to_sample(self, reward: float, finish_reason: str = "stop", text: str = "") -> RolloutSample:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Optional, Protocol, runtime_checkable
 
 import torch
 
@@ -42,12 +42,24 @@ class Completion:
     """Prompt tokens followed by the generated tokens."""
     prompt_len: int
     """How many of `full_tokens` are the prompt."""
-    inference_logprobs: list[float]
-    """The sampler's logprob of each generated token (len = len(full_tokens) - prompt_len)."""
+    sampling_logprobs: list[float]
+    """Logprob of each generated token under the distribution it was sampled from (the policy's
+    logits at the sampling temperature; top_p=1, top_k=0), len = len(full_tokens) - prompt_len.
+    This is the behaviour policy: what `RolloutSample.logprobs` carries, what the PPO ratio and
+    TIS compare the trainer against."""
     finish_reason: str
-    """`stop` or `length`."""
+    """`stop` (end-of-sequence, or a `stop` string: then `stop_reason` names it) or `length` (hit
+    `max_tokens` or the request's `max_seq_len`)."""
     text: str
-    """The generated tokens decoded (special tokens skipped)."""
+    """The generated tokens decoded (special tokens skipped); cut before a matched stop string."""
+    inference_logprobs: Optional[list[float]] = None
+    """The engine's raw logprob of each generated token: the model's own distribution at
+    temperature 1, before any sampling transform. For drift metrics only, never the behaviour
+    policy; equal to `sampling_logprobs` at temperature 1; None when the engine does not report it."""
+    stop_reason: Optional[str] = None
+    """The stop string that ended the completion, when one did."""
+    logprobs_echoed: bool = False
+    """Always False: lit_grpo's samplers report logprobs of the generated tokens only, never the prompt's."""
 
 
 @runtime_checkable

@@ -64,7 +64,7 @@ class _ScriptedSampler:
 
     def generate(self, prompts, temperature, max_tokens):
         self.temperatures.append(temperature)
-        return [Completion(full_tokens=[*p, 1], prompt_len=len(p), inference_logprobs=[0.0], finish_reason="stop", text=self.texts.pop(0)) for p in prompts]
+        return [Completion(full_tokens=[*p, 1], prompt_len=len(p), sampling_logprobs=[0.0], finish_reason="stop", text=self.texts.pop(0)) for p in prompts]
 
 
 def test_greedy_accuracy_scores_each_row_once_greedily(tokenizer):

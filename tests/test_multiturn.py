@@ -28,9 +28,9 @@ def test_two_assistant_turns_with_a_user_turn_between(tiny_model, tokenizer):
     traj, first, second = asyncio.run(rollout())
     sample = traj.to_sample(reward=1.0)
     n_prompt = len(enc("<|user|>1+1=<|end|><|assistant|>"))
-    n1 = len(first.inference_logprobs)
+    n1 = len(first.sampling_logprobs)
     n_user = len(enc("<|user|>wrong, again<|end|><|assistant|>"))
-    n2 = len(second.inference_logprobs)
+    n2 = len(second.sampling_logprobs)
     assert sample.loss_mask == [0] * n_prompt + [1] * n1 + [0] * n_user + [1] * n2
     assert len(sample.tokens) == len(sample.logprobs) == len(sample.loss_mask)
 

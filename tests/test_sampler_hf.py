@@ -27,7 +27,7 @@ def test_concurrent_requests_share_one_generate_call(tiny_model, tokenizer, monk
     for p, c in zip(prompts, completions):
         assert c.full_tokens[: c.prompt_len] == p
         generated = len(c.full_tokens) - c.prompt_len
-        assert 1 <= generated <= 5 and len(c.inference_logprobs) == generated
+        assert 1 <= generated <= 5 and len(c.sampling_logprobs) == generated
         assert c.finish_reason == ("stop" if c.full_tokens[-1] == tokenizer.eos_token_id else "length")
         assert c.finish_reason == "stop" or generated == 5
 
@@ -39,7 +39,7 @@ def test_sampler_logprobs_equal_trainer_logprobs(tiny_model, tokenizer, temperat
     for c in _sample(sampler, prompts, temperature=temperature, max_tokens=6):
         tokens = torch.tensor([c.full_tokens])
         trainer_lp, _ = token_logprobs(tiny_model, tokens, torch.ones_like(tokens), temperature)
-        torch.testing.assert_close(trainer_lp[0, c.prompt_len - 1 :], torch.tensor(c.inference_logprobs), atol=1e-4, rtol=0)
+        torch.testing.assert_close(trainer_lp[0, c.prompt_len - 1 :], torch.tensor(c.sampling_logprobs), atol=1e-4, rtol=0)
 
 
 def test_update_weights_changes_the_samplers_model(tiny_model, tokenizer):
@@ -54,7 +54,7 @@ def test_update_weights_changes_the_samplers_model(tiny_model, tokenizer):
         assert torch.equal(dict(sampler.model.named_parameters())[name], p)
     tokens = torch.tensor([before.full_tokens])
     new_lp, _ = token_logprobs(sampler.model, tokens, torch.ones_like(tokens), 1.0)
-    assert not torch.allclose(new_lp[0, before.prompt_len - 1 :], torch.tensor(before.inference_logprobs), atol=1e-3)
+    assert not torch.allclose(new_lp[0, before.prompt_len - 1 :], torch.tensor(before.sampling_logprobs), atol=1e-3)
 
 
 def test_update_weights_accepts_wrapped_names_and_refuses_unknown_ones(tiny_model, tokenizer):

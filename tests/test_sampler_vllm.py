@@ -47,7 +47,7 @@ def _mean_abs_diff(model, completions, temperature):
     for c in completions:
         tokens = torch.tensor([c.full_tokens])
         trainer_lp, _ = token_logprobs(model, tokens, torch.ones_like(tokens), temperature)
-        diffs.append((trainer_lp[0, c.prompt_len - 1 :] - torch.tensor(c.inference_logprobs)).abs())
+        diffs.append((trainer_lp[0, c.prompt_len - 1 :] - torch.tensor(c.sampling_logprobs)).abs())
     return torch.cat(diffs).mean().item()
 
 
@@ -59,9 +59,9 @@ def test_shapes_and_finish_reasons(engine):
     for p, c in zip(prompts, completions):
         assert c.full_tokens[: c.prompt_len] == p
         n = len(c.full_tokens) - c.prompt_len
-        assert 1 <= n <= 5 and len(c.inference_logprobs) == n
+        assert 1 <= n <= 5 and len(c.sampling_logprobs) == n
         assert c.finish_reason == ("stop" if c.full_tokens[-1] == tokenizer.eos_token_id else "length")
-        assert all(lp <= 0 for lp in c.inference_logprobs)
+        assert all(lp <= 0 for lp in c.sampling_logprobs)
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.6])

@@ -19,7 +19,7 @@ def make_rollout_fn(setup):
         generated = len(c.full_tokens) - c.prompt_len
         return RolloutSample(
             tokens=list(c.full_tokens),
-            logprobs=[0.0] * c.prompt_len + list(c.inference_logprobs),
+            logprobs=[0.0] * c.prompt_len + list(c.sampling_logprobs),
             loss_mask=[0] * c.prompt_len + [1] * generated,
             reward=score(c.text, row),
             finish_reason=c.finish_reason,

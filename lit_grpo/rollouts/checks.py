@@ -43,7 +43,7 @@ DROP_REASONS: dict[str, tuple[str, str]] = {
                   "token ids must come from the policy's tokenizer (ints in [0, len(tokenizer)))"),
     "bad_logprob": ("sampler logprobs that are not numbers, positive or non-finite on trained tokens",
                     "logprobs are the sampler's log-probabilities of the generated tokens (finite, <= 0): take "
-                    "them from the Completion (inference_logprobs), 0.0 on tokens that were not generated"),
+                    "them from the Completion (sampling_logprobs), 0.0 on tokens that were not generated"),
     "nonnumeric_reward": ("a reward that is not a number",
                           "the reward must be a float (not a string, None or a bool): check the reward function"),
     "nonfinite_reward": ("a NaN or infinite reward", "the reward must be finite: check the reward function"),

@@ -240,7 +240,7 @@ class BatchingSampler(ABC):
         return Completion(
             full_tokens=list(prompt) + generated[:stop],
             prompt_len=len(prompt),
-            inference_logprobs=list(logprobs[:stop]),
+            sampling_logprobs=list(logprobs[:stop]),
             finish_reason="stop" if eos_id in generated[:stop] else "length",
             text=text,
         )
