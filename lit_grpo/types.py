@@ -32,6 +32,9 @@ class RolloutSample:
     """`stop` (end-of-sequence), `length` (hit max tokens), or anything a rollout reports."""
     text: str = ""
     """The decoded completion, for logs."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """Per-sample values to log as their mean over the step's samples (e.g. each component of a
+    weighted reward, `reward/<name>`); a key missing from a sample is not applicable to it."""
 
 
 @dataclass
@@ -125,6 +128,8 @@ class RolloutRecord:
     """Per accepted group: policy versions between its sampling and this step."""
     timings: dict[str, float] = field(default_factory=dict)
     """This rank's `perf/*` and `async/in_flight` values (the slowest rank's are logged)."""
+    sample_metrics: dict[str, list[float]] = field(default_factory=dict)
+    """Per key of `RolloutSample.metrics`, the values of the samples that reported it (logged as means)."""
 
 
 @dataclass

@@ -47,6 +47,7 @@ DROP_REASONS: dict[str, tuple[str, str]] = {
     "nonnumeric_reward": ("a reward that is not a number",
                           "the reward must be a float (not a string, None or a bool): check the reward function"),
     "nonfinite_reward": ("a NaN or infinite reward", "the reward must be finite: check the reward function"),
+    "bad_metrics": ("metrics is not a dict", "RolloutSample.metrics maps a metric name to a float (or is left empty)"),
     "too_long": ("prompt + completion longer than data.max_seq_len",
                  "samples are longer than data.max_seq_len: raise it, or lower sampler.max_completion_tokens"),
     "prompt_too_long": ("the prompt alone fills data.max_seq_len (never sampled)",
@@ -132,6 +133,8 @@ def check_sample(sample: object, max_seq_len: int, vocab_size: Optional[int] = N
         return "nonnumeric_reward", f"reward {sample.reward!r} ({type(sample.reward).__name__})"
     if not math.isfinite(sample.reward):
         return "nonfinite_reward", f"reward {sample.reward!r}"
+    if not isinstance(sample.metrics, dict):
+        return "bad_metrics", f"metrics is a {type(sample.metrics).__name__}"
     if len(tokens) > max_seq_len:
         return "too_long", f"{len(tokens)} tokens > data.max_seq_len={max_seq_len}"
     return None

@@ -99,8 +99,19 @@ def make_batch(accepted: list[PromptGroup], sampled: list[PromptGroup], *, versi
         counts=Counter(counts),
         version_offsets=[version - g.version for g in accepted],
         timings=dict(timings),
+        sample_metrics=sample_metric_values(s for g in sampled for s in g.samples),
     )
     return batch
+
+
+def sample_metric_values(samples: Iterable[RolloutSample]) -> dict[str, list[float]]:
+    """Per key of the samples' `metrics`, the finite values reported (a None or NaN is not applicable)."""
+    values: dict[str, list[float]] = {}
+    for s in samples:
+        for key, value in s.metrics.items():
+            if isinstance(value, (int, float)) and math.isfinite(value):
+                values.setdefault(key, []).append(float(value))
+    return values
 
 
 def reward_stats(rewards: list[float]) -> tuple[float, float]:
@@ -139,6 +150,9 @@ def rollout_metrics(records: list[RolloutRecord]) -> dict[str, float]:
     for rec in records:
         counts.update(rec.counts)
     metrics.update({key: float(value) for key, value in counts.items()})
+    for key in sorted({k for rec in records for k in rec.sample_metrics}):  # pooled over ranks, like the rewards
+        pooled = [v for rec in records for v in rec.sample_metrics.get(key, [])]
+        metrics[key] = math.fsum(pooled) / len(pooled)
     for key in {k for rec in records for k in rec.timings}:  # the step waits for the slowest rank
         metrics[key] = max(rec.timings[key] for rec in records if key in rec.timings)
     sample_s = metrics.get("perf/sample_s", 0.0)
