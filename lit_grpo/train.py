@@ -46,7 +46,7 @@ from lit_grpo.types import RolloutSetup
 
 log = logging.getLogger(__name__)
 SUMMARY_WINDOW = 10
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+CONF_DIR = Path(__file__).resolve().parent / "conf"  # shipped in the package (the wheel carries it)
 
 # Both are deliberate: the step pulls its own batch (no prefetch of stale rollouts), and the
 # policy runs in eval mode (no dropout, so trainer and sampler logprobs agree).
@@ -244,7 +244,7 @@ def compose_config(overrides: list[str]) -> DictConfig:
         return compose("train", overrides=overrides)
 
 
-@hydra.main(version_base="1.3", config_path="../conf", config_name="train")
+@hydra.main(version_base="1.3", config_path="conf", config_name="train")
 def main(cfg: DictConfig) -> float:
     try:
         # A config, data, rollout or environment problem: its message and exit code 2, no traceback
@@ -255,5 +255,10 @@ def main(cfg: DictConfig) -> float:
         sys.exit(128 + stop.signum)
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """The `lit-grpo` console command: exactly `python -m lit_grpo.train` (Hydra's CLI included)."""
     run_hydra_cli(main)
+
+
+if __name__ == "__main__":
+    cli()
