@@ -35,6 +35,31 @@ class RolloutSample:
     metrics: dict[str, float] = field(default_factory=dict)
     """Per-sample values to log as their mean over the step's samples (e.g. each component of a
     weighted reward, `reward/<name>`); a key missing from a sample is not applicable to it."""
+    raw_logprobs: Optional[list[float]] = None
+    """Optional, parallel to `tokens`: the engine's raw logprobs (`Completion.inference_logprobs`),
+    for drift diagnostics only; the loss and TIS use `logprobs`."""
+
+
+@dataclass
+class RolloutRun:
+    """One rollout call's trajectory as one or more trainable segments (the cookbook's newer contract).
+
+    Every segment trains as its own sequence; the segments share the run's reward, so each gets
+    the run's advantage, and the group's statistics count runs, not segments. A multi-turn agent
+    whose context is rewritten between turns (summarised, truncated) returns one segment per
+    contiguous stretch of tokens. All segments must carry the same `reward`.
+    """
+
+    segments: list[RolloutSample]
+    """The trainable segments, in order; at least one."""
+    run_id: Optional[str] = None
+    """The caller's name for the run, for logs."""
+    metadata: Optional[dict] = None
+    """Anything the caller wants to keep with the run; not used by training."""
+
+    @property
+    def reward(self) -> float:
+        return self.segments[0].reward
 
 
 @dataclass
@@ -94,6 +119,16 @@ class RolloutSetup:
     """temperature, max_tokens, top_p=1.0, top_k=0 (no truncation bias in the logprobs)."""
     extras: dict = field(default_factory=dict)
     """User config: `reward_fn(completion_text, row) -> float`, task options."""
+    completions_per_prompt: int = 1
+    """G: how many times the rollout function is called per row."""
+    model: str = ""
+    """The policy model's name (a folder, a hub name, or `tiny`)."""
+    tokenizer_id: str = ""
+    """The tokenizer's name (the model's unless configured otherwise)."""
+    inference_base_url: str = ""
+    """Empty: lit_grpo's samplers run in-process (a hosted deployment's URL in the cookbook)."""
+    api_key: str = ""
+    """Empty: no hosted deployment (kept for rollouts written against the cookbook)."""
 
 
 @dataclass
@@ -103,15 +138,30 @@ class PromptGroup:
     row: dict
     """The dataset row the group was sampled from."""
     samples: list[RolloutSample]
-    """The trajectories that passed the checks (None, malformed and failed results already dropped)."""
+    """The trainable sequences of the runs that passed the checks, run after run (None, malformed
+    and failed results already dropped); a `RolloutRun` of k segments contributes k of them."""
     version: int
     """Policy version (number of weight syncs) when the row was submitted."""
     dropped: Counter = field(default_factory=Counter)
     """Why the row's other rollout calls gave no sample, by metric key (`rollout/dropped_none`, `rollout/failures`, ...)."""
+    run_sizes: Optional[list[int]] = None
+    """Segments per run, in order (sum = len(samples)); None: every sample is a run of its own."""
+
+    @property
+    def runs(self) -> list[list[RolloutSample]]:
+        """The samples grouped by the rollout call (run) that made them."""
+        sizes = self.run_sizes if self.run_sizes is not None else [1] * len(self.samples)
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        return [self.samples[a : a + n] for a, n in zip(starts, sizes)]
 
     @property
     def rewards(self) -> list[float]:
-        return [s.reward for s in self.samples]
+        """One reward per run: what group statistics, advantages and filters see."""
+        return [run[0].reward for run in self.runs]
+
+    def per_sample(self, per_run: list) -> list:
+        """Broadcast one value per run to every sample of that run."""
+        return [value for value, run in zip(per_run, self.runs) for _ in run]
 
 
 @dataclass

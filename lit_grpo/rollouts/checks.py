@@ -29,8 +29,11 @@ DROP_REASONS: dict[str, tuple[str, str]] = {
              "the rollout function returns None for every sample: check when it gives up (an empty completion, "
              "a reward it could not compute, a parse failure)"),
     "not_a_sample": ("not a RolloutSample",
-                     "a rollout function must return lit_grpo.types.RolloutSample(tokens, logprobs, loss_mask, reward) "
-                     "or None"),
+                     "a rollout function must return lit_grpo.types.RolloutSample(tokens, logprobs, loss_mask, reward), "
+                     "a RolloutRun(segments=[RolloutSample, ...]) or None"),
+    "empty_run": ("a RolloutRun with no segments", "RolloutRun.segments is a non-empty list of RolloutSample"),
+    "segment_rewards_differ": ("the segments of one RolloutRun carry different rewards",
+                               "a run has one trajectory-level reward: put the same reward on every segment"),
     "not_a_list": ("tokens, logprobs or loss_mask is not a list",
                    "RolloutSample.tokens, .logprobs and .loss_mask are lists with one entry per token"),
     "length_mismatch": ("tokens, logprobs and loss_mask differ in length",

@@ -46,6 +46,18 @@ class RowCursor:
         order = self._order if epoch == self.epoch else self._order_of(epoch)
         return self.rows[order[index]]
 
+    def context(self, position: Position) -> dict:
+        """The rollout context keywords of the row at `position` (see `lit_grpo.rollouts.context`)."""
+        epoch, index = position
+        order = self._order if epoch == self.epoch else self._order_of(epoch)
+        per_epoch = self.rows_per_epoch * self.world_size
+        return {
+            "epoch": epoch,
+            "row_index": order[index],
+            "cursor_index": epoch * per_epoch + index * self.world_size + self.rank,
+            "end_of_epoch": index == self.rows_per_epoch - 1,
+        }
+
     def take_positioned(self, n: int) -> list[tuple[Position, dict]]:
         """Up to n next `(position, row)` pairs, replayed positions first (fewer only when the last epoch ends)."""
         out = []

@@ -15,6 +15,7 @@ from typing import Optional
 
 from lit_grpo.rollout import RolloutFn
 from lit_grpo.rollouts.checks import CircuitBreaker, ProgressGuard, short_reason
+from lit_grpo.rollouts.context import RolloutCalls
 from lit_grpo.rollouts.deadlines import call_rollout, gather_or_cancel
 from lit_grpo.rollouts.pipeline import GroupFilter, checked_samples, error_key, group_verdict
 from lit_grpo.types import PromptGroup
@@ -44,6 +45,7 @@ class GroupSampler:
                  filters: list[GroupFilter], vocab_size: Optional[int] = None, rollout_timeout_s: float = 300.0,
                  max_retries: int = 2, max_rows_without_progress: int = 1000) -> None:
         self.rollout_fn, self.G = rollout_fn, completions_per_prompt
+        self.calls = RolloutCalls(rollout_fn)
         self.max_seq_len, self.min_group_size, self.vocab_size = max_seq_len, min_group_size, vocab_size
         self.timeout_s, self.max_retries = rollout_timeout_s, max_retries
         self.filters = filters
@@ -55,9 +57,11 @@ class GroupSampler:
         self._lock = threading.Lock()  # the off-policy scheduler counts on its own thread
         self._warned: set[str] = set()
 
-    async def sample(self, row: dict, version: int) -> PromptGroup:
-        """The row's group, sampled at policy `version`. Raises when the circuit breaker trips, and
-        a rollout's bug (`lit_grpo.rollouts.deadlines.BUG_ERRORS`) as it was raised."""
+    async def sample(self, row: dict, version: int, context: Optional[dict] = None) -> PromptGroup:
+        """The row's group, sampled at policy `version`. `context` (the row's place: `epoch`,
+        `row_index`, ...) reaches the rollout functions that declare those keywords, with
+        `rollout_idx`/`sample_index` (0..G-1) and `evaluation=False`. Raises when the circuit
+        breaker trips, and a rollout's bug (`lit_grpo.rollouts.deadlines.BUG_ERRORS`) as it was raised."""
         self.rows_sampled += 1
         prompt = row.get("prompt_token_ids")
         if prompt is not None and len(prompt) >= self.max_seq_len:  # no room left for one generated token
@@ -65,15 +69,16 @@ class GroupSampler:
             self._note(row, counts, {"rollout/dropped_prompt_too_long": f"a prompt of {len(prompt)} tokens, data.max_seq_len={self.max_seq_len}"})
             return PromptGroup(row=row, samples=[], version=version, dropped=counts)
         results = await gather_or_cancel(*(
-            call_rollout(self.rollout_fn, row, timeout_s=self.timeout_s, max_retries=self.max_retries, count=self._count_event)
-            for _ in range(self.G)
+            call_rollout(self.calls.bound(i, context), row, timeout_s=self.timeout_s, max_retries=self.max_retries,
+                         count=self._count_event)
+            for i in range(self.G)
         ))
-        samples, counts, details = checked_samples(results, self.max_seq_len, self.vocab_size)
+        samples, run_sizes, counts, details = checked_samples(results, self.max_seq_len, self.vocab_size)
         self._note(row, counts, details)
         for result in results:
             failed = isinstance(result, BaseException) and error_key(result) == "rollout/failures"
             self.breaker.record(failed, result if failed else None)
-        return PromptGroup(row=row, samples=samples, version=version, dropped=counts)
+        return PromptGroup(row=row, samples=samples, version=version, dropped=counts, run_sizes=run_sizes)
 
     def accept(self, group: PromptGroup) -> bool:
         """Whether the group trains; a rejection is counted under its reason. Raises

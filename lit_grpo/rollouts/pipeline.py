@@ -2,6 +2,7 @@
 group checks and filters → advantages → a padded `RolloutBatch`, and the step's rollout metrics.
 
     results of rollout_fn(row) × G ─► checked_samples ─► PromptGroup ─► group_verdict
+        (a result is a RolloutSample, a RolloutRun of segments sharing one reward, or None)
         accepted groups ─► make_batch (advantages, padding) ─► RolloutBatch
         RolloutRecord of every rank ─► rollout_metrics (merged over ranks before logging)
 
@@ -20,7 +21,7 @@ import torch
 from lit_grpo.advantages import ragged_group_advantages
 from lit_grpo.rollouts.checks import check_sample
 from lit_grpo.samplers.base import PromptTooLong
-from lit_grpo.types import PromptGroup, RolloutBatch, RolloutRecord, RolloutSample
+from lit_grpo.types import PromptGroup, RolloutBatch, RolloutRecord, RolloutRun, RolloutSample
 
 GroupFilter = Callable[[PromptGroup], bool]
 """A group predicate: True keeps the group (the seeds' `dynamic_filter_fn`)."""
@@ -32,34 +33,54 @@ def error_key(err: BaseException) -> str:
     return "rollout/dropped_prompt_too_long" if isinstance(err, PromptTooLong) else "rollout/failures"
 
 
+def check_result(result: object, max_seq_len: int, vocab_size: Optional[int] = None) -> tuple[list[RolloutSample], Optional[tuple[str, str]]]:
+    """The trainable segments of one rollout call's result (a `RolloutSample`, or a `RolloutRun`
+    of segments), or why it is dropped: `(metric key, detail)`. A run is kept whole or dropped
+    whole: one malformed segment, or segments with different rewards, drop it."""
+    if isinstance(result, BaseException):
+        return [], (error_key(result), repr(result))
+    if result is None:
+        return [], ("rollout/dropped_none", "the rollout returned None")
+    segments = result.segments if isinstance(result, RolloutRun) else [result]
+    if not isinstance(segments, (list, tuple)) or not segments:
+        return [], ("rollout/dropped_empty_run", f"RolloutRun.segments is {segments!r:.60}")
+    for i, segment in enumerate(segments):
+        problem = check_sample(segment, max_seq_len, vocab_size)
+        if problem is not None:
+            where = f"segment {i}: " if isinstance(result, RolloutRun) else ""
+            return [], (f"rollout/dropped_{problem[0]}", where + problem[1])
+    rewards = {float(s.reward) for s in segments}
+    if len(rewards) > 1:
+        return [], ("rollout/dropped_segment_rewards_differ", f"segment rewards {sorted(rewards)[:4]}")
+    return list(segments), None
+
+
 def checked_samples(results: Iterable[object], max_seq_len: int,
-                    vocab_size: Optional[int] = None) -> tuple[list[RolloutSample], Counter, dict[str, str]]:
-    """The results of G rollout calls that can train, the count of each reason the others were
-    dropped (`rollout/failures` for an exception, `rollout/dropped_none` for a None,
-    `rollout/dropped_<reason>` for a malformed sample), and per key the first detail (for the warning)."""
+                    vocab_size: Optional[int] = None) -> tuple[list[RolloutSample], list[int], Counter, dict[str, str]]:
+    """The segments of G rollout calls that can train, the number of segments of each kept run,
+    the count of each reason the other calls were dropped (`rollout/failures` for an exception,
+    `rollout/dropped_none` for a None, `rollout/dropped_<reason>` for a malformed sample), and per
+    key the first detail (for the warning)."""
     samples: list[RolloutSample] = []
+    run_sizes: list[int] = []
     counts: Counter = Counter()
     details: dict[str, str] = {}
     for result in results:
-        if isinstance(result, BaseException):
-            key, detail = error_key(result), repr(result)
-        elif result is None:
-            key, detail = "rollout/dropped_none", "the rollout returned None"
-        else:
-            problem = check_sample(result, max_seq_len, vocab_size)
-            if problem is None:
-                samples.append(result)
-                continue
-            key, detail = f"rollout/dropped_{problem[0]}", problem[1]
+        segments, problem = check_result(result, max_seq_len, vocab_size)
+        if problem is None:
+            samples += segments
+            run_sizes.append(len(segments))
+            continue
+        key, detail = problem
         counts[key] += 1
         details.setdefault(key, detail)
-    return samples, counts, details
+    return samples, run_sizes, counts, details
 
 
 def group_verdict(group: PromptGroup, min_group_size: int, filters: Iterable[GroupFilter]) -> Optional[str]:
     """None when the group trains, else the metric key that counts why not: too few valid
     samples (`rollout/dropped_small_group`) or a filter said no (`rollout/filtered_groups`)."""
-    if len(group.samples) < min_group_size:
+    if len(group.rewards) < min_group_size:
         return "rollout/dropped_small_group"
     if not all(keep(group) for keep in filters):
         return "rollout/filtered_groups"
@@ -91,11 +112,11 @@ def make_batch(accepted: list[PromptGroup], sampled: list[PromptGroup], *, versi
                pad_id: int, counts: Counter, timings: dict[str, float]) -> RolloutBatch:
     """The step's batch of `accepted` groups, with its `RolloutRecord` (over every `sampled` group)
     attached. `version` is the trainer's policy version now. Needs at least one accepted group."""
-    advantages = ragged_group_advantages([g.rewards for g in accepted], advantage_scale)
-    batch = collate_groups(accepted, advantages, pad_id)
+    advantages = ragged_group_advantages([g.rewards for g in accepted], advantage_scale)  # per run
+    batch = collate_groups(accepted, [g.per_sample(adv) for g, adv in zip(accepted, advantages)], pad_id)
     batch.record = RolloutRecord(
         rewards=[r for g in sampled for r in g.rewards],
-        completion_tokens=[sum(s.loss_mask) for g in sampled for s in g.samples],
+        completion_tokens=[sum(sum(s.loss_mask) for s in run) for g in sampled for run in g.runs],
         counts=Counter(counts),
         version_offsets=[version - g.version for g in accepted],
         timings=dict(timings),

@@ -93,9 +93,9 @@ class SynchronousScheduler:
         wanted = min(math.ceil(missing / max(self.accept_rate, 0.05)), self.P * self.max_oversample)
         return min(wanted, self.max_rows_in_flight)
 
-    async def _sample_rows(self, rows: list[dict]) -> list[PromptGroup]:
+    async def _sample_rows(self, rows: list[tuple[Position, dict]]) -> list[PromptGroup]:
         try:
-            return await gather_or_cancel(*(self.groups.sample(r, self.version) for r in rows))
+            return await gather_or_cancel(*(self.groups.sample(r, self.version, self.cursor.context(p)) for p, r in rows))
         finally:
             await asyncio.sleep(0)  # let cancelled rollouts (timed out) finish now, not at the next step
 
@@ -116,7 +116,7 @@ class SynchronousScheduler:
         accepted: list[PromptGroup] = []
         sampled: list[PromptGroup] = []
         while len(accepted) < self.P:
-            rows = self.cursor.take(self._rows_to_request(self.P - len(accepted)))
+            rows = self.cursor.take_positioned(self._rows_to_request(self.P - len(accepted)))
             if not rows:
                 break
             for group in self._run(self._sample_rows(rows)):
@@ -239,7 +239,7 @@ class OffPolicyScheduler:
     async def _run_group(self, position: Position, row: dict, version: int) -> None:
         started = time.perf_counter()
         try:
-            group = await self.groups.sample(row, version)
+            group = await self.groups.sample(row, version, self.cursor.context(position))
             keep = self.groups.accept(group)
         except asyncio.CancelledError:  # closing: the scheduler stops, and this row is not trained
             return
