@@ -13,7 +13,7 @@ names the knobs that a given config makes no-ops.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Optional
 
 from hydra.core.config_store import ConfigStore
@@ -27,6 +27,7 @@ from lit_grpo.config_groups import (  # noqa: F401  (re-exported: the config's p
     DataConfig,
     ModelConfig,
     PolicyLossConfig,
+    RewardConfig,
     RolloutConfig,
     SamplerConfig,
     TrainerConfig,
@@ -34,6 +35,7 @@ from lit_grpo.config_groups import (  # noqa: F401  (re-exported: the config's p
     require_finite,
 )
 from lit_grpo.config_keys import unknown_keys, unknown_keys_message
+from lit_grpo.rows import source_kind
 
 
 
@@ -48,6 +50,9 @@ class TrainConfig:
     `module.path:name` for a user's, plus that task's own options (e.g. `task.num_rows`), checked
     strictly against the options dataclass the task registered."""
     data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    """The reward (`conf/reward/`): null `reward.fn` is the task's; a name, `module:function` or a
+    weighted list of them replaces it."""
     policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
@@ -188,6 +193,13 @@ def ineffective_knobs(c: TrainConfig) -> list[str]:
         )
     if c.eval_interval > 0 and c.data.eval_rows == 0:
         knobs.append(f"eval_interval={c.eval_interval} has no effect with data.eval_rows=0: there is nothing to evaluate")
+    if c.data.eval_path and c.data.eval_rows == 0:
+        knobs.append(f"data.eval_path={c.data.eval_path} has no effect with data.eval_rows=0: nothing is evaluated")
+    data_defaults = {f.name: f.default for f in fields(DataConfig)}
+    if not any(p and source_kind(p) == "dataset" for p in (c.data.path, c.data.eval_path)):
+        for name in ("split", "eval_split", "dataset_config"):
+            if getattr(c.data, name) != data_defaults[name]:
+                knobs.append(f"data.{name}={getattr(c.data, name)} has no effect: neither data.path nor data.eval_path is a dataset")
     default_keep = TrainConfig.__dataclass_fields__["dcp_keep_last"].default
     if c.dcp_save_interval == 0 and c.dcp_keep_last != default_keep:
         knobs.append(f"dcp_keep_last={c.dcp_keep_last} has no effect with dcp_save_interval=0: no checkpoint is saved")

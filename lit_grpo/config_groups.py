@@ -1,4 +1,4 @@
-"""The config groups' dataclasses (model, sampler, data, rollout, policy loss, trainer) and the
+"""The config groups' dataclasses (model, sampler, data, reward, rollout, policy loss, trainer) and the
 validation helpers they share; `lit_grpo.config` composes them into `TrainConfig`.
 
 Every field has a docstring, and `__post_init__` checks what one group can check alone, naming
@@ -118,15 +118,33 @@ class SamplerConfig:
 
 @dataclass
 class DataConfig:
-    """How the task's rows are grouped into steps: what every task shares (the task's own options
-    are the `task` group)."""
+    """Where the rows come from (`path`: a file or dataset of your own; null: the task's rows) and
+    how they are grouped into steps. Rows reach the rollout exactly as stored (`lit_grpo.rows`)."""
+
+    path: Optional[str] = field(default=None, metadata=DEFINES_STATE)
+    """Training rows: a `.jsonl`, `.json` (a list of objects), `.parquet` or `.csv` file, or a
+    Hugging Face dataset name or local dataset folder (Parquet, CSV and datasets need the
+    `lit_grpo[datasets]` extra); null: the task's rows. Rows given to `build_run(c, rows=...)` come first."""
+    split: str = field(default="train", metadata=DEFINES_STATE)
+    """The split of a dataset `path` trained on."""
+    dataset_config: Optional[str] = field(default=None, metadata=DEFINES_STATE)
+    """The config name of a dataset `path` or `eval_path` (e.g. `main` for openai/gsm8k)."""
+    eval_path: Optional[str] = None
+    """Held-out rows (the first `eval_rows` of them are evaluated), in any form `path` takes;
+    null: the task's held-out rows (needed when `path` is set and `eval_rows` > 0)."""
+    eval_split: str = "test"
+    """The split of a dataset `eval_path` evaluated on."""
+    prompt_field: Optional[str] = None
+    """The row field the default rollout takes the prompt from: text (tokenized with the
+    tokenizer's special tokens), chat messages (through the chat template) or token ids. null: the
+    first of `prompt_token_ids`, `messages`, `prompt` that a row has."""
 
     completions_per_prompt: int = field(default=8, metadata=DEFINES_STATE)
     """G: completions sampled per prompt; advantages are relative within these."""
     prompt_groups_per_step: int = field(default=8, metadata=DEFINES_STATE)
     """P: accepted prompt groups per training step (B = P·G sequences)."""
     max_rows: int = field(default=0, metadata=DEFINES_STATE)
-    """Use at most this many rows of the task's dataset (0: all)."""
+    """Use at most this many training rows, wherever they come from (0: all)."""
     epochs: int = 1
     """Passes over the rows; rows are reshuffled each epoch with the run seed."""
     max_seq_len: int = 256
@@ -136,10 +154,20 @@ class DataConfig:
     min_group_size: int = 2
     """A group left with fewer samples (after dropped or failed rollouts) is dropped."""
     eval_rows: int = 0
-    """Held-out rows of the task scored greedily for `eval/accuracy` (0: no evaluation)."""
+    """Held-out rows (of `eval_path`, or the task's) scored greedily for `eval/accuracy` (0: no evaluation)."""
 
     def __post_init__(self) -> None:
+        for name in ("path", "eval_path", "prompt_field", "dataset_config"):
+            value = getattr(self, name)
+            require(value is None or bool(value.strip()), f"data.{name}", "must be null or a non-empty string")
+        for name in ("split", "eval_split"):
+            require(bool(getattr(self, name).strip()), f"data.{name}", "must be a split name, e.g. train or test")
         require(self.eval_rows >= 0, "data.eval_rows", "must be >= 0 (0: no evaluation)")
+        require(
+            not (self.path and not self.eval_path and self.eval_rows > 0),
+            "data.eval_path",
+            f"is needed with data.path={self.path} when data.eval_rows > 0 (held-out rows of your own), or set data.eval_rows=0",
+        )
         require(self.completions_per_prompt >= 2, "data.completions_per_prompt", "must be >= 2 (advantages are relative within a group)")
         require(self.prompt_groups_per_step >= 1, "data.prompt_groups_per_step", "must be >= 1")
         require(self.max_rows >= 0, "data.max_rows", "must be >= 0 (0 means all rows)")
@@ -163,6 +191,41 @@ class RolloutConfig:
 
     def __post_init__(self) -> None:
         require(":" in self.factory, "rollout.factory", f"must be 'module:function', got {self.factory!r}")
+
+
+@dataclass
+class RewardConfig:
+    """The reward (`lit_grpo.rewards`): the task's own, or functions of your own, weighted."""
+
+    fn: Any = None
+    """null: the task's reward. Or a registered reward (`arithmetic`, `gsm8k`, `exact_match`), or
+    `module:function` of your own (imported from the working directory), or a list of them: their
+    weighted sum, each component also logged as `reward/<name>`. A reward is
+    `reward(completion_text, row) -> float | None` (None: not applicable to this row)."""
+    weights: Optional[list[float]] = None
+    """One weight per component of `fn` (null: all 1.0)."""
+
+    def specs(self) -> list[str]:
+        """`fn` as a list of names (empty when null)."""
+        if self.fn is None:
+            return []
+        return list(self.fn) if isinstance(self.fn, (list, tuple)) else [self.fn]
+
+    def __post_init__(self) -> None:
+        from lit_grpo.rewards.combine import RESERVED_NAMES, check_weights, component_names
+
+        specs = self.specs()
+        require(self.fn is None or bool(specs), "reward.fn", "must name at least one reward, or be null (the task's reward)")
+        for spec in specs:
+            require(isinstance(spec, str) and bool(spec.strip()), "reward.fn", f"must be reward names or 'module:function', got {spec!r}")
+        names = component_names(specs)  # imports a user's module: a missing one is named here
+        if len(names) > 1:
+            require(len(set(names)) == len(names), "reward.fn", f"two components share a name ({', '.join(names)}): their "
+                    "reward/<name> curves would mix; give the functions distinct names")
+            for name in names:
+                require(name not in RESERVED_NAMES, "reward.fn", f"a component may not be called {name!r}: reward/{name} is already logged")
+        if why := check_weights(self.weights, max(len(specs), 1)):
+            require(False, "reward.weights", why)
 
 
 # PolicyLossConfig's named hyper-parameters; any other goes in `params`.

@@ -76,7 +76,8 @@ class RolloutStream(IterableDataset):
 
 
 class RolloutDataModule(L.LightningDataModule):
-    """Streams rollouts of this rank's rows from an in-process sampler; rows are tokenized with the policy's tokenizer."""
+    """Streams rollouts of this rank's rows from an in-process sampler. Rows reach the rollout
+    function as they were given (never tokenized or copied here: the rollout makes the prompt)."""
 
     def __init__(
         self,
@@ -98,7 +99,8 @@ class RolloutDataModule(L.LightningDataModule):
         max_head_offpolicy_versions: int = 0,
         max_concurrency: int = 256,
         eval_rows: Optional[list[dict]] = None,
-        reward_fn: Optional[Callable[[str, dict], float]] = None,
+        reward_fn: Optional[Callable[[str, dict], Optional[float]]] = None,
+        prompt_field: Optional[str] = None,
         rank: int = 0,
         world_size: int = 1,
         rollout_timeout_s: float = 300.0,
@@ -107,11 +109,13 @@ class RolloutDataModule(L.LightningDataModule):
     ) -> None:
         super().__init__()
         self.tokenizer, self.sampler = tokenizer, sampler
-        self.eval_rows = [self._tokenized(r) for r in eval_rows or []]
-        """Held-out rows for greedy evaluation (`prompt_token_ids` or `messages`)."""
+        self.eval_rows = list(eval_rows or [])
+        """Held-out rows for greedy evaluation (their prompt: see `lit_grpo.rollout.row_prompt_tokens`)."""
         self.reward_fn = reward_fn
-        """The task's `reward(completion_text, row)`, for evaluation."""
-        self.cursor = RowCursor([self._tokenized(r) for r in rows], epochs, seed, shuffle, rank=rank, world_size=world_size)
+        """The run's `reward(completion_text, row)`, for evaluation."""
+        self.prompt_field = prompt_field
+        """`data.prompt_field`: the row field evaluation takes the prompt from (None: the default fields)."""
+        self.cursor = RowCursor(rows, epochs, seed, shuffle, rank=rank, world_size=world_size)
         self.groups = GroupSampler(
             rollout_fn, completions_per_prompt, max_seq_len=max_seq_len, min_group_size=min_group_size, filters=[],
             vocab_size=len(tokenizer), rollout_timeout_s=rollout_timeout_s, max_retries=rollout_max_retries,
@@ -130,11 +134,6 @@ class RolloutDataModule(L.LightningDataModule):
         self.stream = RolloutStream(self.scheduler, self.groups, max_steps=max_steps, advantage_scale=advantage_scale, pad_id=tokenizer.pad_token_id)
         if synchronous_training and hasattr(sampler, "sleep"):
             self.stream.rest_between_steps = sampler.sleep  # it wakes itself for the next sync or sample
-
-    def _tokenized(self, row: dict) -> dict:
-        if "prompt" in row and "prompt_token_ids" not in row:
-            row = {**row, "prompt_token_ids": self.tokenizer(row["prompt"], add_special_tokens=False)["input_ids"]}
-        return row
 
     @property
     def group_filters(self) -> list[GroupFilter]:

@@ -18,19 +18,27 @@ from lit_grpo.rollout import row_prompt_tokens
 log = logging.getLogger(__name__)
 
 
-def greedy_reward_sum(sampler, tokenizer, rows: list[dict], reward_fn, max_tokens: int, batch_size: int) -> float:
-    """Sum of the rewards of one greedy completion per row."""
-    total = 0.0
+def greedy_reward_sum(sampler, tokenizer, rows: list[dict], reward_fn, max_tokens: int, batch_size: int,
+                      prompt_field: Optional[str] = None) -> tuple[float, int]:
+    """Sum of the rewards of one greedy completion per row, and how many rows were scored (a
+    reward of None, not applicable to its row, counts in neither). Prompts are made as the
+    default rollout makes them (`row_prompt_tokens`)."""
+    total, scored = 0.0, 0
     for start in range(0, len(rows), batch_size):
         chunk = rows[start : start + batch_size]
-        completions = sampler.generate([row_prompt_tokens(r, tokenizer) for r in chunk], 0.0, max_tokens)
-        total += sum(reward_fn(c.text, row) for c, row in zip(completions, chunk))
-    return total
+        completions = sampler.generate([row_prompt_tokens(r, tokenizer, prompt_field) for r in chunk], 0.0, max_tokens)
+        for c, row in zip(completions, chunk):
+            reward = reward_fn(c.text, row)
+            if reward is not None:
+                total, scored = total + float(reward), scored + 1
+    return total, scored
 
 
-def greedy_accuracy(sampler, tokenizer, rows: list[dict], reward_fn, max_tokens: int, batch_size: int) -> float:
-    """Mean reward of one greedy completion per row (for a 0/1 reward: the accuracy)."""
-    return greedy_reward_sum(sampler, tokenizer, rows, reward_fn, max_tokens, batch_size) / len(rows)
+def greedy_accuracy(sampler, tokenizer, rows: list[dict], reward_fn, max_tokens: int, batch_size: int,
+                    prompt_field: Optional[str] = None) -> float:
+    """Mean reward of one greedy completion per row the reward applies to (for a 0/1 reward: the accuracy)."""
+    total, scored = greedy_reward_sum(sampler, tokenizer, rows, reward_fn, max_tokens, batch_size, prompt_field)
+    return total / scored if scored else float("nan")
 
 
 class GreedyEvaluator:
@@ -51,10 +59,15 @@ class GreedyEvaluator:
             return None
         start = time.perf_counter()
         share = rows[rank::world_size]
-        total = greedy_reward_sum(datamodule.sampler, datamodule.tokenizer, share, datamodule.reward_fn, self.max_tokens, self.batch_size) if share else 0.0
-        accuracy = float(all_reduce(torch.tensor(total, dtype=torch.float64))) / len(rows)
+        prompt_field = getattr(datamodule, "prompt_field", None)
+        total, scored = greedy_reward_sum(
+            datamodule.sampler, datamodule.tokenizer, share, datamodule.reward_fn, self.max_tokens, self.batch_size, prompt_field,
+        ) if share else (0.0, 0)
+        total, scored = all_reduce(torch.tensor([total, scored], dtype=torch.float64)).tolist()
+        accuracy = total / scored if scored else float("nan")
         self.last = {"eval/accuracy": accuracy, "eval/step": float(step)}
-        log.info("step %d: eval/accuracy %.4f on %d held-out rows (%.1f s)", step, accuracy, len(rows), time.perf_counter() - start)
+        log.info("step %d: eval/accuracy %.4f on %d held-out rows (%d scored; the reward applies to those) (%.1f s)",
+                 step, accuracy, len(rows), int(scored), time.perf_counter() - start)
         return accuracy
 
     def state_dict(self) -> dict:

@@ -147,9 +147,17 @@ def rollout_factory_problem(factory: str) -> Optional[str]:
     return None if callable(obj) else f"config field `rollout.factory`: {factory!r} is not callable"
 
 
+def data_problems(c: TrainConfig) -> list[str]:
+    """Why `data.path` or `data.eval_path` (when evaluation is on) cannot be read from here."""
+    from lit_grpo.rows import source_problem
+
+    sources = [("data.path", c.data.path), ("data.eval_path", c.data.eval_path if c.data.eval_rows > 0 else None)]
+    return [why for field, path in sources if path and (why := source_problem(path, field))]
+
+
 def check_sources(c: TrainConfig) -> None:
-    """Raise one `ConfigError` listing every unreachable model or dataset (with the overrides that
-    point at local copies), a sampler backend that is not installed, a rollout factory that cannot
+    """Raise one `ConfigError` listing every unreachable model, data file or dataset (with the
+    overrides that point at local copies), a sampler backend that is not installed, a rollout factory that cannot
     be imported, and an output folder that cannot be written."""
     from lit_grpo.samplers import get_sampler
     from lit_grpo.tasks import source_problems
@@ -161,7 +169,8 @@ def check_sources(c: TrainConfig) -> None:
             problems.append(f"model.name_or_path={name}: {why}")
         elif why := hub_problem(name, "model"):
             problems.append(f"model {name!r}: {why}; use a local copy with model.name_or_path=/path/to/model")
-    problems.extend(source_problems(c))
+    problems.extend(source_problems(c))  # none when data.path replaces the task's rows
+    problems.extend(data_problems(c))
     if why := get_sampler(c.sampler.kind).missing():
         problems.append(f"sampler={c.sampler.kind}: {why}")
     if why := rollout_factory_problem(c.rollout.factory):

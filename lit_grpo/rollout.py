@@ -1,7 +1,9 @@
 """The default rollout function: one completion per call, scored by the configured reward.
 
 A user's own `make_rollout_fn(setup)` replaces this one (multi-turn, tools, retries); it only has
-to return a `RolloutSample` (or None to drop the sample) per call. Each call is bounded by
+to return a `RolloutSample` (or None to drop the sample) per call. The default one reads the row as
+stored: its prompt is token ids, chat messages or text (`row_prompt_tokens`), its reward the
+run's `reward_fn(completion_text, row)`. Each call is bounded by
 `rollout_timeout_s`; a prompt (token ids or a templated chat) that leaves no room for a completion
 within `data.max_seq_len` is refused by the sampler with `PromptTooLong` before it reaches the
 engine, and the sample is counted as `rollout/dropped_prompt_too_long`.
@@ -9,8 +11,10 @@ engine, and the sample is counted as `rollout/dropped_prompt_too_long`.
 
 from __future__ import annotations
 
+import functools
 from typing import Awaitable, Callable, Optional
 
+from lit_grpo.rows import RowPromptError, no_prompt_message, prompt_field_of
 from lit_grpo.samplers.base import chat_prompt_tokens
 from lit_grpo.types import Completion, RolloutSample, RolloutSetup
 
@@ -45,24 +49,70 @@ def sample_from_completion(c: Completion, reward: float) -> RolloutSample:
     )
 
 
-def row_prompt_tokens(row: dict, tokenizer) -> list[int]:
-    """A row's prompt: its `prompt_token_ids`, or its `messages` (minus any assistant answer) through the chat template."""
-    if "prompt_token_ids" in row:
-        return list(row["prompt_token_ids"])
-    return chat_prompt_tokens(tokenizer, [m for m in row["messages"] if m.get("role") != "assistant"])
+PROMPT_CACHE_SIZE = 1 << 16
+"""Plain-text prompts whose token ids a rollout function keeps (each row is sampled G times)."""
+
+
+def text_prompt_tokens(tokenizer, text: str) -> list[int]:
+    """A plain-text prompt tokenized as generation in transformers and TRL does it: `tokenizer(text)`,
+    with the tokenizer's special tokens (a BOS for the models that use one)."""
+    return tokenizer(text)["input_ids"]
+
+
+def _prompt_messages(messages: list[dict]) -> list[dict]:
+    """The messages without the assistant turns at the end (a reference answer is not a prompt)."""
+    end = len(messages)
+    while end and isinstance(messages[end - 1], dict) and messages[end - 1].get("role") == "assistant":
+        end -= 1
+    return messages[:end]
+
+
+def row_prompt_tokens(row: dict, tokenizer, prompt_field: Optional[str] = None, *,
+                      text_tokens: Optional[Callable[[str], list[int]]] = None) -> list[int]:
+    """A row's prompt as token ids, from `prompt_field` or the first of `prompt_token_ids`,
+    `messages`, `prompt` the row has (`lit_grpo.rows.prompt_field_of`), by the field's value:
+    token ids as they are; chat messages (minus assistant turns at the end) through the chat
+    template; text through `text_tokens` (default `text_prompt_tokens`, special tokens included).
+    `RowPromptError` (a `UserError` that stops training at once) names the row when none fits."""
+    field = prompt_field_of(row, prompt_field)
+    value = row[field]
+    if isinstance(value, str):
+        return list(text_tokens(value)) if text_tokens is not None else text_prompt_tokens(tokenizer, value)
+    if isinstance(value, (list, tuple)) and value:  # by the first item: the sampler checks every token id
+        if isinstance(value[0], int) and not isinstance(value[0], bool):
+            return list(value)
+        if isinstance(value[0], dict):
+            return chat_prompt_tokens(tokenizer, _prompt_messages(list(value)))
+    raise RowPromptError(
+        f"the prompt field {field!r} of a row holds {type(value).__name__} {str(value)[:60]!r}: the default rollout takes "
+        f"text, a list of chat messages or a list of token ids. {no_prompt_message(row, prompt_field)}"
+    )
 
 
 def make_rollout_fn(setup: RolloutSetup) -> RolloutFn:
-    """Rows with `prompt_token_ids` are sampled token-in; rows with `messages` through the chat template."""
-    sampler, sample_kwargs = setup.sampler, dict(setup.sample_kwargs)
+    """One completion of the row's prompt (`row_prompt_tokens`, with `setup.extras["prompt_field"]`),
+    scored by `setup.extras["reward_fn"]`; a None reward drops the sample. A weighted reward's
+    components go in the sample's `metrics` (`reward/<name>`)."""
+    from lit_grpo.rewards import score_with_parts
+
+    sampler, tokenizer, sample_kwargs = setup.sampler, setup.tokenizer, dict(setup.sample_kwargs)
     reward_fn = setup.extras["reward_fn"]
+    prompt_field = setup.extras.get("prompt_field")
+    # The G calls of a row tokenize the same text: once is enough (~40 µs a call on the demo's tokenizer).
+    cached_text_tokens = functools.lru_cache(maxsize=PROMPT_CACHE_SIZE)(lambda text: tuple(text_prompt_tokens(tokenizer, text)))
 
     async def rollout_fn(row: dict) -> Optional[RolloutSample]:
-        completions = await sampler.sample_with_prompt_tokens(row_prompt_tokens(row, setup.tokenizer), n=1, **sample_kwargs)
+        prompt = row_prompt_tokens(row, tokenizer, prompt_field, text_tokens=cached_text_tokens)
+        completions = await sampler.sample_with_prompt_tokens(prompt, n=1, **sample_kwargs)
         if not completions:
             return None
         c = completions[0]
-        return sample_from_completion(c, reward_fn(c.text, row))
+        reward, parts = score_with_parts(reward_fn, c.text, row)
+        if reward is None:  # not applicable to this row: counted as rollout/dropped_none
+            return None
+        sample = sample_from_completion(c, reward)
+        sample.metrics.update(parts)
+        return sample
 
     return rollout_fn
 

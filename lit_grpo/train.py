@@ -41,7 +41,8 @@ from lit_grpo.run_state import RunCheckpointer
 from lit_grpo.samplers import build_sampler
 from lit_grpo.signals import StopRequested, StopSignals
 from lit_grpo.step_sequence import StepSequence
-from lit_grpo.tasks import build_eval_rows, build_rows, reward_fn
+from lit_grpo.rows import evaluation_rows, training_rows
+from lit_grpo.tasks import reward_fn
 from lit_grpo.types import RolloutSetup
 
 log = logging.getLogger(__name__)
@@ -71,12 +72,13 @@ def build_datamodule(c: TrainConfig, policy, tokenizer, rows: list[dict], eval_r
         sampler=sampler,
         tokenizer=tokenizer,
         sample_kwargs={"temperature": c.sampler.temperature, "max_tokens": c.sampler.max_completion_tokens, "top_p": 1.0, "top_k": 0},
-        extras={"reward_fn": reward_fn(c), **c.rollout.extras},
+        extras={"reward_fn": reward_fn(c), "prompt_field": c.data.prompt_field, **c.rollout.extras},
     )
     return RolloutDataModule(
         rows=rows,
         eval_rows=eval_rows,
         reward_fn=setup.extras["reward_fn"],
+        prompt_field=c.data.prompt_field,
         tokenizer=tokenizer,
         sampler=sampler,
         rollout_fn=load_rollout_factory(c.rollout.factory)(setup),
@@ -145,9 +147,10 @@ def build_run(
 ) -> tuple[L.Trainer, GRPOModule, RolloutDataModule]:
     """Seed, then build the model, the trainer (which knows this process's rank), this rank's data and the module."""
     L.seed_everything(c.seed, workers=True, verbose=False)
-    # Data first: a malformed row or a missing file fails before a model is loaded.
-    rows = build_rows(c) if rows is None else rows
-    eval_rows = build_eval_rows(c) if eval_rows is None else eval_rows
+    # Data first: a malformed row or a missing file fails before a model is loaded. Rows given
+    # here come before data.path, which comes before the task's rows; all are kept as stored.
+    rows = training_rows(c, rows)
+    eval_rows = evaluation_rows(c, eval_rows)
     tokenizer = load_tokenizer(c.model)
     policy = load_policy(c.model, tokenizer, c.seed)  # the same on every rank
     callbacks = [HFExport(Path(c.output_dir) / c.output_model_id, tokenizer)] if c.output_model_id else []  # an absolute id stays absolute

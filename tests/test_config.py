@@ -21,7 +21,7 @@ from lit_grpo.tasks import available_tasks, build_eval_rows, build_rows, get_tas
 
 from conftest import CONF_DIR, compose_config
 
-GROUPS = ["model", "sampler", "task", "data", "policy_loss", "trainer", "callbacks", "logger"]
+GROUPS = ["model", "sampler", "task", "data", "reward", "policy_loss", "trainer", "callbacks", "logger"]
 # The `user` options of `policy_loss` and `task` leave `name` to the command line.
 USER_NAMES = {("policy_loss", "user"): "policy_loss.name=reinforce", ("task", "user"): "task.name=arithmetic"}
 
@@ -263,7 +263,7 @@ def test_sampler_kinds_come_from_the_registry(tmp_path, monkeypatch):
 def test_the_state_defining_fields_are_the_marked_ones():
     assert set(STATE_DEFINING_FIELDS) == {
         "model", "seed", "policy_loss.name", "task", "data.completions_per_prompt", "data.prompt_groups_per_step",
-        "data.max_rows", "data.shuffle", "ppo_n_minibatches",
+        "data.max_rows", "data.shuffle", "data.path", "data.split", "data.dataset_config", "ppo_n_minibatches",
     }  # fmt: skip
 
 

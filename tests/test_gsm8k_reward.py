@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 
+from lit_grpo.rewards import RewardRowError, get_reward
 from lit_grpo.rewards.gsm8k import extract_final_number, parse_reference_answer, score
 
 # OpenAI's 4 x 1319 model solutions to the GSM8K test split, each labelled is_correct.
@@ -98,6 +99,30 @@ def test_parse_reference_answer():
     assert parse_reference_answer("She makes 9 * 2 = $<<9*2=18>>18.\n#### 18") == "18"
     with pytest.raises(ValueError, match="contains no number"):
         parse_reference_answer("eighteen")
+
+
+def test_the_registered_reward_reads_the_row_as_stored():
+    reward = get_reward("gsm8k")
+    solution = "Janet sells 16 - 3 - 4 = <<16-3-4=9>>9 duck eggs a day.\nShe makes 9 * 2 = $<<9*2=18>>18 every day.\n#### 18"
+    # The cookbook's chat row: the whole solution as `answer`; a correct \boxed{18} scores 1.
+    row = {"id": "gsm-0", "messages": [{"role": "user", "content": "..."}], "answer": solution}
+    assert reward("So she makes $\\boxed{18}$.", row) == 1.0
+    assert reward("#### 17", row) == 0.0
+    for stored in ("18", 18, 18.0, "\\boxed{18}", "#### 18", "$18"):
+        assert reward("The answer is 18.", {"answer": stored}) == 1.0, stored
+    assert reward("A: 1000", {"ground_truth": "1,000"}) == 1.0  # the next answer field
+    assert reward("A: 2.5", {"solution": 2.5}) == 1.0
+    assert row["answer"] == solution  # scoring changes nothing in the row
+
+
+def test_the_registered_reward_names_an_unusable_row():
+    reward = get_reward("gsm8k")
+    with pytest.raises(RewardRowError, match=r"'gsm8k'.*no reference answer.*'answer' or 'ground_truth' or 'solution'.*fields: id, prompt"):
+        reward("18", {"id": 1, "prompt": "q"})
+    with pytest.raises(RewardRowError, match=r"'answer' holds no number: 'eighteen'"):
+        reward("18", {"answer": "eighteen"})
+    with pytest.raises(LookupError):  # raised in a rollout, it stops training at once (a bug, not a failure)
+        reward("18", {"answer": True})
 
 
 def _labelled_solutions():

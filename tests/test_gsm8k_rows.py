@@ -1,4 +1,5 @@
-"""GSM8K rows from JSONL: both record formats, and bad lines reported by file, line and field."""
+"""GSM8K rows from JSONL: both record formats kept as stored (a raw record only gains `messages`),
+and bad lines reported by file, line and field."""
 
 import json
 import logging
@@ -7,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from lit_grpo.tasks.gsm8k_rows import PROMPT_TEMPLATE, RowError, load_jsonl_rows, normalize_record
+from lit_grpo.tasks.gsm8k_rows import PROMPT_TEMPLATE, RowError, check_record, load_jsonl_rows
 
 SAMPLE = Path(__file__).resolve().parent / "data" / "gsm8k_test_sample.jsonl"
 GOOD = {"question": "Tom has 2 apples and buys 3. How many?", "answer": "2 + 3 = <<2+3=5>>5\n#### 5"}
@@ -20,24 +21,26 @@ def _write(tmp_path: Path, lines: list, name: str = "gsm8k.jsonl") -> Path:
     return path
 
 
-def test_vendored_sample_loads_with_the_hash_answers():
+def test_vendored_sample_keeps_every_field_and_gains_only_messages():
     rows, problems = load_jsonl_rows(SAMPLE)
     raw = [json.loads(line) for line in SAMPLE.read_text(encoding="utf-8").splitlines()]
     assert len(rows) == 40 and problems == []
-    assert rows[0]["answer"] == "18"
-    assert [r["answer"] for r in rows] == [x["answer"].split("####")[-1].strip().replace(",", "") for x in raw]
-    assert rows[2]["answer"] == "70000"  # "#### 70000"; the solution above it has "$80,000"
+    assert rows[0]["answer"].endswith("#### 18")  # the whole solution, as stored: the reward parses it
     for row, x in zip(rows, raw):
-        assert row["question"] == x["question"]
-        assert row["messages"] == [{"role": "user", "content": PROMPT_TEMPLATE.format(question=x["question"])}]
-        assert x["question"] in row["messages"][-1]["content"]
+        prompt = [{"role": "user", "content": PROMPT_TEMPLATE.format(question=x["question"])}]
+        assert row == {**x, "messages": prompt}  # every stored field, unchanged, plus the prompt
 
 
-def test_chat_records_keep_their_messages():
+def test_chat_records_are_kept_exactly_as_stored():
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+3?"}]
-    for field, value, expected in [("answer", "5", "5"), ("ground_truth", "so #### 1,000", "1000"), ("solution", 2.50, "2.5")]:
-        row = normalize_record({"messages": messages, field: value}, "x line 1")
-        assert row == {"messages": messages, "answer": expected, "question": "What is 2+3?"}
+    for field, value in [("answer", "5"), ("ground_truth", "so #### 1,000"), ("solution", 2.50), ("answer", "\\boxed{5}")]:
+        record = {"id": "c-1", "messages": messages, field: value, "meta": {"level": 2}}
+        stored = json.loads(json.dumps(record))
+        assert check_record(record, "x line 1") == stored  # nothing renamed, parsed, added or dropped
+    cookbook = {"id": "gsm-3", "messages": messages + [{"role": "assistant", "content": "5"}], "answer": "2+3=5\n#### 5"}
+    assert check_record(json.loads(json.dumps(cookbook)), "x line 2") == cookbook
+    prompt_row = {"prompt": "2+3=", "answer": "5"}  # another prompt field: no messages added
+    assert check_record(dict(prompt_row), "x line 3") == prompt_row
 
 
 @pytest.mark.parametrize(
@@ -56,7 +59,7 @@ def test_chat_records_keep_their_messages():
 )
 def test_malformed_records_name_place_and_field(record, field):
     with pytest.raises(RowError) as err:
-        normalize_record(record, "gsm8k.jsonl line 17")
+        check_record(record, "gsm8k.jsonl line 17")
     assert str(err.value).startswith("gsm8k.jsonl line 17: ") and field in str(err.value)
 
 
@@ -75,7 +78,7 @@ def test_raise_mode_stops_at_the_first_bad_line(tmp_path):
 def test_skip_mode_skips_bad_lines_and_lists_them(tmp_path, caplog):
     with caplog.at_level(logging.WARNING):
         rows, problems = load_jsonl_rows(_bad_file(tmp_path), on_error="skip")
-    assert [r["answer"] for r in rows] == ["5", "5", "5"]
+    assert [r["answer"] for r in rows] == [GOOD["answer"]] * 3
     assert [p.split(":")[0] for p in problems] == ["gsm8k.jsonl line 2", "gsm8k.jsonl line 3", "gsm8k.jsonl line 6"]
     assert "missing answer field" in problems[0] and "invalid JSON" in problems[1]
     assert "'answer' holds no number" in problems[2]
@@ -128,7 +131,7 @@ def test_a_byte_order_mark_starts_the_file_only(tmp_path):
     good = json.dumps(GOOD).encode()
     path = tmp_path / "bom.jsonl"
     path.write_bytes(b"\xef\xbb\xbf" + good + b"\r\n" + good + b"\r\n")  # Windows Notepad's UTF-8
-    assert [r["answer"] for r in load_jsonl_rows(path)[0]] == ["5", "5"]
+    assert [r["answer"] for r in load_jsonl_rows(path)[0]] == [GOOD["answer"]] * 2
     path.write_bytes(good + b"\n\xef\xbb\xbf" + good + b"\n")
     with pytest.raises(RowError, match=r"bom\.jsonl line 2: invalid JSON"):
         load_jsonl_rows(path)

@@ -1,8 +1,10 @@
-"""Exact-match reward for the arithmetic task."""
+"""Exact-match reward of the arithmetic task: the completion's leading whole number."""
 
 from __future__ import annotations
 
 import re
+
+from lit_grpo.rewards.registry import reference_field, register_reward
 
 _LEADING_INT = re.compile(r"\s*(-?\d+)")
 
@@ -14,3 +16,9 @@ def score(completion: str, answer: str) -> float:
     """
     match = _LEADING_INT.match(completion)
     return 1.0 if match is not None and match.group(1) == str(answer).strip() else 0.0
+
+
+@register_reward("arithmetic")
+def arithmetic(completion_text: str, row: dict) -> float:
+    """`score` of the completion against the row's `answer`."""
+    return score(completion_text, row[reference_field(row, ("answer",), "arithmetic")])

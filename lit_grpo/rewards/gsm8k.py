@@ -16,13 +16,20 @@ is two numbers) and decimals; a trailing period ("18."), units ("18 dollars", "2
 other text after it are ignored. A simple fraction "1/2" (integer over non-zero integer) is one
 number. Numbers are compared as exact fractions (no float rounding) within a relative tolerance
 of 1e-9, so "2.50" equals "2.5" and "3.0" equals "3" while "0.333" does not equal "1/3".
+
+The reference is read the same way from the row as it was stored (registered reward `gsm8k`):
+its `answer` (or `ground_truth`, `solution`) may be a bare number ("18", "1,000", 18), a whole
+GSM8K solution ending `#### 18`, or a text with `\\boxed{18}`.
 """
 
 from __future__ import annotations
 
+import functools
 import re
 from decimal import Decimal
 from fractions import Fraction
+
+from lit_grpo.rewards.registry import RewardRowError, reference_field, register_reward
 
 _ANNOTATION = re.compile(r"<<[^<>]*>>")
 # Not preceded by a word character or '.', so the "3" of "x3" or of "1.3" is no number of its
@@ -113,10 +120,36 @@ def parse_reference_answer(answer: str) -> str:
     return number
 
 
+@functools.lru_cache(maxsize=1 << 16)
+def _reference_value(answer: str) -> Fraction:
+    """The reference as a number (cached: every completion of a row is scored against it)."""
+    return _final_value(parse_reference_answer(answer))
+
+
 def score(completion: str, answer: str) -> float:
-    """1.0 when the final number of `completion` equals the reference `answer`, else 0.0."""
-    reference = _final_value(parse_reference_answer(answer))
+    """1.0 when the final number of `completion` equals the reference `answer` (a number or a
+    solution, see `parse_reference_answer`), else 0.0; ValueError when `answer` holds no number."""
+    reference = _reference_value(str(answer))
     value = _final_value(completion)
     if value is None or reference is None:
         return 0.0
     return 1.0 if abs(value - reference) <= _REL_TOL * max(1, abs(reference)) else 0.0
+
+
+ANSWER_FIELDS = ("answer", "ground_truth", "solution")
+"""Where a row's reference is, the first one present."""
+
+
+@register_reward("gsm8k")
+def gsm8k(completion_text: str, row: dict) -> float:
+    """`score` of the completion against the row's reference, read as stored from the first of
+    `answer`, `ground_truth`, `solution`: a number, a solution ending `#### N`, or `\\boxed{N}`."""
+    field = reference_field(row, ANSWER_FIELDS, "gsm8k")
+    value = row[field]
+    # bool is an int subclass, but `true` as an answer is a data bug, not the number 1.
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        raise RewardRowError(f"reward 'gsm8k': the row's {field!r} must be a string or a number, got {value!r:.80}")
+    try:
+        return score(completion_text, str(value))
+    except ValueError:
+        raise RewardRowError(f"reward 'gsm8k': the row's {field!r} holds no number: {str(value)[:80]!r}") from None

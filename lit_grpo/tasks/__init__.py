@@ -1,12 +1,15 @@
 """Tasks: each makes dataset rows and names the reward that scores them (a registry, see
 `lit_grpo.tasks.registry`). The built-ins are `arithmetic` (the CPU demo) and `gsm8k`.
 
-What the training entry point calls, all from the validated `TrainConfig`:
+What the training entry point calls, all from the validated `TrainConfig` (`lit_grpo.rows` calls
+the first two only when `data.path` / `data.eval_path` give no rows of the user's own):
 
     rows = build_rows(c); eval_rows = build_eval_rows(c); reward = reward_fn(c)
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 from lit_grpo.config import TrainConfig
 from lit_grpo.tasks import arithmetic, gsm8k  # noqa: F401  (registers the built-in tasks)
@@ -27,9 +30,19 @@ __all__ = [
 ]  # fmt: skip
 
 
+def _task_data(c: TrainConfig):
+    """`c.data` as far as the task's rows go: None when `data.path` replaces them all, no evaluation
+    when `data.eval_path` replaces its held-out rows."""
+    if c.data.path:
+        return None
+    return dataclasses.replace(c.data, eval_rows=0) if c.data.eval_path else c.data
+
+
 def check_task(c: TrainConfig) -> None:
     """Validate `c.task` (name, options, and the task's rule with `c.data`); raises `ConfigError`."""
-    task_spec(c.task).check(task_options(c.task), c.data)
+    opts = task_options(c.task)
+    if (data := _task_data(c)) is not None:
+        task_spec(c.task).check(opts, data)
 
 
 def build_rows(c: TrainConfig) -> list[dict]:
@@ -49,10 +62,16 @@ def build_eval_rows(c: TrainConfig) -> list[dict]:
 
 
 def reward_fn(c: TrainConfig) -> RewardFn:
-    """`reward(completion_text, row) -> float | None` of the configured task."""
-    return task_spec(c.task).reward(task_options(c.task))
+    """The run's `reward(completion_text, row) -> float | None`: the task's, or `c.reward`'s
+    (`lit_grpo.rewards.combine.build_reward`)."""
+    from lit_grpo.rewards import build_reward
+
+    spec = task_spec(c.task)
+    return build_reward(c.reward, lambda: spec.reward(task_options(c.task)), spec.name)
 
 
 def source_problems(c: TrainConfig) -> list[str]:
-    """What the task reads that cannot be reached from here (for `lit_grpo.preflight`)."""
-    return task_spec(c.task).sources(task_options(c.task), c.data)
+    """What the task reads that cannot be reached from here (for `lit_grpo.preflight`); nothing
+    when `data.path` replaces its rows."""
+    data = _task_data(c)
+    return [] if data is None else task_spec(c.task).sources(task_options(c.task), data)

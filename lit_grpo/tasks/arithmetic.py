@@ -1,7 +1,7 @@
 """The arithmetic task of the CPU demo: `a+b=` prompts with a known answer, generated from a seed.
 
-Rows are token-in (`prompt_token_ids` is filled by the data module with the policy's tokenizer)
-and carry the reference `answer`. Difficulty: operands in 0..max_operand, answers in
+Rows are plain-text prompts (`prompt`, tokenized by the default rollout with the policy's
+tokenizer) and carry the reference `answer`, scored by the registered `arithmetic` reward. Difficulty: operands in 0..max_operand, answers in
 0..max_answer; the default (sums of digits below 10) is what a random-init 2-layer model learns
 in a few minutes on a CPU; harder settings (`task.max_answer=18`, `task.operators=+-`) are options.
 Held-out rows are drawn the same way from another seed.
@@ -13,7 +13,7 @@ import random
 from dataclasses import dataclass
 
 from lit_grpo.config import require
-from lit_grpo.rewards.arithmetic import score
+from lit_grpo.rewards.registry import get_reward
 from lit_grpo.tasks.registry import RewardFn, register_task
 
 _APPLY = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
@@ -74,8 +74,8 @@ def held_out_rows(opts: ArithmeticOptions, *, seed: int, count: int) -> list[dic
 
 
 def reward(opts: ArithmeticOptions) -> RewardFn:
-    """Exact match of the completion's leading whole number with the row's `answer`."""
-    return lambda text, row: score(text, row["answer"])
+    """The registered `arithmetic` reward: the completion's leading whole number against the row's `answer`."""
+    return get_reward("arithmetic")
 
 
 register_task("arithmetic", options=ArithmeticOptions, rows=train_rows, eval_rows=held_out_rows, reward=reward)

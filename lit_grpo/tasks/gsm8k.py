@@ -1,5 +1,9 @@
 """The GSM8K task: rows from a local JSONL (`task.path`) or the Hugging Face dataset, scored by
-`lit_grpo.rewards.gsm8k.score`. Rows are chat rows (`messages`), sampled through the chat template."""
+the `gsm8k` reward (`lit_grpo.rewards.gsm8k`), which reads each row's answer as stored.
+
+Rows keep every field as stored; a raw GSM8K record (`question`, `answer`, no prompt field) also
+gets a `messages` field, the question in `PROMPT_TEMPLATE` (`gsm8k_rows`), sampled through the
+chat template. A record is checked (a prompt or question, an answer holding a number), never rewritten."""
 
 from __future__ import annotations
 
@@ -9,7 +13,7 @@ from typing import Optional
 
 from lit_grpo.config import DataConfig, require
 from lit_grpo.errors import MissingExtraError
-from lit_grpo.rewards.gsm8k import score
+from lit_grpo.rewards.registry import get_reward
 from lit_grpo.tasks.gsm8k_rows import ON_ERROR_MODES, collect_rows, load_jsonl_rows
 from lit_grpo.tasks.registry import RewardFn, register_task
 
@@ -70,8 +74,8 @@ def held_out_rows(opts: GSM8KOptions, *, seed: int, count: int) -> list[dict]:
 
 
 def reward(opts: GSM8KOptions) -> RewardFn:
-    """1.0 when the completion's final number equals the row's `answer` (see `rewards.gsm8k`)."""
-    return lambda text, row: score(text, row["answer"])
+    """The registered `gsm8k` reward: the completion's final number against the row's answer."""
+    return get_reward("gsm8k")
 
 
 def check(opts: GSM8KOptions, data: DataConfig) -> None:

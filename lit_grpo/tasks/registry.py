@@ -23,8 +23,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from lit_grpo.config import ConfigError, DataConfig
 from lit_grpo.registry import lookup
-
-RewardFn = Callable[[str, dict], Optional[float]]
+from lit_grpo.rewards.registry import RewardFn
 
 
 @dataclass(frozen=True)

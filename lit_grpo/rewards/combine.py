@@ -1,0 +1,89 @@
+"""The run's reward: the task's own, or `reward.fn`'s components in a weighted sum.
+
+With several components each one's value of a sample is also put in the sample's `metrics`
+under `reward/<name>` (the default rollout does it), so a run logs one curve per component
+beside `reward/mean` of the sum.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Callable, Optional
+
+from lit_grpo.rewards.registry import RewardFn, get_reward, reward_name
+
+if TYPE_CHECKING:
+    from lit_grpo.config_groups import RewardConfig
+
+RESERVED_NAMES = ("mean", "std", "max", "histogram")
+"""`reward/<name>` keys the run logs already: no component may take them."""
+
+
+class WeightedReward:
+    """`reward(completion_text, row)`: Σ weight·value over the components that return a number
+    (a None is skipped: not applicable); None when none does. Callable like any reward, so a
+    rollout of your own can use it as is; `score` also returns each component's value."""
+
+    def __init__(self, components: list[tuple[str, RewardFn]], weights: list[float]) -> None:
+        if len(components) != len(weights):
+            raise ValueError(f"{len(components)} reward components but {len(weights)} weights")
+        self.components, self.weights = list(components), [float(w) for w in weights]
+
+    def score(self, completion_text: str, row: dict) -> tuple[Optional[float], dict[str, float]]:
+        """The weighted sum (None when every component returned None) and, with more than one
+        component, `{"reward/<name>": value}` of those that returned a number."""
+        total, parts = 0.0, {}
+        for (name, fn), weight in zip(self.components, self.weights):
+            value = fn(completion_text, row)
+            if value is None:
+                continue
+            try:
+                value = float(value)
+            except (TypeError, ValueError):  # a bug in the reward: stops the run with this message
+                raise TypeError(f"reward {name!r} returned {type(value).__name__} {str(value)[:40]!r}, not a number or None") from None
+            parts[f"reward/{name}"] = value
+            total += weight * value
+        if not parts:
+            return None, {}
+        return total, (parts if len(self.components) > 1 else {})
+
+    def __call__(self, completion_text: str, row: dict) -> Optional[float]:
+        return self.score(completion_text, row)[0]
+
+    def __repr__(self) -> str:
+        return "WeightedReward(" + ", ".join(f"{w:g}·{n}" for (n, _), w in zip(self.components, self.weights)) + ")"
+
+
+def score_with_parts(reward_fn: RewardFn, completion_text: str, row: dict) -> tuple[Optional[float], dict[str, float]]:
+    """`reward_fn`'s value and its per-component metrics (none for a plain reward function)."""
+    if isinstance(reward_fn, WeightedReward):
+        return reward_fn.score(completion_text, row)
+    return reward_fn(completion_text, row), {}
+
+
+def component_names(specs: list[str]) -> list[str]:
+    """The short names of `reward.fn`'s components (`reward_name`), in order."""
+    return [reward_name(s) for s in specs]
+
+
+def build_reward(cfg: "RewardConfig", task_reward: Callable[[], RewardFn], task_name: str) -> RewardFn:
+    """The run's reward: the task's (`task_reward()`) when `reward.fn` and `reward.weights` are
+    null, else a `WeightedReward` of `reward.fn`'s components (the task's alone when only the
+    weights are set)."""
+    specs = cfg.specs()
+    if not specs and cfg.weights is None:
+        return task_reward()
+    components = [(n, get_reward(s)) for n, s in zip(component_names(specs), specs)] if specs else [(task_name, task_reward())]
+    weights = cfg.weights if cfg.weights is not None else [1.0] * len(components)
+    return WeightedReward(components, weights)
+
+
+def check_weights(weights: Optional[list[float]], count: int) -> Optional[str]:
+    """Why `reward.weights` does not fit `count` components, or None."""
+    if weights is None:
+        return None
+    if len(weights) != count:
+        return f"has {len(weights)} weight{'s' * (len(weights) != 1)} for {count} reward component{'s' * (count != 1)} (reward.fn); give one per component"
+    if not all(isinstance(w, (int, float)) and math.isfinite(w) for w in weights):
+        return f"must be finite numbers, got {list(weights)}"
+    return None
