@@ -6,7 +6,9 @@ import pytest
 import torch
 
 from lit_grpo.module import token_logprobs
+from lit_grpo.samplers.base import PromptTooLong
 from lit_grpo.samplers.hf import HFSampler
+from test_sampler_kwargs import check_stop_contract, reference_cut
 
 
 def _sample(sampler, prompts, **kw):
@@ -32,14 +34,88 @@ def test_concurrent_requests_share_one_generate_call(tiny_model, tokenizer, monk
         assert c.finish_reason == "stop" or generated == 5
 
 
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def _trainer_logprobs(model, c, temperature):
+    tokens = torch.tensor([c.full_tokens])
+    return token_logprobs(model, tokens, torch.ones_like(tokens), temperature)[0][0, c.prompt_len - 1 :]
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 0.0])
 def test_sampler_logprobs_equal_trainer_logprobs(tiny_model, tokenizer, temperature):
     sampler = HFSampler(tiny_model, tokenizer)
     prompts = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in ["1+2=", "12+3="]]
     for c in _sample(sampler, prompts, temperature=temperature, max_tokens=6):
-        tokens = torch.tensor([c.full_tokens])
-        trainer_lp, _ = token_logprobs(tiny_model, tokens, torch.ones_like(tokens), temperature)
-        torch.testing.assert_close(trainer_lp[0, c.prompt_len - 1 :], torch.tensor(c.sampling_logprobs), atol=1e-4, rtol=0)
+        # sampling_logprobs: the distribution sampled from (greedy: reported at temperature 1);
+        # inference_logprobs: the raw model, temperature 1.
+        torch.testing.assert_close(torch.tensor(c.sampling_logprobs), _trainer_logprobs(tiny_model, c, temperature or 1.0), atol=1e-4, rtol=0)
+        torch.testing.assert_close(torch.tensor(c.inference_logprobs), _trainer_logprobs(tiny_model, c, 1.0), atol=1e-4, rtol=0)
+        if temperature == 0.7:
+            assert (torch.tensor(c.sampling_logprobs) - torch.tensor(c.inference_logprobs)).abs().max() > 1e-2
+
+
+@pytest.mark.timeout(120)
+def test_stop_strings_cut_the_generation_that_would_have_been(tiny_model, tokenizer):
+    """With the same seed, a generation with stop strings is the one without, cut at the first
+    token that completes one of them (kept), and the batch ends once every row has stopped."""
+    sampler = HFSampler(tiny_model, tokenizer)
+    prompts = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in ["1+2=", "12+3=", "7*8=", "hello "]]
+    torch.manual_seed(0)
+    free = _sample(sampler, prompts, temperature=0.7, max_tokens=30)
+    texts = [c.text for c in free]
+    assert all(len(t) >= 12 for t in texts)
+    stops = [texts[0][6:8], texts[1][3:6], texts[2][9:11], texts[3][1:3], "\n\n"]  # multi-character, at different depths
+    steps = []
+    original = sampler.model.generate
+    sampler.model.generate = lambda **kw: (out := original(**kw)) and steps.append(len(out.logits)) or out
+    torch.manual_seed(0)
+    cut = _sample(sampler, prompts, temperature=0.7, max_tokens=30, stop=stops, logprobs=True)
+    decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+    for f, c in zip(free, cut):
+        generated = f.full_tokens[f.prompt_len :]
+        expected = reference_cut(generated, stops, decode)
+        assert expected is not None and c.stop_reason == expected[2] and c.finish_reason == "stop"
+        assert c.full_tokens == f.full_tokens[: f.prompt_len + expected[0]] and c.text == expected[1]
+        assert c.sampling_logprobs == f.sampling_logprobs[: expected[0]] and c.inference_logprobs == f.inference_logprobs[: expected[0]]
+        assert decode(c.full_tokens[c.prompt_len :]) == c.text + c.stop_reason and not any(s in c.text for s in stops)
+        check_stop_contract(c, stops, tokenizer, 30)
+        torch.testing.assert_close(torch.tensor(c.sampling_logprobs), _trainer_logprobs(tiny_model, c, 0.7), atol=1e-4, rtol=0)
+        torch.testing.assert_close(torch.tensor(c.inference_logprobs), _trainer_logprobs(tiny_model, c, 1.0), atol=1e-4, rtol=0)
+    assert steps == [max(len(c.full_tokens) - c.prompt_len for c in cut)] and steps[0] < 30
+
+
+@pytest.mark.timeout(120)
+def test_concurrent_requests_with_other_stop_lists_get_their_own_cut(tiny_model, tokenizer, monkeypatch):
+    sampler = HFSampler(tiny_model, tokenizer)
+    calls = []
+    original = sampler.generate
+    monkeypatch.setattr(sampler, "generate", lambda prompts, t, m, *stop: calls.append((len(prompts), *stop)) or original(prompts, t, m, *stop))
+    stop_lists = [list("0123456789"), list("aeiouAEIOU"), None]
+    prompts = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in ["1+2=", "12+3=", "7*8=", "hello "]]
+
+    async def run():
+        return await asyncio.gather(*(
+            sampler.sample_with_prompt_tokens(p, n=1, temperature=1.0, max_tokens=40, stop=stop) for stop in stop_lists for p in prompts
+        ))
+
+    torch.manual_seed(0)
+    results = [c for group in asyncio.run(run()) for c in group]
+    assert sorted(calls, key=str) == sorted([(4, tuple(stop_lists[0])), (4, tuple(stop_lists[1])), (4,)], key=str)
+    for i, c in enumerate(results):
+        stop = stop_lists[i // len(prompts)] or []
+        check_stop_contract(c, stop, tokenizer, 40)
+        torch.testing.assert_close(torch.tensor(c.sampling_logprobs), _trainer_logprobs(tiny_model, c, 1.0), atol=1e-4, rtol=0)
+    assert sum(c.stop_reason is not None for c in results) >= 4  # the cut was exercised
+
+
+@pytest.mark.timeout(120)
+def test_max_seq_len_bounds_prompt_and_completion(tiny_model, tokenizer):
+    sampler = HFSampler(tiny_model, tokenizer)
+    prompt = tokenizer("1+2=", add_special_tokens=False)["input_ids"]
+    (free,) = _sample(sampler, [prompt], temperature=0.0, max_tokens=10)
+    assert free.finish_reason == "length"  # greedy runs on past the bound
+    (c,) = _sample(sampler, [prompt], temperature=0.0, max_tokens=10, max_seq_len=7)
+    assert c.full_tokens == free.full_tokens[:7] and c.finish_reason == "length" and len(c.sampling_logprobs) == 3
+    with pytest.raises(PromptTooLong, match="max_seq_len=4"):
+        _sample(sampler, [prompt], max_tokens=10, max_seq_len=4)
 
 
 def test_update_weights_changes_the_samplers_model(tiny_model, tokenizer):
@@ -66,10 +142,14 @@ def test_update_weights_accepts_wrapped_names_and_refuses_unknown_ones(tiny_mode
         sampler.update_weights(list(tiny_model.named_parameters())[:1])
 
 
-def test_truncated_sampling_is_refused(tiny_model, tokenizer):
+def test_truncated_sampling_unknown_keywords_and_top_k_logprobs_are_refused(tiny_model, tokenizer):
     sampler = HFSampler(tiny_model, tokenizer)
     with pytest.raises(ValueError, match="top_p"):
         _sample(sampler, [[5, 6]], top_p=0.9)
+    with pytest.raises(ValueError, match="unknown sampling arguments"):
+        _sample(sampler, [[5, 6]], frequency_penalty=0.5)
+    with pytest.raises(ValueError, match="logprobs=5"):
+        _sample(sampler, [[5, 6]], logprobs=5)
 
 
 def test_chat_messages_go_through_the_template(tiny_model, tokenizer):

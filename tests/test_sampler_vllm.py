@@ -21,6 +21,7 @@ from lit_grpo.samplers.vllm import VLLMSampler  # noqa: E402
 from lit_grpo.train import train  # noqa: E402
 
 from conftest import compose_config  # noqa: E402
+from test_sampler_kwargs import check_stop_contract, reference_cut  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -74,6 +75,43 @@ def test_logprobs_match_the_trainer_at_the_sampling_temperature(engine, temperat
     assert mad < 1e-3
     # The temperature is in the logprobs: scoring the same tokens at another temperature disagrees.
     assert _mean_abs_diff(model, completions, 2.0 * temperature) > 1e-2
+
+
+@pytest.mark.timeout(600)
+def test_stop_strings_and_inference_logprobs(engine):
+    """vLLM keeps the token that completed the stop string (with its logprob) and cuts the text
+    before it: the same contract as the HF sampler's, checked against a prefix-by-prefix scan."""
+    sampler, model, tokenizer = engine
+    decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+    prompts = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in ["1+2=", "12+3=", "7*8=", "hello "] * 3]
+    digits = list("0123456789")
+    for temperature in (1.0, 0.6):
+        completions = _sample(sampler, prompts, temperature=temperature, max_tokens=30, stop=digits, logprobs=True,
+                              max_seq_len=200, http_timeout=120)
+        for c in completions:
+            check_stop_contract(c, digits, tokenizer, 30)
+            # processed logprobs are the raw ones only at temperature 1
+            assert c.inference_logprobs == (c.sampling_logprobs if temperature == 1.0 else None)
+        assert sum(c.stop_reason is not None for c in completions) >= 3  # the cut was exercised
+        assert _mean_abs_diff(model, completions, temperature) < 1e-3
+
+    # Greedy is deterministic: a multi-character stop string cuts the free generation where a scan says.
+    greedy = prompts[:4]
+    free = _sample(sampler, greedy, temperature=0.0, max_tokens=12)
+    stops = [free[0].text[3:5], free[3].text[4:7]]
+    cut = _sample(sampler, greedy, temperature=0.0, max_tokens=12, stop=stops)
+    for f, c in zip(free, cut):
+        expected = reference_cut(f.full_tokens[f.prompt_len :], stops, decode)
+        check_stop_contract(c, stops, tokenizer, 12)
+        if expected is None:
+            assert c.full_tokens == f.full_tokens and c.stop_reason is None
+        else:
+            assert c.full_tokens == f.full_tokens[: f.prompt_len + expected[0]] and (c.text, c.stop_reason) == expected[1:]
+            assert c.finish_reason == "stop" and c.sampling_logprobs == pytest.approx(f.sampling_logprobs[: expected[0]], abs=1e-5)
+        # greedy logprobs are reported at temperature 1, where processed == raw
+        assert c.inference_logprobs == c.sampling_logprobs
+    assert sum(c.stop_reason is not None for c in cut) >= 2
+    assert _mean_abs_diff(model, free + cut, 1.0) < 1e-3
 
 
 def test_update_weights_follows_and_restores(engine):

