@@ -1,9 +1,41 @@
-"""Lightning loggers behind the optional extras they need, with an install hint that names the extra."""
+"""Lightning loggers behind the optional extras they need, with an install hint that names the extra,
+and the CSV logger that writes `<output_dir>/metrics.csv` into the run folder."""
 
 from __future__ import annotations
 
 import importlib
 from typing import Any
+
+from lightning.fabric.loggers.logger import rank_zero_experiment
+from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.loggers.csv_logs import ExperimentWriter
+
+
+class _RunFolderWriter(ExperimentWriter):
+    """Lightning's CSV writer without its "directory exists and is not empty" warning.
+
+    Lightning warns whenever its folder holds any file, and the run folder always does (Hydra's
+    `.hydra/` and log, the run lock), so every run warned. What the check guards is an existing
+    metrics.csv, which the writer deletes; `train` has settled that before the logger starts: a
+    fresh run moves an earlier run's file aside (`run_folder.set_aside_metrics`), and a resume
+    into its own folder rewrites it from the checkpoint's history (`StepSequence`).
+    """
+
+    def _check_log_dir_exists(self) -> None:
+        if self._fs.isfile(self.metrics_file_path):
+            self._fs.rm_file(self.metrics_file_path)
+
+
+class RunFolderCSVLogger(CSVLogger):
+    """`CSVLogger` for the run folder itself (`conf/logger/csv.yaml`: `name: ""`, `version: ""`)."""
+
+    @property
+    @rank_zero_experiment
+    def experiment(self) -> ExperimentWriter:
+        if self._experiment is None:
+            self._fs.makedirs(self.root_dir, exist_ok=True)
+            self._experiment = _RunFolderWriter(log_dir=self.log_dir)
+        return self._experiment
 
 
 def _require(module: str, extra: str, what: str) -> None:

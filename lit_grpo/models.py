@@ -32,13 +32,25 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def build_char_tokenizer(alphabet: str = "printable") -> PreTrainedTokenizerFast:
-    """A character-level tokenizer: one id per character of `alphabet`, plus the special tokens."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    """A character-level tokenizer: one id per character of `alphabet`, plus the special tokens.
 
-    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + list(ALPHABETS[alphabet]))}
-    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<|unk|>"))
-    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), "isolated")
-    backend.decoder = decoders.Fuse()
+    It is a byte-level BPE without merges, the shape transformers rebuilds a saved Qwen2 model's
+    tokenizer into: transformers 5 reloads every Qwen2 folder as `Qwen2Tokenizer`, which keeps the
+    saved vocabulary and merges but imposes its own byte-level pre-tokenizer and decoder, so any
+    other shape (a plain character vocabulary mapped " " where byte-level text has "Ġ") reloads
+    tokenizing differently. In this shape the exported folder tokenizes exactly as training did,
+    with transformers 4 (which loads tokenizer.json as saved) and 5 alike. A character outside the
+    alphabet has no id and is dropped, as the reloaded tokenizer drops it (no unknown token).
+    """
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
+
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    symbols = [byte_level.pre_tokenize_str(char)[0][0] for char in ALPHABETS[alphabet]]  # " " -> "Ġ", "\n" -> "Ċ"
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + symbols)}  # specials first, then the alphabet in order
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None, fuse_unk=False, byte_fallback=False))
+    backend.normalizer = normalizers.NFC()  # as Qwen2Tokenizer's
+    backend.pre_tokenizer = byte_level
+    backend.decoder = decoders.ByteLevel()
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend,
         bos_token="<|bos|>",

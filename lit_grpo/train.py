@@ -56,9 +56,6 @@ warnings.filterwarnings("ignore", message=r".*module\(s\) in eval mode.*")
 warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
 # A single-process run saves its DCP checkpoints without a process group, as intended.
 warnings.filterwarnings("ignore", message=r".*torch.distributed is disabled, unavailable or uninitialized.*")
-# Lightning's CSV logger warns whenever the run folder is not empty; an earlier run's metrics.csv
-# has been moved aside by then (`set_aside_metrics`), or is this run's own, rewritten on resume.
-warnings.filterwarnings("ignore", message=r".*Previous log files in this directory will be deleted.*")
 
 
 # Rank r samples from its own stream: the ranks' completions must differ, as their rows do.
