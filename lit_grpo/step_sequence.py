@@ -38,6 +38,7 @@ import torch
 from lightning.pytorch.loggers import CSVLogger
 
 from lit_grpo.evaluation import GreedyEvaluator
+from lit_grpo.rollout_evaluation import RolloutEvaluator
 from lit_grpo.metrics import MetricHistory, merge_step_metrics
 from lit_grpo.distributed import all_reduce
 from lit_grpo.run_state import RunCheckpointer, capture_rng, restore_rng
@@ -73,10 +74,13 @@ class StepSequence:
         resume_from: Optional[Path] = None,
         log_every_n_steps: int = 1,
         stop: Optional[StopSignals] = None,
+        rollout_evaluator: Optional[RolloutEvaluator] = None,
     ) -> None:
         self.datamodule = datamodule
         self.weight_sync_interval = weight_sync_interval
         self.checkpointer, self.evaluator = checkpointer, evaluator
+        self.rollout_evaluator = rollout_evaluator
+        """The user's `evaluation_fn` (Python API), after the greedy evaluation."""
         self.resume_from = resume_from
         self.log_every_n_steps = max(log_every_n_steps, 1)
         self.history = MetricHistory()
@@ -106,6 +110,8 @@ class StepSequence:
             accuracy = self.evaluator.evaluate(self.datamodule, step, trainer.global_rank, trainer.world_size)
             if accuracy is not None:
                 metrics["eval/accuracy"] = accuracy
+        if self.rollout_evaluator is not None and self.rollout_evaluator.due(step) and not self.stopping:
+            metrics.update(self.rollout_evaluator.evaluate(step, trainer.global_rank))
 
         now = time.perf_counter()
         metrics["perf/step_s"] = now - self._last_end if self._last_end is not None else sum(
@@ -204,6 +210,11 @@ class StepSequence:
             if accuracy is not None:
                 for logger in trainer.loggers:
                     logger.log_metrics({"eval/accuracy": accuracy}, step=step - 1)
+        user_eval = self.rollout_evaluator
+        if user_eval is not None and step > 0 and user_eval.last_step != step and not self.stopping:
+            if metrics := user_eval.evaluate(step, trainer.global_rank):
+                for logger in trainer.loggers:
+                    logger.log_metrics(metrics, step=step - 1)
 
     def _replay_history_into_csv(self, trainer: L.Trainer) -> None:
         """Lightning's CSV logger starts a fresh metrics.csv; write the restored steps back into it."""

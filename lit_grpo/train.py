@@ -44,6 +44,8 @@ from lit_grpo.step_sequence import StepSequence
 from lit_grpo.rows import evaluation_rows, training_rows
 from lit_grpo.tasks import reward_fn
 from lit_grpo.types import RolloutSetup
+from lit_grpo.rollout_evaluation import RolloutEvaluator
+from lit_grpo.user_inputs import UserInputs
 
 log = logging.getLogger(__name__)
 SUMMARY_WINDOW = 10
@@ -62,14 +64,20 @@ warnings.filterwarnings("ignore", message=r".*torch.distributed is disabled, una
 RANK_SEED_STRIDE = 1_000_003
 
 
-def build_datamodule(c: TrainConfig, policy, tokenizer, rows: list[dict], eval_rows: list[dict], *, rank: int = 0, world_size: int = 1) -> RolloutDataModule:
+def build_datamodule(c: TrainConfig, policy, tokenizer, rows: list[dict], eval_rows: list[dict], *, rank: int = 0,
+                     world_size: int = 1, inputs: Optional[UserInputs] = None) -> RolloutDataModule:
     """The rollout data module of this rank: its share of `rows`, its own sampler and rollout function."""
+    inputs = inputs or UserInputs()
     sampler = build_sampler(c.sampler, policy, tokenizer, model=c.model, work_dir=c.output_dir, seed=c.seed + RANK_SEED_STRIDE * rank)
     setup = RolloutSetup(
         sampler=sampler,
         tokenizer=tokenizer,
         sample_kwargs={"temperature": c.sampler.temperature, "max_tokens": c.sampler.max_completion_tokens, "top_p": 1.0, "top_k": 0},
-        extras={"reward_fn": reward_fn(c), "prompt_field": c.data.prompt_field, **c.rollout.extras},
+        extras={"reward_fn": inputs.reward_fn or reward_fn(c), "prompt_field": c.data.prompt_field, **c.rollout.extras,
+                **inputs.rollout_extras},
+        completions_per_prompt=c.data.completions_per_prompt,
+        model=c.model.name_or_path or c.model.kind,
+        tokenizer_id=c.model.name_or_path or c.model.kind,
     )
     return RolloutDataModule(
         rows=rows,
@@ -78,7 +86,7 @@ def build_datamodule(c: TrainConfig, policy, tokenizer, rows: list[dict], eval_r
         prompt_field=c.data.prompt_field,
         tokenizer=tokenizer,
         sampler=sampler,
-        rollout_fn=load_rollout_factory(c.rollout.factory)(setup),
+        rollout_fn=(inputs.rollout_factory or load_rollout_factory(c.rollout.factory))(setup),
         completions_per_prompt=c.data.completions_per_prompt,
         prompt_groups_per_step=c.data.prompt_groups_per_step,
         epochs=c.data.epochs,
@@ -101,7 +109,8 @@ def _instantiate_all(group: dict) -> list[Any]:
     return [instantiate(spec) for spec in group.values() if spec is not None]
 
 
-def build_step_sequence(c: TrainConfig, datamodule: RolloutDataModule, resume_from: Optional[Path], stop: Optional[StopSignals] = None) -> StepSequence:
+def build_step_sequence(c: TrainConfig, datamodule: RolloutDataModule, resume_from: Optional[Path], stop: Optional[StopSignals] = None,
+                        inputs: Optional[UserInputs] = None) -> StepSequence:
     """Weight sync, checkpoints (and the resume) and evaluation, as the run's config sets them."""
     checkpointer = None
     if c.dcp_save_interval > 0 or resume_from is not None:
@@ -111,7 +120,16 @@ def build_step_sequence(c: TrainConfig, datamodule: RolloutDataModule, resume_fr
     return StepSequence(
         datamodule, weight_sync_interval=c.weight_sync_interval, checkpointer=checkpointer, evaluator=evaluator,
         resume_from=resume_from, log_every_n_steps=c.trainer.log_every_n_steps, stop=stop,
+        rollout_evaluator=user_evaluator(datamodule, inputs),
     )
+
+
+def user_evaluator(datamodule: RolloutDataModule, inputs: Optional[UserInputs]) -> Optional[RolloutEvaluator]:
+    """The Python caller's `evaluation_fn`, on this run's rollout function (None without one)."""
+    if inputs is None or inputs.evaluation_fn is None:
+        return None
+    return RolloutEvaluator(inputs.evaluation_fn, datamodule.groups.rollout_fn, interval=inputs.evaluation_interval,
+                            timeout_s=inputs.evaluation_timeout_s)
 
 
 def build_trainer(c: TrainConfig, extra_callbacks: list[L.Callback] = ()) -> L.Trainer:
@@ -141,11 +159,15 @@ def build_trainer(c: TrainConfig, extra_callbacks: list[L.Callback] = ()) -> L.T
 def build_run(
     c: TrainConfig, *, rows: Optional[list[dict]] = None, eval_rows: Optional[list[dict]] = None,
     resume_from: Optional[Path] = None, extra_callbacks: list[L.Callback] = (), stop: Optional[StopSignals] = None,
+    inputs: Optional[UserInputs] = None,
 ) -> tuple[L.Trainer, GRPOModule, RolloutDataModule]:
     """Seed, then build the model, the trainer (which knows this process's rank), this rank's data and the module."""
     L.seed_everything(c.seed, workers=True, verbose=False)
     # Data first: a malformed row or a missing file fails before a model is loaded. Rows given
     # here come before data.path, which comes before the task's rows; all are kept as stored.
+    if inputs is not None:
+        rows = rows if rows is not None else inputs.rows
+        eval_rows = eval_rows if eval_rows is not None else inputs.eval_rows
     rows = training_rows(c, rows)
     eval_rows = evaluation_rows(c, eval_rows)
     tokenizer = load_tokenizer(c.model)
@@ -153,8 +175,10 @@ def build_run(
     callbacks = [HFExport(Path(c.output_dir) / c.output_model_id, tokenizer)] if c.output_model_id else []  # an absolute id stays absolute
     trainer = build_trainer(c, [*callbacks, *extra_callbacks])
     L.seed_everything(c.seed + RANK_SEED_STRIDE * trainer.global_rank, verbose=False)
-    datamodule = build_datamodule(c, policy, tokenizer, rows, eval_rows, rank=trainer.global_rank, world_size=trainer.world_size)
-    module = GRPOModule(policy, c, build_step_sequence(c, datamodule, resume_from, stop))
+    datamodule = build_datamodule(c, policy, tokenizer, rows, eval_rows, rank=trainer.global_rank, world_size=trainer.world_size, inputs=inputs)
+    if inputs is not None and inputs.group_filter is not None:
+        datamodule.add_group_filter(inputs.group_filter)
+    module = GRPOModule(policy, c, build_step_sequence(c, datamodule, resume_from, stop, inputs))
     return trainer, module, datamodule
 
 
@@ -216,7 +240,7 @@ def write_summary(c: TrainConfig, trainer: L.Trainer, module: GRPOModule, resume
     return summary
 
 
-def train(cfg: DictConfig | TrainConfig) -> dict[str, float]:
+def train(cfg: DictConfig | TrainConfig, inputs: Optional[UserInputs] = None) -> dict[str, float]:
     """Run one training job; returns (and writes to `<output_dir>/summary.json`) its summary."""
     c = validate(cfg)  # every field error surfaces here, before a model is touched
     for note in ineffective_knobs(c):
@@ -229,7 +253,7 @@ def train(cfg: DictConfig | TrainConfig) -> dict[str, float]:
         set_aside_metrics(c.output_dir, resume_from)  # an earlier run's metrics.csv survives a fresh start
         start = time.perf_counter()
         with StopSignals() as stop:
-            trainer, module = fit(c, resume_from, stop=stop)
+            trainer, module = fit(c, resume_from, stop=stop, inputs=inputs)
         summary = write_summary(c, trainer, module, resume_from, time.perf_counter() - start, stop)
     if stop.requested:
         raise StopRequested(stop.signum)  # after the summary and the metrics are written

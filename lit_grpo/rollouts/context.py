@@ -44,3 +44,15 @@ class RolloutCalls:
             return self.rollout_fn
         values = {**(context or {}), "rollout_idx": call_index, "sample_index": call_index, "evaluation": evaluation}
         return functools.partial(self.rollout_fn, **{k: v for k, v in values.items() if k in self.names})
+
+
+def make_evaluation_rollout_fn(rollout_fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`rollout_fn` for an evaluation: called `(row, **context)`, it passes on the context keywords
+    the rollout declares, with `evaluation=True`."""
+    names = declared_context(rollout_fn)
+
+    async def evaluation_rollout_fn(row: dict, **context: Any) -> Any:
+        values = {**context, "evaluation": True}
+        return await rollout_fn(row, **{k: v for k, v in values.items() if k in names})
+
+    return evaluation_rollout_fn

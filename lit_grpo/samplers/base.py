@@ -192,7 +192,8 @@ class BatchingSampler(ABC):
         self.call_timeout_s: Optional[float] = None
         """A batched generate that takes longer fails its requests with `SamplerTimeout` (None: no bound)."""
         self.max_seq_len: Optional[int] = None
-        """A prompt of this many tokens or more is refused with `PromptTooLong` (None: no bound)."""
+        """A prompt of this many tokens or more is refused with `PromptTooLong`, and a completion
+        stops when prompt + completion reach it (None: no bound)."""
         self._queue: list[_Request] = []
         self._flushing: dict[asyncio.AbstractEventLoop, asyncio.Task] = {}
         self._worker = _DaemonWorker("sampler")
@@ -209,7 +210,9 @@ class BatchingSampler(ABC):
         if self.max_seq_len is not None and prompt_len >= self.max_seq_len:
             raise PromptTooLong(f"a prompt of {prompt_len} tokens leaves no room for a completion within "
                                 f"data.max_seq_len={self.max_seq_len}; it was not sampled")
-        max_tokens = args.max_tokens
+        # Generating past data.max_seq_len would only make a sample that is dropped as too long:
+        # the completion stops there instead (finish_reason "length").
+        max_tokens = args.max_tokens if self.max_seq_len is None else min(args.max_tokens, self.max_seq_len - prompt_len)
         if args.max_seq_len is not None:
             if prompt_len >= args.max_seq_len:
                 raise PromptTooLong(f"a prompt of {prompt_len} tokens leaves no room for a completion within "
