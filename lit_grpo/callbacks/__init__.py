@@ -1,5 +1,5 @@
-"""Optional extras, as Lightning callbacks: the uniform-reward filter, the reward curve and
-histograms, and the final export (made by `lit_grpo.train` from `output_model_id`).
+"""Optional extras, as Lightning callbacks: the uniform-reward filter, the reward curve,
+histograms, the sample log, and the final export (made by `lit_grpo.train` from `output_model_id`).
 
 Dropping any of them never stalls training or changes its maths: the end of a step (weight sync
 and policy version, checkpoint, evaluation, metrics) is `lit_grpo.step_sequence`.
@@ -8,5 +8,6 @@ and policy version, checkpoint, evaluation, metrics) is `lit_grpo.step_sequence`
 from lit_grpo.callbacks.reward_curve import RewardCurve
 from lit_grpo.callbacks.reward_filter import UniformRewardFilter
 from lit_grpo.callbacks.reward_histogram import RewardHistogram
+from lit_grpo.callbacks.sample_log import SampleLog
 
-__all__ = ["RewardCurve", "RewardHistogram", "UniformRewardFilter"]
+__all__ = ["RewardCurve", "RewardHistogram", "SampleLog", "UniformRewardFilter"]
