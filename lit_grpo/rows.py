@@ -167,8 +167,8 @@ def load_rows(source: str, *, split: str = "train", dataset_config: Optional[str
         rows = load_json(path, max_rows=max_rows)
     elif kind in ("parquet", "csv"):
         rows = load_table(path, kind, max_rows=max_rows)
-    else:
-        rows = load_dataset_rows(source, dataset_config, split, max_rows=max_rows)
+    else:  # a folder here (`~` expanded), else a hub name
+        rows = load_dataset_rows(str(path) if path.exists() else source, dataset_config, split, max_rows=max_rows)
     if not rows:
         raise RowError(f"{field}={source}: no rows in it")
     return rows
@@ -209,6 +209,10 @@ def _row_label(row: dict) -> str:
     return text if len(text) <= 100 else text[:97] + "..."
 
 
+_PROMPT_FIX = ("Set data.prompt_field to the field that holds the prompt (text, chat messages or token ids), "
+               "e.g. data.prompt_field=question, or give your own rollout (rollout.factory)")
+
+
 def no_prompt_message(row: Any, prompt_field: Optional[str]) -> str:
     """What is wrong with a row the default rollout cannot take a prompt from, and the fix."""
     if not isinstance(row, dict):
@@ -218,10 +222,14 @@ def no_prompt_message(row: Any, prompt_field: Optional[str]) -> str:
         f"has no field {prompt_field!r} (data.prompt_field)" if prompt_field else
         f"has none of the fields the default rollout takes the prompt from ({', '.join(PROMPT_FIELDS)}; data.prompt_field=null)"
     )  # fmt: skip
-    return (
-        f"row {_row_label(row)} {wanted}; its fields: {fields}. Set data.prompt_field to the field that holds the "
-        "prompt (text, chat messages or token ids), e.g. data.prompt_field=question, or give your own rollout (rollout.factory)"
-    )
+    return f"row {_row_label(row)} {wanted}; its fields: {fields}. {_PROMPT_FIX}"
+
+
+def bad_prompt_message(row: dict, field: str) -> str:
+    """A row whose prompt field holds a value the default rollout cannot sample from, and the fix."""
+    value = row[field]
+    return (f"row {_row_label(row)}: its prompt field {field!r} holds {type(value).__name__} {repr(value)[:60]}; the default "
+            f"rollout takes text, a non-empty list of chat messages or a list of token ids. {_PROMPT_FIX}")
 
 
 def prompt_field_of(row: dict, prompt_field: Optional[str] = None) -> str:

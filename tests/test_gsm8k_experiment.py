@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from lit_grpo.evaluation import greedy_accuracy
-from lit_grpo.config import validate
+from lit_grpo.config import DataConfig, validate
 from lit_grpo.tasks.gsm8k_rows import RowError
 from lit_grpo.train import train
 from lit_grpo.types import Completion
@@ -170,3 +170,19 @@ def test_without_the_datasets_extra_the_error_names_it(monkeypatch):
     monkeypatch.setitem(sys.modules, "datasets", None)  # as if not installed
     with pytest.raises(ImportError, match=r"lit_grpo\[datasets\].*task\.path="):
         build_rows(TrainConfig(task={"name": "gsm8k"}))
+
+
+def test_cookbook_chat_rows_keep_their_id_and_solution_and_score_a_boxed_answer(tmp_path):
+    from lit_grpo.config import TrainConfig
+    from lit_grpo.tasks import build_rows, reward_fn
+
+    raw = [json.loads(line) for line in SAMPLE.read_text().splitlines()[:3]]
+    records = [{"id": f"gsm8k-{i}", "messages": [{"role": "user", "content": r["question"]}], "answer": r["answer"]} for i, r in enumerate(raw)]
+    path = tmp_path / "cookbook.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    c = TrainConfig(task={"name": "gsm8k", "path": str(path)}, data=DataConfig(eval_rows=0))
+    rows = build_rows(c)
+    assert rows == records  # the id kept, the whole solution kept as the answer
+    final = rows[0]["answer"].rsplit("####", 1)[1].strip()
+    assert reward_fn(c)(f"... so the answer is $\\boxed{{{final}}}$.", rows[0]) == 1.0
+    assert reward_fn(c)("\\boxed{-1}", rows[0]) == 0.0
