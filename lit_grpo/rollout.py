@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 from typing import Awaitable, Callable, Optional
 
-from lit_grpo.rows import RowPromptError, no_prompt_message, prompt_field_of
+from lit_grpo.rows import RowPromptError, bad_prompt_message, prompt_field_of
 from lit_grpo.samplers.base import chat_prompt_tokens
 from lit_grpo.types import Completion, RolloutSample, RolloutSetup
 
@@ -83,10 +83,7 @@ def row_prompt_tokens(row: dict, tokenizer, prompt_field: Optional[str] = None, 
             return list(value)
         if isinstance(value[0], dict):
             return chat_prompt_tokens(tokenizer, _prompt_messages(list(value)))
-    raise RowPromptError(
-        f"the prompt field {field!r} of a row holds {type(value).__name__} {str(value)[:60]!r}: the default rollout takes "
-        f"text, a list of chat messages or a list of token ids. {no_prompt_message(row, prompt_field)}"
-    )
+    raise RowPromptError(bad_prompt_message(row, field))
 
 
 def make_rollout_fn(setup: RolloutSetup) -> RolloutFn:
