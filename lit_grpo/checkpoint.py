@@ -303,6 +303,9 @@ def check_resumable(checkpoint: Path, c: TrainConfig) -> None:
     """
     saved = _flatten(OmegaConf.to_container(OmegaConf.load(checkpoint / CONFIG_FILE), resolve=True))
     now = _flatten(config_as_dict(c))
+    # A field added after the checkpoint was saved had, in effect, its default value then.
+    defaults = _flatten(config_as_dict(type(c)()))
+    saved.update({k: defaults[k] for k in now.keys() - saved.keys() if k in defaults})
     differing = sorted(k for k in saved.keys() | now.keys() if saved.get(k, "<unset>") != now.get(k, "<unset>"))
     refused = [k for k in differing if _state_defining(k)]
     if refused:

@@ -26,7 +26,7 @@ from omegaconf import DictConfig
 
 from lit_grpo.callbacks.export import HFExport
 from lit_grpo.checkpoint import CheckpointStore, check_resumable
-from lit_grpo.config import TrainConfig, ineffective_knobs, validate
+from lit_grpo.config import ConfigError, TrainConfig, ineffective_knobs, validate
 from lit_grpo.data import RolloutDataModule, rollout_guards
 from lit_grpo.errors import run_cli, run_hydra_cli
 from lit_grpo.evaluation import GreedyEvaluator
@@ -243,6 +243,8 @@ def write_summary(c: TrainConfig, trainer: L.Trainer, module: GRPOModule, resume
 def train(cfg: DictConfig | TrainConfig, inputs: Optional[UserInputs] = None) -> dict[str, float]:
     """Run one training job; returns (and writes to `<output_dir>/summary.json`) its summary."""
     c = validate(cfg)  # every field error surfaces here, before a model is touched
+    if inputs is not None and inputs.reward_fn is not None and c.reward.fn:
+        raise ConfigError(f"config field `reward.fn`: {c.reward.fn!r} and a reward_fn given in Python both name the reward; keep one")
     for note in ineffective_knobs(c):
         log.warning(note)
     check_sources(c)  # an unreachable model or dataset: one message in seconds, not a retry loop

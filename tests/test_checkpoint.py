@@ -343,3 +343,18 @@ def test_export_merges_a_lora_policy(tiny_model, tokenizer, tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(loaded(input_ids=tokens).logits, expected, atol=1e-5, rtol=1e-5)
     assert any("lora_A" in name for name, _ in policy.named_parameters())  # the training policy is untouched
+
+
+def test_a_checkpoint_saved_before_a_field_existed_resumes_when_the_field_is_at_its_default(tmp_path):
+    from omegaconf import OmegaConf
+
+    from lit_grpo.checkpoint import CONFIG_FILE, config_as_dict
+
+    c = validate(compose_config("+experiment=arithmetic", output_dir=tmp_path))
+    older = config_as_dict(c)
+    del older["data"]["path"], older["data"]["prompt_field"]  # fields this checkpoint's version did not have
+    OmegaConf.save(OmegaConf.create(older), tmp_path / CONFIG_FILE)
+    check_resumable(tmp_path, c)
+    changed = validate(compose_config("+experiment=arithmetic", "data.path=rows.jsonl", output_dir=tmp_path))
+    with pytest.raises(ConfigError, match="data.path"):
+        check_resumable(tmp_path, changed)

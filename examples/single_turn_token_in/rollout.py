@@ -1,8 +1,11 @@
 """Single-turn, token-in rollout: one `sample_with_prompt_tokens` call per trajectory.
 
-Rows arrive pre-tokenized (`row["prompt_token_ids"]`); the reward is computed inside the rollout.
+The prompt is tokenized here, token-in, the way the default rollout does it (`row_prompt_tokens`:
+a row's `prompt_token_ids` as they are, its text `prompt` with the tokenizer's special tokens);
+the reward is computed inside the rollout.
 """
 
+from lit_grpo.rollout import row_prompt_tokens
 from lit_grpo.types import RolloutSample
 
 
@@ -12,7 +15,7 @@ def make_rollout_fn(setup):
     score = setup.extras["reward_fn"]  # (completion_text, row) -> float, from the task config
 
     async def rollout_fn(row: dict) -> RolloutSample | None:
-        completions = await sampler.sample_with_prompt_tokens(row["prompt_token_ids"], n=1, **sample_kwargs)
+        completions = await sampler.sample_with_prompt_tokens(row_prompt_tokens(row, setup.tokenizer), n=1, **sample_kwargs)
         if not completions:
             return None
         c = completions[0]
