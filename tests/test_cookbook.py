@@ -158,3 +158,40 @@ def test_main_runs_evaluation_fn_and_dynamic_filter_fn(tmp_path):
     header, *lines = (tmp_path / "metrics.csv").read_text().splitlines()
     column = header.split(",").index("eval/custom")
     assert sorted(float(line.split(",")[column]) for line in lines if line.split(",")[column]) == [2.0, 4.0, 5.0]
+
+
+@pytest.mark.timeout(120)
+def test_message_in_example_rollout_stops_each_turn_at_the_stop_string(tiny_model, tokenizer, monkeypatch):
+    import asyncio
+
+    from lit_grpo.samplers.hf import HFSampler
+    from lit_grpo.types import RolloutSetup
+
+    monkeypatch.syspath_prepend(str(EXAMPLES / "cookbook_message_in"))
+    for mod in ("rollout", "reward"):
+        monkeypatch.delitem(sys.modules, mod, raising=False)
+    import rollout as message_in
+
+    setup = RolloutSetup(HFSampler(tiny_model, tokenizer), tokenizer, {"temperature": 1.0, "max_tokens": 12}, {"max_turns": 3})
+    rollout_fn = message_in.make_rollout_fn(setup)
+    newline = tokenizer("\n", add_special_tokens=False)["input_ids"]
+    stops = 0
+    for i in range(12):
+        run = asyncio.run(rollout_fn({"messages": [{"role": "user", "content": f"{i}+1="}], "answer": "123"}))
+        (segment,) = run.segments
+        assert "\n" not in segment.text
+        # Each assistant turn (a stretch of mask 1) ends at the newline it stopped on, at eos, or at 12 tokens.
+        turns, current = [], []
+        for token, m in zip(segment.tokens, segment.loss_mask):
+            if m:
+                current.append(token)
+            elif current:
+                turns, current = turns + [current], []
+        turns += [current] if current else []
+        for turn in turns:
+            assert turn[-1:] in (newline, [tokenizer.eos_token_id]) or len(turn) == 12
+            assert newline[0] not in turn[:-1]  # nothing generated past a stop
+            stops += turn[-1:] == newline
+    for mod in ("rollout", "reward"):
+        sys.modules.pop(mod, None)
+    assert stops > 0  # the random policy does emit newlines: the stop was exercised
