@@ -39,6 +39,42 @@ DEFINES_STATE = {"defines_state": True}
 value is refused (`lit_grpo.checkpoint.check_resumable`). On a sub-config: all of it."""
 
 
+LORA_DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""The attention and MLP projections of Qwen2/Llama-style models."""
+
+
+@dataclass
+class LoraConfig:
+    """LoRA training (`lit_grpo.lora`): only low-rank adapters train; the KL reference is the same
+    model with its adapters off, and a weight sync sends the merged weights under the base names."""
+
+    rank: int = 0
+    """r of the adapters; 0: off (full fine-tuning)."""
+    alpha: Optional[float] = None
+    """The adapters' output is scaled by alpha / rank; null: 2·rank (a scale of 2)."""
+    target_modules: Any = field(default_factory=lambda: list(LORA_DEFAULT_TARGETS))
+    """Names (suffixes) of the linear layers that get adapters, or `all-linear` (every linear layer
+    but the output head)."""
+    dropout: float = 0.0
+    """Must be 0: dropout in the adapters would make the trainer's logprobs differ from the sampler's."""
+
+    def __post_init__(self) -> None:
+        require(isinstance(self.rank, int) and self.rank >= 0, "model.lora.rank", f"must be an integer >= 0 (0: off), got {self.rank!r}")
+        if self.alpha is not None:
+            require_finite(self.alpha, "model.lora.alpha")
+            require(self.alpha > 0, "model.lora.alpha", f"must be > 0 (or null: 2·rank), got {self.alpha}")
+        targets = self.target_modules
+        ok = targets == "all-linear" or (
+            isinstance(targets, (list, tuple)) and bool(targets) and all(isinstance(t, str) and t.strip() for t in targets))
+        require(ok, "model.lora.target_modules", f"must be a non-empty list of module names or 'all-linear', got {targets!r}")
+        require(self.dropout == 0, "model.lora.dropout", f"must be 0, got {self.dropout}: dropout would make the trainer's "
+                "logprobs differ from the sampler's (the policy runs without dropout)")
+
+    def scale_alpha(self) -> float:
+        """alpha, with null meaning 2·rank."""
+        return float(self.alpha) if self.alpha is not None else 2.0 * self.rank
+
+
 @dataclass
 class ModelConfig:
     """The policy model. `kind=tiny` builds a random-init model locally; `kind=hf` loads one."""
@@ -63,6 +99,8 @@ class ModelConfig:
     """Parameter dtype: float32, bfloat16 or float16."""
     trust_remote_code: bool = False
     """Passed to transformers when `kind=hf`."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA adapters (`lora.rank` 0: full fine-tuning)."""
 
     def __post_init__(self) -> None:
         require(self.kind in ("tiny", "hf"), "model.kind", f"must be 'tiny' or 'hf', got {self.kind!r}")

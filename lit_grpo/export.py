@@ -23,6 +23,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from lit_grpo.checkpoint import CONFIG_FILE, locate_checkpoint
 from lit_grpo.config import TrainConfig, validate
+from lit_grpo.lora import is_lora, lora_layers, merged_lora_tensors, with_lora
 from lit_grpo.models import build_policy_skeleton, load_tokenizer, save_pretrained
 
 log = logging.getLogger(__name__)
@@ -45,7 +46,14 @@ def export_pretrained(
     out = Path(out_dir)
     staging = out.parent / f".tmp-{out.name}"
     shutil.rmtree(staging, ignore_errors=True)
-    save_pretrained(merged_model(policy), tokenizer, staging, state_dict=state_dict)
+    model = policy
+    if is_lora(policy):
+        # Merged layer by layer into the base model's names (no copy of the whole model); the
+        # state dict may be gathered from shards.
+        source = state_dict if state_dict is not None else policy.state_dict()
+        state_dict = dict(merged_lora_tensors(source.items(), lora_layers(policy)))
+        model = policy.get_base_model()
+    save_pretrained(model, tokenizer, staging, state_dict=state_dict)
     if out.exists():
         shutil.rmtree(out)
     staging.rename(out)
@@ -63,7 +71,7 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path) -> Path:
     path = locate_checkpoint(checkpoint)
     c = load_run_config(path)
     tokenizer = load_tokenizer(c.model)
-    policy = build_policy_skeleton(c.model, tokenizer, c.seed)
+    policy = with_lora(build_policy_skeleton(c.model, tokenizer, c.seed), c.model.lora, c.seed)  # the names it was saved under
     state = policy.state_dict()
     dcp.load({"policy": state}, checkpoint_id=path)  # only the policy's tensors are read
     policy.load_state_dict(state)

@@ -32,6 +32,7 @@ from transformers import PreTrainedModel
 from lit_grpo.config import TrainConfig
 from lit_grpo.distributed import all_reduce
 from lit_grpo.errors import UserError
+from lit_grpo.lora import AdapterFreeView, is_lora, with_lora
 from lit_grpo.losses import policy_loss
 from lit_grpo.signals import StopRequested
 from lit_grpo.types import RolloutBatch, RolloutRecord
@@ -106,17 +107,19 @@ class NonFiniteTraining(UserError, RuntimeError):
 
 
 class GRPOModule(L.LightningModule):
-    """Policy + (only when kl_beta > 0) a frozen reference; the loss comes from `lit_grpo.losses`."""
+    """Policy + (only when kl_beta > 0) a frozen reference; the loss comes from `lit_grpo.losses`.
+    With `model.lora.rank > 0` the policy is wrapped with LoRA adapters here (`lit_grpo.lora`)."""
 
     def __init__(self, policy: PreTrainedModel, config: TrainConfig, step_sequence: Optional["StepSequence"] = None) -> None:
         super().__init__()
         self.automatic_optimization = False
-        self.policy = policy
+        self.policy = with_lora(policy, config.model.lora, config.seed)  # only the adapters train when model.lora.rank > 0
         self.config = config
         self.loss_hyperparams = config.policy_loss.hyperparams()
         self.reference: Optional[PreTrainedModel] = None
         if self.loss_hyperparams.get("kl_beta", 0.0) > 0:
-            self.reference = copy.deepcopy(policy).requires_grad_(False).eval()
+            # LoRA: the base model is the policy with its adapters off, no second copy.
+            self.reference = AdapterFreeView(self.policy) if is_lora(self.policy) else copy.deepcopy(policy).requires_grad_(False).eval()
         self.step_sequence = step_sequence
         """Weight sync and version, checkpoint, evaluation, metrics: run after each step (see `on_train_batch_end`)."""
         self.rollout_step = 0
@@ -137,7 +140,7 @@ class GRPOModule(L.LightningModule):
     def configure_optimizers(self):
         c = self.config
         optimizer = torch.optim.AdamW(
-            self.policy.parameters(), lr=c.learning_rate, betas=(c.adam_beta1, c.adam_beta2), eps=c.adam_eps, weight_decay=c.weight_decay
+            [p for p in self.policy.parameters() if p.requires_grad], lr=c.learning_rate, betas=(c.adam_beta1, c.adam_beta2), eps=c.adam_eps, weight_decay=c.weight_decay
         )
         multiplier = partial(lr_multiplier, warmup_steps=c.warmup_steps, decay=c.lr_decay, total_steps=c.max_steps * c.ppo_n_minibatches)
         schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, multiplier)

@@ -48,17 +48,26 @@ def full_named_tensors(model: nn.Module, *, prefix: str = "") -> Iterator[tuple[
     prefix="policy.")` works under every Lightning strategy, FSDP1 included (there the FSDP root
     is the whole LightningModule, not `pl_module.policy`). Tensors are detached; plain ones share
     storage with the parameters, so copy them before the next optimizer step if you keep them.
+    A LoRA (peft) policy streams as its base model: adapted weights merged, base names.
     """
     fsdp1_modules = FullyShardedDataParallel.fsdp_modules(model)
     _reject_fsdp1_above(model, fsdp1_modules)
     if not fsdp1_modules and not any(isinstance(p, DTensor) for p in model.parameters()):
         # Nothing sharded: the state dict itself (`get_model_state_dict` costs ~4 ms more per sync
         # on the tiny model, a tenth of its whole step).
-        return _stream({_unwrapped(name): t for name, t in model.state_dict().items()}, prefix)
+        return _merge_lora(model, prefix, _stream({_unwrapped(name): t for name, t in model.state_dict().items()}, prefix))
     # FSDP1: one collective over the whole wrapped model (the reference too, when it sits inside),
     # run here at the call so that every rank runs it at the same point.
     full = StateDictOptions(full_state_dict=True, cpu_offload=False) if fsdp1_modules else None
-    return _stream(get_model_state_dict(model, options=full), prefix)
+    return _merge_lora(model, prefix, _stream(get_model_state_dict(model, options=full), prefix))
+
+
+def _merge_lora(model: nn.Module, prefix: str, stream: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """A LoRA policy's stream as its base model's (`lit_grpo.lora`): samplers load base names only."""
+    from lit_grpo.lora import lora_layers, merged_lora_tensors
+
+    layers = lora_layers(model, prefix)
+    return merged_lora_tensors(stream, layers) if layers else stream
 
 
 _WRAPPERS = ("module.", "_orig_mod.")  # DDP and torch.compile, as get_model_state_dict drops them

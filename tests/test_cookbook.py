@@ -115,8 +115,11 @@ def test_config_fields_reach_the_run_config_and_hosted_ones_are_named_once(tmp_p
 def test_overrides_win_and_what_cannot_run_is_refused_by_field(tmp_path):
     c = validate(to_hydra_config(Config(log_path=str(tmp_path), max_completion_tokens=5, overrides=["sampler.max_completion_tokens=3", "max_steps=2"])))
     assert (c.sampler.max_completion_tokens, c.max_steps) == (3, 2)
-    with pytest.raises(ConfigError, match="`lora_rank`"):
-        to_hydra_config(Config(log_path=str(tmp_path), lora_rank=8))
+    lora = validate(to_hydra_config(Config(log_path=str(tmp_path), lora_rank=8, lora_alpha=16))).model.lora
+    assert (lora.rank, lora.alpha) == (8, 16.0)  # the cookbook's LoRA knobs map onto model.lora
+    assert validate(to_hydra_config(Config(log_path=str(tmp_path)))).model.lora.rank == 0
+    with pytest.raises(ConfigError, match="`warm_start_from_adapter`"):
+        to_hydra_config(Config(log_path=str(tmp_path), warm_start_from_adapter="some/adapter"))
     with pytest.raises(ConfigError, match="needs rows"):
         main(Config(log_path=str(tmp_path)), reward_fn=lambda text, row: 0.0)
     with pytest.raises(ConfigError, match="nothing scores the samples"):

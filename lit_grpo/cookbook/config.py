@@ -110,7 +110,7 @@ class Config:
     seed: int = 0
     max_rows: int = 100
     max_seq_len: Optional[int] = None
-    lora_rank: int = 0
+    lora_rank: int = 0  # model.lora.rank (0: full fine-tuning)
     prompt_groups_per_step: int = 1
     max_head_offpolicy_versions: int = 0
     max_concurrency_rollout_sample: Optional[int] = None
@@ -130,8 +130,8 @@ class Config:
     deployment: DeployConfig = field(default_factory=DeployConfig)
     weight_sync: Optional[WeightSyncConfig] = None
     wandb: WandBConfig = field(default_factory=WandBConfig)
+    lora_alpha: Optional[int] = 32  # with lora_rank > 0: model.lora.alpha (None: 2·lora_rank)
     # Hosted-service or not-applicable knobs, accepted and ignored (named in one warning when set).
-    lora_alpha: Optional[int] = 32
     renderer_name: str = ""
     router_replay: bool = True
     router_replay_completion_only: bool = True
@@ -149,7 +149,7 @@ class Config:
 
 
 IGNORED_FIELDS = (
-    "lora_alpha", "renderer_name", "router_replay", "router_replay_completion_only", "grad_accumulation_normalization",
+    "renderer_name", "router_replay", "router_replay_completion_only", "grad_accumulation_normalization",
     "pipeline_chunks_per_step", "max_incomplete_group_retries", "anchor_logp", "weight_sync_timeout", "cleanup_on_exit",
     "save_final_checkpoint", "trainer", "infra",
 )  # fmt: skip
@@ -207,11 +207,9 @@ def to_hydra_config(cfg: Config) -> DictConfig:
 
     if not isinstance(cfg, Config):
         raise ConfigError(f"main() takes a lit_grpo.cookbook.Config, got {type(cfg).__name__}")
-    if cfg.lora_rank:
-        raise ConfigError(f"config field `lora_rank`: {cfg.lora_rank} asks for LoRA training, which lit_grpo does not "
-                          "have yet; use lora_rank=0 (full-parameter training)")
     if cfg.warm_start_from_adapter:
-        raise ConfigError("config field `warm_start_from_adapter`: needs LoRA training, which lit_grpo does not have yet")
+        raise ConfigError("config field `warm_start_from_adapter`: starting from a saved adapter is not supported; "
+                          "set lora_rank for fresh adapters, or merge the adapter into base_model first")
     if ignored := ignored_settings(cfg):
         log.warning("hosted-service settings have no meaning for a local run and are ignored: %s", ", ".join(ignored))
     sync = cfg.weight_sync or WeightSyncConfig(cfg.weight_sync_interval, cfg.dcp_save_interval)
@@ -252,6 +250,9 @@ def to_hydra_config(cfg: Config) -> DictConfig:
     if not builtin:
         values["policy_loss.name"] = cfg.policy_loss
     values["data.max_seq_len"] = cfg.max_seq_len or context_length(cfg.base_model, composed)
+    if cfg.lora_rank:  # only then: an unchanged model.lora keeps older checkpoints resumable
+        values["model.lora.rank"] = cfg.lora_rank
+        values["model.lora.alpha"] = cfg.lora_alpha
     if cfg.max_concurrency_rollout_sample is not None:
         values["max_concurrency_rollout_sample"] = cfg.max_concurrency_rollout_sample
     if cfg.dataset:

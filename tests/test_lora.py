@@ -1,0 +1,223 @@
+"""LoRA training (`lit_grpo.lora`, `model.lora.*`): only the adapters train, the KL reference is the
+base model (the policy with its adapters off, no second copy), a weight sync hands the sampler the
+merged weights under the base names, checkpoints resume exactly, and the export is the merged model."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+
+from lit_grpo.config import ConfigError, validate
+from lit_grpo.config_groups import LoraConfig
+from lit_grpo.lora import AdapterFreeView, apply_lora, base_name, is_lora
+from lit_grpo.models import load_policy, load_tokenizer
+from lit_grpo.module import token_logprobs
+from lit_grpo.samplers.hf import HFSampler
+from lit_grpo.train import fit
+from lit_grpo.weights import full_named_tensors
+
+from conftest import compose_config
+from test_checkpoint import assert_bit_identical, csv_rewards, run_cli, tensors
+
+STEPS = 8
+LORA = ["+experiment=arithmetic", "model.lora.rank=4", "learning_rate=1e-2", "trainer.enable_progress_bar=false"]
+TOKENS = torch.tensor([[1, 12, 18, 11, 13, 17], [1, 9, 18, 10, 13, 14]])  # <|bos|> then a few arithmetic characters
+
+
+def lora_policy(tiny_model, rank: int = 4, **kwargs):
+    """The tiny model with adapters whose B is random (B starts at 0: LoRA would be a no-op)."""
+    policy = apply_lora(tiny_model, LoraConfig(rank=rank, **kwargs), seed=0)
+    with torch.no_grad():
+        for name, param in policy.named_parameters():
+            if "lora_B" in name:
+                param.normal_(std=0.3, generator=torch.Generator().manual_seed(len(name)))
+    return policy
+
+
+def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys(), sorted(a.keys() ^ b.keys())[:5]
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+# ---------------------------------------------------------------------- config
+
+
+@pytest.mark.timeout(60)
+def test_config_defaults_and_refusals_name_the_field():
+    lora = validate(compose_config("+experiment=arithmetic")).model.lora
+    assert (lora.rank, lora.alpha, lora.dropout) == (0, None, 0.0) and "q_proj" in lora.target_modules
+    c = validate(compose_config("+experiment=arithmetic", "model.lora.rank=8", "model.lora.target_modules=all-linear"))
+    assert (c.model.lora.rank, c.model.lora.scale_alpha(), c.model.lora.target_modules) == (8, 16.0, "all-linear")
+    for bad, field in (({"dropout": 0.1}, "model.lora.dropout"), ({"rank": -1}, "model.lora.rank"),
+                       ({"alpha": 0.0}, "model.lora.alpha"), ({"target_modules": []}, "model.lora.target_modules")):
+        with pytest.raises(ConfigError, match=f"`{field}`"):
+            LoraConfig(**bad)
+    with pytest.raises(ConfigError, match="`model.lora.dropout`.*logprobs"):
+        validate(compose_config("+experiment=arithmetic", "model.lora.dropout=0.05"))
+
+
+@pytest.mark.timeout(60)
+def test_a_target_that_matches_no_layer_is_a_config_error(tiny_model):
+    with pytest.raises(ConfigError, match="`model.lora.target_modules`"):
+        apply_lora(tiny_model, LoraConfig(rank=4, target_modules=["c_attn"]), seed=0)
+    with pytest.raises(ConfigError, match="linear layers only"):
+        apply_lora(tiny_model, LoraConfig(rank=4, target_modules=["embed_tokens"]), seed=0)
+
+
+# ---------------------------------------------------------------------- weight sync, no training
+
+
+class Holder(nn.Module):
+    """Stands in for the LightningModule the sync reads from (`prefix="policy."`)."""
+
+    def __init__(self, policy: nn.Module) -> None:
+        super().__init__()
+        self.policy = policy
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("targets", [["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], "all-linear"])
+def test_sync_stream_is_the_merged_base_model_and_the_hf_sampler_loads_it(tiny_model, tokenizer, targets):
+    plain = copy.deepcopy(tiny_model)
+    sampler = HFSampler(plain, tokenizer)
+    policy = lora_policy(tiny_model, target_modules=targets)
+    merged = copy.deepcopy(policy).merge_and_unload()
+
+    streamed = dict(full_named_tensors(Holder(policy), prefix="policy."))
+    assert streamed.keys() == plain.state_dict().keys()  # base names only, lm_head and the tied embedding included
+    assert not any("lora" in n or "base_layer" in n or n.startswith("base_model") for n in streamed)
+    assert max_diff(streamed, merged.state_dict()) <= 1e-6
+    assert any(not torch.equal(streamed[k], plain.state_dict()[k]) for k in streamed)  # the adapters are in
+
+    sampler.update_weights(full_named_tensors(Holder(policy), prefix="policy."))  # refuses a sync that leaves a weight stale
+    assert max_diff(sampler.model.state_dict(), merged.state_dict()) <= 1e-6
+    attention = torch.ones_like(TOKENS)
+    with torch.no_grad():
+        torch.testing.assert_close(token_logprobs(sampler.model, TOKENS, attention, 1.0)[0],
+                                   token_logprobs(policy, TOKENS, attention, 1.0)[0], atol=1e-5, rtol=1e-5)
+    assert any("lora_A" in n for n, _ in policy.named_parameters())  # the live model was not merged
+
+
+@pytest.mark.timeout(60)
+def test_export_of_gathered_lora_state_is_the_merged_model(tiny_model, tokenizer, tmp_path):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from transformers import AutoModelForCausalLM
+
+    from lit_grpo.export import export_pretrained
+
+    policy = lora_policy(tiny_model)
+    full = get_model_state_dict(policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    out = export_pretrained(policy, tokenizer, tmp_path / "gathered", state_dict=full)  # the several-process path
+    loaded = AutoModelForCausalLM.from_pretrained(out)
+    assert not any("lora" in n for n in loaded.state_dict())
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=TOKENS).logits, policy(input_ids=TOKENS).logits, atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------- a short LoRA run
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory):
+    """8 steps with LoRA and the KL term on; the base model built from the same seed, untouched."""
+    out = tmp_path_factory.mktemp("lora_run")
+    c = validate(compose_config(*LORA, f"max_steps={STEPS}", "policy_loss.kl_beta=0.1", output_dir=out))
+    base = load_policy(c.model, load_tokenizer(c.model), c.seed)
+    trainer, module = fit(c)
+    return c, base, trainer, module
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_reference_is_the_untouched_base_model_and_no_second_copy(lora_run):
+    c, base, trainer, module = lora_run
+    assert module.rollout_step == STEPS and is_lora(module.policy)
+    assert isinstance(module.reference, AdapterFreeView)
+    assert all(name.startswith("policy.") for name in module.state_dict())  # one copy of the weights
+    attention = torch.ones_like(TOKENS)
+    reference = module._no_grad_logprobs(module.reference, TOKENS, attention, 1.0)
+    with torch.no_grad():
+        expected = token_logprobs(base, TOKENS, attention, 1.0)[0]
+    torch.testing.assert_close(reference.float(), expected.float())
+    policy = module._no_grad_logprobs(module.policy, TOKENS, attention, 1.0)
+    assert (policy - expected).abs().max() > 1e-3  # the policy did learn something
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_only_the_adapters_train(lora_run):
+    c, base, trainer, module = lora_run
+    base_state = base.state_dict()
+    adapters = {n for n, p in module.policy.named_parameters() if p.requires_grad}
+    assert adapters and all(".lora_A." in n or ".lora_B." in n for n in adapters)
+    for name, param in module.policy.named_parameters():
+        if name not in adapters:
+            assert torch.equal(param, base_state[base_name(name)]), name  # bitwise unchanged
+    assert any(p.abs().max() > 0 for n, p in module.policy.named_parameters() if ".lora_B." in n)  # B left 0
+    optimizer = trainer.optimizers[0]
+    optimized = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    assert optimized == {id(p) for n, p in module.policy.named_parameters() if n in adapters}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_sampler_after_sync_holds_exactly_the_merged_weights(lora_run):
+    c, base, trainer, module = lora_run
+    merged = copy.deepcopy(module.policy).merge_and_unload()
+    sampler = trainer.datamodule.sampler  # synced after the last step (weight_sync_interval=1)
+    assert max_diff(sampler.model.state_dict(), merged.state_dict()) <= 1e-6
+    attention = torch.ones_like(TOKENS)
+    with torch.no_grad():
+        torch.testing.assert_close(token_logprobs(sampler.model, TOKENS, attention, 1.0)[0],
+                                   token_logprobs(merged, TOKENS, attention, 1.0)[0], atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_final_model_is_the_merged_policy_and_loads_with_transformers(lora_run):
+    from transformers import AutoModelForCausalLM
+
+    c, base, trainer, module = lora_run
+    loaded = AutoModelForCausalLM.from_pretrained(f"{c.output_dir}/final_model")
+    assert not any("lora" in n for n in loaded.state_dict())
+    with torch.no_grad():
+        expected = copy.deepcopy(module.policy).merge_and_unload()(input_ids=TOKENS).logits
+        torch.testing.assert_close(loaded(input_ids=TOKENS).logits, expected, atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------- checkpoints
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_lora_run_resumes_exactly_and_its_checkpoint_exports(tmp_path):
+    run = LORA[1:3]  # run_cli adds the experiment, 8 steps and a checkpoint every 2
+    whole = tmp_path / "whole"
+    assert (proc := run_cli(whole, *run)).returncode == 0, proc.stderr[-3000:]
+    killed_dir = tmp_path / "killed"
+    killed = run_cli(killed_dir, *run, "+callbacks.kill={_target_:fault_injection.KillAfterStep,step:5}")
+    assert killed.returncode == -9, killed.stderr[-3000:]
+
+    # The checkpoint holds the adapters and their optimizer state (besides the frozen base weights).
+    keys = dcp.FileSystemReader(str(killed_dir / "checkpoints" / "step_00000004")).read_metadata().state_dict_metadata
+    assert any(k.startswith("policy.") and ".lora_B." in k for k in keys)
+    assert any(k.startswith("optimizer.state.") and ".lora_A." in k and k.endswith("exp_avg_sq") for k in keys)
+    assert not any(k.startswith("optimizer.state.") and ".lora_" not in k for k in keys)
+
+    resumed = run_cli(killed_dir, *run, "resume=auto")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    summary = json.loads((killed_dir / "summary.json").read_text())
+    assert summary["resumed_from"].endswith("step_00000004") and summary["steps"] == 8
+    assert_bit_identical(tensors(whole / "final_model"), tensors(killed_dir / "final_model"))
+    assert summary["reward_curve"] == json.loads((whole / "summary.json").read_text())["reward_curve"]
+    assert csv_rewards(killed_dir) == csv_rewards(whole)
+
+    exported = tmp_path / "exported"
+    proc = run_cli(tmp_path, str(whole), str(exported), module="lit_grpo.export")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_bit_identical(tensors(whole / "final_model"), tensors(exported))  # merged from the checkpoint's adapters
