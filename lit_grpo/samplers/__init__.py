@@ -99,3 +99,18 @@ def _build_vllm(cfg, policy, tokenizer, *, model, work_dir, seed):
         tensor_parallel_size=cfg.tensor_parallel_size, sleep_between_phases=cfg.sleep_between_phases,
         seed=seed, max_batch_size=cfg.max_batch_size,
     )
+
+
+def _vllm_server_missing() -> Optional[str]:
+    import importlib.util
+
+    if importlib.util.find_spec("httpx") is None:
+        return "the vllm_server client needs httpx: pip install 'lit_grpo[server]' (starting servers also needs vLLM)"
+    return None
+
+
+@register_sampler("vllm_server", missing=_vllm_server_missing)
+def _build_vllm_server(cfg, policy, tokenizer, *, model, work_dir, seed):
+    from lit_grpo.samplers.vllm_server import build_vllm_server_sampler
+
+    return build_vllm_server_sampler(cfg, policy, tokenizer, model=model, work_dir=work_dir, seed=seed)

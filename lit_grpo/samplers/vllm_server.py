@@ -1,0 +1,559 @@
+"""The vLLM server sampler: completions from one or more vLLM OpenAI servers over HTTP.
+
+Prompts are tokenized here, in the training process, and sent as token ids to `/v1/completions`
+(one request per completion, `n=1`, with `return_token_ids` and the sampled tokens' logprobs), so
+the tokens trained on are exactly the tokens the server saw and sampled. The servers must run
+with `--logprobs-mode processed_logprobs` (as `python -m lit_grpo.serve` sets): the served
+logprobs are then the behaviour policy's (after temperature; top_p=1, top_k=0), and the raw ones
+(`inference_logprobs`) are known where they are the same numbers, at temperature 1 and in greedy
+decoding, as with the in-process vLLM sampler. The eos cut and the stop-string contract are the
+other samplers' (`BatchingSampler.completion`, `lit_grpo.samplers.stops`): vLLM ends a completion
+with the token that completed a stop string, keeps its logprob and cuts the text before it (the
+OpenAI API takes at most 4 stop strings: with more, the cut is made here by the same rule).
+
+Requests go to the replica with the fewest in flight, at most `max_in_flight_per_server` each.
+Transient errors (connection refused or reset, 5xx, timeouts) are retried with exponential
+backoff, up to `max_retries` times per replica. A replica that stays unreachable is dropped with a
+warning naming it, and its requests go to the others (failover); with none left, or when a
+replica answers errors or times out past its retries, the request fails with an error naming
+the server.
+
+A weight sync (`update_weights`) writes the policy's tensors as safetensors into
+`weight_sync_dir` (it must be readable by the servers: local servers, or a shared folder), then
+on every live replica: `/pause?mode=keep` (requests in flight are frozen, not lost),
+`/collective_rpc` `reload_weights` from that folder, `/reset_prefix_cache` (the frozen requests
+are recomputed with the new weights), `/update_weight_version`, `/resume`, and reads the version
+back from `/weight_info`. All replicas are paused before any is reloaded, so no request started
+after the sync returns sees the old weights. A failed or timed-out step raises
+`WeightSyncError` naming the server: training never continues against stale weights.
+
+This module does not import vLLM; it needs `httpx` (`pip install 'lit_grpo[server]'`). The servers
+need the dev-mode endpoints (`VLLM_SERVER_DEV_MODE=1`, set by `lit_grpo.serve`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Awaitable, Iterable, Optional, TypeVar
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from lit_grpo.samplers.base import BatchingSampler, PromptTooLong, SamplerTimeout, check_sample_kwargs, strip_wrapper_prefixes
+from lit_grpo.samplers.stops import find_stop
+from lit_grpo.types import Completion
+
+if TYPE_CHECKING:
+    from lit_grpo.samplers.server_pool import ServerPool
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+WEIGHTS_FILE = "model.safetensors"
+MAX_SERVER_STOPS = 4
+"""The OpenAI API takes at most 4 stop strings; with more, none are sent and the completion is cut
+here (`stops.find_stop`, vLLM's rule), after the server generated past the stop string."""
+INSTALL_HINT = "sampler=vllm_server needs httpx: pip install 'lit_grpo[server]'"
+
+
+class ServerError(RuntimeError):
+    """A vLLM server failed a request (after its retries), refused it, or is gone; the message names it."""
+
+
+class WeightSyncError(RuntimeError):
+    """A weight sync failed or timed out on a server (named in the message): its weights may be stale."""
+
+
+@dataclass
+class Replica:
+    """One server, as the client sees it."""
+
+    url: str
+    model: str = ""
+    """The served model name (`/v1/models`), sent with every request."""
+    max_model_len: Optional[int] = None
+    """Longest prompt + completion the server accepts (`/v1/models`)."""
+    in_flight: int = 0
+    completed: int = 0
+    """Completions this replica returned."""
+    version: Optional[int] = None
+    """The weight version the server reported after the last sync (None: unknown)."""
+    down: Optional[str] = None
+    """Why the replica was dropped (None: in use)."""
+
+
+class _Transient(Exception):
+    """An error worth retrying (connection refused or reset, 5xx, a timeout)."""
+
+    def __init__(self, message: str, *, unreachable: bool) -> None:
+        super().__init__(message)
+        self.unreachable = unreachable
+
+
+class VLLMServerSampler(BatchingSampler):
+    """Implements the `Sampler` protocol over vLLM OpenAI servers at `urls` (see the module docstring).
+
+    All HTTP runs on one event loop in a daemon thread of its own, so rollouts on any event loop,
+    the evaluator's synchronous `generate` and the trainer's `update_weights` share one
+    connection pool and one in-flight bound per server. `pool`: servers this sampler started and
+    stops in `close()`.
+    """
+
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        urls: list[str],
+        *,
+        weight_sync_dir: str | os.PathLike,
+        max_in_flight_per_server: int = 64,
+        request_timeout_s: float = 120.0,
+        max_retries: int = 3,
+        sync_timeout_s: float = 300.0,
+        retry_backoff_s: float = 0.5,
+        pool: Optional["ServerPool"] = None,
+        max_batch_size: int = 256,
+    ) -> None:
+        try:
+            import httpx
+        except ImportError as err:
+            raise ImportError(f"{INSTALL_HINT} ({err})") from None
+        if not urls:
+            raise ValueError("VLLMServerSampler needs at least one server URL")
+        super().__init__(tokenizer, max_batch_size=max_batch_size)
+        self._httpx = httpx
+        self.replicas = [Replica(u.rstrip("/")) for u in urls]
+        self.weight_sync_dir = Path(weight_sync_dir)
+        self.max_in_flight_per_server = max_in_flight_per_server
+        self.request_timeout_s = request_timeout_s
+        self.max_retries = max_retries
+        self.sync_timeout_s = sync_timeout_s
+        self.retry_backoff_s = retry_backoff_s
+        self.pool = pool
+        self.version = 0
+        """Weight syncs done: the version every live replica serves."""
+        self.failovers: list[str] = []
+        """One line per replica dropped (why), in order."""
+        self._closed = False
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="vllm-server-client", daemon=True)
+        self._thread.start()
+        try:
+            self._run(self._open(), timeout=request_timeout_s)
+        except BaseException:
+            self.close()
+            raise
+
+    # ------------------------------------------------------------------ the client's own loop
+
+    def _run(self, coro: Awaitable[T], timeout: Optional[float]) -> T:
+        """Run `coro` on the client's loop from any other thread, waiting at most `timeout` s."""
+        self._check_open()
+        future = asyncio.run_coroutine_threadsafe(coro, self._loop)  # type: ignore[arg-type]
+        try:
+            return future.result(timeout)
+        except TimeoutError:
+            future.cancel()
+            raise
+
+    def _check_open(self) -> None:
+        if self._closed or not self._loop.is_running():
+            raise RuntimeError("the vllm_server sampler is closed")
+
+    async def _open(self) -> None:
+        """The HTTP client, and each server's model name and length limit from `/v1/models`."""
+        capacity = len(self.replicas) * self.max_in_flight_per_server + 16
+        # trust_env=False: a proxy from the environment must never stand between us and the servers.
+        self._client = self._httpx.AsyncClient(
+            trust_env=False, limits=self._httpx.Limits(max_connections=capacity, max_keepalive_connections=capacity),
+        )
+        self._slots = asyncio.Condition()
+
+        async def describe(r: Replica) -> None:
+            data = await self._call(r, "GET", "/v1/models", timeout=self.request_timeout_s)
+            models = data.get("data") or []
+            if not models:
+                raise ServerError(f"vLLM server {r.url} serves no model (/v1/models is empty)")
+            r.model, r.max_model_len = models[0]["id"], models[0].get("max_model_len")
+
+        await asyncio.gather(*(describe(r) for r in self.replicas))
+
+    async def _call(self, r: Replica, method: str, path: str, *, timeout: float, **kwargs: Any) -> Any:
+        """One HTTP call to replica `r`, no retries: its JSON (None when empty); `ServerError`
+        naming the server for a transport error or a non-2xx answer."""
+        try:
+            response = await self._client.request(method, f"{r.url}{path}", timeout=timeout, **kwargs)
+        except self._httpx.TimeoutException:
+            raise ServerError(f"vLLM server {r.url}: {method} {path} did not answer within {timeout:g} s") from None
+        except self._httpx.TransportError as err:
+            raise ServerError(f"vLLM server {r.url}: {method} {path} failed ({type(err).__name__}: {err or 'no detail'})") from None
+        if response.status_code >= 300:
+            raise ServerError(f"vLLM server {r.url}: {method} {path} answered {response.status_code}: {response.text[:500]}")
+        return response.json() if response.content else None
+
+    # ------------------------------------------------------------------ sampling
+
+    async def sample_with_prompt_tokens(self, prompt_token_ids: list[int], n: int = 1, **kwargs: Any) -> list[Completion]:
+        """`n` completions of a tokenized prompt, one request each; `kwargs` are the sampling
+        arguments of `check_sample_kwargs`. `http_timeout` bounds this call as a whole, retries
+        included (`SamplerTimeout` past it); the requests are cancelled on the servers' side too."""
+        args = check_sample_kwargs(kwargs)
+        self._check_open()
+        prompt = [int(t) for t in prompt_token_ids]
+        max_tokens = self._bounded_max_tokens(len(prompt), args.max_tokens, args.max_seq_len)
+        deadline = None if args.http_timeout is None else time.monotonic() + args.http_timeout
+        futures = [asyncio.wrap_future(asyncio.run_coroutine_threadsafe(
+            self._complete(prompt, args.temperature, max_tokens, args.stop, deadline), self._loop)) for _ in range(n)]
+        try:
+            return list(await asyncio.wait_for(asyncio.gather(*futures), args.http_timeout))
+        except TimeoutError as err:
+            if isinstance(err, SamplerTimeout):
+                raise
+            raise SamplerTimeout(f"no completion within http_timeout={args.http_timeout:g} s (waiting for a free "
+                                 "server slot or for the server); the request was cancelled") from None
+        finally:
+            for f in futures:  # the caller was cancelled, or one request failed: the others stop too
+                f.cancel()
+
+    def _bounded_max_tokens(self, prompt_len: int, max_tokens: int, request_max_seq_len: Optional[int]) -> int:
+        """`max_tokens` within `data.max_seq_len`, the request's `max_seq_len` and the servers'
+        `max_model_len`; `PromptTooLong` when a bound leaves no room (as in `BatchingSampler`)."""
+        for bound, name in ((self.max_seq_len, "data.max_seq_len"), (request_max_seq_len, "the request's max_seq_len"),
+                            (self._max_model_len(), "the servers' max_model_len")):
+            if bound is None:
+                continue
+            if prompt_len >= bound:
+                raise PromptTooLong(f"a prompt of {prompt_len} tokens leaves no room for a completion within "
+                                    f"{name}={bound}; it was not sampled")
+            max_tokens = min(max_tokens, bound - prompt_len)
+        return max_tokens
+
+    def _max_model_len(self) -> Optional[int]:
+        lens = [r.max_model_len for r in self.replicas if r.max_model_len]
+        return min(lens) if lens else None
+
+    def _generate(self, prompts: list[list[int]], temperature: float, max_tokens: int, stop: tuple[str, ...] = ()) -> list[Completion]:
+        """The batched call of the synchronous `generate` (greedy evaluation): one request per
+        prompt, all in flight together, waited for at most `call_timeout_s`."""
+
+        async def gather() -> list[Completion]:
+            return list(await asyncio.gather(*(self._complete(list(p), temperature, max_tokens, tuple(stop), None) for p in prompts)))
+
+        try:
+            return self._run(gather(), timeout=self.call_timeout_s)
+        except TimeoutError:
+            raise SamplerTimeout(f"{len(prompts)} requests to the vLLM servers did not all complete within "
+                                 f"{self.call_timeout_s:g} s (rollout_timeout_s)") from None
+
+    async def _acquire(self) -> Replica:
+        """A live replica with room, the one with the fewest requests in flight."""
+        async with self._slots:
+            while True:
+                live = [r for r in self.replicas if r.down is None]
+                if not live:
+                    raise ServerError("no vLLM server left: " + "; ".join(self.failovers))
+                free = [r for r in live if r.in_flight < self.max_in_flight_per_server]
+                if free:
+                    replica = min(free, key=lambda r: r.in_flight)
+                    replica.in_flight += 1
+                    return replica
+                await self._slots.wait()
+
+    async def _release(self, r: Replica) -> None:
+        async with self._slots:
+            r.in_flight -= 1
+            self._slots.notify_all()
+
+    async def _drop(self, r: Replica, why: str) -> None:
+        """Take `r` out of use (its requests go to the others), saying so."""
+        async with self._slots:
+            if r.down is None:
+                r.down = why
+                self.failovers.append(f"{r.url}: {why}")
+                left = sum(x.down is None for x in self.replicas)
+                log.warning("vLLM server %s is gone (%s): dropped; %d server(s) left serve its requests", r.url, why, left)
+            self._slots.notify_all()
+
+    async def _complete(self, prompt: list[int], temperature: float, max_tokens: int, stop: tuple[str, ...],
+                        deadline: Optional[float]) -> Completion:
+        """One completion, retried and failed over as the module docstring says."""
+        body: dict[str, Any] = {
+            "prompt": prompt, "max_tokens": max_tokens, "temperature": temperature, "top_p": 1.0, "top_k": 0, "n": 1,
+            "logprobs": 0, "return_token_ids": True, "skip_special_tokens": True,
+        }
+        if stop and len(stop) <= MAX_SERVER_STOPS:
+            body["stop"] = list(stop)
+        while True:  # one pass per replica tried: retries stay on a replica until it is dropped
+            replica = await self._acquire()
+            try:
+                failures = 0
+                while replica.down is None:
+                    timeout = self.request_timeout_s
+                    if deadline is not None:
+                        timeout = min(timeout, deadline - time.monotonic())
+                        if timeout <= 0:
+                            raise SamplerTimeout(f"no completion within http_timeout (server {replica.url})")
+                    try:
+                        choice = await self._post_completion(replica, {**body, "model": replica.model}, timeout)
+                        completion = self._to_completion(replica, prompt, choice, temperature, stop)
+                        replica.completed += 1
+                        return completion
+                    except _Transient as err:
+                        failures += 1
+                        if deadline is not None and time.monotonic() >= deadline:
+                            raise SamplerTimeout(f"no completion within http_timeout; the last try failed: {err}") from None
+                        if failures > self.max_retries:
+                            if not err.unreachable:
+                                raise ServerError(f"vLLM server {replica.url} failed a completion request {failures} "
+                                                  f"times; last: {err}") from None
+                            # the server is gone: the others take its requests
+                            await self._drop(replica, f"unreachable after {failures} tries: {err}")
+                            break
+                        backoff = min(self.retry_backoff_s * 2 ** (failures - 1), 5.0)
+                        if deadline is not None:
+                            backoff = min(backoff, max(deadline - time.monotonic(), 0.0))
+                        await asyncio.sleep(backoff)
+            finally:
+                await self._release(replica)
+
+    async def _post_completion(self, r: Replica, body: dict, timeout: float) -> dict:
+        httpx = self._httpx
+        try:
+            response = await self._client.post(f"{r.url}/v1/completions", json=body, timeout=timeout)
+        except httpx.TimeoutException:
+            raise _Transient(f"{r.url}: no answer within {timeout:g} s", unreachable=False) from None
+        except httpx.TransportError as err:  # refused, reset, closed mid-answer
+            raise _Transient(f"{r.url}: {type(err).__name__}: {err or 'connection failed'}", unreachable=True) from None
+        if response.status_code >= 500 or response.status_code == 429:
+            raise _Transient(f"{r.url} answered {response.status_code}: {response.text[:300]}", unreachable=False)
+        if response.status_code >= 300:  # a request the server will never accept: no retry
+            raise ServerError(f"vLLM server {r.url} refused a completion request ({response.status_code}): {response.text[:500]}")
+        return response.json()["choices"][0]
+
+    def _to_completion(self, r: Replica, prompt: list[int], choice: dict, temperature: float, stop: tuple[str, ...] = ()) -> Completion:
+        tokens = choice.get("token_ids")
+        logprobs = (choice.get("logprobs") or {}).get("token_logprobs")
+        if tokens is None or logprobs is None or len(tokens) != len(logprobs) or any(lp is None for lp in logprobs):
+            raise ServerError(f"vLLM server {r.url} answered without the token ids and logprobs of its completion "
+                              "(a vLLM without `return_token_ids`?)")
+        served_prompt = choice.get("prompt_token_ids")
+        if served_prompt is not None and list(served_prompt) != prompt:
+            raise ServerError(f"vLLM server {r.url} sampled from other prompt tokens than were sent")
+        tokens, text = list(tokens), choice.get("text") or ""
+        stop_reason = choice.get("stop_reason")
+        stop_reason = stop_reason if isinstance(stop_reason, str) else None  # an int would be a stop token id
+        if len(stop) > MAX_SERVER_STOPS:  # the server was sent none: cut here, by the same rule
+            eos_id = self.tokenizer.eos_token_id
+            end = tokens.index(eos_id) + 1 if eos_id in tokens else len(tokens)
+            match = find_stop(tokens[:end], stop, self._decode)
+            if match is not None:
+                tokens, text, stop_reason = tokens[: match.num_tokens], match.text, match.stop
+        raw_known = temperature in (0.0, 1.0)  # processed logprobs == raw ones there (see the module docstring)
+        return self.completion(prompt, tokens, list(logprobs), text, stop_reason=stop_reason,
+                               inference_logprobs=list(logprobs) if raw_known else None)
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    # ------------------------------------------------------------------ weight sync
+
+    @torch.no_grad()
+    def _load(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        start = time.perf_counter()
+        self.write_weights(named_tensors)
+        written = time.perf_counter() - start
+        try:
+            # Each server call has its own deadline (sync_timeout_s); this bound is only for a stuck
+            # client loop: cancelling between phases could leave a server paused.
+            self._run(self._sync_all(self.version + 1), timeout=8 * self.sync_timeout_s)
+        except TimeoutError:
+            raise WeightSyncError(f"weight sync to version {self.version + 1} did not finish within "
+                                  f"{8 * self.sync_timeout_s:g} s: the servers may hold stale weights") from None
+        self.version += 1
+        log.debug("weight sync %d: written in %.3f s, loaded by %d server(s) in %.3f s", self.version, written,
+                  sum(r.down is None for r in self.replicas), time.perf_counter() - start - written)
+
+    def write_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Path:
+        """The tensors (wrapper prefixes stripped) as one safetensors file in `weight_sync_dir`,
+        replaced atomically (a server never reads a half-written file)."""
+        from safetensors.torch import save_file
+
+        tensors: dict[str, torch.Tensor] = {}
+        storages: set[int] = set()
+        for name, tensor in named_tensors:
+            t = tensor.detach()
+            t = t.cpu() if t.device.type != "cpu" else t
+            ptr = t.untyped_storage().data_ptr()
+            if ptr in storages or not t.is_contiguous():  # tied weights share storage; safetensors refuses that
+                t = t.contiguous().clone()
+            storages.add(t.untyped_storage().data_ptr())
+            tensors[strip_wrapper_prefixes(name)] = t
+        if not tensors:
+            raise WeightSyncError("the weight sync was given no tensors")
+        self.weight_sync_dir.mkdir(parents=True, exist_ok=True)
+        tmp = self.weight_sync_dir / f".{WEIGHTS_FILE}.{os.getpid()}.tmp"
+        save_file(tensors, str(tmp), metadata={"format": "pt"})
+        os.replace(tmp, self.weight_sync_dir / WEIGHTS_FILE)
+        return self.weight_sync_dir
+
+    async def _sync_all(self, version: int) -> None:
+        """Every live replica to `version`, phase by phase (all paused before any reloads)."""
+        live = [r for r in self.replicas if r.down is None]
+        if not live:
+            raise WeightSyncError("no vLLM server left to sync weights to: " + "; ".join(self.failovers))
+        t = self.sync_timeout_s
+        folder = str(self.weight_sync_dir.resolve())
+
+        async def reload(r: Replica) -> None:
+            await self._call(r, "POST", "/collective_rpc", timeout=t,
+                             json={"method": "reload_weights", "kwargs": {"weights_path": folder}, "timeout": t})
+            for _ in range(20):  # recompute the frozen requests' KV with the new weights; drop cached prefixes
+                answer = await self._call(r, "POST", "/reset_prefix_cache", timeout=t, params={"reset_running_requests": "true"})
+                if answer is None or answer.get("success", True):
+                    break
+                await asyncio.sleep(0.05)
+            else:
+                raise ServerError(f"vLLM server {r.url}: /reset_prefix_cache kept failing after the reload")
+            await self._call(r, "POST", "/update_weight_version", timeout=t, json={"new_version": str(version)})
+
+        async def resume(r: Replica) -> None:
+            await self._call(r, "POST", "/resume", timeout=t)
+            served = (await self._call(r, "GET", "/weight_info", timeout=t) or {}).get("weight_version")
+            if served != str(version):
+                raise ServerError(f"vLLM server {r.url} reports weight version {served!r} after the sync, expected {version}")
+            r.version = version
+
+        failed: dict[str, str] = {}
+        for phase in (lambda r: self._call(r, "POST", "/pause", timeout=t, params={"mode": "keep"}), reload):
+            results = await asyncio.gather(*(phase(r) for r in live if r.url not in failed), return_exceptions=True)
+            for r, result in zip([r for r in live if r.url not in failed], results):
+                if isinstance(result, BaseException):
+                    failed[r.url] = _describe(result)
+        # Resume even where the sync failed: an engine left paused would hold its requests forever.
+        results = await asyncio.gather(*(resume(r) for r in live), return_exceptions=True)
+        for r, result in zip(live, results):
+            if isinstance(result, BaseException) and r.url not in failed:
+                failed[r.url] = _describe(result)
+        if failed:
+            for r in live:
+                if r.url in failed:
+                    r.down = r.down or f"weight sync to version {version} failed"
+                    r.version = None
+            raise WeightSyncError(f"weight sync to version {version} failed on " + "; ".join(
+                f"{url} ({why})" for url, why in failed.items()) + ": those servers may hold stale or broken weights; "
+                "training stops rather than sample from them")
+
+    def set_version(self, version: int) -> None:
+        """Tell every live replica that it serves `version` (the servers this sampler started from
+        the policy's own weights), checked by reading it back."""
+
+        async def tag(r: Replica) -> None:
+            await self._call(r, "POST", "/update_weight_version", timeout=self.request_timeout_s, json={"new_version": str(version)})
+            served = (await self._call(r, "GET", "/weight_info", timeout=self.request_timeout_s) or {}).get("weight_version")
+            if served != str(version):
+                raise WeightSyncError(f"vLLM server {r.url} reports weight version {served!r}, expected {version}")
+            r.version = version
+
+        async def tag_all() -> None:
+            await asyncio.gather(*(tag(r) for r in self.replicas if r.down is None))
+
+        self._run(tag_all(), timeout=self.request_timeout_s + 5.0)
+        self.version = version
+
+    def served_versions(self) -> dict[str, Optional[str]]:
+        """What each replica reports serving now (`/weight_info`), by URL (None: no answer)."""
+
+        async def ask(r: Replica) -> Optional[str]:
+            try:
+                return (await self._call(r, "GET", "/weight_info", timeout=10.0) or {}).get("weight_version")
+            except ServerError:
+                return None
+
+        async def ask_all() -> list[Optional[str]]:
+            return list(await asyncio.gather(*(ask(r) for r in self.replicas)))
+
+        return dict(zip([r.url for r in self.replicas], self._run(ask_all(), timeout=15.0)))
+
+    # ------------------------------------------------------------------ end
+
+    def close(self) -> None:
+        """Close the HTTP client and stop the servers this sampler started. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._loop.is_running() and getattr(self, "_client", None) is not None:
+                try:
+                    self._run(self._client.aclose(), timeout=5.0)
+                except Exception:  # a stuck connection must not keep the servers alive
+                    pass
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=5.0)
+            if not self._thread.is_alive():
+                self._loop.close()
+        finally:
+            if self.pool is not None:
+                self.pool.stop()
+            super().close()
+
+
+def _describe(err: BaseException) -> str:
+    if isinstance(err, (ServerError, WeightSyncError)):
+        return str(err)
+    if isinstance(err, (asyncio.TimeoutError, TimeoutError)):
+        return "timed out"
+    return f"{type(err).__name__}: {err}"
+
+
+def build_vllm_server_sampler(cfg, policy, tokenizer, *, model=None, work_dir: str = ".", seed: int = 0) -> VLLMServerSampler:
+    """The `vllm_server` sampler of a run: attached to `cfg.server_urls`, whose weights are
+    replaced by the policy's at once (version 0), or with `cfg.num_servers` local servers started
+    from the policy's weights written under `work_dir` (stopped when the sampler closes)."""
+    from lit_grpo.lora import is_lora
+    from lit_grpo.models import save_pretrained
+    from lit_grpo.samplers.server_pool import start_servers
+    from lit_grpo.weights import full_named_tensors
+
+    run = Path(work_dir)
+    num_servers = cfg.num_servers if cfg.num_servers is not None else (0 if cfg.server_urls else 1)
+    sync_dir = Path(cfg.weight_sync_dir).expanduser() if cfg.weight_sync_dir else run / "weight_sync"
+    options = dict(weight_sync_dir=sync_dir, max_in_flight_per_server=cfg.max_in_flight_per_server,
+                   request_timeout_s=cfg.request_timeout_s, max_retries=cfg.max_retries, sync_timeout_s=cfg.request_timeout_s,
+                   max_batch_size=cfg.max_batch_size)
+    if not num_servers:
+        sampler = VLLMServerSampler(tokenizer, list(cfg.server_urls), **options)
+        try:
+            # whatever they served before, they serve the policy now (a LoRA policy's merged weights)
+            sampler.update_weights(full_named_tensors(policy))
+        except BaseException:
+            sampler.close()
+            raise
+        return sampler
+    if model is not None and model.kind == "hf" and Path(str(model.name_or_path)).expanduser().is_dir():
+        source = Path(str(model.name_or_path)).expanduser()
+    elif is_lora(policy):  # the servers load the base model's names, with the adapters merged in
+        source = save_pretrained(policy.get_base_model(), tokenizer, run / "sampler_init", state_dict=dict(full_named_tensors(policy)))
+    else:  # a model built here, or a hub name: the servers load the policy from a folder written now
+        source = save_pretrained(policy, tokenizer, run / "sampler_init")
+    extra = ["--enforce-eager"] if cfg.enforce_eager else []
+    if torch.cuda.is_available():
+        extra += ["--gpu-memory-utilization", str(cfg.gpu_memory_utilization)]
+    pool = start_servers(source, num_servers, log_dir=run / "servers", dtype=cfg.dtype, max_model_len=cfg.max_model_len,
+                         kv_cache_memory_bytes=cfg.server_kv_cache_memory_bytes, seed=seed,
+                         extra_args=[*extra, *cfg.server_args], ready_timeout_s=cfg.server_startup_timeout_s)
+    try:
+        sampler = VLLMServerSampler(tokenizer, pool.urls, pool=pool, **options)
+    except BaseException:
+        pool.stop()
+        raise
+    try:
+        sampler.set_version(0)
+    except BaseException:
+        sampler.close()
+        raise
+    return sampler

