@@ -79,6 +79,7 @@ def build_tiny_model(cfg: ModelConfig, vocab_size: int, seed: int, tokenizer: Pr
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
+        **({} if cfg.init_std is None else {"initializer_range": cfg.init_std}),
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

@@ -62,6 +62,18 @@ def test_config_defaults_and_refusals_name_the_field():
 
 
 @pytest.mark.timeout(60)
+def test_tiny_model_init_std(tokenizer, tiny_model):
+    from lit_grpo.config import ModelConfig
+    from lit_grpo.models import build_tiny_model
+
+    wide = build_tiny_model(ModelConfig(init_std=0.2), len(tokenizer), seed=0, tokenizer=tokenizer)
+    assert abs(wide.model.embed_tokens.weight.std().item() - 0.2) < 0.02
+    assert abs(tiny_model.model.embed_tokens.weight.std().item() - 0.02) < 0.002  # null: transformers' default
+    with pytest.raises(ConfigError, match="`model.init_std`"):
+        ModelConfig(init_std=0.0)
+
+
+@pytest.mark.timeout(60)
 def test_a_target_that_matches_no_layer_is_a_config_error(tiny_model):
     with pytest.raises(ConfigError, match="`model.lora.target_modules`"):
         apply_lora(tiny_model, LoraConfig(rank=4, target_modules=["c_attn"]), seed=0)
@@ -221,3 +233,43 @@ def test_lora_run_resumes_exactly_and_its_checkpoint_exports(tmp_path):
     proc = run_cli(tmp_path, str(whole), str(exported), module="lit_grpo.export")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert_bit_identical(tensors(whole / "final_model"), tensors(exported))  # merged from the checkpoint's adapters
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.timeout(600)
+def test_vllm_sampler_loads_the_merged_lora_weights(tmp_path):
+    import asyncio
+    import os
+
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from lit_grpo.config import ModelConfig
+    from lit_grpo.models import build_char_tokenizer, build_tiny_model, save_pretrained
+    from lit_grpo.samplers.vllm import VLLMSampler
+
+    tokenizer = build_char_tokenizer("printable")
+    model = build_tiny_model(ModelConfig(num_heads=2), len(tokenizer), seed=0, tokenizer=tokenizer)  # vLLM's CPU attention: head size >= 32
+    sampler = VLLMSampler(str(save_pretrained(model, tokenizer, tmp_path / "base")), tokenizer, dtype="float32", max_model_len=256, enforce_eager=True)
+    try:
+        policy = lora_policy(model)  # wraps `model` in place: the engine already holds its base weights
+        sampler.update_weights(full_named_tensors(Holder(policy), prefix="policy."))
+        prompts = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in ["1+2=", "12+3=", "7*8="] * 4]
+
+        async def sample():
+            return await asyncio.gather(*(sampler.sample_with_prompt_tokens(p, n=1, temperature=1.0, max_tokens=8) for p in prompts))
+
+        completions = [c for group in asyncio.run(sample()) for c in group]
+        merged = copy.deepcopy(policy).merge_and_unload()
+        diffs, base_diffs = [], []
+        with torch.no_grad():
+            for c in completions:
+                tokens = torch.tensor([c.full_tokens])
+                sampled = torch.tensor(c.sampling_logprobs)
+                diffs.append((token_logprobs(merged, tokens, torch.ones_like(tokens), 1.0)[0][0, c.prompt_len - 1:] - sampled).abs())
+                with policy.disable_adapter():
+                    base = token_logprobs(policy, tokens, torch.ones_like(tokens), 1.0)[0][0, c.prompt_len - 1:]
+                base_diffs.append((base - sampled).abs())
+        assert torch.cat(diffs).mean() < 1e-3  # vLLM samples from the merged policy...
+        assert torch.cat(base_diffs).mean() > 1e-2  # ...not from the base model it started with
+    finally:
+        sampler.close()
