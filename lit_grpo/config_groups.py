@@ -126,7 +126,8 @@ class SamplerConfig:
 
     kind: str = "hf"
     """A registered sampler (`lit_grpo.samplers`): `hf`, batched transformers `generate` with its own
-    copy of the weights; `vllm`, in-process vLLM."""
+    copy of the weights; `vllm`, in-process vLLM; `vllm_server`, vLLM OpenAI servers over HTTP
+    (started here, `num_servers`, or running, `server_urls`)."""
     temperature: float = 1.0
     """Sampling temperature; logprobs are reported at this temperature (top_p=1, top_k=0)."""
     max_completion_tokens: int = 8
@@ -145,6 +146,39 @@ class SamplerConfig:
     """vllm on CUDA: GPUs the engine shards over."""
     sleep_between_phases: bool = False
     """vllm on CUDA: free the engine's memory while the trainer steps (CPU: ignored, with a log line)."""
+    server_urls: list[str] = field(default_factory=list)
+    """vllm_server: URLs of running servers to attach to (`python -m lit_grpo.serve`, which sets the
+    logprobs mode and weight-update endpoints this sampler needs); their weights are replaced by the
+    policy's at start. Set this or `num_servers`."""
+    num_servers: Optional[int] = None
+    """vllm_server: start this many local servers from the policy's weights (written to the run
+    folder; logs in `<output_dir>/servers`), stopped at the end of the run; null: 1 unless
+    `server_urls` is set (then none are started)."""
+    max_in_flight_per_server: int = 64
+    """vllm_server: most requests outstanding at one server (requests go to the least busy one)."""
+    request_timeout_s: float = 120.0
+    """vllm_server: deadline of one HTTP request (each try of a completion; each step of a weight sync)."""
+    max_retries: int = 3
+    """vllm_server: retries of a completion after a transient error (connection refused or reset, 5xx,
+    timeout), with exponential backoff; past them a server that cannot be reached is dropped (its
+    requests go to the others), any other failure is an error naming the server."""
+    weight_sync_dir: Optional[str] = None
+    """vllm_server: folder the policy's weights are written to for the servers to load at each sync
+    (they must be able to read it); null: `<output_dir>/weight_sync`."""
+    server_startup_timeout_s: float = 600.0
+    """vllm_server with `num_servers`: how long the servers may take to answer `/health`."""
+    server_kv_cache_memory_bytes: Optional[str] = None
+    """vllm_server with `num_servers`: each server's KV cache (`--kv-cache-memory-bytes`, e.g. 256M);
+    null: vLLM's default (CPU: VLLM_CPU_KVCACHE_SPACE, GPU: gpu_memory_utilization)."""
+    server_args: list[str] = field(default_factory=list)
+    """vllm_server with `num_servers`: more `vllm serve` arguments for every server started."""
+
+    @property
+    def servers_to_start(self) -> int:
+        """vllm_server: how many local servers the sampler starts (0: it attaches to `server_urls`)."""
+        if self.num_servers is not None:
+            return self.num_servers
+        return 0 if self.server_urls else 1
 
     def __post_init__(self) -> None:
         from lit_grpo.samplers import available_samplers
@@ -156,6 +190,21 @@ class SamplerConfig:
         require(self.max_batch_size > 0, "sampler.max_batch_size", "must be > 0")
         require(0 < self.gpu_memory_utilization <= 1, "sampler.gpu_memory_utilization", "must be in (0, 1]")
         require(self.tensor_parallel_size >= 1, "sampler.tensor_parallel_size", "must be >= 1")
+        require(self.num_servers is None or self.num_servers >= 0, "sampler.num_servers", "must be >= 0 or null")
+        require(all(isinstance(u, str) and u.startswith(("http://", "https://")) for u in self.server_urls),
+                "sampler.server_urls", f"must be http(s):// URLs, got {list(self.server_urls)!r}")
+        if self.kind == "vllm_server":
+            require(bool(self.server_urls) != (self.servers_to_start > 0), "sampler.server_urls",
+                    "sampler=vllm_server needs exactly one of sampler.server_urls (attach to running servers) and "
+                    f"sampler.num_servers (start local ones), got server_urls={list(self.server_urls)!r}, num_servers={self.num_servers}")
+        require(self.max_in_flight_per_server > 0, "sampler.max_in_flight_per_server", "must be > 0")
+        require_finite(self.request_timeout_s, "sampler.request_timeout_s")
+        require(self.request_timeout_s > 0, "sampler.request_timeout_s", "must be > 0")
+        require(self.max_retries >= 0, "sampler.max_retries", "must be >= 0")
+        require_finite(self.server_startup_timeout_s, "sampler.server_startup_timeout_s")
+        require(self.server_startup_timeout_s > 0, "sampler.server_startup_timeout_s", "must be > 0")
+        require(self.weight_sync_dir is None or bool(self.weight_sync_dir.strip()), "sampler.weight_sync_dir",
+                "must be null or a non-empty path")
 
 
 @dataclass
