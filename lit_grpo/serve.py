@@ -140,7 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
 def vllm_argv(args: argparse.Namespace, passthrough: Sequence[str]) -> list[str]:
     """The `vllm serve ...` command line for `args`."""
     argv = ["vllm", "serve", str(Path(args.model).expanduser()), "--host", args.host, "--port", str(args.port),
-            "--logprobs-mode", "processed_logprobs", "--dtype", args.dtype, "--seed", str(args.seed)]
+            "--logprobs-mode", "processed_logprobs", "--dtype", args.dtype, "--seed", str(args.seed),
+            "--disable-uvicorn-access-log"]  # a line per request: a training run sends thousands
     if args.kv_cache_memory_bytes is not None:
         argv += ["--kv-cache-memory-bytes", str(args.kv_cache_memory_bytes)]
     if args.max_model_len is not None:

@@ -127,6 +127,9 @@ class VLLMServerSampler(BatchingSampler):
             raise ValueError("VLLMServerSampler needs at least one server URL")
         super().__init__(tokenizer, max_batch_size=max_batch_size)
         self._httpx = httpx
+        for name in ("httpx", "httpcore"):  # a line per request at INFO would drown the run's log
+            if logging.getLogger(name).level == logging.NOTSET:
+                logging.getLogger(name).setLevel(logging.WARNING)
         self.replicas = [Replica(u.rstrip("/")) for u in urls]
         self.weight_sync_dir = Path(weight_sync_dir)
         self.max_in_flight_per_server = max_in_flight_per_server
@@ -489,9 +492,9 @@ class VLLMServerSampler(BatchingSampler):
         try:
             if self._loop.is_running() and getattr(self, "_client", None) is not None:
                 try:
-                    self._run(self._client.aclose(), timeout=5.0)
+                    asyncio.run_coroutine_threadsafe(self._client.aclose(), self._loop).result(5.0)
                 except Exception:  # a stuck connection must not keep the servers alive
-                    pass
+                    log.debug("closing the HTTP client failed", exc_info=True)
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=5.0)
             if not self._thread.is_alive():
