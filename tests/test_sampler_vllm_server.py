@@ -203,6 +203,34 @@ def test_a_training_run_attached_to_the_servers(servers, tmp_path):
     assert len(set(served.values())) == 1 and int(next(iter(served.values()))) >= 5, served
 
 
+def test_serve_refuses_a_bad_model_folder_before_starting_vllm(tmp_path):
+    (tmp_path / "empty").mkdir()
+    for folder, message in ((tmp_path / "missing", "no such folder"), (tmp_path / "empty", "no config.json")):
+        done = subprocess.run([sys.executable, "-m", "lit_grpo.serve", "--model", str(folder), "--port", "1"],
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2 and message in done.stderr and "vLLM" not in done.stdout
+
+
+def test_the_config_takes_server_urls_or_num_servers():
+    from lit_grpo.config import validate
+    from lit_grpo.config_groups import ConfigError
+
+    def sampler(*overrides):
+        return validate(compose_config("sampler=vllm_server", *overrides)).sampler
+
+    assert sampler().servers_to_start == 1
+    assert sampler("sampler.num_servers=2").servers_to_start == 2
+    attached = sampler("sampler.server_urls=['http://127.0.0.1:8001','http://127.0.0.1:8002']")
+    assert attached.servers_to_start == 0 and len(attached.server_urls) == 2
+    for bad in (["sampler.num_servers=0"], ["sampler.num_servers=1", "sampler.server_urls=['http://127.0.0.1:8001']"]):
+        with pytest.raises(ConfigError, match="sampler.server_urls"):
+            sampler(*bad)
+    with pytest.raises(ConfigError, match="sampler.server_urls"):
+        sampler("sampler.server_urls=['127.0.0.1:8001']")
+    with pytest.raises(ConfigError, match="sampler.max_in_flight_per_server"):
+        sampler("sampler.max_in_flight_per_server=0")
+
+
 def test_the_client_does_not_import_vllm():
     code = "import sys, lit_grpo.samplers.vllm_server, lit_grpo.samplers.server_pool; assert 'vllm' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
