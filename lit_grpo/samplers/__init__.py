@@ -111,6 +111,50 @@ def _vllm_server_missing() -> Optional[str]:
 
 @register_sampler("vllm_server", missing=_vllm_server_missing)
 def _build_vllm_server(cfg, policy, tokenizer, *, model, work_dir, seed):
-    from lit_grpo.samplers.vllm_server import build_vllm_server_sampler
+    """Attached to `cfg.server_urls`, whose weights are replaced by the policy's at once (version
+    1), or with local servers started from the policy's weights written under `work_dir`
+    (version 0; stopped when the sampler closes)."""
+    import torch
 
-    return build_vllm_server_sampler(cfg, policy, tokenizer, model=model, work_dir=work_dir, seed=seed)
+    from lit_grpo.lora import is_lora
+    from lit_grpo.models import save_pretrained
+    from lit_grpo.samplers.server_pool import start_servers
+    from lit_grpo.samplers.vllm_server import VLLMServerSampler
+    from lit_grpo.weights import full_named_tensors
+
+    run = Path(work_dir)
+    options = dict(weight_sync_dir=Path(cfg.weight_sync_dir).expanduser() if cfg.weight_sync_dir else run / "weight_sync",
+                   max_in_flight_per_server=cfg.max_in_flight_per_server, request_timeout_s=cfg.request_timeout_s,
+                   max_retries=cfg.max_retries, sync_timeout_s=cfg.request_timeout_s, max_batch_size=cfg.max_batch_size)
+    num_servers = cfg.num_servers if cfg.num_servers is not None else (0 if cfg.server_urls else 1)
+    if not num_servers:
+        sampler = VLLMServerSampler(tokenizer, list(cfg.server_urls), **options)
+        try:  # whatever they served before, they serve the policy now (a LoRA policy's merged weights)
+            sampler.update_weights(full_named_tensors(policy))
+        except BaseException:
+            sampler.close()
+            raise
+        return sampler
+    if model is not None and model.kind == "hf" and Path(str(model.name_or_path)).expanduser().is_dir():
+        source = Path(str(model.name_or_path)).expanduser()
+    elif is_lora(policy):  # the servers load the base model's names, with the adapters merged in
+        source = save_pretrained(policy.get_base_model(), tokenizer, run / "sampler_init", state_dict=dict(full_named_tensors(policy)))
+    else:  # a model built here, or a hub name: the servers load the policy from a folder written now
+        source = save_pretrained(policy, tokenizer, run / "sampler_init")
+    extra = ["--enforce-eager"] if cfg.enforce_eager else []
+    if torch.cuda.is_available():
+        extra += ["--gpu-memory-utilization", str(cfg.gpu_memory_utilization)]
+    pool = start_servers(source, num_servers, log_dir=run / "servers", dtype=cfg.dtype, max_model_len=cfg.max_model_len,
+                         kv_cache_memory_bytes=cfg.server_kv_cache_memory_bytes, seed=seed,
+                         extra_args=[*extra, *cfg.server_args], ready_timeout_s=cfg.server_startup_timeout_s)
+    try:
+        sampler = VLLMServerSampler(tokenizer, pool.urls, pool=pool, **options)
+    except BaseException:
+        pool.stop()
+        raise
+    try:
+        sampler.set_version(0)
+    except BaseException:
+        sampler.close()
+        raise
+    return sampler
