@@ -9,6 +9,7 @@ The config is validated (and every field error reported by name) before any mode
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import signal
@@ -68,7 +69,15 @@ def build_datamodule(c: TrainConfig, policy, tokenizer, rows: list[dict], eval_r
                      world_size: int = 1, inputs: Optional[UserInputs] = None) -> RolloutDataModule:
     """The rollout data module of this rank: its share of `rows`, its own sampler and rollout function."""
     inputs = inputs or UserInputs()
-    sampler = build_sampler(c.sampler, policy, tokenizer, model=c.model, work_dir=c.output_dir, seed=c.seed + RANK_SEED_STRIDE * rank)
+    sampler_cfg, work_dir = c.sampler, c.output_dir
+    if world_size > 1:  # each rank's sampler writes its own files, and owns its own servers
+        work_dir = str(Path(c.output_dir) / f"rank{rank}")
+        if c.sampler.server_urls:
+            if len(c.sampler.server_urls) < world_size:
+                raise ConfigError(f"config field `sampler.server_urls`: {len(c.sampler.server_urls)} servers cannot be shared "
+                                  f"out to {world_size} ranks (each rank syncs its own servers); give at least one per rank")
+            sampler_cfg = dataclasses.replace(c.sampler, server_urls=list(c.sampler.server_urls[rank::world_size]))
+    sampler = build_sampler(sampler_cfg, policy, tokenizer, model=c.model, work_dir=work_dir, seed=c.seed + RANK_SEED_STRIDE * rank)
     setup = RolloutSetup(
         sampler=sampler,
         tokenizer=tokenizer,

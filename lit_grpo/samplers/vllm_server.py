@@ -45,7 +45,8 @@ from typing import TYPE_CHECKING, Any, Awaitable, Iterable, Optional, TypeVar
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from lit_grpo.samplers.base import BatchingSampler, PromptTooLong, SamplerTimeout, check_sample_kwargs, strip_wrapper_prefixes
+from lit_grpo.samplers.base import BatchingSampler, PromptTooLong, SamplerTimeout, check_sample_kwargs
+from lit_grpo.samplers.server_weights import ServerError, WeightSyncError, sync_replicas, write_weight_file  # noqa: F401 (re-exported)
 from lit_grpo.samplers.stops import find_stop
 from lit_grpo.types import Completion
 
@@ -55,19 +56,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-WEIGHTS_FILE = "model.safetensors"
 MAX_SERVER_STOPS = 4
 """The OpenAI API takes at most 4 stop strings; with more, none are sent and the completion is cut
 here (`stops.find_stop`, vLLM's rule), after the server generated past the stop string."""
 INSTALL_HINT = "sampler=vllm_server needs httpx: pip install 'lit_grpo[server]'"
-
-
-class ServerError(RuntimeError):
-    """A vLLM server failed a request (after its retries), refused it, or is gone; the message names it."""
-
-
-class WeightSyncError(RuntimeError):
-    """A weight sync failed or timed out on a server (named in the message): its weights may be stale."""
 
 
 @dataclass
@@ -382,74 +374,17 @@ class VLLMServerSampler(BatchingSampler):
                   sum(r.down is None for r in self.replicas), time.perf_counter() - start - written)
 
     def write_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Path:
-        """The tensors (wrapper prefixes stripped) as one safetensors file in `weight_sync_dir`,
-        replaced atomically (a server never reads a half-written file)."""
-        from safetensors.torch import save_file
-
-        tensors: dict[str, torch.Tensor] = {}
-        storages: set[int] = set()
-        for name, tensor in named_tensors:
-            t = tensor.detach()
-            t = t.cpu() if t.device.type != "cpu" else t
-            ptr = t.untyped_storage().data_ptr()
-            if ptr in storages or not t.is_contiguous():  # tied weights share storage; safetensors refuses that
-                t = t.contiguous().clone()
-            storages.add(t.untyped_storage().data_ptr())
-            tensors[strip_wrapper_prefixes(name)] = t
-        if not tensors:
+        """The tensors as one safetensors file in `weight_sync_dir` (see `write_weight_file`)."""
+        if not write_weight_file(named_tensors, self.weight_sync_dir):
             raise WeightSyncError("the weight sync was given no tensors")
-        self.weight_sync_dir.mkdir(parents=True, exist_ok=True)
-        tmp = self.weight_sync_dir / f".{WEIGHTS_FILE}.{os.getpid()}.tmp"
-        save_file(tensors, str(tmp), metadata={"format": "pt"})
-        os.replace(tmp, self.weight_sync_dir / WEIGHTS_FILE)
         return self.weight_sync_dir
 
     async def _sync_all(self, version: int) -> None:
-        """Every live replica to `version`, phase by phase (all paused before any reloads)."""
+        """Every live replica to `version`, phase by phase (see `sync_replicas`)."""
         live = [r for r in self.replicas if r.down is None]
         if not live:
             raise WeightSyncError("no vLLM server left to sync weights to: " + "; ".join(self.failovers))
-        t = self.sync_timeout_s
-        folder = str(self.weight_sync_dir.resolve())
-
-        async def reload(r: Replica) -> None:
-            await self._call(r, "POST", "/collective_rpc", timeout=t,
-                             json={"method": "reload_weights", "kwargs": {"weights_path": folder}, "timeout": t})
-            for _ in range(20):  # recompute the frozen requests' KV with the new weights; drop cached prefixes
-                answer = await self._call(r, "POST", "/reset_prefix_cache", timeout=t, params={"reset_running_requests": "true"})
-                if answer is None or answer.get("success", True):
-                    break
-                await asyncio.sleep(0.05)
-            else:
-                raise ServerError(f"vLLM server {r.url}: /reset_prefix_cache kept failing after the reload")
-            await self._call(r, "POST", "/update_weight_version", timeout=t, json={"new_version": str(version)})
-
-        async def resume(r: Replica) -> None:
-            await self._call(r, "POST", "/resume", timeout=t)
-            served = (await self._call(r, "GET", "/weight_info", timeout=t) or {}).get("weight_version")
-            if served != str(version):
-                raise ServerError(f"vLLM server {r.url} reports weight version {served!r} after the sync, expected {version}")
-            r.version = version
-
-        failed: dict[str, str] = {}
-        for phase in (lambda r: self._call(r, "POST", "/pause", timeout=t, params={"mode": "keep"}), reload):
-            results = await asyncio.gather(*(phase(r) for r in live if r.url not in failed), return_exceptions=True)
-            for r, result in zip([r for r in live if r.url not in failed], results):
-                if isinstance(result, BaseException):
-                    failed[r.url] = _describe(result)
-        # Resume even where the sync failed: an engine left paused would hold its requests forever.
-        results = await asyncio.gather(*(resume(r) for r in live), return_exceptions=True)
-        for r, result in zip(live, results):
-            if isinstance(result, BaseException) and r.url not in failed:
-                failed[r.url] = _describe(result)
-        if failed:
-            for r in live:
-                if r.url in failed:
-                    r.down = r.down or f"weight sync to version {version} failed"
-                    r.version = None
-            raise WeightSyncError(f"weight sync to version {version} failed on " + "; ".join(
-                f"{url} ({why})" for url, why in failed.items()) + ": those servers may hold stale or broken weights; "
-                "training stops rather than sample from them")
+        await sync_replicas(self._call, live, version, str(self.weight_sync_dir.resolve()), self.sync_timeout_s)
 
     def set_version(self, version: int) -> None:
         """Tell every live replica that it serves `version` (the servers this sampler started from
@@ -503,11 +438,3 @@ class VLLMServerSampler(BatchingSampler):
             if self.pool is not None:
                 self.pool.stop()
             super().close()
-
-
-def _describe(err: BaseException) -> str:
-    if isinstance(err, (ServerError, WeightSyncError)):
-        return str(err)
-    if isinstance(err, (asyncio.TimeoutError, TimeoutError)):
-        return "timed out"
-    return f"{type(err).__name__}: {err}"

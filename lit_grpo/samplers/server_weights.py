@@ -1,0 +1,103 @@
+"""The policy's weights as a file the vLLM servers reload: one safetensors file, replaced atomically."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import torch
+
+from lit_grpo.samplers.base import strip_wrapper_prefixes
+
+WEIGHTS_FILE = "model.safetensors"
+
+
+def write_weight_file(named_tensors: Iterable[tuple[str, torch.Tensor]], folder: Path) -> int:
+    """Write the tensors (wrapper prefixes stripped) to `folder/model.safetensors`, replacing it
+    atomically (a server never reads a half-written file); returns how many were written (0:
+    nothing written). Tied weights are written under every name, each its own copy."""
+    from safetensors.torch import save_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    storages: set[int] = set()
+    for name, tensor in named_tensors:
+        t = tensor.detach()
+        t = t.cpu() if t.device.type != "cpu" else t
+        if t.untyped_storage().data_ptr() in storages or not t.is_contiguous():  # safetensors refuses shared storage
+            t = t.contiguous().clone()
+        storages.add(t.untyped_storage().data_ptr())
+        tensors[strip_wrapper_prefixes(name)] = t
+    if not tensors:
+        return 0
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = folder / f".{WEIGHTS_FILE}.{os.getpid()}.tmp"
+    save_file(tensors, str(tmp), metadata={"format": "pt"})
+    os.replace(tmp, folder / WEIGHTS_FILE)
+    return len(tensors)
+
+
+class ServerError(RuntimeError):
+    """A vLLM server failed a request (after its retries), refused it, or is gone; the message names it."""
+
+
+class WeightSyncError(RuntimeError):
+    """A weight sync failed or timed out on a server (named in the message): its weights may be stale."""
+
+
+async def sync_replicas(call: Callable[..., Any], live: list, version: int, folder: str, timeout: float) -> None:
+    """Every replica of `live` to weight `version` from `folder`, phase by phase: all paused (requests
+    in flight kept) before any reloads; reload, reset the prefix cache (frozen requests recompute
+    with the new weights), set the version; then every one resumed, even where the sync failed (a
+    paused engine would hold its requests forever) and its version read back. `call(replica,
+    method, path, timeout=, ...)` is the client's HTTP call. `WeightSyncError` names every server
+    that failed; those are marked down."""
+    t = timeout
+
+    async def reload(r: Any) -> None:
+        await call(r, "POST", "/collective_rpc", timeout=t,
+                   json={"method": "reload_weights", "kwargs": {"weights_path": folder}, "timeout": t})
+        for _ in range(20):  # recompute the frozen requests' KV with the new weights; drop cached prefixes
+            answer = await call(r, "POST", "/reset_prefix_cache", timeout=t, params={"reset_running_requests": "true"})
+            if answer is None or answer.get("success", True):
+                break
+            await asyncio.sleep(0.05)
+        else:
+            raise ServerError(f"vLLM server {r.url}: /reset_prefix_cache kept failing after the reload")
+        await call(r, "POST", "/update_weight_version", timeout=t, json={"new_version": str(version)})
+
+    async def resume(r: Any) -> None:
+        await call(r, "POST", "/resume", timeout=t)
+        served = (await call(r, "GET", "/weight_info", timeout=t) or {}).get("weight_version")
+        if served != str(version):
+            raise ServerError(f"vLLM server {r.url} reports weight version {served!r} after the sync, expected {version}")
+        r.version = version
+
+    failed: dict[str, str] = {}
+    for phase in (lambda r: call(r, "POST", "/pause", timeout=t, params={"mode": "keep"}), reload):
+        results = await asyncio.gather(*(phase(r) for r in live if r.url not in failed), return_exceptions=True)
+        for r, result in zip([r for r in live if r.url not in failed], results):
+            if isinstance(result, BaseException):
+                failed[r.url] = _describe(result)
+    # Resume even where the sync failed: an engine left paused would hold its requests forever.
+    results = await asyncio.gather(*(resume(r) for r in live), return_exceptions=True)
+    for r, result in zip(live, results):
+        if isinstance(result, BaseException) and r.url not in failed:
+            failed[r.url] = _describe(result)
+    if failed:
+        for r in live:
+            if r.url in failed:
+                r.down = r.down or f"weight sync to version {version} failed"
+                r.version = None
+        raise WeightSyncError(f"weight sync to version {version} failed on " + "; ".join(
+            f"{url} ({why})" for url, why in failed.items()) + ": those servers may hold stale or broken weights; "
+            "training stops rather than sample from them")
+
+
+def _describe(err: BaseException) -> str:
+    if isinstance(err, (ServerError, WeightSyncError)):
+        return str(err)
+    if isinstance(err, (asyncio.TimeoutError, TimeoutError)):
+        return "timed out"
+    return f"{type(err).__name__}: {err}"
