@@ -23,6 +23,7 @@ import time
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from lit_grpo.config import ModelConfig
 from lit_grpo.models import build_char_tokenizer, build_tiny_model, save_pretrained
@@ -32,6 +33,7 @@ from lit_grpo.samplers.vllm_server import ServerError, VLLMServerSampler, Weight
 from lit_grpo.train import train
 
 from conftest import compose_config
+from test_checkpoint import run_cli
 from test_sampler_kwargs import check_stop_contract
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
@@ -201,6 +203,44 @@ def test_a_training_run_attached_to_the_servers(servers, tmp_path):
     finally:
         probe.close()
     assert len(set(served.values())) == 1 and int(next(iter(served.values()))) >= 5, served
+
+
+@pytest.mark.timeout(420)
+def test_two_ddp_ranks_each_sync_their_own_server_with_the_same_weights(servers, tmp_path):
+    """Two trainer processes (gloo), one server each: every step both ranks' servers are synced;
+    at the end both serve the exported policy (the ranks' weights agree), and both sampled."""
+    pool, _, tokenizer = servers
+    counts_before = [_served_requests(u) for u in pool.urls]
+    run_dir = tmp_path / "ddp"
+    run_dir.mkdir()
+    urls = ",".join(f"'{u}'" for u in pool.urls)
+    proc = run_cli(run_dir, "sampler=vllm_server", f"sampler.server_urls=[{urls}]", "model.num_heads=2", "max_steps=3",
+                   "dcp_save_interval=0", "lr_decay=constant", "learning_rate=0.05", "trainer.accelerator=cpu",
+                   "trainer.devices=2", "trainer.strategy=ddp", f"output_dir={run_dir}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert all(_served_requests(u) > before for u, before in zip(pool.urls, counts_before))  # each rank sampled from its own
+    exported = AutoModelForCausalLM.from_pretrained(run_dir / "final_model", torch_dtype=torch.float32).eval()
+    probe = VLLMServerSampler(tokenizer, pool.urls, weight_sync_dir=tmp_path / "probe")
+    try:
+        versions = probe.served_versions()
+        assert len(set(versions.values())) == 1 and int(next(iter(versions.values()))) >= 3, versions
+        for url in pool.urls:
+            one = VLLMServerSampler(tokenizer, [url], weight_sync_dir=tmp_path / "one")
+            try:
+                completions = _sample(one, _ids(tokenizer, PROMPTS), temperature=1.0, max_tokens=8)
+            finally:
+                one.close()
+            assert _diffs(exported, completions, 1.0).mean() < 1e-5, url
+    finally:
+        probe.close()
+
+
+def _served_requests(url: str) -> float:
+    """Completed requests the server counts (its Prometheus `/metrics`)."""
+    import httpx
+
+    text = httpx.get(f"{url}/metrics", timeout=10, trust_env=False).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("vllm:request_success_total{"))
 
 
 def test_serve_refuses_a_bad_model_folder_before_starting_vllm(tmp_path):
