@@ -5,7 +5,8 @@ keyword-only `[B, T]` tensors returning `(loss_BT, metrics)`, registered by name
 hyper-parameters (`register_policy_loss`; a user's module can add its own). What the variants
 share, and nothing that depends on which variant it is, lives in `per_token_policy_loss`: input
 checks, the truncated importance weights against the sampler (for variants registered with
-`uses_tis=True`), the k3 KL penalty to the reference when `kl_beta > 0`, and the common metrics.
+`uses_tis=True`; a variant that declares a `sampler_logprobs` keyword gets those logprobs
+themselves), the k3 KL penalty to the reference when `kl_beta > 0`, and the common metrics.
 `policy_loss` then reduces the matrix with `aggregate_loss` in the configured normalization.
 The formulas, and the defaults, are DESIGN.md's table "Policy losses". Every function taking a
 loss `name` also accepts `module.path:name`, which imports `module.path` (the module that
@@ -53,9 +54,13 @@ __all__ = [
 PolicyLossFn = Callable[..., "tuple[torch.Tensor, dict[str, torch.Tensor]]"]
 
 # TIS hyper-parameters: `per_token_policy_loss` consumes them (as it does kl_beta) and hands the
-# variant only the resulting `tis_weight`.
-_TIS_DEFAULTS = {"tis_cap": 2.0, "tis_level": "token"}
+# variant only the resulting `tis_weight`. The cap is the cookbook's default (its TISConfig.cap).
+_TIS_DEFAULTS = {"tis_cap": 5.0, "tis_level": "token"}
 _SHARED_TENSORS = ("logprobs", "old_logprobs", "advantages", "mask")
+# Tensors a variant gets only if its signature names them (the sampler's logprobs, for a loss
+# whose ratio is to the behaviour policy itself), and that no hyper-parameter may be called.
+_OPTIONAL_TENSORS = ("sampler_logprobs",)
+_TENSOR_NAMES = (*_SHARED_TENSORS, "tis_weight", *_OPTIONAL_TENSORS)
 
 
 @dataclass(frozen=True)
@@ -65,13 +70,16 @@ class PolicyLossSpec:
     name: str
     fn: PolicyLossFn
     """The variant: keyword-only `logprobs, old_logprobs, advantages, mask` (all `[B, T]`, the
-    advantages already broadcast), `tis_weight` `[B, T]` if `uses_tis`, and its own
+    advantages already broadcast), `tis_weight` `[B, T]` if `uses_tis`, `sampler_logprobs`
+    (`[B, T]`, detached, 0 on masked-out tokens; or None) if `takes_sampler_logprobs`, and its own
     hyper-parameters; returns the per-token loss `[B, T]` and a dict of metric tensors."""
     defaults: Mapping[str, Any]
     """Every hyper-parameter the variant takes, with its default; always includes `kl_beta`,
     and `tis_cap`/`tis_level` when `uses_tis`."""
     uses_tis: bool
     """Whether the loss is multiplied by truncated importance weights against the sampler."""
+    takes_sampler_logprobs: bool = False
+    """Whether the function's signature names `sampler_logprobs` (then it receives them)."""
 
 
 POLICY_LOSSES: dict[str, PolicyLossSpec] = {}
@@ -82,14 +90,18 @@ def register_policy_loss(
 ) -> Callable[[PolicyLossFn], PolicyLossFn]:
     """Decorator registering a policy loss under `name` with its default hyper-parameters.
 
-    `kl_beta` defaults to 0.0 and, with `uses_tis`, `tis_cap` to 2.0 and `tis_level` to "token",
+    `kl_beta` defaults to 0.0 and, with `uses_tis`, `tis_cap` to 5.0 and `tis_level` to "token",
     unless given here. Every other default names a keyword argument of the function, checked now
-    so that a typo fails at import rather than at the first training step.
+    so that a typo fails at import rather than at the first training step. A function whose
+    signature names `sampler_logprobs` (explicitly, not through `**kwargs`) receives the sampler's
+    logprobs, with or without `uses_tis`.
     """
     if name in POLICY_LOSSES:
         raise ValueError(f"policy loss {name!r} is already registered")
     if not uses_tis and set(_TIS_DEFAULTS) & set(default_hyperparams):
         raise ValueError(f"policy loss {name!r}: tis_cap/tis_level need uses_tis=True")
+    if clash := sorted(set(_TENSOR_NAMES) & set(default_hyperparams)):
+        raise ValueError(f"policy loss {name!r}: {', '.join(clash)} is an input tensor, not a hyper-parameter")
     defaults = {"kl_beta": 0.0, **(_TIS_DEFAULTS if uses_tis else {}), **default_hyperparams}
 
     def decorator(fn: PolicyLossFn) -> PolicyLossFn:
@@ -100,7 +112,12 @@ def register_policy_loss(
             missing = sorted(wanted - set(params))
             if missing:
                 raise TypeError(f"policy loss {name!r}: {fn.__name__} must accept keyword(s) {', '.join(missing)}")
-        POLICY_LOSSES[name] = PolicyLossSpec(name=name, fn=fn, defaults=defaults, uses_tis=uses_tis)
+        takes_sampler = "sampler_logprobs" in params and params["sampler_logprobs"].kind in (
+            inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD
+        )
+        POLICY_LOSSES[name] = PolicyLossSpec(
+            name=name, fn=fn, defaults=defaults, uses_tis=uses_tis, takes_sampler_logprobs=takes_sampler
+        )
         return fn
 
     return decorator
@@ -157,12 +174,12 @@ def per_token_policy_loss(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The per-token loss of variant `name` (KL term included), zero on masked-out tokens.
 
-    `logprobs` carries the gradient; `old_logprobs`, `sampler_logprobs` (None: no TIS) and
-    `ref_logprobs` (read only when kl_beta > 0) are detached here. Hyper-parameters not given take
-    the registered defaults. Metrics are detached scalars: `clip_frac`, `ratio_mean`, `ppo_kl`
-    (k3 of π against old), `ref_kl` when kl_beta > 0, `tis/weight_mean` and `tis/clip_frac` for
-    TIS variants, plus the variant's own. Shapes: [B, T] tensors, advantages [B] or [B, T];
-    returns [B, T].
+    `logprobs` carries the gradient; `old_logprobs`, `sampler_logprobs` (None: no TIS, and None
+    to a variant that takes them) and `ref_logprobs` (read only when kl_beta > 0) are detached
+    here. Hyper-parameters not given take the registered defaults. Metrics are detached scalars:
+    `clip_frac`, `ratio_mean`, `ppo_kl` (k3 of π against old), `ref_kl` when kl_beta > 0,
+    `tis/weight_mean` and `tis/clip_frac` for TIS variants, plus the variant's own. Shapes: [B, T]
+    tensors, advantages [B] or [B, T]; returns [B, T].
     """
     spec = get_policy_loss(name)
     check_policy_loss_hyperparams(name, hyperparams)
@@ -196,6 +213,8 @@ def per_token_policy_loss(
         tensors["tis_weight"] = w_BT
         metrics["tis/weight_mean"] = masked_mean(w_BT, mask_BT)
         metrics["tis/clip_frac"] = masked_mean(capped_BT.to(mask_BT.dtype), mask_BT)
+    if spec.takes_sampler_logprobs:
+        tensors["sampler_logprobs"] = sampler_BT
 
     loss_BT, variant_metrics = spec.fn(**tensors, **params)
     metrics.update(variant_metrics)
@@ -319,6 +338,11 @@ def dro_loss(*, logprobs, old_logprobs, advantages, mask, tis_weight, dro_beta):
 
 
 @register_policy_loss("reinforce", uses_tis=False)
-def reinforce_loss(*, logprobs, old_logprobs, advantages, mask):
-    """Plain REINFORCE, -π·A: on-policy by assumption, so no ratio and no TIS. Shape: [B, T]."""
-    return -logprobs * advantages, {}
+def reinforce_loss(*, logprobs, old_logprobs, sampler_logprobs, advantages, mask):
+    """REINFORCE as the cookbook writes it: -exp(clamp(π - inf, -20, 20))·A, the ratio to the
+    sampler's logprobs (the behaviour policy that generated the tokens), with no clip and no TIS;
+    `old` plays no part. With no sampler logprobs, inf = sg(π): the value is -A per token and the
+    gradient -A·∇π, plain -π·A's. `ratio_mean` is the mean of this ratio. Shape: [B, T]."""
+    behaviour_BT = logprobs.detach() if sampler_logprobs is None else sampler_logprobs
+    ratio_BT = ratio(logprobs, behaviour_BT)
+    return -ratio_BT * advantages, {"ratio_mean": masked_mean(ratio_BT.detach(), mask)}

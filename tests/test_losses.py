@@ -136,7 +136,7 @@ def test_gspo_exponent_capped_at_10():
 
 def test_cispo_gradient_is_detached_clipped_ratio():
     # band [0.8, 1.28]; L = -sg(clip(r))·π·A·w, so dL/dπ = -clip(r)·A·w whatever r's slope.
-    # w: old - inf = ln 1.5 on token (0,0) (cap 2 -> w = 1.5), 1 elsewhere.
+    # w: old - inf = ln 1.5 on token (0,0) (under the cap 5 -> w = 1.5), 1 elsewhere.
     #   (0,0) π=-1,   r=1.5 -> 1.28, A=+1, w=1.5: L = -1.28·(-1)·1.5 = 1.92,  grad -1.92
     #   (0,1) π=-2,   r=1.1 -> 1.1,  A=+1:        L = -1.1·(-2)     = 2.2,   grad -1.1
     #   (1,0) π=-0.5, r=0.5 -> 0.8,  A=-1:        L = 0.8·(-0.5)    = -0.4,  grad 0.8
@@ -163,7 +163,7 @@ def test_importance_sampling_with_per_token_advantages():
 
 
 def test_dro_quadratic_term():
-    # β = 0.5, A = +1. Token 0: π=-1, old=-1.5 (π-old = 0.5), w = 2 (old - inf = ln 2, cap 2):
+    # β = 0.5, A = +1. Token 0: π=-1, old=-1.5 (π-old = 0.5), w = 2 (old - inf = ln 2, cap 5):
     #   L = -(π·A·w - ½β(π-old)²) = -(-2 - 0.25·0.25) = 2.0625
     #   grad = -(A·w - β(π-old)) = -(2 - 0.5·0.5) = -1.75
     # Token 1: π=-2 = old, w = 1: L = -(-2) = 2, grad = -1. sum = 4.0625.
@@ -176,15 +176,47 @@ def test_dro_quadratic_term():
     assert_close(grad, t([[-1.75, -1.0]]))
 
 
-def test_reinforce_ignores_ratio_and_sampler():
-    # L = -π·A with A=2: [2, 4], sum 6, grad -A = [-2, -2]; old and sampler play no part.
-    pi = leaf([[-1.0, -2.0]])
-    loss, grad, metrics = run(
-        "reinforce", pi=pi, old_logprobs=pi.detach() - 3.0, sampler_logprobs=pi.detach() + 1.0, advantages=t([2.0])
-    )
-    assert_close(loss, t(6.0))
-    assert_close(grad, t([[-2.0, -2.0]]))
+def test_reinforce_off_policy_ratio_to_the_sampler():
+    # L = -exp(π - inf)·A per token (d/dπ: the same, -exp(π - inf)·A); old plays no part, no TIS.
+    # π = [ln 0.5, ln 0.25, (ln 0.1, masked)], inf = [ln 0.4, ln 0.5, (nan)], A = 1.5:
+    #   ratios 0.5/0.4 = 1.25 and 0.25/0.5 = 0.5: L = [-1.875, -0.75, 0], grad the same.
+    # sum -2.625; ratio_mean (1.25 + 0.5)/2 = 0.875.
+    pi = leaf([[math.log(0.5), math.log(0.25), math.log(0.1)]])
+    sampler = t([[math.log(0.4), math.log(0.5), math.nan]])
+    common = dict(pi=pi, sampler_logprobs=sampler, advantages=t([1.5]), mask=t([[1, 1, 0]]))
+    loss, grad, metrics = run("reinforce", old_logprobs=pi.detach() - 3.0, **common)
+    assert_close(loss, t(-2.625))
+    assert_close(grad, t([[-1.875, -0.75, 0.0]]))
+    assert_close(metrics["ratio_mean"], t(0.875))
     assert not any(key.startswith("tis/") for key in metrics)
+    loss_old, grad_old, _ = run("reinforce", old_logprobs=pi.detach() + 1.0, **common)
+    assert_close(loss_old, loss)
+    assert_close(grad_old, grad)
+
+
+def test_reinforce_log_ratio_clamped_at_20():
+    # π - inf = [25, -25] -> clamped to [20, -20]: L = -e^20·A and -e^-20·A, A = -1; past the
+    # clamp the ratio is a constant, so no gradient.
+    pi = leaf([[-1.0, -2.0]])
+    loss, grad, _ = run("reinforce", pi=pi, sampler_logprobs=pi.detach() - t([[25.0, -25.0]]), advantages=t([-1.0]))
+    assert_close(loss, t(math.exp(20.0) + math.exp(-20.0)))
+    assert_close(grad, torch.zeros_like(pi))
+
+
+def test_reinforce_on_policy_is_plain_reinforce():
+    # With no sampler logprobs (inf = sg(π)) or with inf = π: ratio 1 in value, so L = -A per
+    # token, and its gradient is -A·∇π, that of -π·A. π = [[-1, -2, (-3)], [-0.5, (-4), (-6)]],
+    # A = [2, -1]: L = [[-2, -2], [1]], sum -3; grad [[-2, -2, 0], [1, 0, 0]].
+    pi = leaf([[-1.0, -2.0, -3.0], [-0.5, -4.0, -6.0]])
+    mask = t([[1, 1, 0], [1, 0, 0]])
+    advantages = t([2.0, -1.0])
+    (expected,) = torch.autograd.grad((-pi * advantages[:, None] * mask).sum(), pi)
+    assert_close(expected, t([[-2.0, -2.0, 0.0], [1.0, 0.0, 0.0]]))
+    for sampler in (None, pi.detach().clone()):
+        loss, grad, metrics = run("reinforce", pi=pi, sampler_logprobs=sampler, advantages=advantages, mask=mask)
+        assert_close(loss, t(-3.0))
+        assert_close(grad, expected)
+        assert_close(metrics["ratio_mean"], t(1.0))
 
 
 def test_tis_token_and_sequence_level():
@@ -209,6 +241,18 @@ def test_tis_token_and_sequence_level():
     assert_close(grad, t([[-4.0, -4.0, 0.0], [10.0, 10.0, 10.0]]))
     assert_close(metrics["tis/weight_mean"], t(23 / 5))
     assert_close(metrics["tis/clip_frac"], t(3 / 5))
+
+
+def test_tis_cap_defaults_to_5():
+    # The cookbook's TISConfig.cap. importance_sampling on-policy (r = 1), A = 1, no tis_cap given:
+    # old - inf = [ln 4, ln 8, ln 100] -> w = [4, 5, 5]; L = -w, sum -14, grad -w; capped 2/3.
+    assert all(policy_loss_defaults(n)["tis_cap"] == 5.0 for n in BUILTIN if n != "reinforce")
+    pi = leaf([[-1.0, -2.0, -0.5]])
+    sampler = pi.detach() - torch.log(t([[4.0, 8.0, 100.0]]))
+    loss, grad, metrics = run("importance_sampling", pi=pi, sampler_logprobs=sampler, advantages=t([1.0]))
+    assert_close(loss, t(-14.0))
+    assert_close(grad, t([[-4.0, -5.0, -5.0]]))
+    assert_close(metrics["tis/clip_frac"], t(2 / 3))
 
 
 def test_tis_without_sampler_logprobs_is_one():
@@ -256,21 +300,22 @@ def test_aggregate_loss_modes():
 
 
 def test_policy_loss_normalizations_and_num_tokens():
-    # reinforce with A = 1: L = -π = [[1, 2, (3 masked)], [4, (5), (6)]], grad -1 on masked-in tokens.
+    # cispo on-policy (r = 1 inside the band, w = 1) is -π·A; with A = 1: L = -π =
+    # [[1, 2, (3 masked)], [4, (5), (6)]], grad -1 on masked-in tokens.
     # token_mean: 7/3, grad -1/3; num_tokens=14: 7/14 = 0.5, grad -1/14;
     # seq_mean: (1.5 + 4)/2 = 2.75, grad [[-1/4, -1/4, 0], [-1/2, 0, 0]].
     pi = leaf([[-1.0, -2.0, -3.0], [-4.0, -5.0, -6.0]])
     common = dict(pi=pi, advantages=t([1.0, 1.0]), mask=torch.tensor([[True, True, False], [True, False, False]]))
-    loss, grad, _ = run("reinforce", normalization="token_mean", **common)
+    loss, grad, _ = run("cispo", normalization="token_mean", **common)
     assert_close(loss, t(7 / 3))
     assert_close(grad, t([[-1.0, -1.0, 0.0], [-1.0, 0.0, 0.0]]) / 3)
-    loss, grad, _ = run("reinforce", normalization="token_mean", num_tokens=14, **common)
+    loss, grad, _ = run("cispo", normalization="token_mean", num_tokens=14, **common)
     assert_close(loss, t(0.5))
     assert_close(grad, t([[-1.0, -1.0, 0.0], [-1.0, 0.0, 0.0]]) / 14)
-    loss, grad, _ = run("reinforce", normalization="seq_mean", **common)
+    loss, grad, _ = run("cispo", normalization="seq_mean", **common)
     assert_close(loss, t(2.75))
     assert_close(grad, t([[-0.25, -0.25, 0.0], [-0.5, 0.0, 0.0]]))
-    loss, _, _ = run("reinforce", normalization="seq_mean", num_sequences=5, **common)
+    loss, _, _ = run("cispo", normalization="seq_mean", num_sequences=5, **common)
     assert_close(loss, t(5.5 / 5))
 
 
@@ -385,7 +430,8 @@ def test_metrics_are_detached_scalars(name):
 @pytest.mark.parametrize("variant", ["grpo", "dapo", "gspo", "cispo", "importance_sampling", "dro"])
 def test_on_policy_gradient_equals_reinforce(variant):
     # π = old = sampler in value (old/sampler detached): r = R = w = 1, no clip, no proximal pull,
-    # so every gradient is -A per token, REINFORCE's. ref = π too, so grpo's k3 has zero gradient.
+    # and reinforce's ratio to the sampler is 1, so every gradient is -A per token, REINFORCE's.
+    # ref = π too, so grpo's k3 has zero gradient.
     x = random_inputs(6)
     x["old"], x["sampler"], x["ref"] = x["pi"].clone(), x["pi"].clone(), x["pi"].clone()
     _, grad, _ = grad_of(variant, x)
@@ -396,7 +442,7 @@ def test_on_policy_gradient_equals_reinforce(variant):
 
 @pytest.mark.parametrize("variant", ["grpo", "dapo", "gspo", "cispo", "importance_sampling"])
 def test_uniform_tis_weight_scales_loss(variant):
-    # These losses are (surrogate)·w, so old - inf = ln 1.5 everywhere (under the cap 2) multiplies
+    # These losses are (surrogate)·w, so old - inf = ln 1.5 everywhere (under the cap 5) multiplies
     # loss and gradient by 1.5 compared with no sampler logprobs (w = 1).
     x = random_inputs(8)
     x["sampler"] = x["old"] - math.log(1.5)
@@ -484,10 +530,10 @@ def scaled_pg():
 
 
 def test_user_registered_variant(scaled_pg):
-    # L = -scale·π·A·w: scale 3, A = 1, w = [2 (old - inf = ln2, cap 2), 1]; π = [-1, -2]
+    # L = -scale·π·A·w: scale 3, A = 1, w = [2 (old - inf = ln2, under the cap 5), 1]; π = [-1, -2]
     # sum = 3·(1·2 + 2·1) = 12, grad = -3·w = [-6, -3].
     assert scaled_pg in available_policy_losses()
-    assert policy_loss_defaults(scaled_pg) == {"kl_beta": 0.0, "tis_cap": 2.0, "tis_level": "token", "scale": 2.0}
+    assert policy_loss_defaults(scaled_pg) == {"kl_beta": 0.0, "tis_cap": 5.0, "tis_level": "token", "scale": 2.0}
     pi = leaf([[-1.0, -2.0]])
     sampler = pi.detach() - t([[LN2, 0.0]])
     loss, grad, metrics = run(scaled_pg, pi=pi, sampler_logprobs=sampler, advantages=t([1.0]), scale=3.0)
@@ -504,7 +550,50 @@ def test_registration_checks_signature_and_duplicates():
         register_policy_loss("test_bad_signature", beta=1.0)(lambda *, logprobs, old_logprobs, advantages, mask: None)
     with pytest.raises(ValueError, match="already registered"):
         register_policy_loss("grpo")(POLICY_LOSSES["grpo"].fn)
-    assert "test_bad_signature" not in POLICY_LOSSES
+    with pytest.raises(ValueError, match="sampler_logprobs is an input tensor"):
+        register_policy_loss("test_bad_name", sampler_logprobs=None)
+    assert "test_bad_signature" not in POLICY_LOSSES and "test_bad_name" not in POLICY_LOSSES
+
+
+def test_only_variants_naming_sampler_logprobs_receive_them():
+    # A variant gets `sampler_logprobs` (detached, 0 on masked-out tokens; or None) only if its
+    # signature names it; a `**kwargs` variant and the TIS variants do not.
+    seen = {}
+
+    def record(key):
+        def loss_fn(*, logprobs, advantages, sampler_logprobs=None, **kwargs):
+            seen[key] = (sampler_logprobs, set(kwargs))
+            return -logprobs * advantages, {}
+
+        return loss_fn
+
+    def kwargs_only(*, logprobs, advantages, **kwargs):
+        seen["kwargs"] = set(kwargs)
+        return -logprobs * advantages, {}
+
+    register_policy_loss("test_sampler_tis")(record("tis"))
+    register_policy_loss("test_sampler_plain", uses_tis=False)(record("plain"))
+    register_policy_loss("test_sampler_kwargs", uses_tis=False)(kwargs_only)
+    try:
+        assert POLICY_LOSSES["test_sampler_tis"].takes_sampler_logprobs
+        assert not POLICY_LOSSES["test_sampler_kwargs"].takes_sampler_logprobs
+        assert not any(POLICY_LOSSES[n].takes_sampler_logprobs for n in BUILTIN if n != "reinforce")
+        pi = leaf([[-1.0, -2.0]])
+        sampler = pi + t([[-0.5, math.nan]])  # a live graph, nan on the masked-out token
+        for name in ("test_sampler_tis", "test_sampler_plain", "test_sampler_kwargs"):
+            run(name, pi=pi, sampler_logprobs=sampler, advantages=t([1.0]), mask=t([[1, 0]]))
+        for key in ("tis", "plain"):
+            received, others = seen[key]
+            assert not received.requires_grad
+            assert_close(received, t([[-1.5, 0.0]]))
+        assert seen["tis"][1] == {"old_logprobs", "mask", "tis_weight"}
+        assert seen["plain"][1] == {"old_logprobs", "mask"}
+        assert seen["kwargs"] == {"old_logprobs", "mask"}
+        run("test_sampler_plain", pi=pi, advantages=t([1.0]))
+        assert seen["plain"][0] is None
+    finally:
+        for name in ("test_sampler_tis", "test_sampler_plain", "test_sampler_kwargs"):
+            POLICY_LOSSES.pop(name, None)
 
 
 def test_per_token_loss_is_zero_on_masked_tokens(name):
