@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import os
+import shutil
 import subprocess
 import sys
 from collections import Counter
@@ -89,3 +90,20 @@ def test_a_killed_ddp_run_resumes_bit_identical(tmp_path):
     assert "step_00000004" in (killed / "summary.json").read_text()
     assert_bit_identical(tensors(whole / "final_model"), tensors(killed / "final_model"))
     assert [s["reward/mean"] for s in _metrics(whole)] == [s["reward/mean"] for s in _metrics(killed)]
+
+
+def test_a_two_rank_lora_run_resumes_bit_identical(tmp_path):
+    """LoRA under DDP: only the adapters are synced and saved; resuming the step-2 checkpoint of a
+    4-step run (its later checkpoint and outputs removed) ends with the same merged model."""
+    lora = [*DDP, "model.lora.rank=4", "learning_rate=1e-2", "max_steps=4", "dcp_save_interval=2"]
+    whole, again = tmp_path / "whole", tmp_path / "again"
+    proc = run_cli(whole, *lora)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    shutil.copytree(whole, again)
+    shutil.rmtree(again / "checkpoints" / "step_00000004")
+    shutil.rmtree(again / "final_model")
+    proc = run_cli(again, *lora, "resume=auto")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "step_00000002" in (again / "summary.json").read_text()
+    assert_bit_identical(tensors(whole / "final_model"), tensors(again / "final_model"))
+    assert [s["reward/mean"] for s in _metrics(whole)] == [s["reward/mean"] for s in _metrics(again)]
