@@ -1,9 +1,13 @@
 """A step's metrics: merged over ranks, kept in a history, handed to the loggers.
 
 Every key is namespaced: `train/` (loss, lr, entropy, clip_frac, ratio_mean, ppo_kl, ref_kl,
-tis/*), `reward/` (mean, std, max over every sampled group of every rank), `rollout/` (lengths,
-accepted groups, one count per drop reason), `async/` (version offsets, rollouts in flight),
-`perf/` (seconds per phase, tokens per second), `policy/version` and `eval/accuracy`.
+tis/*, grad_norm and grad_norm_clipped, tokens, drift/k1, drift/k3, drift/over_tis_cap_frac),
+`reward/` (mean, std, max over every sampled group of every rank), `rollout/` (lengths,
+accepted groups, one count per drop reason, zero_spread_frac, truncated_frac, length_<finish
+reason>), `async/` (version offsets, rollouts in flight), `perf/` (seconds per phase, tokens per
+second), `policy/version` and `eval/accuracy`. The health signals (`train/drift/*`,
+`train/tokens`, `train/grad_norm_clipped` and the `rollout/` ones after `dropped_*`) are defined
+in `lit_grpo.health`.
 """
 
 from __future__ import annotations

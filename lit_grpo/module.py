@@ -32,6 +32,8 @@ from transformers import PreTrainedModel
 from lit_grpo.config import TrainConfig
 from lit_grpo.distributed import all_reduce
 from lit_grpo.errors import UserError
+from lit_grpo.health import drift_metrics, drift_tis_cap
+from lit_grpo.logprobs import selected_logprobs_and_entropy
 from lit_grpo.lora import AdapterFreeView, is_lora, with_lora
 from lit_grpo.losses import policy_loss
 from lit_grpo.signals import StopRequested
@@ -57,13 +59,10 @@ def token_logprobs(model: PreTrainedModel, tokens_BT: torch.Tensor, attention_ma
     A forward over T tokens predicts T-1 of them: position t of the output scores token t+1.
     Logits are divided by the sampling temperature so the logprobs are those of the
     distribution the sampler drew from. Shapes: [B, T] -> ([B, T-1], [B, T-1]); entropy is detached.
+    Computed a chunk of tokens at a time (`lit_grpo.logprobs`): no [B, T, V] float32 copy of the logits.
     """
-    logits_BTV = model(input_ids=tokens_BT, attention_mask=attention_mask_BT, use_cache=False).logits[:, :-1]
-    logp_BTV = torch.log_softmax(logits_BTV.float() / temperature, dim=-1)
-    logprobs_BT = logp_BTV.gather(-1, tokens_BT[:, 1:, None])[..., 0]
-    with torch.no_grad():
-        entropy_BT = -(logp_BTV.exp() * logp_BTV).sum(-1)
-    return logprobs_BT, entropy_BT
+    logits_BTV = model(input_ids=tokens_BT, attention_mask=attention_mask_BT, use_cache=False).logits
+    return selected_logprobs_and_entropy(logits_BTV[:, :-1], tokens_BT[:, 1:], temperature)
 
 
 def align_to_predictions(per_token_BT: torch.Tensor) -> torch.Tensor:
@@ -116,6 +115,8 @@ class GRPOModule(L.LightningModule):
         self.policy = with_lora(policy, config.model.lora, config.seed)  # only the adapters train when model.lora.rank > 0
         self.config = config
         self.loss_hyperparams = config.policy_loss.hyperparams()
+        self.drift_tis_cap = drift_tis_cap(config.policy_loss.name, self.loss_hyperparams)
+        """The cap of `train/drift/over_tis_cap_frac`: the loss's tis_cap, else the default one."""
         self.reference: Optional[PreTrainedModel] = None
         if self.loss_hyperparams.get("kl_beta", 0.0) > 0:
             # LoRA: the base model is the policy with its adapters off, no second copy.
@@ -171,6 +172,7 @@ class GRPOModule(L.LightningModule):
         ]
         metrics = {key: sum(m[key] for m in per_minibatch) / len(per_minibatch) for key in per_minibatch[0]}
         metrics["train/skipped_nonfinite"] = metrics["train/skipped_nonfinite"] * len(per_minibatch)  # a count, not a mean
+        metrics["train/tokens"] = mask_BT.sum()  # this rank's loss-masked tokens: summed over ranks, the step's
         t_train = time.perf_counter()
 
         self.rollout_step += 1
@@ -216,10 +218,12 @@ class GRPOModule(L.LightningModule):
         for i, micro in enumerate(micros):
             idx = slice(rows.start + micro.start, rows.start + micro.stop)
             logprobs_BT, entropy_BT = token_logprobs(self.policy, batch.tokens_BT[idx], batch.attention_mask_BT[idx], self.config.sampler.temperature)
+            # The trainer's logprobs before this step's update: what the ratio and the drift compare against.
+            trainer_old_BT = old_logprobs_BT[idx] if old_logprobs_BT is not None else logprobs_BT.detach()
             loss, metrics = policy_loss(
                 self.config.policy_loss.name,
                 logprobs=logprobs_BT,
-                old_logprobs=old_logprobs_BT[idx] if old_logprobs_BT is not None else logprobs_BT.detach(),
+                old_logprobs=trainer_old_BT,
                 sampler_logprobs=sampler_logprobs_BT[idx],
                 ref_logprobs=ref_logprobs_BT[idx] if ref_logprobs_BT is not None else None,
                 advantages=batch.advantages_B[idx],
@@ -237,15 +241,22 @@ class GRPOModule(L.LightningModule):
             # they add up (over micro-batches and ranks) to the step's token means.
             tokens = mask_BT[idx].sum()
             weight = tokens / num_tokens
-            metrics = {**metrics, "entropy": (entropy_BT * mask_BT[idx]).sum() / tokens.clamp_min(1.0)}
+            metrics = {
+                **metrics, "entropy": (entropy_BT * mask_BT[idx]).sum() / tokens.clamp_min(1.0),
+                **drift_metrics(trainer_old_BT, sampler_logprobs_BT[idx], mask_BT[idx], tis_cap=self.drift_tis_cap),
+            }
             for key, value in metrics.items():
                 totals[f"train/{key}"] = totals.get(f"train/{key}", 0.0) + value.detach() * weight
             totals["train/loss"] = totals.get("train/loss", 0.0) + loss.detach()
         grad_norm = torch.nn.utils.get_total_norm([p.grad for p in self.policy.parameters() if p.grad is not None])
         totals["train/grad_norm"] = grad_norm.detach() / world_size  # summed over ranks (equal under DDP)
+        totals["train/grad_norm_clipped"] = totals["train/grad_norm"]  # no clipping: the norm the update used
         if self._finite_everywhere(totals["train/loss"], grad_norm):
             if self.config.grad_clip_norm > 0:
                 self.clip_gradients(optimizer, gradient_clip_val=self.config.grad_clip_norm, gradient_clip_algorithm="norm")
+                # The norm after clipping, by clip_grad_norm_'s own factor min(1, c / (‖g‖ + 1e-6)): no second pass over the grads.
+                factor = (self.config.grad_clip_norm / (grad_norm.detach() + 1e-6)).clamp(max=1.0)
+                totals["train/grad_norm_clipped"] = totals["train/grad_norm"] * factor
             optimizer.step()
             self.nonfinite_in_a_row = 0
             totals["train/skipped_nonfinite"] = torch.zeros((), device=grad_norm.device)

@@ -180,6 +180,13 @@ class RolloutRecord:
     """This rank's `perf/*` and `async/in_flight` values (the slowest rank's are logged)."""
     sample_metrics: dict[str, list[float]] = field(default_factory=dict)
     """Per key of `RolloutSample.metrics`, the values of the samples that reported it (logged as means)."""
+    zero_spread: list[bool] = field(default_factory=list)
+    """Per sampled group with at least two runs (filtered groups included): whether all its run
+    rewards are equal (`rollout/zero_spread_frac`)."""
+    finish_reasons: list[str] = field(default_factory=list)
+    """`finish_reason` of each trained sequence (the accepted groups' samples), parallel to `trained_tokens`."""
+    trained_tokens: list[int] = field(default_factory=list)
+    """Loss-masked tokens of each trained sequence (`rollout/truncated_frac`, `rollout/length_<reason>`)."""
 
 
 @dataclass

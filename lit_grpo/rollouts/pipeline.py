@@ -19,6 +19,7 @@ from typing import Callable, Iterable, Optional
 import torch
 
 from lit_grpo.advantages import ragged_group_advantages
+from lit_grpo.health import rollout_health
 from lit_grpo.rollouts.checks import check_sample
 from lit_grpo.samplers.base import PromptTooLong
 from lit_grpo.types import PromptGroup, RolloutBatch, RolloutRecord, RolloutRun, RolloutSample
@@ -121,6 +122,9 @@ def make_batch(accepted: list[PromptGroup], sampled: list[PromptGroup], *, versi
         version_offsets=[version - g.version for g in accepted],
         timings=dict(timings),
         sample_metrics=sample_metric_values(s for g in sampled for s in g.samples),
+        zero_spread=[len(set(g.rewards)) == 1 for g in sampled if len(g.rewards) >= 2],
+        finish_reasons=[str(s.finish_reason) for g in accepted for s in g.samples],
+        trained_tokens=[sum(s.loss_mask) for g in accepted for s in g.samples],
     )
     return batch
 
@@ -152,7 +156,9 @@ def rollout_metrics(records: list[RolloutRecord]) -> dict[str, float]:
     """The rollout metrics of one step over every rank's record (a list of one without DDP).
 
     Rewards and lengths are pooled over all ranks' samples; counts add up; perf timings are the
-    slowest rank's; `rollout/groups_accepted` is the groups trained on by all ranks together.
+    slowest rank's; `rollout/groups_accepted` is the groups trained on by all ranks together;
+    `rollout/zero_spread_frac`, `rollout/truncated_frac` and `rollout/length_<reason>` are
+    `lit_grpo.health.rollout_health` of the pooled lists.
     """
     rewards = [float(r) for rec in records for r in rec.rewards]
     lengths = [n for rec in records for n in rec.completion_tokens]
@@ -176,6 +182,11 @@ def rollout_metrics(records: list[RolloutRecord]) -> dict[str, float]:
         metrics[key] = math.fsum(pooled) / len(pooled)
     for key in {k for rec in records for k in rec.timings}:  # the step waits for the slowest rank
         metrics[key] = max(rec.timings[key] for rec in records if key in rec.timings)
+    metrics.update(rollout_health(
+        [z for rec in records for z in rec.zero_spread],
+        [r for rec in records for r in rec.finish_reasons],
+        [n for rec in records for n in rec.trained_tokens],
+    ))
     sample_s = metrics.get("perf/sample_s", 0.0)
     metrics["perf/sample_tokens_per_s"] = sum(lengths) / max(sample_s, 1e-9)
     return metrics
