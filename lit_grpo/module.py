@@ -62,7 +62,11 @@ def token_logprobs(model: PreTrainedModel, tokens_BT: torch.Tensor, attention_ma
     Computed a chunk of tokens at a time (`lit_grpo.logprobs`): no [B, T, V] float32 copy of the logits.
     """
     logits_BTV = model(input_ids=tokens_BT, attention_mask=attention_mask_BT, use_cache=False).logits
-    return selected_logprobs_and_entropy(logits_BTV[:, :-1], tokens_BT[:, 1:], temperature)
+    # Scored over all T positions (the last one against a dummy target, then dropped): the gradient
+    # of a `logits[:, :-1]` slice would cost a zero-filled [B, T, V] tensor and a copy in backward.
+    targets_BT = torch.cat([tokens_BT[:, 1:], tokens_BT[:, :1]], dim=1)
+    logprobs_BT, entropy_BT = selected_logprobs_and_entropy(logits_BTV, targets_BT, temperature)
+    return logprobs_BT[:, :-1], entropy_BT[:, :-1]
 
 
 def align_to_predictions(per_token_BT: torch.Tensor) -> torch.Tensor:
