@@ -37,5 +37,14 @@ def group_advantages(rewards_PG: torch.Tensor, scale: str = "std") -> torch.Tens
 
 
 def ragged_group_advantages(rewards: list[list[float]], scale: str = "std") -> list[list[float]]:
-    """`group_advantages` for groups of different sizes (samples dropped by the rollout)."""
-    return [group_advantages(torch.tensor([g], dtype=torch.float64), scale)[0].tolist() for g in rewards]
+    """`group_advantages` for groups of different sizes (samples dropped by the rollout), one call
+    per distinct size."""
+    by_size: dict[int, list[int]] = {}
+    for i, group in enumerate(rewards):
+        by_size.setdefault(len(group), []).append(i)
+    out: list[list[float]] = [[] for _ in rewards]
+    for indices in by_size.values():
+        advantages = group_advantages(torch.tensor([rewards[i] for i in indices], dtype=torch.float64), scale).tolist()
+        for i, row in zip(indices, advantages):
+            out[i] = row
+    return out

@@ -10,6 +10,7 @@ The config is validated (and every field error reported by name) before any mode
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import logging
 import signal
@@ -208,12 +209,17 @@ def summarize(history: MetricHistory, metric: str, wall_s: float) -> dict[str, f
 def fit(c: TrainConfig, resume_from: Optional[Path] = None, **build_kwargs) -> tuple[L.Trainer, GRPOModule]:
     """Build a run from a validated config and train it (from `resume_from`'s state)."""
     trainer, module, datamodule = build_run(c, resume_from=resume_from, **build_kwargs)
+    # The models, tokenizer and libraries are built: a full collection every few thousand new
+    # objects (each step makes thousands) would walk all of them again, milliseconds a step.
+    gc.collect()
+    gc.freeze()
     try:
         trainer.fit(module, datamodule=datamodule)
     except SIGTERMException:  # Lightning's own end of a run that got SIGTERM
         if not module.step_sequence.stop.requested:
             raise  # no stop handlers installed (fit called outside `train`): nothing was saved for it
     finally:
+        gc.unfreeze()  # a process that fits again (tests, sweeps) can free this run's objects
         datamodule.close()
         finish_runs(trainer.loggers)
     return trainer, module

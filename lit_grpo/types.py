@@ -6,6 +6,7 @@ Shapes: P prompts, G completions per prompt, B = P·G sequences, T tokens. A mas
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional, Protocol, runtime_checkable
@@ -213,3 +214,8 @@ class RolloutBatch:
     @property
     def num_sequences(self) -> int:
         return int(self.tokens_BT.shape[0])
+
+    def to(self, device: torch.device | str) -> "RolloutBatch":
+        """The batch with its tensors on `device`; the record (host-side bookkeeping) is shared."""
+        return dataclasses.replace(self, **{f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)
+                                            if isinstance(getattr(self, f.name), torch.Tensor)})

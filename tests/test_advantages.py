@@ -35,9 +35,11 @@ def test_dr_grpo_only_centres():
 
 
 def test_ragged_groups_match_per_group_computation():
-    got = ragged_group_advantages([[1.0, 0.0, 0.0, 0.0], [2.0, 0.0]])
+    got = ragged_group_advantages([[1.0, 0.0, 0.0, 0.0], [2.0, 0.0], [0.0, 1.0, 1.0, 1.0], [3.0, 3.0]])
     assert got[0] == pytest.approx([1.5, -0.5, -0.5, -0.5])
     assert got[1] == pytest.approx([1 / math.sqrt(2), -1 / math.sqrt(2)])
+    assert got[2] == pytest.approx([-1.5, 0.5, 0.5, 0.5])  # same size as group 0: batched with it, order kept
+    assert got[3] == [0.0, 0.0]
 
 
 def test_bad_inputs_are_refused():

@@ -26,17 +26,20 @@ class HFSampler(BatchingSampler):
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *, max_batch_size: int = 256) -> None:
         super().__init__(tokenizer, max_batch_size=max_batch_size)
         self.model = copy.deepcopy(model).eval().requires_grad_(False)
+        # The model's own tensors by state-dict name (tied weights under every name, as engines such
+        # as vLLM list them): a sync copies into them, so they are looked up once, not every sync.
+        self._state = self.model.state_dict()
+        self._aliases = _tied_aliases(self._state)
 
     @torch.no_grad()
     def _load(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        # The state dict (tied weights listed under every name) is what engines such as vLLM need.
-        state = self.model.state_dict()
+        state = self._state
         seen = set()
         for name, tensor in named_tensors:
             key = normalize_weight_name(name, state)
             state[key].copy_(tensor.detach().to(state[key].device, state[key].dtype))
             seen.add(key)
-        missing = set(self.model.state_dict()) - seen - _tied_aliases(self.model, seen)
+        missing = set(state) - seen - {alias for key in seen for alias in self._aliases.get(key, ())}
         if missing:
             raise RuntimeError(f"weight sync left {len(missing)} sampler weights stale, e.g. {sorted(missing)[:3]}")
 
@@ -125,8 +128,9 @@ class _StopStrings(StoppingCriteria):
         return self.tokenizer.decode(input_ids[row, self.width :].tolist(), skip_special_tokens=True)
 
 
-def _tied_aliases(model: PreTrainedModel, loaded: set[str]) -> set[str]:
-    """State-dict names that share storage with a loaded one (tied embeddings): loaded too."""
-    state = model.state_dict()
-    pointers = {state[k].data_ptr() for k in loaded}
-    return {k for k, v in state.items() if v.data_ptr() in pointers}
+def _tied_aliases(state: dict[str, torch.Tensor]) -> dict[str, set[str]]:
+    """For each state-dict name, the names sharing its storage (tied embeddings): loading one loads all."""
+    by_pointer: dict[int, set[str]] = {}
+    for name, tensor in state.items():
+        by_pointer.setdefault(tensor.data_ptr(), set()).add(name)
+    return {name: by_pointer[tensor.data_ptr()] for name, tensor in state.items()}
