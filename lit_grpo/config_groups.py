@@ -172,6 +172,10 @@ class SamplerConfig:
     null: vLLM's default (CPU: VLLM_CPU_KVCACHE_SPACE, GPU: gpu_memory_utilization)."""
     server_args: list[str] = field(default_factory=list)
     """vllm_server with `num_servers`: more `vllm serve` arguments for every server started."""
+    weight_transfer: str = "reload"
+    """vllm_server: how weights reach the servers at each sync: `reload` (safetensors in
+    `weight_sync_dir`), or streamed by vLLM's weight-transfer API, `gloo` (CPU) or `nccl` (GPU);
+    servers attached by `server_urls` must run `lit_grpo.serve --weight-transfer` with the same."""
 
     @property
     def servers_to_start(self) -> int:
@@ -190,21 +194,30 @@ class SamplerConfig:
         require(self.max_batch_size > 0, "sampler.max_batch_size", "must be > 0")
         require(0 < self.gpu_memory_utilization <= 1, "sampler.gpu_memory_utilization", "must be in (0, 1]")
         require(self.tensor_parallel_size >= 1, "sampler.tensor_parallel_size", "must be >= 1")
-        require(self.num_servers is None or self.num_servers >= 0, "sampler.num_servers", "must be >= 0 or null")
-        require(all(isinstance(u, str) and u.startswith(("http://", "https://")) for u in self.server_urls),
-                "sampler.server_urls", f"must be http(s):// URLs, got {list(self.server_urls)!r}")
-        if self.kind == "vllm_server":
-            require(bool(self.server_urls) != (self.servers_to_start > 0), "sampler.server_urls",
-                    "sampler=vllm_server needs exactly one of sampler.server_urls (attach to running servers) and "
-                    f"sampler.num_servers (start local ones), got server_urls={list(self.server_urls)!r}, num_servers={self.num_servers}")
-        require(self.max_in_flight_per_server > 0, "sampler.max_in_flight_per_server", "must be > 0")
-        require_finite(self.request_timeout_s, "sampler.request_timeout_s")
-        require(self.request_timeout_s > 0, "sampler.request_timeout_s", "must be > 0")
-        require(self.max_retries >= 0, "sampler.max_retries", "must be >= 0")
-        require_finite(self.server_startup_timeout_s, "sampler.server_startup_timeout_s")
-        require(self.server_startup_timeout_s > 0, "sampler.server_startup_timeout_s", "must be > 0")
-        require(self.weight_sync_dir is None or bool(self.weight_sync_dir.strip()), "sampler.weight_sync_dir",
-                "must be null or a non-empty path")
+        _check_server_fields(self)
+
+
+def _check_server_fields(cfg: SamplerConfig) -> None:
+    """The `vllm_server` fields of `SamplerConfig`."""
+    require(cfg.num_servers is None or cfg.num_servers >= 0, "sampler.num_servers", "must be >= 0 or null")
+    require(all(isinstance(u, str) and u.startswith(("http://", "https://")) for u in cfg.server_urls),
+            "sampler.server_urls", f"must be http(s):// URLs, got {list(cfg.server_urls)!r}")
+    if cfg.kind == "vllm_server":
+        require(bool(cfg.server_urls) != (cfg.servers_to_start > 0), "sampler.server_urls",
+                "sampler=vllm_server needs exactly one of sampler.server_urls (attach to running servers) and "
+                f"sampler.num_servers (start local ones), got server_urls={list(cfg.server_urls)!r}, num_servers={cfg.num_servers}")
+    require(cfg.max_in_flight_per_server > 0, "sampler.max_in_flight_per_server", "must be > 0")
+    require_finite(cfg.request_timeout_s, "sampler.request_timeout_s")
+    require(cfg.request_timeout_s > 0, "sampler.request_timeout_s", "must be > 0")
+    require(cfg.max_retries >= 0, "sampler.max_retries", "must be >= 0")
+    require_finite(cfg.server_startup_timeout_s, "sampler.server_startup_timeout_s")
+    require(cfg.server_startup_timeout_s > 0, "sampler.server_startup_timeout_s", "must be > 0")
+    require(cfg.weight_sync_dir is None or bool(cfg.weight_sync_dir.strip()), "sampler.weight_sync_dir",
+            "must be null or a non-empty path")
+    require(cfg.weight_transfer in ("reload", "gloo", "nccl"), "sampler.weight_transfer",
+            f"must be reload, gloo (CPU) or nccl (GPU), got {cfg.weight_transfer!r}")
+    require(cfg.weight_transfer == "reload" or cfg.kind == "vllm_server", "sampler.weight_transfer",
+            f"{cfg.weight_transfer} streams weights to vLLM servers: only sampler=vllm_server takes it, not {cfg.kind}")
 
 
 @dataclass

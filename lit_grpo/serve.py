@@ -16,6 +16,10 @@ What it sets, and why:
   servers and the trainer do not fight over the same cores.
 - `--exit-with-parent PID`: the server stops itself when that process is gone (set by
   `lit_grpo.samplers.server_pool`, so a killed training run leaves no server behind).
+- `--weight-transfer gloo|nccl`: vLLM's weight-transfer engine with that backend
+  (`--weight-transfer-config '{"backend": ...}'`; gloo is lit_grpo's CPU backend `lit_grpo_gloo`,
+  registered through the `vllm.general_plugins` entry point), for `sampler.weight_transfer`.
+  `reload` (the default) adds nothing: weights are reloaded from safetensors.
 
 One line, `lit_grpo.serve: ready at URL ...`, is printed when `/health` answers. A missing vLLM
 or a model folder that cannot be served exits with status 2 and a message, before vLLM starts.
@@ -27,6 +31,7 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import importlib.util
+import json
 import os
 import signal
 import sys
@@ -38,6 +43,8 @@ from typing import Optional, Sequence
 
 READY_PREFIX = "lit_grpo.serve: ready at "
 """The start of the line printed once the server answers `/health`."""
+WEIGHT_TRANSFER_BACKENDS = {"gloo": "lit_grpo_gloo", "nccl": "nccl"}
+"""`sampler.weight_transfer` (other than `reload`) -> the vLLM weight-transfer backend."""
 
 
 def model_folder_problem(model: str) -> Optional[str]:
@@ -134,6 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--exit-with-parent", type=int, default=None, metavar="PID",
                         help="stop the server when process PID is gone")
+    parser.add_argument("--weight-transfer", default="reload", choices=["reload", *WEIGHT_TRANSFER_BACKENDS],
+                        help="how the trainer syncs weights: reload (safetensors, default), or vLLM's weight-transfer "
+                             "API over gloo (CPU) or nccl (GPU)")
     return parser
 
 
@@ -146,6 +156,8 @@ def vllm_argv(args: argparse.Namespace, passthrough: Sequence[str]) -> list[str]
         argv += ["--kv-cache-memory-bytes", str(args.kv_cache_memory_bytes)]
     if args.max_model_len is not None:
         argv += ["--max-model-len", str(args.max_model_len)]
+    if args.weight_transfer != "reload":
+        argv += ["--weight-transfer-config", json.dumps({"backend": WEIGHT_TRANSFER_BACKENDS[args.weight_transfer]})]
     return argv + list(passthrough)
 
 
@@ -156,6 +168,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             print(f"lit_grpo.serve: {why}", file=sys.stderr)
             raise SystemExit(2)
     os.environ["VLLM_SERVER_DEV_MODE"] = "1"
+    if args.weight_transfer == "gloo" and os.environ.get("VLLM_PLUGINS"):  # an allow-list must let ours in
+        os.environ["VLLM_PLUGINS"] += ",lit_grpo"
     if args.cpu_core is not None:
         if args.cpu_core not in os.sched_getaffinity(0):
             print(f"lit_grpo.serve: --cpu-core {args.cpu_core} is not one of this process's cores "

@@ -4,8 +4,9 @@ own core, a small KV cache) on a tiny float32 model with the arithmetic experime
 training run can attach to them.
 
 Served logprobs against the trainer's before and after weight syncs on both replicas, a request in
-flight across a sync, the stop contract, a training run, and (last: it kills a replica) failover
-and the errors that name a dead server. Without vLLM these tests fail, they never skip.
+flight across a sync, the stop contract, a training run, weights streamed over vLLM's
+weight-transfer API (gloo), and (last: it kills a replica) failover and the errors that name a
+dead server. Without vLLM these tests fail, they never skip.
 """
 
 from __future__ import annotations
@@ -49,8 +50,10 @@ def servers(tmp_path_factory):
     model = build_tiny_model(ModelConfig(num_heads=2, alphabet="arithmetic"), len(tokenizer), seed=0, tokenizer=tokenizer)
     root = tmp_path_factory.mktemp("servers")
     folder = save_pretrained(model, tokenizer, root / "model")
+    # weight_transfer="gloo": the servers also take streamed weights (vLLM's weight-transfer API); reload still works
     pool = start_servers(folder, 2, log_dir=root / "logs", dtype="float32", max_model_len=256,
-                         kv_cache_memory_bytes="64M", extra_args=["--enforce-eager"], ready_timeout_s=240)
+                         kv_cache_memory_bytes="64M", extra_args=["--enforce-eager"], ready_timeout_s=240,
+                         weight_transfer="gloo")
     try:
         yield pool, model.eval(), tokenizer
     finally:
@@ -274,6 +277,63 @@ def test_the_config_takes_server_urls_or_num_servers():
 def test_the_client_does_not_import_vllm():
     code = "import sys, lit_grpo.samplers.vllm_server, lit_grpo.samplers.server_pool; assert 'vllm' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+@pytest.mark.timeout(180)
+def test_gloo_weight_transfer_streams_the_weights_and_names_a_dead_server(servers, tmp_path):
+    """sampler.weight_transfer=gloo on one server: perturbed weights streamed (nothing written to
+    weight_sync_dir), served logprobs equal the trainer's, the version is tracked, the group is
+    made again after it was torn down, and a sync to a dead server raises naming it."""
+    from lit_grpo.samplers.server_pool import free_port
+    from lit_grpo.samplers.server_requests import Replica
+
+    pool, model, tokenizer = servers
+    url = pool.urls[0]
+    sampler = VLLMServerSampler(tokenizer, [url], weight_sync_dir=tmp_path / "unused", request_timeout_s=30,
+                                max_retries=1, retry_backoff_s=0.1, weight_transfer="gloo")
+    try:
+        perturbed = _perturbed(model, seed=3)
+        prompts = _ids(tokenizer, PROMPTS * 2)
+        for weights, version in ((perturbed, 1), (model, 2), (perturbed, 3)):
+            if version == 3:
+                sampler.transport.close()  # torn down on both sides: the next sync makes a new group
+            start = time.perf_counter()
+            sampler.update_weights((f"_forward_module.policy.{k}", v) for k, v in weights.state_dict().items())
+            print(f"gloo sync to v{version}: {time.perf_counter() - start:.3f} s")
+            assert sampler.version == version and sampler.served_versions() == {url: str(version)}
+            completions = _sample(sampler, prompts, temperature=1.0, max_tokens=10)
+            diff = _diffs(weights, completions, 1.0)
+            print(f"v{version}: served vs trainer logprobs, mean |diff| = {diff.mean():.2e}")
+            assert diff.mean() < 1e-5
+            assert _diffs(model if weights is perturbed else perturbed, completions, 1.0).mean() > 1e-2
+        assert not (tmp_path / "unused").exists()  # streamed, never written
+        dead = f"http://127.0.0.1:{free_port()}"
+        sampler.replicas.append(Replica(dead, model=sampler.replicas[0].model))
+        with pytest.raises(WeightSyncError, match=dead.replace(".", r"\.")) as err:
+            sampler.update_weights(model.state_dict().items())
+        assert err.value.servers == [dead] and sampler.replicas[1].down
+        assert sampler.served_versions()[url] == "4"  # the live server was synced all the same
+        assert _diffs(model, _sample(sampler, prompts[:4], temperature=1.0, max_tokens=6), 1.0).mean() < 1e-5
+    finally:
+        sampler.close()
+
+
+def test_weight_transfer_ranks_and_packing_over_several_servers():
+    """No server needed: each server's workers get ranks after the previous server's, and the
+    gloo backend's buffers hold whole tensors at aligned offsets within the limit."""
+    from lit_grpo.serve import patch_vllm_version
+
+    patch_vllm_version()
+    from lit_grpo.samplers.weight_transfer import FanOutClient
+    from lit_grpo.vllm_plugin.gloo import chunk_plan
+
+    client = FanOutClient(["http://a:1", "http://b:2", "http://c:3"], workers=[2, 1, 4], timeout_s=1)
+    seen = {}
+    client.clients = [type("Fake", (), {"init_weight_transfer_engine": lambda self, info, u=u: seen.__setitem__(u, info)})()
+                      for u in client.urls]
+    client.init_weight_transfer_engine({"rank_offset": 1, "world_size": 8})
+    assert [seen[u]["rank_offset"] for u in client.urls] == [1, 3, 4]
+    assert chunk_plan([10, 100, 5, 200, 3, 3], 128) == [[(0, 0)], [(1, 0)], [(2, 0)], [(3, 0)], [(4, 0), (5, 64)]]
 
 
 @pytest.mark.timeout(120)

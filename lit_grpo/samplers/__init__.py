@@ -125,7 +125,10 @@ def _build_vllm_server(cfg, policy, tokenizer, *, model, work_dir, seed):
     run = Path(work_dir)
     options = dict(weight_sync_dir=Path(cfg.weight_sync_dir).expanduser() if cfg.weight_sync_dir else run / "weight_sync",
                    max_in_flight_per_server=cfg.max_in_flight_per_server, request_timeout_s=cfg.request_timeout_s,
-                   max_retries=cfg.max_retries, sync_timeout_s=cfg.request_timeout_s, max_batch_size=cfg.max_batch_size)
+                   max_retries=cfg.max_retries, sync_timeout_s=cfg.request_timeout_s, max_batch_size=cfg.max_batch_size,
+                   weight_transfer=cfg.weight_transfer)
+    if cfg.weight_transfer == "nccl" and not torch.cuda.is_available():
+        raise RuntimeError("sampler.weight_transfer=nccl needs CUDA in the trainer and the servers; on CPU use gloo")
     num_servers = cfg.num_servers if cfg.num_servers is not None else (0 if cfg.server_urls else 1)
     if not num_servers:
         sampler = VLLMServerSampler(tokenizer, list(cfg.server_urls), **options)
@@ -146,7 +149,8 @@ def _build_vllm_server(cfg, policy, tokenizer, *, model, work_dir, seed):
         extra += ["--gpu-memory-utilization", str(cfg.gpu_memory_utilization)]
     pool = start_servers(source, num_servers, log_dir=run / "servers", dtype=cfg.dtype, max_model_len=cfg.max_model_len,
                          kv_cache_memory_bytes=cfg.server_kv_cache_memory_bytes, seed=seed,
-                         extra_args=[*extra, *cfg.server_args], ready_timeout_s=cfg.server_startup_timeout_s)
+                         extra_args=[*extra, *cfg.server_args], ready_timeout_s=cfg.server_startup_timeout_s,
+                         weight_transfer=cfg.weight_transfer)
     try:
         sampler = VLLMServerSampler(tokenizer, pool.urls, pool=pool, **options)
     except BaseException:

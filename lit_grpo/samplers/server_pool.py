@@ -156,13 +156,14 @@ def start_servers(
     ports: Optional[Sequence[int]] = None, cpu_cores: Optional[Sequence[Optional[int]]] = None,
     dtype: str = "auto", max_model_len: Optional[int] = None, kv_cache_memory_bytes: Optional[str | int] = None,
     seed: int = 0, extra_args: Sequence[str] = (), env: Optional[dict[str, str]] = None,
-    ready_timeout_s: Optional[float] = 600.0,
+    ready_timeout_s: Optional[float] = 600.0, weight_transfer: str = "reload",
 ) -> ServerPool:
     """Start `n` servers of `model_dir` on free ports (or `ports`), each in its own process group,
     logging to `log_dir/server_<i>.log`; wait for them unless `ready_timeout_s` is None. On CUDA
     with at least `n` GPUs server i gets GPU i; on CPU server i is pinned to `cpu_cores[i]`
-    (default: round-robin over this process's cores). If any fails to start, all are stopped and
-    the error (naming it) is raised."""
+    (default: round-robin over this process's cores). `weight_transfer`: `lit_grpo.serve
+    --weight-transfer` (reload, gloo or nccl). If any fails to start, all are stopped and the
+    error (naming it) is raised."""
     log_dir = Path(log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
     ports = list(ports) if ports is not None else [free_port(host) for _ in range(n)]
@@ -180,6 +181,8 @@ def start_servers(
                 cmd += ["--kv-cache-memory-bytes", str(kv_cache_memory_bytes)]
             if max_model_len is not None:
                 cmd += ["--max-model-len", str(max_model_len)]
+            if weight_transfer != "reload":
+                cmd += ["--weight-transfer", weight_transfer]
             cmd += list(extra_args)
             child_env = {**os.environ, **(env or {})}
             if gpus >= n > 1:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 
@@ -43,21 +43,32 @@ class ServerError(RuntimeError):
 
 
 class WeightSyncError(RuntimeError):
-    """A weight sync failed or timed out on a server (named in the message): its weights may be stale."""
+    """A weight sync failed or timed out on a server (named in the message): its weights may be stale.
+    `servers`: the URLs of those servers, where the raiser knows them."""
+
+    def __init__(self, message: str, servers: Iterable[str] = ()) -> None:
+        super().__init__(message)
+        self.servers = list(servers)
 
 
-async def sync_replicas(call: Callable[..., Any], live: list, version: int, folder: str, timeout: float) -> None:
+async def sync_replicas(call: Callable[..., Any], live: list, version: int, folder: str, timeout: float,
+                        transfer: Optional[Callable[[list[str]], None]] = None) -> None:
     """Every replica of `live` to weight `version` from `folder`, phase by phase: all paused (requests
     in flight kept) before any reloads; reload, reset the prefix cache (frozen requests recompute
     with the new weights), set the version; then every one resumed, even where the sync failed (a
     paused engine would hold its requests forever) and its version read back. `call(replica,
     method, path, timeout=, ...)` is the client's HTTP call. `WeightSyncError` names every server
-    that failed; those are marked down."""
+    that failed; those are marked down. `transfer(urls)` (blocking, run in a thread): replaces
+    the reload, streaming the weights to all the paused servers at once (`weight_transfer`);
+    a `WeightSyncError` from it fails the servers it names (all of them if it names none)."""
     t = timeout
 
     async def reload(r: Any) -> None:
         await call(r, "POST", "/collective_rpc", timeout=t,
                    json={"method": "reload_weights", "kwargs": {"weights_path": folder}, "timeout": t})
+        await after_load(r)
+
+    async def after_load(r: Any) -> None:
         for _ in range(20):  # recompute the frozen requests' KV with the new weights; drop cached prefixes
             answer = await call(r, "POST", "/reset_prefix_cache", timeout=t, params={"reset_running_requests": "true"})
             if answer is None or answer.get("success", True):
@@ -75,7 +86,23 @@ async def sync_replicas(call: Callable[..., Any], live: list, version: int, fold
         r.version = version
 
     failed: dict[str, str] = {}
-    for phase in (lambda r: call(r, "POST", "/pause", timeout=t, params={"mode": "keep"}), reload):
+
+    async def transfer_all() -> None:  # one collective over every paused server, then each one's tail
+        targets = [r.url for r in live if r.url not in failed]
+        if not targets:
+            return
+        try:  # the transfer's own calls have deadlines; this one bounds the whole
+            await asyncio.wait_for(asyncio.to_thread(transfer, targets), timeout=4 * t)
+        except Exception as err:  # noqa: BLE001 (named below)
+            named = [u for u in getattr(err, "servers", []) if u in targets] or targets
+            failed.update({u: _describe(err) for u in named})
+
+    phases: list = [lambda r: call(r, "POST", "/pause", timeout=t, params={"mode": "keep"})]
+    phases += [reload] if transfer is None else [None, after_load]
+    for phase in phases:
+        if phase is None:
+            await transfer_all()
+            continue
         results = await asyncio.gather(*(phase(r) for r in live if r.url not in failed), return_exceptions=True)
         for r, result in zip([r for r in live if r.url not in failed], results):
             if isinstance(result, BaseException):
@@ -92,7 +119,7 @@ async def sync_replicas(call: Callable[..., Any], live: list, version: int, fold
                 r.version = None
         raise WeightSyncError(f"weight sync to version {version} failed on " + "; ".join(
             f"{url} ({why})" for url, why in failed.items()) + ": those servers may hold stale or broken weights; "
-            "training stops rather than sample from them")
+            "training stops rather than sample from them", servers=list(failed))
 
 
 def _describe(err: BaseException) -> str:

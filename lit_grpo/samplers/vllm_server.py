@@ -26,7 +26,9 @@ on every live replica: `/pause?mode=keep` (requests in flight are frozen, not lo
 are recomputed with the new weights), `/update_weight_version`, `/resume`, and reads the version
 back from `/weight_info`. All replicas are paused before any is reloaded, so no request started
 after the sync returns sees the old weights. A failed or timed-out step raises
-`WeightSyncError` naming the server: training never continues against stale weights.
+`WeightSyncError` naming the server: training never continues against stale weights. With
+`weight_transfer` gloo or nccl the reload is replaced by streaming the tensors through vLLM's
+weight-transfer API (`lit_grpo.samplers.weight_transfer`); nothing is written then.
 
 This module does not import vLLM; it needs `httpx` (`pip install 'lit_grpo[server]'`). The servers
 need the dev-mode endpoints (`VLLM_SERVER_DEV_MODE=1`, set by `lit_grpo.serve`).
@@ -86,6 +88,8 @@ class VLLMServerSampler(BatchingSampler):
         retry_backoff_s: float = 0.5,
         pool: Optional["ServerPool"] = None,
         max_batch_size: int = 256,
+        weight_transfer: str = "reload",
+        weight_transfer_address: Optional[str] = None,
     ) -> None:
         try:
             import httpx
@@ -107,6 +111,12 @@ class VLLMServerSampler(BatchingSampler):
         self.request_timeout_s = request_timeout_s
         self.sync_timeout_s = sync_timeout_s
         self.pool = pool
+        self.transport = None
+        """`weight_transfer` other than reload: the `WeightTransport` that streams the weights."""
+        if weight_transfer != "reload":
+            from lit_grpo.samplers.weight_transfer import WeightTransport
+
+            self.transport = WeightTransport(weight_transfer, timeout_s=sync_timeout_s, address=weight_transfer_address)
         self.version = 0
         """Weight syncs done: the version every live replica serves."""
         self._closed = False
@@ -261,12 +271,18 @@ class VLLMServerSampler(BatchingSampler):
     @torch.no_grad()
     def _load(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         start = time.perf_counter()
-        self.write_weights(named_tensors)
+        if self.transport is None:
+            self.write_weights(named_tensors)
+            named = None
+        else:  # streamed while the servers are paused (`weight_transfer`)
+            named = [(n, t.detach()) for n, t in named_tensors]
+            if not named:
+                raise WeightSyncError("the weight sync was given no tensors")
         written = time.perf_counter() - start
         try:
             # Each server call has its own deadline (sync_timeout_s); this bound is only for a stuck
             # client loop: cancelling between phases could leave a server paused.
-            self._run(self._sync_all(self.version + 1), timeout=8 * self.sync_timeout_s)
+            self._run(self._sync_all(self.version + 1, named), timeout=8 * self.sync_timeout_s)
         except TimeoutError:
             raise WeightSyncError(f"weight sync to version {self.version + 1} did not finish within "
                                   f"{8 * self.sync_timeout_s:g} s: the servers may hold stale weights") from None
@@ -280,12 +296,16 @@ class VLLMServerSampler(BatchingSampler):
             raise WeightSyncError("the weight sync was given no tensors")
         return self.weight_sync_dir
 
-    async def _sync_all(self, version: int) -> None:
-        """Every live replica to `version`, phase by phase (see `sync_replicas`)."""
+    async def _sync_all(self, version: int, named: Optional[list[tuple[str, torch.Tensor]]] = None) -> None:
+        """Every live replica to `version`, phase by phase (see `sync_replicas`); with a transport,
+        `named` is streamed to them instead of reloaded from `weight_sync_dir`."""
         live = [r for r in self.replicas if r.down is None]
         if not live:
             raise WeightSyncError("no vLLM server left to sync weights to: " + "; ".join(self.failovers))
-        await sync_replicas(self.router.call, live, version, str(self.weight_sync_dir.resolve()), self.sync_timeout_s)
+        transport = self.transport
+        transfer = None if transport is None else (lambda urls: transport.send(urls, named or []))
+        await sync_replicas(self.router.call, live, version, str(self.weight_sync_dir.resolve()), self.sync_timeout_s,
+                            transfer=transfer)
 
     def set_version(self, version: int) -> None:
         """Tell every live replica that it serves `version` (the servers this sampler started from
@@ -336,6 +356,8 @@ class VLLMServerSampler(BatchingSampler):
             if not self._thread.is_alive():
                 self._loop.close()
         finally:
+            if self.transport is not None:
+                self.transport.close()
             if self.pool is not None:
                 self.pool.stop()
             super().close()
