@@ -21,7 +21,8 @@ from typing import Iterable, Iterator
 import torch
 from torch import nn
 
-from lit_grpo.config_groups import ConfigError, LoraConfig
+from lit_grpo.config_checks import ConfigError
+from lit_grpo.config_model import LoraConfig
 
 ADAPTER = "default"  # peft's name for the one adapter get_peft_model adds
 PEFT_PREFIX = "base_model.model."  # what PeftModel puts before the base model's names
