@@ -73,6 +73,10 @@ class RowCursor:
             self.index += 1
         return out
 
+    def sample_again(self, position: Position) -> None:
+        """Serve a position handed out but not trained again, before any new row."""
+        self.replay.append(position)
+
     def take(self, n: int) -> list[dict]:
         """Up to n next rows (fewer only when the last epoch ends)."""
         return [row for _, row in self.take_positioned(n)]

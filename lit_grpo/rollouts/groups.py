@@ -97,6 +97,10 @@ class GroupSampler:
             counts, self._counts = self._counts, Counter()
         return counts
 
+    def count(self, key: str) -> None:
+        """One more of `key` in the step's drop and failure counts (summed over ranks)."""
+        self._add(Counter({key: 1}))
+
     def _add(self, counts: Counter) -> None:
         with self._lock:
             self._counts.update(counts)

@@ -5,14 +5,19 @@
   trainer's thread, then the step trains, then the weights sync; nothing overlaps.
 - `OffPolicyScheduler` (`synchronous_training: false`): rollouts run on a background event loop
   and overlap training, admitted through the off-policy gate of DESIGN.md. With B = P·G samples
-  per step and O = max_head_offpolicy_versions, a row (all G samples at the version of the
-  moment) may start only while
+  per step and O = max_head_offpolicy_versions, the samples of version v may be accepted while
+  `accepted <= budget(v) = (O + v + 1) · B`, where `accepted` counts samples of groups that passed
+  the filters so far. A group sampled at version v is kept only if it is among the first budget(v)
+  accepted samples, so it trains at most O versions after it was sampled; O = 0 is strictly
+  on-policy. A row (all G samples at the version of the moment) may start only while
 
-      (O + version + 1) · B - (accepted + running) >= G
+      rate · (running + G) <= budget(version) - accepted
 
-  where `accepted` counts samples of groups that passed the filters so far and `running` those in
-  flight. A group admitted at version v is among the first (O + v + 1)·B accepted samples, so it
-  trains at most O versions after it was sampled; O = 0 is strictly on-policy.
+  with `running` the samples in flight and `rate` the running fraction of groups the filters
+  accept (at least 1/4): rows are oversampled by 1/rate, as the synchronous scheduler does, so a
+  filter that rejects half the groups does not refill a step in a chain of rounds of one rollout
+  latency each. A group accepted past its budget (the surplus, or a straggler) is not trained: its
+  row goes back to the cursor and is sampled again, later (`rollout/stale_groups`).
 
 The policy `version` of both is advanced by the step sequence (`lit_grpo.step_sequence`) after each
 weight sync, never by a callback.
@@ -174,6 +179,9 @@ class OffPolicyScheduler:
         """Samples (G per group) of every group accepted so far, trained or queued."""
         self.running = 0
         """Samples in flight."""
+        self.accept_rate = 1.0
+        """Running fraction of sampled groups the filters accept (sizes the oversampling)."""
+        self.max_oversample = 4
         self._loop = asyncio.new_event_loop()
         self._unfinished: set[Position] = set()  # rows sampling or queued, not yet trained
         self._lock = threading.Lock()  # the cursor, `_unfinished` and `version` change together, for a consistent snapshot
@@ -193,10 +201,15 @@ class OffPolicyScheduler:
 
     # ---------------------------------------------------------------- sampling thread
 
+    def budget(self, version: int) -> int:
+        """Accepted samples (all steps so far) that rows sampled at `version` may bring the total to."""
+        return (self.max_head_offpolicy_versions + version + 1) * self.B
+
     def can_admit(self) -> bool:
         """The off-policy gate and the concurrency cap, for one more row of G samples."""
-        budget = (self.max_head_offpolicy_versions + self.version + 1) * self.B
-        return budget - (self.accepted_samples + self.running) >= self.G and self.running + self.G <= self.max_concurrency
+        room = self.budget(self.version) - self.accepted_samples
+        expected = (self.running + self.G) * max(self.accept_rate, 1 / self.max_oversample)
+        return expected <= room and self.running + self.G <= self.max_concurrency
 
     def _run(self) -> None:
         asyncio.set_event_loop(self._loop)
@@ -214,18 +227,18 @@ class OffPolicyScheduler:
         tasks: set[asyncio.Task] = set()
         while not self._stopping:
             if not self.can_admit():
-                waited_from = time.perf_counter()
-                self._wake.clear()
-                await self._wake.wait()
-                self._gate_wait_s += time.perf_counter() - waited_from
+                self._gate_wait_s += await self._wait_for_wake()
                 continue
             with self._lock:
                 taken = self.cursor.take_positioned(1)
-                if not taken:
+                if taken:
+                    (position, row), version = taken[0], self.version
+                    self._unfinished.add(position)
+            if not taken:
+                if self.running == 0:
                     break
-                position, row = taken[0]
-                self._unfinished.add(position)
-                version = self.version
+                await self._wait_for_wake()  # a row in flight may yet come back to the cursor (`_sample_again_later`)
+                continue
             self.running += self.G
             task = asyncio.create_task(self._run_group(position, row, version))
             tasks.add(task)
@@ -235,6 +248,13 @@ class OffPolicyScheduler:
                 for task in tasks:
                     task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _wait_for_wake(self) -> float:
+        """Until a group ends or the version advances; returns the seconds waited."""
+        waited_from = time.perf_counter()
+        self._wake.clear()
+        await self._wake.wait()
+        return time.perf_counter() - waited_from
 
     async def _run_group(self, position: Position, row: dict, version: int) -> None:
         started = time.perf_counter()
@@ -253,13 +273,24 @@ class OffPolicyScheduler:
             self.running -= self.G
             self.rollout_intervals.append((started, time.perf_counter()))
             self._wake.set()
-        if keep:
+        self.accept_rate = 0.9 * self.accept_rate + 0.1 * float(keep)
+        if keep and self.accepted_samples + self.G > self.budget(version):
+            self._sample_again_later(position, group)
+        elif keep:
             self.accepted_samples += self.G
             self._ready.put((position, group))
         else:
             with self._lock:
                 self._unfinished.discard(position)  # a rejected row is used up, like a trained one
             self._rejected.append(group)
+
+    def _sample_again_later(self, position: Position, group: PromptGroup) -> None:
+        """An accepted group past its version's budget would train > O versions late: resample its row."""
+        with self._lock:
+            self._unfinished.discard(position)
+            self.cursor.sample_again(position)
+        self.groups.count("rollout/stale_groups")
+        self._rejected.append(group)  # sampled, not trained: still in the step's reward metrics
 
     # ---------------------------------------------------------------- trainer thread
 
@@ -334,7 +365,7 @@ class OffPolicyScheduler:
         """Version, gate counter and data position between two steps. Rows sampling or queued
         (not yet trained) are saved as unfinished: a resumed run samples them again first."""
         with self._lock:
-            return {"version": self.version, "trained_samples": self.trained_samples,
+            return {"version": self.version, "trained_samples": self.trained_samples, "accept_rate": self.accept_rate,
                     "cursor": self.cursor.state_dict(unfinished=sorted(self._unfinished))}
 
     def load_state_dict(self, state: dict) -> None:
@@ -343,6 +374,7 @@ class OffPolicyScheduler:
             raise RuntimeError("load the scheduler's state before it starts sampling")
         self.version, self.trained_samples = state["version"], state["trained_samples"]
         self.accepted_samples = self.trained_samples
+        self.accept_rate = state.get("accept_rate", 1.0)
         self.cursor.load_state_dict(state["cursor"])
 
     def _overlap(self, start: float, end: float) -> float:
