@@ -221,6 +221,12 @@ class OffPolicyScheduler:
             await self._admit_until_done()
         finally:
             beat.cancel()
+            # What the rollouts left on the loop (a sampler's batching task) ends with it, not pending.
+            left = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in left:
+                task.cancel()
+            if left:
+                await asyncio.wait(left, timeout=1.0)
             self._ready.put(_DONE)
 
     async def _admit_until_done(self) -> None:
