@@ -9,7 +9,7 @@ the field; `ConfigError` is what a user sees.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from lit_grpo.config_checks import (  # noqa: F401  (re-exported: the groups' shared checks)
     DEFINES_STATE,
@@ -20,6 +20,9 @@ from lit_grpo.config_checks import (  # noqa: F401  (re-exported: the groups' sh
     require_finite,
 )
 from lit_grpo.config_model import LORA_DEFAULT_TARGETS, LoraConfig, ModelConfig  # noqa: F401  (re-exported)
+
+if TYPE_CHECKING:
+    from lit_grpo.igpo import IGPOSettings
 
 
 @dataclass
@@ -235,6 +238,8 @@ class RewardConfig:
 
 
 # PolicyLossConfig's named hyper-parameters; any other goes in `params`.
+ADVANTAGE_KINDS = ("group", "igpo")
+"""`policy_loss.advantage`: per-sequence group-relative advantages, or IGPO's per-token turn credit."""
 _NAMED_LOSS_HYPERPARAMS = ("eps_clip", "eps_clip_high", "eps_clip_c", "dro_beta", "tis_cap", "tis_level")
 
 
@@ -258,6 +263,14 @@ class PolicyLossConfig:
     the whole optimizer step), seq_mean or sum."""
     advantage_scale: str = "std"
     """`std`: (r - mean) / std within the group; `none`: r - mean (Dr. GRPO)."""
+    advantage: str = "group"
+    """`group`: one group-relative advantage per sequence (from `reward`); `igpo`: turn-level
+    credit per token (`lit_grpo.igpo.turn_advantages`), from each sample's `turn_spans` and
+    `turn_rewards` (information gains) and its `reward` (the outcome)."""
+    igpo_gamma: Optional[float] = None
+    """igpo: discount of the turn-level return, in [0, 1] (null: 0.95, the paper's)."""
+    igpo_skip_last_ig: Optional[bool] = None
+    """igpo: the last turn of each rollout carries only the outcome, no IG term (null: false)."""
     eps_clip: Optional[float] = None
     """Lower clip ε of the ratio (1 - ε)."""
     eps_clip_high: Optional[float] = None
@@ -289,6 +302,7 @@ class PolicyLossConfig:
             f"must be one of {', '.join(LOSS_NORMALIZATIONS)}, got {self.loss_normalization!r}",
         )
         require(self.advantage_scale in ADVANTAGE_SCALES, "policy_loss.advantage_scale", f"must be one of {', '.join(ADVANTAGE_SCALES)}, got {self.advantage_scale!r}")
+        self._check_advantage()
         try:
             defaults = policy_loss_defaults(self.name)
         except ValueError as err:
@@ -303,6 +317,27 @@ class PolicyLossConfig:
             check_policy_loss_hyperparams(self.name, self.hyperparams())
         except ValueError as err:
             raise ConfigError(f"config group `policy_loss`: {err}") from None
+
+    def _check_advantage(self) -> None:
+        require(self.advantage in ADVANTAGE_KINDS, "policy_loss.advantage", f"must be one of {', '.join(ADVANTAGE_KINDS)}, got {self.advantage!r}")
+        for key in ("igpo_gamma", "igpo_skip_last_ig"):
+            require(getattr(self, key) is None or self.advantage == "igpo", f"policy_loss.{key}",
+                    f"applies to policy_loss.advantage=igpo only (it is {self.advantage!r})")
+        if self.igpo_gamma is not None:
+            require_finite(self.igpo_gamma, "policy_loss.igpo_gamma")
+            require(0.0 <= self.igpo_gamma <= 1.0, "policy_loss.igpo_gamma", f"must be in [0, 1], got {self.igpo_gamma}")
+        if self.advantage == "igpo":  # igpo z-normalizes its rewards itself: another scale would be a silent no-op
+            require(self.advantage_scale == "std", "policy_loss.advantage_scale",
+                    f"igpo z-normalizes its IG and outcome rewards itself; leave it at std (got {self.advantage_scale!r})")
+
+    def igpo_settings(self) -> Optional["IGPOSettings"]:
+        """The IGPO settings when `advantage` is igpo, else None."""
+        if self.advantage != "igpo":
+            return None
+        from lit_grpo.igpo import DEFAULT_GAMMA, IGPOSettings
+
+        gamma = DEFAULT_GAMMA if self.igpo_gamma is None else float(self.igpo_gamma)
+        return IGPOSettings(gamma=gamma, skip_last_ig=bool(self.igpo_skip_last_ig))
 
     def hyperparams(self) -> dict[str, Any]:
         """The hyper-parameters to call the loss with: the named ones that are set, `params`, kl_beta."""

@@ -162,6 +162,8 @@ class GRPOModule(L.LightningModule):
         tokens, attention = batch.tokens_BT, batch.attention_mask_BT
         mask_BT = align_to_predictions(batch.loss_mask_BT)
         sampler_logprobs_BT = align_to_predictions(batch.sampler_logprobs_BT)
+        # Per-token advantages (IGPO's turn credit) shift exactly like the loss mask; else one per sequence.
+        advantages = batch.advantages_B if batch.advantages_BT is None else align_to_predictions(batch.advantages_BT)
         ref_logprobs_BT = self._no_grad_logprobs(self.reference, tokens, attention, temperature) if self.reference is not None else None
         t_ref = time.perf_counter()
         # `old` is the policy before this batch's first update; with one minibatch it equals the
@@ -171,7 +173,7 @@ class GRPOModule(L.LightningModule):
 
         k = min(K, fewest_sequences)  # every rank makes the same number of optimizer steps, even with a short batch
         per_minibatch = [
-            self._optimizer_step(batch, rows, mask_BT, sampler_logprobs_BT, ref_logprobs_BT, old_logprobs_BT)
+            self._optimizer_step(batch, rows, mask_BT, sampler_logprobs_BT, ref_logprobs_BT, old_logprobs_BT, advantages)
             for rows in even_slices(batch.num_sequences, k)
         ]
         metrics = {key: sum(m[key] for m in per_minibatch) / len(per_minibatch) for key in per_minibatch[0]}
@@ -208,8 +210,10 @@ class GRPOModule(L.LightningModule):
             return None, 0
         return self.trainer.strategy.batch_to_device(batch), fewest
 
-    def _optimizer_step(self, batch, rows: slice, mask_BT, sampler_logprobs_BT, ref_logprobs_BT, old_logprobs_BT) -> dict[str, torch.Tensor]:
-        """One optimizer step over `rows`, accumulating gradients over micro-batches."""
+    def _optimizer_step(self, batch, rows: slice, mask_BT, sampler_logprobs_BT, ref_logprobs_BT, old_logprobs_BT,
+                        advantages) -> dict[str, torch.Tensor]:
+        """One optimizer step over `rows`, accumulating gradients over micro-batches. `advantages`:
+        [B] per sequence, or [B, T-1] per token (aligned with the predictions, like `mask_BT`)."""
         optimizer = self.optimizers()
         optimizer.zero_grad()
         world_size = self.trainer.world_size
@@ -230,7 +234,7 @@ class GRPOModule(L.LightningModule):
                 old_logprobs=trainer_old_BT,
                 sampler_logprobs=sampler_logprobs_BT[idx],
                 ref_logprobs=ref_logprobs_BT[idx] if ref_logprobs_BT is not None else None,
-                advantages=batch.advantages_B[idx],
+                advantages=advantages[idx],
                 mask=mask_BT[idx],
                 normalization=self.config.policy_loss.loss_normalization,
                 num_tokens=num_tokens,

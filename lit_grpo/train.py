@@ -103,6 +103,7 @@ def build_datamodule(c: TrainConfig, policy, tokenizer, rows: list[dict], eval_r
         seed=c.seed,
         shuffle=c.data.shuffle,
         advantage_scale=c.policy_loss.advantage_scale,
+        igpo=c.policy_loss.igpo_settings(),
         max_steps=c.max_steps,
         max_seq_len=c.data.max_seq_len,
         min_group_size=c.data.min_group_size,

@@ -39,6 +39,12 @@ class RolloutSample:
     raw_logprobs: Optional[list[float]] = None
     """Optional, parallel to `tokens`: the engine's raw logprobs (`Completion.inference_logprobs`),
     for drift diagnostics only; the loss and TIS use `logprobs`."""
+    turn_spans: Optional[list[tuple[int, int]]] = None
+    """Optional, for turn-level credit (`policy_loss.advantage: igpo`): the `[start, end)` index
+    ranges into `tokens` of each assistant turn, in order, not overlapping."""
+    turn_rewards: Optional[list[float]] = None
+    """Optional, parallel to `turn_spans`: each turn's reward (IGPO: its information gain,
+    `lit_grpo.igpo.information_gains`); the outcome stays in `reward`."""
 
 
 @dataclass
@@ -210,6 +216,10 @@ class RolloutBatch:
     """Policy version each sequence was sampled at. Shape: [B], long."""
     record: RolloutRecord = field(default_factory=RolloutRecord)
     """What this rank's sampling for the step saw (rewards of every sampled group, drops, timings)."""
+    advantages_BT: Optional[torch.Tensor] = None
+    """Per-token advantages (turn-level credit, `policy_loss.advantage: igpo`), parallel to
+    `tokens_BT`, 0 outside the turns; the loss then uses these instead of `advantages_B`
+    (which holds their mean over each sequence's trained tokens, for logs). Shape: [B, T], float."""
 
     @property
     def num_sequences(self) -> int:

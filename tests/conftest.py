@@ -27,3 +27,20 @@ def tokenizer():
 @pytest.fixture
 def tiny_model(tokenizer):
     return build_tiny_model(ModelConfig(), len(tokenizer), seed=0, tokenizer=tokenizer)
+
+
+def score_error(model, pairs: list[tuple[list[int], list[int]]], scores: list[list[float]]) -> float:
+    """Mean |difference| between a sampler's `score` of (prompt, target) pairs and the trainer's
+    float32 logprobs of the same target tokens (`token_logprobs`, temperature 1)."""
+    import torch
+
+    from lit_grpo.module import token_logprobs
+
+    diffs = []
+    with torch.no_grad():
+        for (prompt, target), got in zip(pairs, scores, strict=True):
+            tokens = torch.tensor([prompt + target])
+            want = token_logprobs(model, tokens, torch.ones_like(tokens), 1.0)[0][0, len(prompt) - 1 :]
+            assert len(got) == len(target)
+            diffs.append((torch.tensor(got) - want).abs())
+    return torch.cat(diffs).mean().item()

@@ -20,7 +20,7 @@ from lit_grpo.module import token_logprobs  # noqa: E402
 from lit_grpo.samplers.vllm import VLLMSampler  # noqa: E402
 from lit_grpo.train import train  # noqa: E402
 
-from conftest import compose_config  # noqa: E402
+from conftest import compose_config, score_error  # noqa: E402
 from test_sampler_kwargs import check_stop_contract, reference_cut  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -112,6 +112,23 @@ def test_stop_strings_and_inference_logprobs(engine):
         assert c.inference_logprobs == c.sampling_logprobs
     assert sum(c.stop_reason is not None for c in cut) >= 2
     assert _mean_abs_diff(model, free + cut, 1.0) < 1e-3
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_score_equals_the_trainers_logprobs_of_the_target(engine):
+    """IGPO's scoring: prompt logprobs of prompt + target (max_tokens=1), temperature 1."""
+    sampler, model, tokenizer = engine
+    ids = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    pairs = [(ids("1+2="), ids("3")), (ids("what is 12+30? "), ids("42 ok")), (ids("x"), ids("hello"))]
+
+    async def run():
+        return await asyncio.gather(sampler.score(pairs[:2]), sampler.score(pairs[2:]))
+
+    first, second = asyncio.run(run())
+    mad = score_error(model, pairs, first + second)
+    print(f"vLLM score vs trainer logprobs: mean |diff| = {mad:.2e}")
+    assert mad < 1e-4
 
 
 def test_update_weights_follows_and_restores(engine):

@@ -33,7 +33,7 @@ from lit_grpo.samplers.server_pool import start_servers
 from lit_grpo.samplers.vllm_server import ServerError, VLLMServerSampler, WeightSyncError
 from lit_grpo.train import train
 
-from conftest import compose_config
+from conftest import compose_config, score_error
 from test_checkpoint import run_cli
 from test_sampler_kwargs import check_stop_contract
 
@@ -334,6 +334,24 @@ def test_weight_transfer_ranks_and_packing_over_several_servers():
     client.init_weight_transfer_engine({"rank_offset": 1, "world_size": 8})
     assert [seen[u]["rank_offset"] for u in client.urls] == [1, 3, 4]
     assert chunk_plan([10, 100, 5, 200, 3, 3], 128) == [[(0, 0)], [(1, 0)], [(2, 0)], [(3, 0)], [(4, 0), (5, 64)]]
+
+
+@pytest.mark.timeout(120)
+def test_score_equals_the_trainers_logprobs_of_the_target(servers, sampler):
+    """IGPO's scoring over the servers: `prompt_logprobs` of prompt + target, temperature 1 (the
+    servers run with processed logprobs: prompt logprobs come from the raw logits regardless)."""
+    pool, model, tokenizer = servers
+    pairs = list(zip(_ids(tokenizer, ["1+2=", "12+30=", "7*8"]), _ids(tokenizer, ["3", "42", "=56"])))  # the arithmetic alphabet
+
+    async def run():
+        return await asyncio.gather(sampler.score(pairs[:2]), sampler.score(pairs[2:]))
+
+    first, second = asyncio.run(run())
+    for again, got in zip(sampler.score_pairs(pairs), first + second):  # the blocking form (either replica)
+        assert again == pytest.approx(got, abs=1e-5)
+    mad = score_error(model, pairs, first + second)
+    print(f"served score vs trainer logprobs: mean |diff| = {mad:.2e}")
+    assert mad < 1e-5
 
 
 @pytest.mark.timeout(120)

@@ -51,6 +51,9 @@ DROP_REASONS: dict[str, tuple[str, str]] = {
                           "the reward must be a float (not a string, None or a bool): check the reward function"),
     "nonfinite_reward": ("a NaN or infinite reward", "the reward must be finite: check the reward function"),
     "bad_metrics": ("metrics is not a dict", "RolloutSample.metrics maps a metric name to a float (or is left empty)"),
+    "bad_turns": ("turn_spans or turn_rewards malformed",
+                  "turn_spans are in-order, non-overlapping [start, end) ranges into tokens, one per assistant "
+                  "turn, and turn_rewards holds one finite number per span (both None when turns are not reported)"),
     "too_long": ("prompt + completion longer than data.max_seq_len",
                  "samples are longer than data.max_seq_len: raise it, or lower sampler.max_completion_tokens"),
     "prompt_too_long": ("the prompt alone fills data.max_seq_len (never sampled)",
@@ -138,8 +141,29 @@ def check_sample(sample: object, max_seq_len: int, vocab_size: Optional[int] = N
         return "nonfinite_reward", f"reward {sample.reward!r}"
     if not isinstance(sample.metrics, dict):
         return "bad_metrics", f"metrics is a {type(sample.metrics).__name__}"
+    turns = _turn_problem(sample)
+    if turns is not None:
+        return "bad_turns", turns
     if len(tokens) > max_seq_len:
         return "too_long", f"{len(tokens)} tokens > data.max_seq_len={max_seq_len}"
+    return None
+
+
+def _turn_problem(sample: RolloutSample) -> Optional[str]:
+    """What is wrong with a sample's turns (`turn_spans`, `turn_rewards`), or None."""
+    spans, rewards = sample.turn_spans, sample.turn_rewards
+    if spans is None and rewards is None:
+        return None
+    if spans is None or rewards is None or len(spans) != len(rewards):
+        return f"{'no' if spans is None else len(spans)} turn_spans for {'no' if rewards is None else len(rewards)} turn_rewards"
+    end = 0
+    for span in spans:
+        if not (isinstance(span, (list, tuple)) and len(span) == 2 and all(_is_int(i) for i in span)
+                and end <= span[0] <= span[1] <= len(sample.tokens)):
+            return f"turn span {span!r} (after {end}, within {len(sample.tokens)} tokens)"
+        end = span[1]
+    if not all(_is_real(r) and math.isfinite(r) for r in rewards):
+        return f"turn_rewards {list(rewards)[:4]}"
     return None
 
 

@@ -20,6 +20,7 @@ import torch
 
 from lit_grpo.advantages import ragged_group_advantages
 from lit_grpo.health import rollout_health
+from lit_grpo.igpo import IGPOSettings, group_token_advantages
 from lit_grpo.rollouts.checks import check_sample
 from lit_grpo.samplers.base import PromptTooLong
 from lit_grpo.types import PromptGroup, RolloutBatch, RolloutRecord, RolloutRun, RolloutSample
@@ -88,10 +89,21 @@ def group_verdict(group: PromptGroup, min_group_size: int, filters: Iterable[Gro
     return None
 
 
-def collate_groups(groups: list[PromptGroup], advantages: list[list[float]], pad_id: int) -> RolloutBatch:
-    """Right-pad the groups' samples into one batch; sequence i of group p gets advantages[p][i]."""
+def collate_groups(groups: list[PromptGroup], advantages: list[list[float]], pad_id: int,
+                   token_advantages: Optional[list[list[float]]] = None) -> RolloutBatch:
+    """Right-pad the groups' samples into one batch; sequence i of group p gets advantages[p][i].
+    `token_advantages`: one list per sample (all groups' samples in order), one value per token,
+    padded with 0 into `advantages_BT` (then `advantages` is ignored: `advantages_B` is the mean
+    of each sequence's values on its trained tokens, for logs)."""
     samples = [s for g in groups for s in g.samples]
     width = max(len(s.tokens) for s in samples)
+    advantages_BT = None
+    if token_advantages is not None:
+        if [len(a) for a in token_advantages] != [len(s.tokens) for s in samples]:
+            raise ValueError("token_advantages must hold one value per token of each sample")
+        advantages_BT = torch.tensor([list(a) + [0.0] * (width - len(a)) for a in token_advantages], dtype=torch.float32)
+        trained = torch.tensor([list(s.loss_mask) + [0] * (width - len(s.tokens)) for s in samples], dtype=torch.float32)
+        advantages = [((advantages_BT * trained).sum(1) / trained.sum(1).clamp_min(1.0)).tolist()]
 
     def padded(field_name: str, pad) -> list[list]:
         return [list(getattr(s, field_name)) + [pad] * (width - len(s.tokens)) for s in samples]
@@ -106,15 +118,22 @@ def collate_groups(groups: list[PromptGroup], advantages: list[list[float]], pad
         advantages_B=torch.tensor([a for adv in advantages for a in adv], dtype=torch.float32),
         rewards_B=torch.tensor([float(s.reward) for s in samples], dtype=torch.float64),  # float32 overflows at 3.4e38
         versions_B=torch.tensor([g.version for g in groups for _ in g.samples], dtype=torch.long),
+        advantages_BT=advantages_BT,
     )
 
 
 def make_batch(accepted: list[PromptGroup], sampled: list[PromptGroup], *, version: int, advantage_scale: str,
-               pad_id: int, counts: Counter, timings: dict[str, float]) -> RolloutBatch:
+               pad_id: int, counts: Counter, timings: dict[str, float], igpo: Optional[IGPOSettings] = None) -> RolloutBatch:
     """The step's batch of `accepted` groups, with its `RolloutRecord` (over every `sampled` group)
-    attached. `version` is the trainer's policy version now. Needs at least one accepted group."""
-    advantages = ragged_group_advantages([g.rewards for g in accepted], advantage_scale)  # per run
-    batch = collate_groups(accepted, [g.per_sample(adv) for g, adv in zip(accepted, advantages)], pad_id)
+    attached. `version` is the trainer's policy version now. Needs at least one accepted group.
+    `igpo` (`policy_loss.advantage: igpo`): per-token turn advantages (`lit_grpo.igpo`) in
+    `advantages_BT` instead of one group-relative advantage per sequence."""
+    if igpo is not None:
+        token_advantages = [a for g in accepted for a in group_token_advantages(g.runs, igpo)]
+        batch = collate_groups(accepted, [], pad_id, token_advantages)
+    else:
+        advantages = ragged_group_advantages([g.rewards for g in accepted], advantage_scale)  # per run
+        batch = collate_groups(accepted, [g.per_sample(adv) for g, adv in zip(accepted, advantages)], pad_id)
     batch.record = RolloutRecord(
         rewards=[r for g in sampled for r in g.rewards],
         completion_tokens=[sum(sum(s.loss_mask) for s in run) for g in sampled for run in g.runs],

@@ -9,7 +9,7 @@ import threading
 from abc import ABC, abstractmethod
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -83,6 +83,21 @@ def chat_prompt_tokens(tokenizer: PreTrainedTokenizerBase, messages: list[dict])
     """Token ids of `messages` through the policy's chat template, ending with the assistant cue."""
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+ScorePair = tuple[list[int], list[int]]
+"""(prompt token ids, target token ids) to score: the target's logprobs given the prompt."""
+
+
+def check_score_pairs(pairs: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[ScorePair]:
+    """The pairs as lists of ints; a ValueError when a prompt or a target is empty (the first
+    target token needs a token before it, and an empty target has no score)."""
+    checked = []
+    for prompt, target in pairs:
+        if len(prompt) == 0 or len(target) == 0:
+            raise ValueError(f"score needs a non-empty prompt and target, got {len(prompt)} and {len(target)} tokens")
+        checked.append(([int(t) for t in prompt], [int(t) for t in target]))
+    return checked
 
 
 def strip_wrapper_prefixes(name: str) -> str:
@@ -198,6 +213,8 @@ class BatchingSampler(ABC):
         self._flushing: dict[asyncio.AbstractEventLoop, asyncio.Task] = {}
         self._worker = _DaemonWorker("sampler")
         self._weights_lock = threading.Lock()
+        self._score_queues: dict[asyncio.AbstractEventLoop, list[tuple[list[ScorePair], asyncio.Future]]] = {}
+        self._score_tasks: set[asyncio.Task] = set()
 
     async def sample_with_prompt_tokens(self, prompt_token_ids: list[int], n: int = 1, **kwargs: Any) -> list[Completion]:
         """`n` completions of a tokenized prompt; `kwargs` are the sampling arguments of
@@ -243,6 +260,58 @@ class BatchingSampler(ABC):
 
     async def sample_with_tokens(self, messages: list[dict], n: int = 1, **kwargs: Any) -> list[Completion]:
         return await self.sample_with_prompt_tokens(chat_prompt_tokens(self.tokenizer, messages), n, **kwargs)
+
+    async def score(self, pairs: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[list[float]]:
+        """Per (prompt, target) pair, the policy's logprob of each target token given the prompt and
+        the target tokens before it, at temperature 1 (IGPO's answer scores). Concurrent calls from
+        one event-loop tick are scored in one batched engine call on the worker thread, never
+        during a weight sync; waited for at most `call_timeout_s`. Shapes: [N] pairs -> [N][len(target)]."""
+        checked = check_score_pairs(pairs)
+        if not checked:
+            return []
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        queue_ = self._score_queues.setdefault(loop, [])
+        queue_.append((checked, future))
+        if len(queue_) == 1:  # the first of this tick: schedule the flush (kept referenced until it ends)
+            task = loop.create_task(self._flush_scores(loop))
+            self._score_tasks.add(task)
+            task.add_done_callback(self._score_tasks.discard)
+        return await future
+
+    async def _flush_scores(self, loop: asyncio.AbstractEventLoop) -> None:
+        await asyncio.sleep(0)  # let every rollout of this tick add its pairs first
+        waiting = [(pairs, f) for pairs, f in self._score_queues.pop(loop, []) if not f.done()]
+        if not waiting:
+            return
+        flat = [pair for pairs, _ in waiting for pair in pairs]
+        call = loop.run_in_executor(self._worker, self.score_pairs, flat)
+        done, _ = await asyncio.wait({call}, timeout=self.call_timeout_s)
+        if not done:
+            call.add_done_callback(lambda f: f.cancelled() or f.exception())  # its late outcome is nobody's to log
+        error = None if done and call.exception() is None else (call.exception() or SamplerTimeout(
+            f"the sampler's batched score of {len(flat)} pairs did not return within {self.call_timeout_s} s (rollout_timeout_s)"))
+        offset = 0
+        for pairs, f in waiting:
+            if f.done():
+                pass
+            elif error is not None:
+                f.set_exception(error)
+            else:
+                f.set_result(call.result()[offset : offset + len(pairs)])
+            offset += len(pairs)
+
+    def score_pairs(self, pairs: list[ScorePair]) -> list[list[float]]:
+        """`score`'s synchronous batched call (on any thread): never during a weight sync."""
+        with self._weights_lock:
+            out: list[list[float]] = []
+            for start in range(0, len(pairs), self.max_batch_size):
+                out += self._score(pairs[start : start + self.max_batch_size])
+            return out
+
+    def _score(self, pairs: list[ScorePair]) -> list[list[float]]:
+        """The engine's batched scoring of (prompt, target) pairs (see `score`)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot score target tokens")
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load the weights between two generate calls; waiting for a running call is bounded by

@@ -83,6 +83,26 @@ class HFSampler(BatchingSampler):
     def _decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
+    @torch.inference_mode()
+    def _score(self, pairs: list[tuple[list[int], list[int]]]) -> list[list[float]]:
+        """One forward over the right-padded prompt + target rows (as the trainer's `token_logprobs`
+        runs it); position j - 1 of the output scores token j, at temperature 1."""
+        device = next(self.model.parameters()).device
+        rows = [p + t for p, t in pairs]
+        width = max(map(len, rows))
+        input_ids = torch.full((len(rows), width), self.tokenizer.pad_token_id, dtype=torch.long)
+        attention = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, row in enumerate(rows):
+            input_ids[i, : len(row)] = torch.tensor(row)
+            attention[i, : len(row)] = 1
+        logits_BTV = self.model(input_ids=input_ids.to(device), attention_mask=attention.to(device), use_cache=False).logits
+        scores = []
+        for i, (prompt, target) in enumerate(pairs):
+            positions = torch.arange(len(prompt) - 1, len(prompt) + len(target) - 1, device=device)
+            logprobs_AV = torch.log_softmax(logits_BTV[i, positions].float(), dim=-1)  # only the target's rows: [A, V]
+            scores.append(logprobs_AV.gather(-1, torch.tensor(target, device=device)[:, None])[:, 0].cpu().tolist())
+        return scores
+
 
 def _token_logprobs(logits_S: Sequence[torch.Tensor], tokens_NS: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Logprobs of the generated tokens: (log_softmax(logits / temperature), log_softmax(logits)),

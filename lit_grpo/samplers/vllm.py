@@ -99,6 +99,21 @@ class VLLMSampler(BatchingSampler):
                                                inference_logprobs=logprobs if raw_known else None))
         return completions
 
+    def _score(self, pairs: list[tuple[list[int], list[int]]]) -> list[list[float]]:
+        """The target tokens' prompt logprobs of prompt + target (`prompt_logprobs=0`: the logprob of
+        each prompt token itself, from the raw logits, so temperature 1), one token generated and
+        ignored. vLLM does not read the prefix cache for such requests, so every position is computed."""
+        self.wake_up()
+        params = self._SamplingParams(temperature=1.0, max_tokens=1, prompt_logprobs=0, detokenize=False)
+        rows = [p + t for p, t in pairs]
+        outputs = self.llm.generate([self._TokensPrompt(prompt_token_ids=r) for r in rows], params, use_tqdm=False)
+        scores = []
+        for (prompt, target), row, out in zip(pairs, rows, outputs):
+            # Entry j scores token j given tokens < j (entry 0, with nothing before it, is None).
+            per_position = out.prompt_logprobs
+            scores.append([per_position[j][row[j]].logprob for j in range(len(prompt), len(row))])
+        return scores
+
     @torch.no_grad()
     def _load(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         weights = [(strip_wrapper_prefixes(n), t.detach()) for n, t in named_tensors]

@@ -43,13 +43,14 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Awaitable, Iterable, Optional, TypeVar
+from typing import TYPE_CHECKING, Any, Awaitable, Iterable, Optional, Sequence, TypeVar
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from lit_grpo.samplers.base import BatchingSampler, PromptTooLong, SamplerTimeout, check_sample_kwargs
+from lit_grpo.samplers.base import BatchingSampler, PromptTooLong, SamplerTimeout, check_sample_kwargs, check_score_pairs
 from lit_grpo.samplers.server_requests import Coalescer, Replica, ReplicaRouter
+from lit_grpo.samplers.server_scores import score_request, target_logprobs
 from lit_grpo.samplers.server_weights import ServerError, WeightSyncError, sync_replicas, write_weight_file  # noqa: F401 (re-exported)
 from lit_grpo.samplers.stops import find_stop
 from lit_grpo.types import Completion
@@ -265,6 +266,37 @@ class VLLMServerSampler(BatchingSampler):
 
     def _decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    # ------------------------------------------------------------------ scoring (IGPO)
+
+    async def score(self, pairs: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[list[float]]:
+        """`BatchingSampler.score` over the servers (`server_scores`): one request per pair, all in
+        flight together on the client's loop, waited for at most `call_timeout_s`. A weight sync
+        pauses the servers (`mode=keep`) and resets their prefix cache, so a frozen scoring request
+        is recomputed after the reload."""
+        checked = check_score_pairs(pairs)
+        self._check_open()
+        future = asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._score_all(checked), self._loop))
+        try:
+            return await asyncio.wait_for(future, self.call_timeout_s)
+        except TimeoutError:
+            raise SamplerTimeout(f"{len(checked)} scoring requests to the vLLM servers did not all complete within "
+                                 f"{self.call_timeout_s} s (rollout_timeout_s)") from None
+
+    def score_pairs(self, pairs: list[tuple[list[int], list[int]]]) -> list[list[float]]:
+        """`score` from a thread without an event loop (blocking)."""
+        checked = check_score_pairs(pairs)
+        try:
+            return self._run(self._score_all(checked), timeout=self.call_timeout_s)
+        except TimeoutError:
+            raise SamplerTimeout(f"{len(checked)} scoring requests did not complete within {self.call_timeout_s} s") from None
+
+    async def _score_all(self, pairs: list[tuple[list[int], list[int]]]) -> list[list[float]]:
+        async def one(prompt: list[int], target: list[int]) -> list[float]:
+            replica, choices = await self.router.complete(score_request(prompt, target), 1, None)
+            return target_logprobs(replica.url, choices[0], prompt, target)
+
+        return list(await asyncio.gather(*(one(p, t) for p, t in pairs)))
 
     # ------------------------------------------------------------------ weight sync
 
