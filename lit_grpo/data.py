@@ -182,3 +182,10 @@ class RolloutDataModule(L.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         return DataLoader(self.stream, batch_size=None, num_workers=0)
+
+    def transfer_batch_to_device(self, batch: Any, device: Any, dataloader_idx: int) -> Any:
+        # Only the tensors move: Lightning's generic walk would recurse through the record's samples
+        # (milliseconds a step).
+        if isinstance(batch, RolloutBatch):
+            return batch.to(device)
+        return super().transfer_batch_to_device(batch, device, dataloader_idx)

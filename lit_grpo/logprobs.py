@@ -54,16 +54,19 @@ def _load_scaled_chunk(logits_BTV: torch.Tensor, start: int, stop: int, temperat
     Shapes: logits `[B, T, V]`, out `[chunk_rows, V]` float32 -> a `[stop - start, V]` view of out.
     """
     chunk_CV = out_CV[: stop - start]
-    for b, t0, t1, offset in _row_spans(start, stop, logits_BTV.shape[1]):
-        chunk_CV[offset : offset + t1 - t0].copy_(logits_BTV[b, t0:t1])
+    if logits_BTV.is_contiguous():  # one copy (a model's logits): a per-sequence loop costs B small copies
+        chunk_CV.copy_(logits_BTV.view(-1, logits_BTV.shape[-1])[start:stop])
+    else:
+        for b, t0, t1, offset in _row_spans(start, stop, logits_BTV.shape[1]):
+            chunk_CV[offset : offset + t1 - t0].copy_(logits_BTV[b, t0:t1])
     # Divide (not multiply by 1/temperature) to round exactly as the naive `logits / temperature`.
     return chunk_CV.div_(temperature)
 
 
 def _store_chunk(chunk_CV: torch.Tensor, grad_BTV: torch.Tensor, start: int, stop: int) -> None:
-    """Copy a chunk of flattened rows `[start, stop)` into `grad_BTV` `[B, T, V]`, casting to its dtype."""
-    for b, t0, t1, offset in _row_spans(start, stop, grad_BTV.shape[1]):
-        grad_BTV[b, t0:t1].copy_(chunk_CV[offset : offset + t1 - t0])
+    """Copy a chunk of flattened rows `[start, stop)` into `grad_BTV` `[B, T, V]` (contiguous), casting to its dtype."""
+    grad_BTV.view(-1, grad_BTV.shape[-1])[start:stop].copy_(chunk_CV[: stop - start])
+
 
 
 def _chunk_forward(scaled_CV: torch.Tensor, targets_C: torch.Tensor, work_CV: torch.Tensor) -> tuple[torch.Tensor, ...]:

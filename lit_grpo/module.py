@@ -301,12 +301,6 @@ class GRPOModule(L.LightningModule):
         parts = [token_logprobs(model, tokens_BT[s], attention_BT[s], temperature)[0] for s in micro_slices(tokens_BT.shape[0], self.config.micro_batch_size)]
         return torch.cat(parts)
 
-    def transfer_batch_to_device(self, batch, device: torch.device, dataloader_idx: int):
-        # Only the tensors move: Lightning's generic walk would recurse through the record's samples.
-        if isinstance(batch, RolloutBatch):
-            return batch.to(device)
-        return super().transfer_batch_to_device(batch, device, dataloader_idx)
-
     # ------------------------------------------------------------------ hooks that run the step sequence
 
     def setup(self, stage: str) -> None:
