@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Iterable, Optional, Sequence
 
 from lit_grpo.types import RolloutSample
 
@@ -157,3 +157,27 @@ def group_token_advantages(runs: list[list[RolloutSample]], settings: Optional[I
             per_sample.append(turn_token_advantages(run_returns[offset : offset + k], s.turn_spans, len(s.tokens)))
             offset += k
     return per_sample
+
+
+def turn_metric_values(runs: Iterable[list[RolloutSample]]) -> dict[str, list[float]]:
+    """Per-run values of IGPO's metrics, for runs whose samples report their turns (others are
+    skipped), pooled into step means like a sample's `metrics`:
+
+    - `igpo/turns`: turns per trajectory;
+    - `igpo/positive_ig_frac`: the fraction of a trajectory's turns whose information gain is > 0;
+    - `igpo/ig_turn_<t>`: the information gain of turn t (0-based), one value per trajectory
+      with a turn t (so the step's value is the mean IG at that turn index).
+
+    The outcome reward is `reward/mean`. Shape: runs of segments -> {key: [values]}.
+    """
+    values: dict[str, list[float]] = {}
+    for run in runs:
+        if any(s.turn_rewards is None for s in run):
+            continue
+        gains = [float(r) for s in run for r in s.turn_rewards]
+        values.setdefault("igpo/turns", []).append(float(len(gains)))
+        if gains:
+            values.setdefault("igpo/positive_ig_frac", []).append(sum(g > 0 for g in gains) / len(gains))
+        for t, gain in enumerate(gains):
+            values.setdefault(f"igpo/ig_turn_{t}", []).append(gain)
+    return values

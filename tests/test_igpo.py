@@ -12,7 +12,7 @@ from lit_grpo.config_groups import ConfigError, PolicyLossConfig
 from lit_grpo.igpo import information_gains_from_logprobs, turn_advantages, turn_token_advantages
 from lit_grpo.losses import policy_loss
 from lit_grpo.module import align_to_predictions, token_logprobs
-from lit_grpo.rollouts.pipeline import checked_samples, make_batch
+from lit_grpo.rollouts.pipeline import checked_samples, make_batch, rollout_metrics
 from lit_grpo.samplers.hf import HFSampler
 from lit_grpo.types import PromptGroup, RolloutRun, RolloutSample
 
@@ -134,6 +134,12 @@ def test_turn_advantages_reach_the_loss_on_their_turns_tokens():
     assert (logprobs_BT.grad != 0).sum() == mask_BT.sum()  # every trained token, and only those
     # advantages_B: the mean of each sequence's per-token advantages on its trained tokens, for logs.
     assert batch.advantages_B.tolist() == pytest.approx([sum(returns[0]) / 2, returns[1][0], returns[1][1]], rel=1e-5)
+    # The step's IGPO metrics, by hand: run A's gains [2, 0], run B's [1, 3] (its two segments).
+    metrics = rollout_metrics([batch.record])
+    assert metrics["igpo/turns"] == 2.0  # two turns each
+    assert metrics["igpo/positive_ig_frac"] == pytest.approx((1 / 2 + 2 / 2) / 2)  # A: one of two > 0; B: both
+    assert metrics["igpo/ig_turn_0"] == pytest.approx((2.0 + 1.0) / 2) and metrics["igpo/ig_turn_1"] == pytest.approx((0.0 + 3.0) / 2)
+    assert metrics["reward/mean"] == pytest.approx(0.5)  # the outcome reward, per run
 
 
 @pytest.mark.timeout(30)

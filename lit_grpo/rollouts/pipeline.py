@@ -20,7 +20,7 @@ import torch
 
 from lit_grpo.advantages import ragged_group_advantages
 from lit_grpo.health import rollout_health
-from lit_grpo.igpo import IGPOSettings, group_token_advantages
+from lit_grpo.igpo import IGPOSettings, group_token_advantages, turn_metric_values
 from lit_grpo.rollouts.checks import check_sample
 from lit_grpo.samplers.base import PromptTooLong
 from lit_grpo.types import PromptGroup, RolloutBatch, RolloutRecord, RolloutRun, RolloutSample
@@ -140,7 +140,8 @@ def make_batch(accepted: list[PromptGroup], sampled: list[PromptGroup], *, versi
         counts=Counter(counts),
         version_offsets=[version - g.version for g in accepted],
         timings=dict(timings),
-        sample_metrics=sample_metric_values(s for g in sampled for s in g.samples),
+        sample_metrics={**sample_metric_values(s for g in sampled for s in g.samples),
+                        **turn_metric_values(run for g in sampled for run in g.runs)},
         zero_spread=[len(set(g.rewards)) == 1 for g in sampled if len(g.rewards) >= 2],
         finish_reasons=[str(s.finish_reason) for g in accepted for s in g.samples],
         trained_tokens=[sum(s.loss_mask) for g in accepted for s in g.samples],
