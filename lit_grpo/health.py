@@ -25,7 +25,7 @@ _LOG_RATIO_CLAMP = 20.0
 
 def drift_tis_cap(loss_name: str, hyperparams: Mapping[str, Any]) -> float:
     """The cap `drift/over_tis_cap_frac` compares against: the loss's `tis_cap` if it takes one
-    (configured, else its registered default), else the default TIS cap (2.0) for losses without
+    (configured, else its registered default), else the default TIS cap (5.0) for losses without
     TIS (`reinforce`)."""
     from lit_grpo.losses import _TIS_DEFAULTS, policy_loss_defaults
 
