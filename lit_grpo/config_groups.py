@@ -25,6 +25,15 @@ if TYPE_CHECKING:
     from lit_grpo.igpo import IGPOSettings
 
 
+ENGINE_THREADS = ("auto", "worker", "loop")
+"""`sampler.engine_thread`."""
+
+
+def engine_on_loop(engine_thread: str, synchronous_training: bool) -> bool:
+    """Whether the in-process engine runs on the rollout event loop's thread (`sampler.engine_thread`)."""
+    return engine_thread == "loop" or (engine_thread == "auto" and synchronous_training)
+
+
 @dataclass
 class SamplerConfig:
     """The in-process sampler that produces rollouts."""
@@ -39,6 +48,12 @@ class SamplerConfig:
     """Most tokens generated per completion."""
     max_batch_size: int = 256
     """Most sequences generated together in one batched call."""
+    engine_thread: str = "auto"
+    """hf, vllm: the thread the engine's batched calls run on. `worker`: a thread of their own, so
+    the rollout event loop (tool calls, other rollouts) keeps running during a generate; `loop`:
+    the event loop's own thread, blocked for each call, and on a CPU no second torch thread pool
+    spinning against the trainer's; `auto`: `loop` when training is synchronous (the loop is the
+    trainer's thread), else `worker`."""
     dtype: str = "auto"
     """vllm: engine dtype (`auto` follows the model; float32 for exact logprob checks)."""
     max_model_len: Optional[int] = None
@@ -97,6 +112,8 @@ class SamplerConfig:
         require(0 < self.temperature <= MAX_TEMPERATURE, "sampler.temperature", f"must be in (0, {MAX_TEMPERATURE:g}], got {self.temperature}")
         require(self.max_completion_tokens > 0, "sampler.max_completion_tokens", "must be > 0")
         require(self.max_batch_size > 0, "sampler.max_batch_size", "must be > 0")
+        require(self.engine_thread in ENGINE_THREADS, "sampler.engine_thread",
+                f"must be one of {', '.join(ENGINE_THREADS)}, got {self.engine_thread!r}")
         require(0 < self.gpu_memory_utilization <= 1, "sampler.gpu_memory_utilization", "must be in (0, 1]")
         require(self.tensor_parallel_size >= 1, "sampler.tensor_parallel_size", "must be >= 1")
         _check_server_fields(self)

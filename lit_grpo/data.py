@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 import lightning as L
 from torch.utils.data import DataLoader, IterableDataset
 
+from lit_grpo.config_groups import engine_on_loop
 from lit_grpo.igpo import IGPOSettings
 from lit_grpo.rollout import RolloutFn
 from lit_grpo.rollouts import GroupFilter, GroupSampler, OffPolicyScheduler, RowCursor, Scheduler, SynchronousScheduler, make_batch
@@ -115,6 +116,7 @@ class RolloutDataModule(L.LightningDataModule):
         rollout_timeout_s: float = 300.0,
         rollout_max_retries: int = 2,
         max_rows_without_progress: int = 1000,
+        engine_thread: str = "auto",
     ) -> None:
         super().__init__()
         self.tokenizer, self.sampler = tokenizer, sampler
@@ -132,6 +134,7 @@ class RolloutDataModule(L.LightningDataModule):
         )
         if isinstance(sampler, BatchingSampler):  # its calls get the same bounds as the rollouts
             sampler.call_timeout_s, sampler.max_seq_len = rollout_timeout_s, max_seq_len
+            sampler.engine_on_loop = engine_on_loop(engine_thread, synchronous_training)
         self.scheduler: Scheduler
         if synchronous_training:
             self.scheduler = SynchronousScheduler(self.cursor, self.groups, prompt_groups_per_step, max_concurrency=max_concurrency)

@@ -108,6 +108,7 @@ def build_datamodule(c: TrainConfig, policy, tokenizer, rows: list[dict], eval_r
         max_seq_len=c.data.max_seq_len,
         min_group_size=c.data.min_group_size,
         synchronous_training=c.synchronous_training,
+        engine_thread=c.sampler.engine_thread,
         max_head_offpolicy_versions=c.max_head_offpolicy_versions,
         max_concurrency=c.max_concurrency_rollout_sample,
         rank=rank,

@@ -65,6 +65,15 @@ def make_blocking(setup: RolloutSetup):
     return rollout_fn
 
 
+def make_stuck_engine(setup: RolloutSetup):
+    """The default rollout on a sampler whose engine call never returns (a hung generate)."""
+    def hung_generate(prompts, temperature, max_tokens, stop=()):
+        time.sleep(10**6)
+
+    setup.sampler._generate = hung_generate
+    return make_rollout_fn(setup)
+
+
 def make_type_error(setup: RolloutSetup):
     async def rollout_fn(row):
         return row["prompt"] + 1  # str + int: a bug in the rollout

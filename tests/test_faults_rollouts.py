@@ -15,6 +15,7 @@ import csv
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -165,6 +166,22 @@ def test_a_rollout_that_blocks_the_event_loop_is_named(tmp_path, synchronous):
     print(f"blocked rollout (synchronous_training={synchronous}) stopped the CLI in {seconds:.1f} s")
 
 
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("engine_thread,shown", [("loop", "RolloutStalled"), ("worker", "RolloutCircuitOpen")])
+def test_a_hung_engine_call_stops_the_run_on_either_thread(tmp_path, engine_thread, shown):
+    # On the loop's thread the heartbeat is the engine call's deadline (the watchdog interrupts
+    # it); on the worker the call's own bound fails the rollouts until the breaker opens.
+    proc, seconds = _cli(tmp_path, _factory("stuck_engine"), f"sampler.engine_thread={engine_thread}", timeout=150)
+    err = proc.stderr
+    assert proc.returncode != 0, err[-3000:]
+    assert shown in err, err[-3000:]
+    if engine_thread == "loop":
+        assert "hung_generate" in err  # the stall report shows where the loop's thread is stuck
+    else:
+        assert "rollout_timeout_s=1 s" in err
+    print(f"hung engine call (engine_thread={engine_thread}) stopped the CLI in {seconds:.1f} s")
+
+
 # --------------------------------------------------------------------------- the sampler's own bounds
 
 
@@ -194,6 +211,34 @@ def test_a_sampler_call_has_a_deadline_and_a_prompt_limit(tokenizer):
     with pytest.raises(PromptTooLong, match="8 tokens"):
         asyncio.run(sampler.sample_with_prompt_tokens(list(range(8)), temperature=1.0, max_tokens=1))
     sampler.close()
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("on_loop", [True, False])
+def test_engine_calls_run_on_the_loops_thread_or_the_worker(tokenizer, on_loop):
+    sampler = _StuckSampler(tokenizer, seconds=0.0)
+    sampler.engine_on_loop = on_loop
+    threads = []
+    sampler.generate = lambda prompts, *a: threads.append(threading.get_ident()) or BatchingSampler.generate(sampler, prompts, *a)
+
+    async def two_requests():
+        got = await asyncio.gather(*(sampler.sample_with_prompt_tokens([1, 2, i], temperature=1.0, max_tokens=1) for i in (3, 4)))
+        return got, threading.get_ident()
+
+    (first, second), loop_thread = asyncio.run(two_requests())
+    assert [c.full_tokens for c in first + second] == [[1, 2, 3, 1], [1, 2, 4, 1]]
+    assert len(threads) == 1  # one batched call either way
+    assert (threads[0] == loop_thread) is on_loop
+    sampler.close()
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("setting,synchronous,on_loop", [("auto", True, True), ("auto", False, False),
+                                                         ("worker", True, False), ("loop", False, True)])
+def test_engine_thread_setting_resolves_by_the_training_mode(setting, synchronous, on_loop):
+    from lit_grpo.config_groups import engine_on_loop
+
+    assert engine_on_loop(setting, synchronous) is on_loop
 
 
 @pytest.mark.timeout(30)

@@ -4,17 +4,16 @@ names, and the bounds on a sampler call (a deadline, the longest prompt)."""
 from __future__ import annotations
 
 import asyncio
-import queue
 import threading
 from abc import ABC, abstractmethod
-from concurrent.futures import Executor, Future
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import Any, Iterable, Optional, Sequence
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
 from lit_grpo.samplers.stops import normalize_stop
+from lit_grpo.samplers.worker import DaemonWorker
 from lit_grpo.types import Completion
 
 # Prefixes Lightning and torch wrappers put in front of the policy's parameter names.
@@ -134,46 +133,6 @@ class SamplerTimeout(TimeoutError):
     or a request's completion not within its `http_timeout`."""
 
 
-class _DaemonWorker(Executor):
-    """One daemon worker thread. Unlike a ThreadPoolExecutor's, it is not joined at interpreter
-    exit, so an engine call that never returns cannot keep a stopped run's process alive."""
-
-    def __init__(self, name: str) -> None:
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._work, name=name, daemon=True)
-        self._thread.start()
-
-    def submit(self, fn: Callable, /, *args: Any, **kwargs: Any) -> Future:
-        future: Future = Future()
-        self._jobs.put((future, fn, args, kwargs))
-        return future
-
-    def _work(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            future, fn, args, kwargs = job
-            if future.set_running_or_notify_cancel():
-                try:
-                    future.set_result(fn(*args, **kwargs))
-                except BaseException as err:
-                    future.set_exception(err)
-
-    def join(self, timeout: Optional[float] = None) -> None:
-        self._thread.join(timeout)
-
-    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
-        if cancel_futures:
-            while True:
-                try:
-                    job = self._jobs.get_nowait()
-                except queue.Empty:
-                    break
-                if job is not None:
-                    job[0].cancel()
-        self._jobs.put(None)
-        if wait:
-            self._thread.join()
-
-
 @dataclass
 class _Request:
     prompt: list[int]
@@ -194,7 +153,8 @@ class BatchingSampler(ABC):
     Rollout functions ask for one trajectory at a time (`n=1`); concurrent requests that arrive
     in the same event-loop tick with the same temperature, max_tokens (after the request's
     `max_seq_len` bound) and stop strings are gathered into one batched call, run on a worker
-    thread so the event loop (tool calls, other rollouts) keeps going while the engine generates.
+    thread so the event loop (tool calls, other rollouts) keeps going while the engine generates
+    (or on the loop's own thread, `engine_on_loop`).
     A weight sync never lands in the middle of a batch. Subclasses implement `_generate` and `_load`.
 
     The rollout data module sets the two bounds: `call_timeout_s` (the rollout deadline) and
@@ -209,9 +169,13 @@ class BatchingSampler(ABC):
         self.max_seq_len: Optional[int] = None
         """A prompt of this many tokens or more is refused with `PromptTooLong`, and a completion
         stops when prompt + completion reach it (None: no bound)."""
+        self.engine_on_loop = False
+        """True: the batched engine calls run on the event loop's own thread (`sampler.engine_thread:
+        loop`), blocking the loop for each call; no `call_timeout_s` bound then (the loop's
+        heartbeat is the deadline: a training run's watchdog stops a call that outlives it)."""
         self._queue: list[_Request] = []
         self._flushing: dict[asyncio.AbstractEventLoop, asyncio.Task] = {}
-        self._worker = _DaemonWorker("sampler")
+        self._worker = DaemonWorker("sampler")
         self._weights_lock = threading.Lock()
         self._score_queues: dict[asyncio.AbstractEventLoop, list[tuple[list[ScorePair], asyncio.Future]]] = {}
         self._score_tasks: set[asyncio.Task] = set()
@@ -285,7 +249,7 @@ class BatchingSampler(ABC):
         if not waiting:
             return
         flat = [pair for pairs, _ in waiting for pair in pairs]
-        call = loop.run_in_executor(self._worker, self.score_pairs, flat)
+        call = self._engine_call(loop, self.score_pairs, flat)
         done, _ = await asyncio.wait({call}, timeout=self.call_timeout_s)
         if not done:
             call.add_done_callback(lambda f: f.cancelled() or f.exception())  # its late outcome is nobody's to log
@@ -345,7 +309,7 @@ class BatchingSampler(ABC):
                 # The stop strings are passed only when set: an engine without them keeps the 3-argument `_generate`.
                 args = ([r.prompt for r in batch], head.temperature, head.max_tokens) + ((head.stop,) if head.stop else ())
                 try:
-                    completions = await self._bounded(loop.run_in_executor(self._worker, self.generate, *args), len(batch))
+                    completions = await self._bounded(self._engine_call(loop, self.generate, *args), len(batch))
                 except Exception as err:  # every waiting rollout sees the failure
                     for r in batch:
                         if not r.future.done():
@@ -356,6 +320,19 @@ class BatchingSampler(ABC):
                         r.future.set_result(c)
         finally:
             self._flushing.pop(loop, None)
+
+    def _engine_call(self, loop: asyncio.AbstractEventLoop, fn, *args: Any) -> asyncio.Future:
+        """`fn(*args)` on the worker thread, or, with `engine_on_loop`, here and now on the loop's
+        thread: on a CPU, a second thread would run its own torch thread pool, and the two pools
+        spin against each other (and against the trainer's, between steps)."""
+        if not self.engine_on_loop:
+            return loop.run_in_executor(self._worker, fn, *args)
+        done = loop.create_future()
+        try:
+            done.set_result(fn(*args))
+        except Exception as err:
+            done.set_exception(err)
+        return done
 
     async def _bounded(self, call: asyncio.Future, num_prompts: int) -> list[Completion]:
         """The result of a generate call on the worker, waited for at most `call_timeout_s`. The
