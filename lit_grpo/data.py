@@ -148,6 +148,11 @@ class RolloutDataModule(L.LightningDataModule):
         if synchronous_training and hasattr(sampler, "sleep"):
             self.stream.rest_between_steps = sampler.sleep  # it wakes itself for the next sync or sample
 
+    def setup(self, stage: str) -> None:
+        # An in-process sampler was built with the policy, on the CPU: it generates where the trainer trains.
+        if self.trainer is not None and hasattr(self.sampler, "to_device"):
+            self.sampler.to_device(self.trainer.strategy.root_device)
+
     @property
     def group_filters(self) -> list[GroupFilter]:
         return self.groups.filters

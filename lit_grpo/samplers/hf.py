@@ -31,6 +31,12 @@ class HFSampler(BatchingSampler):
         self._state = self.model.state_dict()
         self._aliases = _tied_aliases(self._state)
 
+    def to_device(self, device: torch.device) -> None:
+        """Generate on `device` (the trainer's: the policy was on the CPU when this copy was made)."""
+        with self._weights_lock:
+            self.model.to(device)
+            self._state = self.model.state_dict()
+
     @torch.no_grad()
     def _load(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         state = self._state
