@@ -63,7 +63,8 @@ class ModelConfig:
     max_position_embeddings: int = 256
     """Tiny model: longest sequence it can read."""
     alphabet: str = "printable"
-    """Tiny model: characters of the tokenizer; `printable` (ASCII) or `arithmetic` (digits, signs)."""
+    """Tiny model: characters of the tokenizer; `printable` (ASCII), `arithmetic` (digits, signs) or
+    `lookup` (digits, keys a..h, `?=>-`: the lookup game's)."""
     init_std: Optional[float] = None
     """Tiny model: std of the random init (null: transformers' 0.02). LoRA leaves the embeddings and
     norms as initialised, and at 0.02 they cap every logit near ±1.3: no answer can be confident."""
@@ -82,7 +83,8 @@ class ModelConfig:
             "is required when model.kind=hf (a hub name or a local folder)",
         )
         require(self.dtype in ("float32", "bfloat16", "float16"), "model.dtype", f"unknown dtype {self.dtype!r}")
-        require(self.alphabet in ("printable", "arithmetic"), "model.alphabet", "must be 'printable' or 'arithmetic'")
+        require(self.alphabet in ("printable", "arithmetic", "lookup"), "model.alphabet",
+                "must be 'printable', 'arithmetic' or 'lookup'")
         for name in ("hidden_size", "num_layers", "num_heads", "intermediate_size", "max_position_embeddings"):
             require(getattr(self, name) > 0, f"model.{name}", "must be > 0")
         require(self.hidden_size % self.num_heads == 0, "model.hidden_size", "must be divisible by model.num_heads")

@@ -22,6 +22,7 @@ SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|unk|>", "<|system|>", "<|u
 ALPHABETS = {
     "printable": string.digits + string.ascii_letters + string.punctuation + " \n",
     "arithmetic": string.digits + "+-*= \n",
+    "lookup": string.digits + "abcdefgh" + "?=>-",  # the lookup game (lit_grpo.tasks.lookup): values, keys, cues
 }
 # Roles are single special tokens; every turn ends with <|end|> (the generation stop token is eos).
 CHAT_TEMPLATE = (

@@ -119,12 +119,15 @@ class Trajectory:
 
     Each sampled turn must continue the tokens so far exactly (the sampler saw them as its
     prompt), so the flattened lists stay parallel and the sampler logprobs line up token by token.
+    Each sampled turn's span is recorded (`turn_spans`), for turn-level credit (`to_sample`).
     """
 
     def __init__(self, prompt_tokens: list[int]) -> None:
         self.tokens = list(prompt_tokens)
         self.logprobs = [0.0] * len(self.tokens)
         self.loss_mask = [0] * len(self.tokens)
+        self.turn_spans: list[tuple[int, int]] = []
+        """The `[start, end)` range in `tokens` of each sampled turn's generated tokens, in order."""
 
     def add_environment(self, tokens: list[int]) -> None:
         """Tokens the policy did not generate (user or tool turns): not trained on."""
@@ -137,9 +140,20 @@ class Trajectory:
         if list(c.full_tokens[: c.prompt_len]) != self.tokens:
             raise ValueError("the completion's prompt is not this trajectory: sample with prompt_token_ids=trajectory.tokens")
         generated = list(c.full_tokens[c.prompt_len :])
+        self.turn_spans.append((len(self.tokens), len(self.tokens) + len(generated)))
         self.tokens += generated
         self.logprobs += list(c.sampling_logprobs)
         self.loss_mask += [1] * len(generated)
 
-    def to_sample(self, reward: float, finish_reason: str = "stop", text: str = "") -> RolloutSample:
-        return RolloutSample(list(self.tokens), list(self.logprobs), list(self.loss_mask), float(reward), finish_reason, text)
+    def to_sample(self, reward: float, finish_reason: str = "stop", text: str = "",
+                  turn_rewards: Optional[list[float]] = None) -> RolloutSample:
+        """The flattened sample. With `turn_rewards` (one per sampled turn, e.g. each turn's
+        information gain for `policy_loss.advantage=igpo`) it reports its turns: `turn_spans` and
+        `turn_rewards`; without, neither (the checks drop a sample with spans but no rewards)."""
+        spans = None
+        if turn_rewards is not None:
+            if len(turn_rewards) != len(self.turn_spans):
+                raise ValueError(f"{len(turn_rewards)} turn_rewards for {len(self.turn_spans)} sampled turns")
+            spans, turn_rewards = list(self.turn_spans), [float(r) for r in turn_rewards]
+        return RolloutSample(list(self.tokens), list(self.logprobs), list(self.loss_mask), float(reward), finish_reason, text,
+                             turn_spans=spans, turn_rewards=turn_rewards)
