@@ -207,6 +207,8 @@ class BatchingSampler(ABC):
             futures.append(fut)
         if loop not in self._flushing:
             self._flushing[loop] = loop.create_task(self._flush(loop))
+        if args.http_timeout is None and n == 1:  # a rollout's usual request: no gather to build
+            return [await futures[0]]
         gathered = asyncio.gather(*futures)
         if args.http_timeout is None:
             return list(await gathered)
