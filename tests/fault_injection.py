@@ -83,3 +83,24 @@ def make_hanging_rollout_fn(setup):
         return await inner(row)
 
     return rollout_fn
+
+
+def make_hanging_engine_rollout_fn(setup):
+    """The default rollout on a sampler whose engine call number `hang_at_generate` (extras) never
+    returns; `signal_after_s` later this process gets `signum`: a stop during a hung engine call."""
+    from lit_grpo.rollout import make_rollout_fn
+
+    sampler = setup.sampler
+    generate, hang_at = sampler._generate, int(setup.extras["hang_at_generate"])
+    signum = getattr(signal, setup.extras.get("signal", "SIGTERM"))
+    calls = {"n": 0}
+
+    def hanging_generate(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == hang_at:
+            threading.Timer(float(setup.extras.get("signal_after_s", 0.5)), os.kill, (os.getpid(), signum)).start()
+            time.sleep(10**6)
+        return generate(*args, **kwargs)
+
+    sampler._generate = hanging_generate
+    return make_rollout_fn(setup)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import csv
+import gc
 import os
 import subprocess
 import sys
@@ -229,6 +230,33 @@ def test_engine_calls_run_on_the_loops_thread_or_the_worker(tokenizer, on_loop):
     assert [c.full_tokens for c in first + second] == [[1, 2, 3, 1], [1, 2, 4, 1]]
     assert len(threads) == 1  # one batched call either way
     assert (threads[0] == loop_thread) is on_loop
+    sampler.close()
+
+
+@pytest.mark.timeout(30)
+def test_a_stop_raised_inside_an_engine_call_on_the_loop_is_not_logged_again_at_exit(tokenizer, caplog):
+    # A stop signal's KeyboardInterrupt raised inside the engine call ends the run; the flush task
+    # it also ended must not be reported by asyncio as an exception nobody retrieved.
+    class Stop(KeyboardInterrupt):
+        pass
+
+    def interrupted(*args):
+        raise Stop()
+
+    sampler = _StuckSampler(tokenizer, seconds=0.0)
+    sampler.engine_on_loop, sampler._generate = True, interrupted
+    loop = asyncio.new_event_loop()
+    with pytest.raises(Stop):
+        loop.run_until_complete(sampler.sample_with_prompt_tokens([1, 2], temperature=1.0, max_tokens=1))
+    pending = asyncio.all_tasks(loop)  # the request, as on the worker thread: still waiting
+    assert pending
+    for task in pending:
+        task.cancel()
+    loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+    loop.close()
+    del loop, pending, task
+    gc.collect()
+    assert "never retrieved" not in caplog.text
     sampler.close()
 
 

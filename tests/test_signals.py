@@ -68,6 +68,20 @@ def test_a_signal_during_a_hung_rollout_stops_within_seconds(mode, name, code, u
         assert (run_dir / "checkpoints" / f"step_{int(summary['steps']):08d}" / "manifest.json").exists()
 
 
+@pytest.mark.parametrize("engine_thread", ["loop", "worker"])
+def test_a_signal_during_a_hung_engine_call_stops_within_seconds(engine_thread, tmp_path):
+    # On the loop's thread the signal lands inside the engine call itself.
+    run_dir = tmp_path / "run"
+    proc, seconds = _stop(run_dir, NO_FILTER, f"sampler.engine_thread={engine_thread}",
+                          "rollout.factory=fault_injection:make_hanging_engine_rollout_fn", "+rollout.extras.hang_at_generate=4",
+                          "+rollout.extras.signal=SIGINT")
+    assert proc.returncode == 130, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "never retrieved" not in proc.stderr, proc.stderr[-3000:]
+    assert seconds < 60, seconds
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["stopped_by"] == "SIGINT" and summary["steps"] == 3
+
+
 def test_a_second_signal_exits_at_once(tmp_path):
     run_dir = tmp_path / "run"
     # The first SIGTERM comes at the end of step 2, whose end then lingers for 300 s; the second,

@@ -133,6 +133,10 @@ class SamplerTimeout(TimeoutError):
     or a request's completion not within its `http_timeout`."""
 
 
+def _raise(err: BaseException) -> None:
+    raise err
+
+
 @dataclass
 class _Request:
     prompt: list[int]
@@ -332,6 +336,11 @@ class BatchingSampler(ABC):
         done = loop.create_future()
         try:
             done.set_result(fn(*args))
+        except (KeyboardInterrupt, SystemExit) as stop:
+            # A stop signal's exception is raised out of the loop itself, as when the signal lands
+            # while the loop waits: a task ended by it would be reported again, at exit, as an
+            # exception nobody retrieved. The call's requests stay pending, as on the worker.
+            loop.call_soon(_raise, stop)
         except Exception as err:
             done.set_exception(err)
         return done
