@@ -23,8 +23,9 @@ def keep_everything(group: PromptGroup) -> bool:
     return True
 
 
-def test_train_fast_dev_run(tmp_path):
-    summary = train(compose_config("+experiment=arithmetic", "trainer.fast_dev_run=true", output_dir=tmp_path))
+@pytest.mark.parametrize("experiment", ["arithmetic", "arithmetic_sums18"])
+def test_train_fast_dev_run(tmp_path, experiment):
+    summary = train(compose_config(f"+experiment={experiment}", "trainer.fast_dev_run=true", output_dir=tmp_path))
     assert summary["steps"] == 1
     assert 0.0 <= summary["final_reward"] <= 1.0
     assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 1
