@@ -136,6 +136,11 @@ def turn_token_advantages(turn_values: Sequence[float], turn_spans: Sequence[tup
     return per_token
 
 
+def run_turn_rewards(run: Sequence[RolloutSample]) -> list[float]:
+    """A run's turn rewards, its segments' in order (each segment must report them). Shape: [T]."""
+    return [float(r) for s in run for r in s.turn_rewards]
+
+
 def group_token_advantages(runs: list[list[RolloutSample]], settings: Optional[IGPOSettings] = None) -> list[list[float]]:
     """Per-token advantages of one group's samples (run after run, segment after segment), from
     each segment's `turn_spans` and `turn_rewards` (the IG of each turn) and the run's reward
@@ -147,7 +152,7 @@ def group_token_advantages(runs: list[list[RolloutSample]], settings: Optional[I
             if s.turn_spans is None or s.turn_rewards is None:
                 raise ValueError("policy_loss.advantage=igpo needs every RolloutSample to report its turns "
                                  "(turn_spans, and turn_rewards: each turn's information gain)")
-    ig = [[float(r) for s in run for r in s.turn_rewards] for run in runs]
+    ig = [run_turn_rewards(run) for run in runs]
     returns = turn_advantages(ig, [run[0].reward for run in runs], settings.gamma, settings.eps, settings.skip_last_ig)
     per_sample: list[list[float]] = []
     for run, run_returns in zip(runs, returns):
@@ -174,7 +179,7 @@ def turn_metric_values(runs: Iterable[list[RolloutSample]]) -> dict[str, list[fl
     for run in runs:
         if any(s.turn_rewards is None for s in run):
             continue
-        gains = [float(r) for s in run for r in s.turn_rewards]
+        gains = run_turn_rewards(run)
         values.setdefault("igpo/turns", []).append(float(len(gains)))
         if gains:
             values.setdefault("igpo/positive_ig_frac", []).append(sum(g > 0 for g in gains) / len(gains))

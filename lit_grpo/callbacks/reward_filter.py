@@ -6,7 +6,7 @@ from typing import Callable, Optional
 
 import lightning as L
 
-from lit_grpo.igpo import IGPOSettings
+from lit_grpo.igpo import IGPOSettings, run_turn_rewards
 from lit_grpo.types import PromptGroup
 
 
@@ -28,14 +28,9 @@ def has_turn_signal(group: PromptGroup, settings: IGPOSettings) -> bool:
     runs = group.runs
     if any(s.turn_rewards is None for run in runs for s in run):
         return False
-    gains = [run_gains(run, settings.skip_last_ig) for run in runs]
+    # The gains that enter the IG pool: without the last turn's when `skip_last_ig`.
+    gains = [run_turn_rewards(run)[: -1 if settings.skip_last_ig else None] for run in runs]
     return any(len(g) != len(gains[0]) or any(abs(a - b) > settings.eps for a, b in zip(g, gains[0])) for g in gains[1:])
-
-
-def run_gains(run: list, skip_last: bool) -> list[float]:
-    """A run's turn rewards, its segments' in order (without the last with `skip_last`)."""
-    gains = [float(r) for s in run for r in s.turn_rewards]
-    return gains[:-1] if skip_last else gains
 
 
 class UniformRewardFilter(L.Callback):
