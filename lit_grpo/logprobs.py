@@ -17,10 +17,13 @@ one in the backward. The entropy is detached (it is a metric, never differentiat
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import torch
 from torch.autograd.function import once_differentiable
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 # Bytes of one float32 chunk. 32 MiB is 55 rows of Qwen2.5's vocabulary: small next to the logits
 # of a micro-batch (a 1,024-token sequence's bf16 logits are 311 MB) yet wide enough that the
@@ -164,3 +167,19 @@ def selected_logprobs_and_entropy(logits_BTV: torch.Tensor, targets_BT: torch.Te
     if rows < 1:
         raise ValueError(f"chunk_rows must be positive, got {rows}")
     return _SelectedLogprobs.apply(logits_BTV, targets_BT.long(), float(temperature), rows)
+
+
+def token_logprobs(model: "PreTrainedModel", tokens_BT: torch.Tensor, attention_mask_BT: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next-token logprobs of each token and the policy's entropy at each position.
+
+    A forward over T tokens predicts T-1 of them: position t of the output scores token t+1.
+    Logits are divided by the sampling temperature so the logprobs are those of the
+    distribution the sampler drew from. Shapes: [B, T] -> ([B, T-1], [B, T-1]); entropy is detached.
+    Computed a chunk of tokens at a time (`lit_grpo.logprobs`): no [B, T, V] float32 copy of the logits.
+    """
+    logits_BTV = model(input_ids=tokens_BT, attention_mask=attention_mask_BT, use_cache=False).logits
+    # Scored over all T positions (the last one against a dummy target, then dropped): the gradient
+    # of a `logits[:, :-1]` slice would cost a zero-filled [B, T, V] tensor and a copy in backward.
+    targets_BT = torch.cat([tokens_BT[:, 1:], tokens_BT[:, :1]], dim=1)
+    logprobs_BT, entropy_BT = selected_logprobs_and_entropy(logits_BTV, targets_BT, temperature)
+    return logprobs_BT[:, :-1], entropy_BT[:, :-1]

@@ -33,7 +33,7 @@ from lit_grpo.config import TrainConfig
 from lit_grpo.distributed import all_reduce
 from lit_grpo.errors import UserError
 from lit_grpo.health import drift_metrics, drift_tis_cap
-from lit_grpo.logprobs import selected_logprobs_and_entropy
+from lit_grpo.logprobs import token_logprobs
 from lit_grpo.lora import AdapterFreeView, is_lora, with_lora
 from lit_grpo.losses import policy_loss
 from lit_grpo.signals import StopRequested
@@ -51,22 +51,6 @@ def lr_multiplier(step: int, *, warmup_steps: int, decay: str, total_steps: int)
         return 1.0
     progress = min(1.0, (step - warmup_steps) / (total_steps - warmup_steps))
     return 1.0 - progress if decay == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
-
-
-def token_logprobs(model: PreTrainedModel, tokens_BT: torch.Tensor, attention_mask_BT: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Next-token logprobs of each token and the policy's entropy at each position.
-
-    A forward over T tokens predicts T-1 of them: position t of the output scores token t+1.
-    Logits are divided by the sampling temperature so the logprobs are those of the
-    distribution the sampler drew from. Shapes: [B, T] -> ([B, T-1], [B, T-1]); entropy is detached.
-    Computed a chunk of tokens at a time (`lit_grpo.logprobs`): no [B, T, V] float32 copy of the logits.
-    """
-    logits_BTV = model(input_ids=tokens_BT, attention_mask=attention_mask_BT, use_cache=False).logits
-    # Scored over all T positions (the last one against a dummy target, then dropped): the gradient
-    # of a `logits[:, :-1]` slice would cost a zero-filled [B, T, V] tensor and a copy in backward.
-    targets_BT = torch.cat([tokens_BT[:, 1:], tokens_BT[:, :1]], dim=1)
-    logprobs_BT, entropy_BT = selected_logprobs_and_entropy(logits_BTV, targets_BT, temperature)
-    return logprobs_BT[:, :-1], entropy_BT[:, :-1]
 
 
 def align_to_predictions(per_token_BT: torch.Tensor) -> torch.Tensor:

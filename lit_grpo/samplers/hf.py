@@ -15,6 +15,7 @@ from typing import Iterable, Sequence
 import torch
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase, StoppingCriteria, StoppingCriteriaList
 
+from lit_grpo.logprobs import token_logprobs
 from lit_grpo.samplers.base import BatchingSampler, normalize_weight_name
 from lit_grpo.samplers.stops import find_stop, first_stop
 from lit_grpo.types import Completion
@@ -91,8 +92,8 @@ class HFSampler(BatchingSampler):
 
     @torch.inference_mode()
     def _score(self, pairs: list[tuple[list[int], list[int]]]) -> list[list[float]]:
-        """One forward over the right-padded prompt + target rows (as the trainer's `token_logprobs`
-        runs it); position j - 1 of the output scores token j, at temperature 1."""
+        """One forward over the right-padded prompt + target rows through the trainer's own
+        `token_logprobs` (temperature 1): entry j - 1 scores token j."""
         device = next(self.model.parameters()).device
         rows = [p + t for p, t in pairs]
         width = max(map(len, rows))
@@ -101,13 +102,8 @@ class HFSampler(BatchingSampler):
         for i, row in enumerate(rows):
             input_ids[i, : len(row)] = torch.tensor(row)
             attention[i, : len(row)] = 1
-        logits_BTV = self.model(input_ids=input_ids.to(device), attention_mask=attention.to(device), use_cache=False).logits
-        scores = []
-        for i, (prompt, target) in enumerate(pairs):
-            positions = torch.arange(len(prompt) - 1, len(prompt) + len(target) - 1, device=device)
-            logprobs_AV = torch.log_softmax(logits_BTV[i, positions].float(), dim=-1)  # only the target's rows: [A, V]
-            scores.append(logprobs_AV.gather(-1, torch.tensor(target, device=device)[:, None])[:, 0].cpu().tolist())
-        return scores
+        logprobs_BT, _ = token_logprobs(self.model, input_ids.to(device), attention.to(device), 1.0)
+        return [logprobs_BT[i, len(prompt) - 1 : len(prompt) + len(target) - 1].tolist() for i, (prompt, target) in enumerate(pairs)]
 
 
 def _token_logprobs(logits_S: Sequence[torch.Tensor], tokens_NS: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
