@@ -15,7 +15,7 @@ import functools
 from typing import Awaitable, Callable, Optional
 
 from lit_grpo.rows import RowPromptError, bad_prompt_message, prompt_field_of
-from lit_grpo.samplers.base import chat_prompt_tokens
+from lit_grpo.samplers.base import BatchingSampler, chat_prompt_tokens
 from lit_grpo.types import Completion, RolloutSample, RolloutSetup
 
 RolloutFn = Callable[[dict], Awaitable[Optional[RolloutSample]]]
@@ -86,10 +86,24 @@ def row_prompt_tokens(row: dict, tokenizer, prompt_field: Optional[str] = None, 
     raise RowPromptError(bad_prompt_message(row, field))
 
 
+GROUP_ATTRIBUTE = "sample_group"
+"""A rollout function may carry `sample_group(row, n) -> list of n results` (a `RolloutSample` or
+None each): the same samples as n calls of it, from one sampler request. The trainer then makes
+one call per row instead of G, with one deadline and one retry budget for the whole group (a
+failure or a timeout counts for each of its G samples). The default rollout has one for the
+in-process samplers, whose batched engine call fails or returns as a whole anyway."""
+
+
+def group_rollout_fn(rollout_fn: RolloutFn) -> Optional[Callable[[dict, int], Awaitable[list[Optional[RolloutSample]]]]]:
+    """The rollout function's `sample_group`, if it has one (see GROUP_ATTRIBUTE)."""
+    return getattr(rollout_fn, GROUP_ATTRIBUTE, None)
+
+
 def make_rollout_fn(setup: RolloutSetup) -> RolloutFn:
     """One completion of the row's prompt (`row_prompt_tokens`, with `setup.extras["prompt_field"]`),
     scored by `setup.extras["reward_fn"]`; a None reward drops the sample. A weighted reward's
-    components go in the sample's `metrics` (`reward/<name>`)."""
+    components go in the sample's `metrics` (`reward/<name>`). With an in-process sampler it also
+    samples a whole group in one request (`sample_group`, see GROUP_ATTRIBUTE)."""
     from lit_grpo.rewards import score_with_parts
 
     sampler, tokenizer, sample_kwargs = setup.sampler, setup.tokenizer, dict(setup.sample_kwargs)
@@ -98,12 +112,7 @@ def make_rollout_fn(setup: RolloutSetup) -> RolloutFn:
     # The G calls of a row tokenize the same text: once is enough (~40 µs a call on the demo's tokenizer).
     cached_text_tokens = functools.lru_cache(maxsize=PROMPT_CACHE_SIZE)(lambda text: tuple(text_prompt_tokens(tokenizer, text)))
 
-    async def rollout_fn(row: dict) -> Optional[RolloutSample]:
-        prompt = row_prompt_tokens(row, tokenizer, prompt_field, text_tokens=cached_text_tokens)
-        completions = await sampler.sample_with_prompt_tokens(prompt, n=1, **sample_kwargs)
-        if not completions:
-            return None
-        c = completions[0]
+    def scored(c: Completion, row: dict) -> Optional[RolloutSample]:
         reward, parts = score_with_parts(reward_fn, c.text, row)
         if reward is None:  # not applicable to this row: counted as rollout/dropped_none
             return None
@@ -111,6 +120,22 @@ def make_rollout_fn(setup: RolloutSetup) -> RolloutFn:
         sample.metrics.update(parts)
         return sample
 
+    async def rollout_fn(row: dict) -> Optional[RolloutSample]:
+        prompt = row_prompt_tokens(row, tokenizer, prompt_field, text_tokens=cached_text_tokens)
+        completions = await sampler.sample_with_prompt_tokens(prompt, n=1, **sample_kwargs)
+        return scored(completions[0], row) if completions else None
+
+    async def sample_group(row: dict, n: int) -> list[Optional[RolloutSample]]:
+        prompt = row_prompt_tokens(row, tokenizer, prompt_field, text_tokens=cached_text_tokens)
+        completions = await sampler.sample_with_prompt_tokens(prompt, n=n, **sample_kwargs)
+        if len(completions) != n:
+            raise RuntimeError(f"the sampler returned {len(completions)} completions for a request of n={n}")
+        return [scored(c, row) for c in completions]
+
+    # A server sampler's n completions are n separate requests that may fail one by one: per call, a
+    # failure costs one sample, not the group's.
+    if isinstance(sampler, BatchingSampler):
+        setattr(rollout_fn, GROUP_ATTRIBUTE, sample_group)
     return rollout_fn
 
 

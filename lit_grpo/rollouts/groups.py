@@ -8,15 +8,16 @@ functions of `lit_grpo.rollouts.pipeline`.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections import Counter
 from typing import Optional
 
-from lit_grpo.rollout import RolloutFn
+from lit_grpo.rollout import RolloutFn, group_rollout_fn
 from lit_grpo.rollouts.checks import CircuitBreaker, ProgressGuard, short_reason
 from lit_grpo.rollouts.context import RolloutCalls
-from lit_grpo.rollouts.deadlines import call_rollout, gather_or_cancel
+from lit_grpo.rollouts.deadlines import call_rollout, function_name, gather_or_cancel
 from lit_grpo.rollouts.pipeline import GroupFilter, checked_samples, error_key, group_verdict
 from lit_grpo.types import PromptGroup
 
@@ -46,6 +47,8 @@ class GroupSampler:
                  max_retries: int = 2, max_rows_without_progress: int = 1000) -> None:
         self.rollout_fn, self.G = rollout_fn, completions_per_prompt
         self.calls = RolloutCalls(rollout_fn)
+        self.group_fn = group_rollout_fn(rollout_fn)
+        """The rollout's `sample_group(row, n)` (one call per row), or None: G calls of `rollout_fn`."""
         self.max_seq_len, self.min_group_size, self.vocab_size = max_seq_len, min_group_size, vocab_size
         self.timeout_s, self.max_retries = rollout_timeout_s, max_retries
         self.filters = filters
@@ -68,17 +71,34 @@ class GroupSampler:
             counts = Counter({"rollout/dropped_prompt_too_long": self.G})
             self._note(row, counts, {"rollout/dropped_prompt_too_long": f"a prompt of {len(prompt)} tokens, data.max_seq_len={self.max_seq_len}"})
             return PromptGroup(row=row, samples=[], version=version, dropped=counts)
-        results = await gather_or_cancel(*(
+        results = await (self._call_group(row) if self.group_fn is not None else gather_or_cancel(*(
             call_rollout(self.calls.bound(i, context), row, timeout_s=self.timeout_s, max_retries=self.max_retries,
                          count=self._count_event)
             for i in range(self.G)
-        ))
+        )))
         samples, run_sizes, counts, details = checked_samples(results, self.max_seq_len, self.vocab_size)
         self._note(row, counts, details)
         for result in results:
             failed = isinstance(result, BaseException) and error_key(result) == "rollout/failures"
             self.breaker.record(failed, result if failed else None)
         return PromptGroup(row=row, samples=samples, version=version, dropped=counts, run_sizes=run_sizes)
+
+    async def _call_group(self, row: dict) -> list[object]:
+        """The G results of one `sample_group(row, G)` call, under one deadline and retry budget: an
+        error that ends it is every sample's result, and a retry or timeout counts G times."""
+        def count_for_each(key: str, error: Optional[BaseException]) -> None:
+            self._count_event(key, error, times=self.G)
+
+        group_fn = functools.partial(self.group_fn, n=self.G)
+        functools.update_wrapper(group_fn, self.group_fn)  # error messages name the function
+        results = await call_rollout(group_fn, row, timeout_s=self.timeout_s, max_retries=self.max_retries, count=count_for_each)
+        if isinstance(results, BaseException):
+            return [results] * self.G
+        if not isinstance(results, (list, tuple)) or len(results) != self.G:
+            raise TypeError(f"{function_name(self.group_fn)} returned {type(results).__name__} "
+                            f"{'of ' + str(len(results)) + ' ' if isinstance(results, (list, tuple)) else ''}"
+                            f"for a group of {self.G}: sample_group(row, n) returns a list of n results")
+        return list(results)
 
     def accept(self, group: PromptGroup) -> bool:
         """Whether the group trains; a rejection is counted under its reason. Raises
@@ -105,9 +125,9 @@ class GroupSampler:
         with self._lock:
             self._counts.update(counts)
 
-    def _count_event(self, key: str, error: Optional[BaseException]) -> None:
-        """A retry or a timeout inside one rollout call."""
-        self._add(Counter({key: 1}))
+    def _count_event(self, key: str, error: Optional[BaseException], times: int = 1) -> None:
+        """A retry or a timeout inside one rollout call (of `times` samples)."""
+        self._add(Counter({key: times}))
         if key not in self._warned:
             self._warned.add(key)
             log.warning("a rollout call hit %s (counted in that metric)%s", key, f": {error!r}" if error else "")
