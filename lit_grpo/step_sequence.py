@@ -43,7 +43,7 @@ from lit_grpo.metrics import MetricHistory, merge_step_metrics
 from lit_grpo.distributed import all_reduce
 from lit_grpo.run_state import RunCheckpointer, capture_rng, restore_rng
 from lit_grpo.signals import StopSignals
-from lit_grpo.weights import first_nonfinite, full_named_tensors
+from lit_grpo.weights import PolicyWeights, first_nonfinite
 
 if TYPE_CHECKING:
     from lit_grpo.data import RolloutDataModule
@@ -91,6 +91,7 @@ class StepSequence:
         self._end_of_last_step: Optional[tuple[dict, dict]] = None  # data state and RNG, for a stop between steps
         self._rng_to_restore: Optional[dict] = None
         self._last_end: Optional[float] = None
+        self._policy_weights: Optional[PolicyWeights] = None  # the strategy's model, looked up at the first sync
 
     # ------------------------------------------------------------------ the sequence
 
@@ -155,8 +156,11 @@ class StepSequence:
         """The policy's full weights into this rank's sampler: gathered tensor by tensor when the
         policy is sharded (a collective, in the same order on every rank). Through the strategy's
         model, because a sharding strategy may wrap the whole module, not the policy alone."""
+        model = module.trainer.strategy.model
+        if self._policy_weights is None or self._policy_weights.model is not model:
+            self._policy_weights = PolicyWeights(model, prefix="policy.")
         with torch.no_grad():
-            self.datamodule.push_weights(full_named_tensors(module.trainer.strategy.model, prefix="policy."))
+            self.datamodule.push_weights(self._policy_weights.named_tensors())
 
     def _save(self, trainer: L.Trainer, module: "GRPOModule", step: int, *, data_state: Optional[dict] = None, rng: Optional[dict] = None) -> float:
         start = time.perf_counter()

@@ -27,7 +27,7 @@ exchange for a rule that needs no rank to agree with another about which tensors
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
 from torch import nn
@@ -50,23 +50,51 @@ def full_named_tensors(model: nn.Module, *, prefix: str = "") -> Iterator[tuple[
     storage with the parameters, so copy them before the next optimizer step if you keep them.
     A LoRA (peft) policy streams as its base model: adapted weights merged, base names.
     """
-    fsdp1_modules = FullyShardedDataParallel.fsdp_modules(model)
-    _reject_fsdp1_above(model, fsdp1_modules)
-    if not fsdp1_modules and not any(isinstance(p, DTensor) for p in model.parameters()):
-        # Nothing sharded: the state dict itself (`get_model_state_dict` costs ~4 ms more per sync
-        # on the tiny model, a tenth of its whole step).
-        return _merge_lora(model, prefix, _stream({_unwrapped(name): t for name, t in model.state_dict().items()}, prefix))
-    # FSDP1: one collective over the whole wrapped model (the reference too, when it sits inside),
-    # run here at the call so that every rank runs it at the same point.
-    full = StateDictOptions(full_state_dict=True, cpu_offload=False) if fsdp1_modules else None
-    return _merge_lora(model, prefix, _stream(get_model_state_dict(model, options=full), prefix))
+    return PolicyWeights(model, prefix=prefix).named_tensors()
 
 
-def _merge_lora(model: nn.Module, prefix: str, stream: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+class PolicyWeights:
+    """`full_named_tensors` of one model for a whole run: how it is held (sharded or not, LoRA) is
+    looked up once, not at every weight sync (on the tiny model the look-up costs more than the
+    copy). Build it once the strategy has wrapped the model; each `named_tensors()` streams the
+    weights as they are at that moment."""
+
+    def __init__(self, model: nn.Module, *, prefix: str = "") -> None:
+        self.model, self.prefix = model, prefix
+        fsdp1_modules = FullyShardedDataParallel.fsdp_modules(model)
+        _reject_fsdp1_above(model, fsdp1_modules)
+        self._fsdp1 = bool(fsdp1_modules)
+        self._lora_layers = _lora_layers(model, prefix)
+        self._plain: Optional[list[tuple[str, torch.Tensor]]] = None
+        """Nothing sharded: the state dict's own parameters and buffers under `prefix` (their
+        objects, so each sync reads their data as it is then)."""
+        if not self._fsdp1 and not any(isinstance(p, DTensor) for p in model.parameters()):
+            # `get_model_state_dict` costs ~4 ms more per sync on the tiny model, a tenth of its whole step.
+            entries = ((_unwrapped(name), t) for name, t in model.state_dict(keep_vars=True).items())
+            self._plain = [(name[len(prefix) :], t) for name, t in entries if name.startswith(prefix)]
+
+    def named_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """`(name, full tensor)` pairs, lazily; on every rank, consumed to the end (a collective when sharded)."""
+        if self._plain is not None:
+            stream = ((name, tensor.detach()) for name, tensor in self._plain)
+        else:
+            # FSDP1: one collective over the whole wrapped model (the reference too, when it sits
+            # inside), run here at the call so that every rank runs it at the same point.
+            full = StateDictOptions(full_state_dict=True, cpu_offload=False) if self._fsdp1 else None
+            stream = _stream(get_model_state_dict(self.model, options=full), self.prefix)
+        return _merge_lora(stream, self._lora_layers)
+
+
+def _lora_layers(model: nn.Module, prefix: str) -> dict:
+    from lit_grpo.lora import lora_layers
+
+    return lora_layers(model, prefix)
+
+
+def _merge_lora(stream: Iterator[tuple[str, torch.Tensor]], layers: dict) -> Iterator[tuple[str, torch.Tensor]]:
     """A LoRA policy's stream as its base model's (`lit_grpo.lora`): samplers load base names only."""
-    from lit_grpo.lora import lora_layers, merged_lora_tensors
+    from lit_grpo.lora import merged_lora_tensors
 
-    layers = lora_layers(model, prefix)
     return merged_lora_tensors(stream, layers) if layers else stream
 
 
