@@ -21,7 +21,7 @@ import torch
 
 from lit_grpo.config import TrainConfig, validate
 from lit_grpo.models import load_policy, load_tokenizer
-from lit_grpo.module import token_logprobs
+from lit_grpo.logprobs import token_logprobs
 from lit_grpo.samplers.hf import HFSampler
 from lit_grpo.train import compose_config, fit
 
@@ -78,20 +78,27 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="alternate the framework run and the floor this many times; medians over the repeats")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. sampler.max_completion_tokens=4")
     args = parser.parse_args()
     torch.set_num_threads(max(torch.get_num_threads(), 1))
-    with tempfile.TemporaryDirectory() as out:
-        cfg = compose_config([
-            "+experiment=arithmetic", f"max_steps={args.steps}", "~callbacks.reward_filter", "~callbacks.reward_curve",
-            "logger=none", "output_model_id=null", "trainer.enable_progress_bar=false", f"output_dir={out}", *args.overrides,
-        ])
-        c = validate(cfg)
-        ours = framework_steps(c, args.warmup)
-        floor = floor_step(c, reps=max(args.steps - args.warmup, 5))
+    runs, floors = [], []
+    for _ in range(max(args.repeats, 1)):  # interleaved, so a drift in the machine's speed hits both alike
+        with tempfile.TemporaryDirectory() as out:
+            cfg = compose_config([
+                "+experiment=arithmetic", f"max_steps={args.steps}", "~callbacks.reward_filter", "~callbacks.reward_curve",
+                "logger=none", "output_model_id=null", "trainer.enable_progress_bar=false", f"output_dir={out}", *args.overrides,
+            ])
+            c = validate(cfg)
+            runs.append(framework_steps(c, args.warmup))
+            floors.append(floor_step(c, reps=max(args.steps - args.warmup, 5)))
+    ours = {key: _median([r[key] for r in runs]) for key in runs[0]}
+    floor = {key: _median([f[key] for f in floors]) for key in floors[0]}
+    ratios = [r["perf/step_s"] / f["step_s"] for r, f in zip(runs, floors)]
     B = c.data.prompt_groups_per_step * c.data.completions_per_prompt
     print(f"lit_grpo bench: arithmetic, B={B} sequences/step, {c.sampler.max_completion_tokens} max new tokens, "
-          f"{args.steps} steps ({args.warmup} warm-up), torch threads={torch.get_num_threads()}")
+          f"{args.steps} steps ({args.warmup} warm-up), {len(runs)} repeat(s), torch threads={torch.get_num_threads()}")
     print(f"{'phase':<28}{'median s/step':>14}")
     for phase in PHASES:
         print(f"{phase:<28}{ours[phase]:>14.4f}")
@@ -100,7 +107,9 @@ def main() -> None:
     print(f"{'floor: generate':<28}{floor['generate_s']:>14.4f}")
     print(f"{'floor: fwd+bwd+AdamW':<28}{floor['train_s']:>14.4f}")
     print(f"{'floor: step':<28}{floor['step_s']:>14.4f}")
-    print(f"{'ratio step / floor':<28}{ours['perf/step_s'] / floor['step_s']:>14.2f}x")
+    if len(ratios) > 1:
+        print(f"{'ratio of each repeat':<28}{'  '.join(f'{r:.2f}x' for r in ratios):>14}")
+    print(f"{'ratio step / floor':<28}{_median(ratios):>14.2f}x")
     print(f"{'peak RSS':<28}{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:>11.0f} MiB")
 
 

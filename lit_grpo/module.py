@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Iterator, Optional
 
 import lightning as L
 import torch
+from lightning.pytorch.plugins.precision import Precision
 from transformers import PreTrainedModel
 
 from lit_grpo.config import TrainConfig
@@ -160,8 +161,11 @@ class GRPOModule(L.LightningModule):
             self._optimizer_step(batch, rows, mask_BT, sampler_logprobs_BT, ref_logprobs_BT, old_logprobs_BT, advantages)
             for rows in even_slices(batch.num_sequences, k)
         ]
-        metrics = {key: sum(m[key] for m in per_minibatch) / len(per_minibatch) for key in per_minibatch[0]}
-        metrics["train/skipped_nonfinite"] = metrics["train/skipped_nonfinite"] * len(per_minibatch)  # a count, not a mean
+        if len(per_minibatch) == 1:
+            metrics = per_minibatch[0]
+        else:
+            metrics = {key: sum(m[key] for m in per_minibatch) / len(per_minibatch) for key in per_minibatch[0]}
+            metrics["train/skipped_nonfinite"] = metrics["train/skipped_nonfinite"] * len(per_minibatch)  # a count, not a mean
         metrics["train/tokens"] = mask_BT.sum()  # this rank's loss-masked tokens: summed over ranks, the step's
         t_train = time.perf_counter()
 
@@ -206,7 +210,9 @@ class GRPOModule(L.LightningModule):
         num_tokens, num_sequences = all_reduce(counts)
         num_tokens = num_tokens.clamp_min(1.0)
         micros = micro_slices(rows.stop - rows.start, self.config.micro_batch_size)
-        totals: dict[str, torch.Tensor] = {}
+        keys: list[str] = []
+        weighted_K: Optional[torch.Tensor] = None  # the metrics as one vector: one op per micro-batch, not one per metric
+        loss_sum = torch.zeros((), device=mask_BT.device)
         for i, micro in enumerate(micros):
             idx = slice(rows.start + micro.start, rows.start + micro.stop)
             logprobs_BT, entropy_BT = token_logprobs(self.policy, batch.tokens_BT[idx], batch.attention_mask_BT[idx], self.config.sampler.temperature)
@@ -237,15 +243,19 @@ class GRPOModule(L.LightningModule):
                 **metrics, "entropy": (entropy_BT * mask_BT[idx]).sum() / tokens.clamp_min(1.0),
                 **drift_metrics(trainer_old_BT, sampler_logprobs_BT[idx], mask_BT[idx], tis_cap=self.drift_tis_cap),
             }
-            for key, value in metrics.items():
-                totals[f"train/{key}"] = totals.get(f"train/{key}", 0.0) + value.detach() * weight
-            totals["train/loss"] = totals.get("train/loss", 0.0) + loss.detach()
-        grad_norm = torch.nn.utils.get_total_norm([p.grad for p in self.policy.parameters() if p.grad is not None])
+            keys = keys or [f"train/{key}" for key in metrics]
+            values_K = torch.stack([value.detach().float() for value in metrics.values()]) * weight
+            weighted_K = values_K if weighted_K is None else weighted_K + values_K
+            loss_sum = loss_sum + loss.detach()
+        totals = dict(zip(keys, weighted_K.unbind()))
+        totals["train/loss"] = loss_sum
+        with_grads = [p for p in self.policy.parameters() if p.grad is not None]
+        grad_norm = torch.nn.utils.get_total_norm([p.grad for p in with_grads])
         totals["train/grad_norm"] = grad_norm.detach() / world_size  # summed over ranks (equal under DDP)
         totals["train/grad_norm_clipped"] = totals["train/grad_norm"]  # no clipping: the norm the update used
         if self._finite_everywhere(totals["train/loss"], grad_norm):
             if self.config.grad_clip_norm > 0:
-                self.clip_gradients(optimizer, gradient_clip_val=self.config.grad_clip_norm, gradient_clip_algorithm="norm")
+                self._clip(optimizer, with_grads, grad_norm)
                 # The norm after clipping, by clip_grad_norm_'s own factor min(1, c / (‖g‖ + 1e-6)): no second pass over the grads.
                 factor = (self.config.grad_clip_norm / (grad_norm.detach() + 1e-6)).clamp(max=1.0)
                 totals["train/grad_norm_clipped"] = totals["train/grad_norm"] * factor
@@ -257,6 +267,15 @@ class GRPOModule(L.LightningModule):
             totals["train/skipped_nonfinite"] = torch.ones((), device=grad_norm.device) / world_size
         self.lr_schedulers().step()
         return totals
+
+    def _clip(self, optimizer, with_grads: list[torch.Tensor], grad_norm: torch.Tensor) -> None:
+        """Clip the gradients to `grad_clip_norm`. Where the precision plugin clips with plain
+        `clip_grad_norm_`, the norm already taken is reused (no second pass over the gradients);
+        a plugin with its own clipping (FSDP, DeepSpeed) keeps it."""
+        if type(self.trainer.precision_plugin).clip_grad_by_norm is Precision.clip_grad_by_norm:
+            torch.nn.utils.clip_grads_with_norm_(with_grads, self.config.grad_clip_norm, grad_norm)
+        else:
+            self.clip_gradients(optimizer, gradient_clip_val=self.config.grad_clip_norm, gradient_clip_algorithm="norm")
 
     def _finite_everywhere(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> bool:
         """Whether the loss and the gradient norm are finite on every rank (the ranks must agree to skip)."""

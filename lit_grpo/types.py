@@ -7,6 +7,7 @@ Shapes: P prompts, G completions per prompt, B = P·G sequences, T tokens. A mas
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional, Protocol, runtime_checkable
@@ -157,17 +158,22 @@ class PromptGroup:
     @property
     def runs(self) -> list[list[RolloutSample]]:
         """The samples grouped by the rollout call (run) that made them."""
-        sizes = self.run_sizes if self.run_sizes is not None else [1] * len(self.samples)
-        starts = [sum(sizes[:i]) for i in range(len(sizes))]
-        return [self.samples[a : a + n] for a, n in zip(starts, sizes)]
+        if self.run_sizes is None:
+            return [[s] for s in self.samples]
+        starts = itertools.accumulate(self.run_sizes, initial=0)
+        return [self.samples[a : a + n] for a, n in zip(starts, self.run_sizes)]
 
     @property
     def rewards(self) -> list[float]:
         """One reward per run: what group statistics, advantages and filters see."""
+        if self.run_sizes is None or len(self.run_sizes) == len(self.samples):  # runs of one sample each
+            return [s.reward for s in self.samples]
         return [run[0].reward for run in self.runs]
 
     def per_sample(self, per_run: list) -> list:
         """Broadcast one value per run to every sample of that run."""
+        if self.run_sizes is None or len(self.run_sizes) == len(self.samples):
+            return list(per_run)
         return [value for value, run in zip(per_run, self.runs) for _ in run]
 
 

@@ -13,6 +13,7 @@ decide when rows are sampled, and `GroupSampler` (`lit_grpo.rollouts.groups`) ru
 from __future__ import annotations
 
 import math
+from array import array
 from collections import Counter
 from typing import Callable, Iterable, Optional
 
@@ -24,6 +25,9 @@ from lit_grpo.igpo import IGPOSettings, group_token_advantages, turn_metric_valu
 from lit_grpo.rollouts.checks import check_sample
 from lit_grpo.samplers.base import PromptTooLong
 from lit_grpo.types import PromptGroup, RolloutBatch, RolloutRecord, RolloutRun, RolloutSample
+
+_TYPECODES = {"q": torch.long, "f": torch.float32}
+"""`array` typecodes of the padded batch tensors, and their torch dtypes."""
 
 GroupFilter = Callable[[PromptGroup], bool]
 """A group predicate: True keeps the group (the seeds' `dynamic_filter_fn`)."""
@@ -105,16 +109,21 @@ def collate_groups(groups: list[PromptGroup], advantages: list[list[float]], pad
         trained = torch.tensor([list(s.loss_mask) + [0] * (width - len(s.tokens)) for s in samples], dtype=torch.float32)
         advantages = [((advantages_BT * trained).sum(1) / trained.sum(1).clamp_min(1.0)).tolist()]
 
-    def padded(field_name: str, pad) -> list[list]:
-        return [list(getattr(s, field_name)) + [pad] * (width - len(s.tokens)) for s in samples]
+    def padded(rows: Iterable[list], pad, typecode: str) -> torch.Tensor:
+        # Through a flat `array`: about twice as fast as torch.tensor of the nested lists.
+        flat: list = []
+        for row in rows:
+            flat += row
+            flat += [pad] * (width - len(row))
+        return torch.frombuffer(array(typecode, flat), dtype=_TYPECODES[typecode]).view(len(samples), width)
 
-    loss_mask_BT = torch.tensor(padded("loss_mask", 0), dtype=torch.float32)
+    loss_mask_BT = padded((s.loss_mask for s in samples), 0, "f")
     return RolloutBatch(
-        tokens_BT=torch.tensor(padded("tokens", pad_id), dtype=torch.long),
-        attention_mask_BT=torch.tensor([[1] * len(s.tokens) + [0] * (width - len(s.tokens)) for s in samples], dtype=torch.long),
+        tokens_BT=padded((s.tokens for s in samples), pad_id, "q"),
+        attention_mask_BT=padded(([1] * len(s.tokens) for s in samples), 0, "q"),
         loss_mask_BT=loss_mask_BT,
         # The checks saw finite logprobs on trained tokens only; elsewhere they are 0.0 by contract.
-        sampler_logprobs_BT=torch.tensor(padded("logprobs", 0.0), dtype=torch.float32).nan_to_num(0.0, 0.0, 0.0) * loss_mask_BT,
+        sampler_logprobs_BT=padded((s.logprobs for s in samples), 0.0, "f").nan_to_num(0.0, 0.0, 0.0) * loss_mask_BT,
         advantages_B=torch.tensor([a for adv in advantages for a in adv], dtype=torch.float32),
         rewards_B=torch.tensor([float(s.reward) for s in samples], dtype=torch.float64),  # float32 overflows at 3.4e38
         versions_B=torch.tensor([g.version for g in groups for _ in g.samples], dtype=torch.long),

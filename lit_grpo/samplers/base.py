@@ -167,6 +167,8 @@ class BatchingSampler(ABC):
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, *, max_batch_size: int = 256) -> None:
         self.tokenizer = tokenizer
+        self.eos_token_id = tokenizer.eos_token_id
+        """Looked up once: a transformers tokenizer resolves it through the vocabulary at each access."""
         self.max_batch_size = max_batch_size
         self.call_timeout_s: Optional[float] = None
         """A batched generate that takes longer fails its requests with `SamplerTimeout` (None: no bound)."""
@@ -379,7 +381,7 @@ class BatchingSampler(ABC):
     ) -> Completion:
         """A `Completion` of `generated`, cut after the first eos. `stop_reason`: the stop string
         `generated` already ends at (its completing token included) and `text` is already cut before."""
-        eos_id = self.tokenizer.eos_token_id
+        eos_id = self.eos_token_id
         end = generated.index(eos_id) + 1 if eos_id in generated else len(generated)
         stopped = stop_reason is not None or eos_id in generated[:end]
         return Completion(

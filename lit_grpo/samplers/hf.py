@@ -53,7 +53,7 @@ class HFSampler(BatchingSampler):
     @torch.inference_mode()
     def _generate(self, prompts: list[list[int]], temperature: float, max_tokens: int, stop: tuple[str, ...] = ()) -> list[Completion]:
         device = next(self.model.parameters()).device
-        pad_id, eos_id = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
+        pad_id, eos_id = self.tokenizer.pad_token_id, self.eos_token_id
         width = max(len(p) for p in prompts)
         input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
         attention = torch.zeros((len(prompts), width), dtype=torch.long)
