@@ -249,7 +249,8 @@ class GRPOModule(L.LightningModule):
             loss_sum = loss_sum + loss.detach()
         totals = dict(zip(keys, weighted_K.unbind()))
         totals["train/loss"] = loss_sum
-        with_grads = [p for p in self.policy.parameters() if p.grad is not None]
+        # The optimizer's own list: walking the policy's modules for its parameters costs more than the norm.
+        with_grads = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         grad_norm = torch.nn.utils.get_total_norm([p.grad for p in with_grads])
         totals["train/grad_norm"] = grad_norm.detach() / world_size  # summed over ranks (equal under DDP)
         totals["train/grad_norm_clipped"] = totals["train/grad_norm"]  # no clipping: the norm the update used
@@ -273,7 +274,10 @@ class GRPOModule(L.LightningModule):
         `clip_grad_norm_`, the norm already taken is reused (no second pass over the gradients);
         a plugin with its own clipping (FSDP, DeepSpeed) keeps it."""
         if type(self.trainer.precision_plugin).clip_grad_by_norm is Precision.clip_grad_by_norm:
-            torch.nn.utils.clip_grads_with_norm_(with_grads, self.config.grad_clip_norm, grad_norm)
+            # clip_grad_norm_ scales by min(1, c / (norm + 1e-6)): a factor of 1 changes nothing. The
+            # finiteness check already waited for the norm, so reading it costs no further wait.
+            if float(grad_norm) + 1e-6 > self.config.grad_clip_norm:
+                torch.nn.utils.clip_grads_with_norm_(with_grads, self.config.grad_clip_norm, grad_norm)
         else:
             self.clip_gradients(optimizer, gradient_clip_val=self.config.grad_clip_norm, gradient_clip_algorithm="norm")
 

@@ -84,6 +84,7 @@ def short_reason(metric_key: str) -> str:
 # below (the checks run on every sample); anything else (numpy scalars, ...) takes the slow path.
 _INT = frozenset({int})
 _REAL = frozenset({int, float})
+_MASK = frozenset({int, float, bool})
 
 
 def _types_within(values: list, types: frozenset) -> bool:
@@ -92,6 +93,8 @@ def _types_within(values: list, types: frozenset) -> bool:
 
 def _all_zero_or_one(mask: list) -> bool:
     """Every value is 0 or 1 (False, True, 0.0 and 1.0 too: they hash and compare equal)."""
+    if _types_within(mask, _MASK):
+        return set(mask) <= {0, 1}
     try:
         return set(mask) <= {0, 1} and all(isinstance(m, numbers.Real) for m in set(mask))
     except TypeError:  # an unhashable value
@@ -103,7 +106,7 @@ def _is_int(x: object) -> bool:
 
 
 def _is_real(x: object) -> bool:
-    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+    return type(x) in _REAL or (isinstance(x, numbers.Real) and not isinstance(x, bool))
 
 
 def check_sample(sample: object, max_seq_len: int, vocab_size: Optional[int] = None) -> Optional[tuple[str, str]]:
