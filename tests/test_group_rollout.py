@@ -53,8 +53,19 @@ def test_the_group_path_gives_the_samples_of_g_single_calls(tokenizer, tiny_mode
     sampler.engine_on_loop = True  # one thread draws from torch's generator: the draws are reproducible
     default = make_rollout_fn(_setup(sampler, tokenizer))
 
+    calls = []
+
     async def single_calls_only(row):  # the same rollout without its group path
         return await default(row)
+
+    async def counted_group(row, n):
+        calls.append(n)
+        return await group_rollout_fn(default)(row, n)
+
+    async def with_group_path(row):
+        return await default(row)
+
+    setattr(with_group_path, GROUP_ATTRIBUTE, counted_group)
 
     def sampled(rollout_fn):
         groups = GroupSampler(rollout_fn, G, max_seq_len=64, min_group_size=2, filters=[], vocab_size=len(tokenizer))
@@ -63,15 +74,10 @@ def test_the_group_path_gives_the_samples_of_g_single_calls(tokenizer, tiny_mode
         async def all_rows():
             return await asyncio.gather(*(groups.sample(row, version=0) for row in rows))
 
-        calls = []
-        if groups.group_fn is not None:
-            inner = groups.group_fn
-            groups.group_fn = lambda row, n: calls.append(n) or inner(row, n)
-        return asyncio.run(all_rows()), calls
+        return asyncio.run(all_rows())
 
     try:
-        grouped, calls = sampled(default)
-        single, _ = sampled(single_calls_only)
+        grouped, single = sampled(with_group_path), sampled(single_calls_only)
     finally:
         sampler.close()
     assert calls == [G] * len(rows)  # one call per row
@@ -142,7 +148,7 @@ def test_a_group_call_that_returns_the_wrong_number_of_results_is_a_bug_named_by
     async def short_group(row, n):
         return [_sample(1.0)] * (n - 1)
 
-    with pytest.raises(TypeError, match=rf"short_group .*returned list of {G - 1} for a group of {G}"):
+    with pytest.raises(TypeError, match=rf"short_group .*returned a list of {G - 1} for a group of {G}"):
         asyncio.run(_group_sampler(short_group).sample({"id": 0}, version=0))
 
 

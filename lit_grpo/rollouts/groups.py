@@ -49,6 +49,9 @@ class GroupSampler:
         self.calls = RolloutCalls(rollout_fn)
         self.group_fn = group_rollout_fn(rollout_fn)
         """The rollout's `sample_group(row, n)` (one call per row), or None: G calls of `rollout_fn`."""
+        if self.group_fn is not None:
+            self._group_call = functools.update_wrapper(functools.partial(self.group_fn, n=completions_per_prompt),
+                                                        self.group_fn)  # error messages name the function
         self.max_seq_len, self.min_group_size, self.vocab_size = max_seq_len, min_group_size, vocab_size
         self.timeout_s, self.max_retries = rollout_timeout_s, max_retries
         self.filters = filters
@@ -89,15 +92,14 @@ class GroupSampler:
         def count_for_each(key: str, error: Optional[BaseException]) -> None:
             self._count_event(key, error, times=self.G)
 
-        group_fn = functools.partial(self.group_fn, n=self.G)
-        functools.update_wrapper(group_fn, self.group_fn)  # error messages name the function
-        results = await call_rollout(group_fn, row, timeout_s=self.timeout_s, max_retries=self.max_retries, count=count_for_each)
+        results = await call_rollout(self._group_call, row, timeout_s=self.timeout_s, max_retries=self.max_retries,
+                                     count=count_for_each)
         if isinstance(results, BaseException):
             return [results] * self.G
         if not isinstance(results, (list, tuple)) or len(results) != self.G:
-            raise TypeError(f"{function_name(self.group_fn)} returned {type(results).__name__} "
-                            f"{'of ' + str(len(results)) + ' ' if isinstance(results, (list, tuple)) else ''}"
-                            f"for a group of {self.G}: sample_group(row, n) returns a list of n results")
+            got = f"a list of {len(results)}" if isinstance(results, (list, tuple)) else f"a {type(results).__name__}"
+            raise TypeError(f"{function_name(self.group_fn)} returned {got} for a group of {self.G}: "
+                            "sample_group(row, n) returns a list of n results")
         return list(results)
 
     def accept(self, group: PromptGroup) -> bool:
