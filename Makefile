@@ -31,7 +31,7 @@ test-fast: install-dev ## Run the tests without vLLM and without the slow end-to
 	$(PYTHON) -m pytest -q -m "not slow" --ignore=tests/test_sampler_vllm.py
 
 bench: install ## Time each phase of a training step against a bare-torch floor
-	$(PYTHON) -m benchmarks.bench
+	$(PYTHON) -m benchmarks.bench --repeats 3
 
 bench-async: install ## Sync vs async training with a latency-bound environment
 	$(PYTHON) -m benchmarks.bench_async

@@ -1,6 +1,6 @@
 """Benchmark: seconds per training step by phase, against a bare-torch floor measured in the same process.
 
-    python -m benchmarks.bench                    # `make bench`, from the repository root
+    python -m benchmarks.bench --repeats 3        # `make bench`, from the repository root
     python -m benchmarks.bench --steps 80 sampler.max_completion_tokens=...   (extra args are Hydra overrides)
 
 The run is the arithmetic experiment without the uniform-reward filter, so every step samples
