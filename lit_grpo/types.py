@@ -164,15 +164,20 @@ class PromptGroup:
         return [self.samples[a : a + n] for a, n in zip(starts, self.run_sizes)]
 
     @property
+    def _one_sample_runs(self) -> bool:
+        """Every run is one sample (sizes are >= 1 and sum to the samples): no grouping needed."""
+        return self.run_sizes is None or len(self.run_sizes) == len(self.samples)
+
+    @property
     def rewards(self) -> list[float]:
         """One reward per run: what group statistics, advantages and filters see."""
-        if self.run_sizes is None or len(self.run_sizes) == len(self.samples):  # runs of one sample each
+        if self._one_sample_runs:
             return [s.reward for s in self.samples]
         return [run[0].reward for run in self.runs]
 
     def per_sample(self, per_run: list) -> list:
         """Broadcast one value per run to every sample of that run."""
-        if self.run_sizes is None or len(self.run_sizes) == len(self.samples):
+        if self._one_sample_runs:
             return list(per_run)
         return [value for value, run in zip(per_run, self.runs) for _ in run]
 
