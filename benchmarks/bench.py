@@ -6,7 +6,8 @@
 The run is the arithmetic experiment without the uniform-reward filter, so every step samples
 exactly P·G completions once: the floor does the same work with no framework (one batched
 `generate` of the same prompts, a reference forward when the KL term is on, one
-forward/backward/AdamW step over the same sequences).
+forward/backward/AdamW step over the same sequences, with the same AdamW kernel as the trainer's,
+`lit_grpo.optim.adamw`: fused where torch has one).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 from lit_grpo.config import TrainConfig, validate
 from lit_grpo.models import load_policy, load_tokenizer
 from lit_grpo.logprobs import token_logprobs
+from lit_grpo.optim import adamw
 from lit_grpo.samplers.hf import HFSampler
 from lit_grpo.train import compose_config, fit
 
@@ -48,7 +50,7 @@ def floor_step(c: TrainConfig, reps: int) -> dict[str, float]:
     policy = load_policy(c.model, tokenizer, c.seed)
     reference = load_policy(c.model, tokenizer, c.seed).requires_grad_(False) if c.policy_loss.kl_beta > 0 else None
     sampler = HFSampler(policy, tokenizer)  # only its `generate`: one plain batched call
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=c.learning_rate)
+    optimizer = adamw(policy.parameters(), lr=c.learning_rate)
     P, G = c.data.prompt_groups_per_step, c.data.completions_per_prompt
     prompts = [tokenizer(f"{i % 10}+{(i // 10) % 10}=", add_special_tokens=False)["input_ids"] for i in range(P)]
     gen_s, train_s = [], []

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import math
 import time
 from dataclasses import dataclass, field
 from functools import partial
@@ -37,21 +36,12 @@ from lit_grpo.health import drift_metrics, drift_tis_cap
 from lit_grpo.logprobs import token_logprobs
 from lit_grpo.lora import AdapterFreeView, is_lora, with_lora
 from lit_grpo.losses import policy_loss
+from lit_grpo.optim import adamw, lr_multiplier
 from lit_grpo.signals import StopRequested
 from lit_grpo.types import RolloutBatch, RolloutRecord
 
 if TYPE_CHECKING:
     from lit_grpo.step_sequence import StepSequence
-
-
-def lr_multiplier(step: int, *, warmup_steps: int, decay: str, total_steps: int) -> float:
-    """Learning-rate factor at optimizer step `step`: linear warm-up, then constant, linear or cosine decay to 0."""
-    if step < warmup_steps:
-        return (step + 1) / (warmup_steps + 1)
-    if decay == "constant" or total_steps <= warmup_steps:
-        return 1.0
-    progress = min(1.0, (step - warmup_steps) / (total_steps - warmup_steps))
-    return 1.0 - progress if decay == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 def align_to_predictions(per_token_BT: torch.Tensor) -> torch.Tensor:
@@ -129,7 +119,7 @@ class GRPOModule(L.LightningModule):
 
     def configure_optimizers(self):
         c = self.config
-        optimizer = torch.optim.AdamW(
+        optimizer = adamw(
             [p for p in self.policy.parameters() if p.requires_grad], lr=c.learning_rate, betas=(c.adam_beta1, c.adam_beta2), eps=c.adam_eps, weight_decay=c.weight_decay
         )
         multiplier = partial(lr_multiplier, warmup_steps=c.warmup_steps, decay=c.lr_decay, total_steps=c.max_steps * c.ppo_n_minibatches)

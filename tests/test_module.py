@@ -81,15 +81,3 @@ def test_ppo_minibatches_make_k_optimizer_steps(tmp_path):
     trainer, module, datamodule = _build(tmp_path, "ppo_n_minibatches=4", "~callbacks.reward_filter")
     trainer.fit(module, datamodule=datamodule)
     assert trainer.global_step == 4
-
-
-def test_lr_schedule_by_hand():
-    from lit_grpo.module import lr_multiplier
-
-    # warm-up 4: steps 0..3 -> 1/5, 2/5, 3/5, 4/5; then cosine over the remaining 10 steps.
-    assert [lr_multiplier(s, warmup_steps=4, decay="cosine", total_steps=14) for s in range(4)] == [0.2, 0.4, 0.6, 0.8]
-    assert lr_multiplier(4, warmup_steps=4, decay="cosine", total_steps=14) == 1.0
-    assert abs(lr_multiplier(9, warmup_steps=4, decay="cosine", total_steps=14) - 0.5) < 1e-12  # cos(pi/2)
-    assert lr_multiplier(14, warmup_steps=4, decay="cosine", total_steps=14) == 0.0
-    assert lr_multiplier(9, warmup_steps=4, decay="linear", total_steps=14) == 0.5
-    assert lr_multiplier(100, warmup_steps=0, decay="constant", total_steps=-1) == 1.0
