@@ -17,7 +17,7 @@ from typing import Any, Mapping
 
 import torch
 
-from lit_grpo.loss_terms import masked_mean, tis_weights
+from lit_grpo.loss_terms import masked_means
 
 # exp() of a log-ratio beyond ±20 only overflows; the same clamp as the loss's ratio and TIS.
 _LOG_RATIO_CLAMP = 20.0
@@ -50,16 +50,21 @@ def drift_metrics(trainer_logprobs_BT: torch.Tensor, sampler_logprobs_BT: torch.
     Every value is 0 when no token is masked in. Detached scalars.
     Shapes: [B, T], [B, T], [B, T] -> dict of [].
     """
-    keep_BT = mask_BT > 0
-    mask_BT = mask_BT.to(torch.float32)
-    trainer_BT = torch.where(keep_BT, trainer_logprobs_BT.detach().float(), 0.0)
-    sampler_BT = torch.where(keep_BT, sampler_logprobs_BT.detach().float(), 0.0)
-    r_BT = (trainer_BT - sampler_BT).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
-    _, over_cap_BT = tis_weights(old_logprobs=trainer_BT, sampler_logprobs=sampler_BT, mask=mask_BT, tis_cap=tis_cap, tis_level="token")
+    return masked_means(drift_per_token(trainer_logprobs_BT, sampler_logprobs_BT, mask_BT, tis_cap=tis_cap), mask_BT.float())
+
+
+def drift_per_token(trainer_logprobs_BT: torch.Tensor, sampler_logprobs_BT: torch.Tensor, mask_BT: torch.Tensor,
+                    *, tis_cap: float) -> dict[str, torch.Tensor]:
+    """The per-token terms whose masked means are `drift_metrics` (for a caller that reduces them
+    with other metrics in one `masked_means`); 0 on masked-out positions except the cap flag,
+    which the mask removes. Shapes: [B, T] each -> dict of [B, T]."""
+    # One `where` after the difference: it selects, so padding's -inf - -inf = nan never leaks.
+    r_BT = torch.where(mask_BT > 0, trainer_logprobs_BT.detach().float() - sampler_logprobs_BT.detach().float(), 0.0)
+    r_BT = r_BT.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
     return {
-        "drift/k1": masked_mean(-r_BT, mask_BT),
-        "drift/k3": masked_mean(torch.expm1(r_BT) - r_BT, mask_BT),  # expm1: >= 0 even at float noise
-        "drift/over_tis_cap_frac": masked_mean(over_cap_BT.to(mask_BT.dtype), mask_BT),
+        "drift/k1": -r_BT,
+        "drift/k3": torch.expm1(r_BT) - r_BT,  # expm1: >= 0 even at float noise
+        "drift/over_tis_cap_frac": torch.exp(r_BT) > tis_cap,  # the TIS weight's own test (`tis_weights`)
     }
 
 

@@ -31,6 +31,7 @@ from lit_grpo.loss_terms import (
     aggregate_loss,
     k3,
     masked_mean,
+    masked_means,
     masked_seq_mean,
     ratio,
     tis_weights,
@@ -202,21 +203,17 @@ def per_token_policy_loss(
     sampler_BT = None if sampler_logprobs is None else torch.where(keep_BT, sampler_logprobs.detach(), 0.0)
     advantages_BT = torch.where(keep_BT, advantages_BT, 0.0)
     pi_BT = logprobs.detach()
-    metrics = {
-        "clip_frac": torch.zeros((), dtype=logprobs.dtype, device=logprobs.device),
-        "ratio_mean": masked_mean(ratio(pi_BT, old_BT), mask_BT),
-        "ppo_kl": masked_mean(k3(old_BT, pi_BT), mask_BT),
-    }
+    per_token = {"ratio_mean": ratio(pi_BT, old_BT), "ppo_kl": k3(old_BT, pi_BT)}
     tensors = {"logprobs": logprobs, "old_logprobs": old_BT, "advantages": advantages_BT, "mask": mask_BT}
     if spec.uses_tis:
         w_BT, capped_BT = tis_weights(old_logprobs=old_BT, sampler_logprobs=sampler_BT, mask=mask_BT, **tis_params)
         tensors["tis_weight"] = w_BT
-        metrics["tis/weight_mean"] = masked_mean(w_BT, mask_BT)
-        metrics["tis/clip_frac"] = masked_mean(capped_BT.to(mask_BT.dtype), mask_BT)
+        per_token["tis/weight_mean"], per_token["tis/clip_frac"] = w_BT, capped_BT
     if spec.takes_sampler_logprobs:
         tensors["sampler_logprobs"] = sampler_BT
 
     loss_BT, variant_metrics = spec.fn(**tensors, **params)
+    metrics = {"clip_frac": torch.zeros((), dtype=logprobs.dtype, device=logprobs.device), **masked_means(per_token, mask_BT)}
     metrics.update(variant_metrics)
     if kl_beta > 0:
         kl_BT = k3(torch.where(keep_BT, ref_logprobs.detach(), 0.0), logprobs)

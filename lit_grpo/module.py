@@ -32,9 +32,10 @@ from transformers import PreTrainedModel
 from lit_grpo.config import TrainConfig
 from lit_grpo.distributed import all_reduce
 from lit_grpo.errors import UserError
-from lit_grpo.health import drift_metrics, drift_tis_cap
+from lit_grpo.health import drift_per_token, drift_tis_cap
 from lit_grpo.logprobs import token_logprobs
 from lit_grpo.lora import AdapterFreeView, is_lora, with_lora
+from lit_grpo.loss_terms import masked_means
 from lit_grpo.losses import policy_loss
 from lit_grpo.optim import adamw, lr_multiplier
 from lit_grpo.signals import StopRequested
@@ -227,12 +228,9 @@ class GRPOModule(L.LightningModule):
                 self.manual_backward(loss * world_size)
             # Metrics are token means per micro-batch; weighted by tokens over the global count
             # they add up (over micro-batches and ranks) to the step's token means.
-            tokens = mask_BT[idx].sum()
-            weight = tokens / num_tokens
-            metrics = {
-                **metrics, "entropy": (entropy_BT * mask_BT[idx]).sum() / tokens.clamp_min(1.0),
-                **drift_metrics(trainer_old_BT, sampler_logprobs_BT[idx], mask_BT[idx], tis_cap=self.drift_tis_cap),
-            }
+            weight = mask_BT[idx].sum() / num_tokens
+            health = {"entropy": entropy_BT, **drift_per_token(trainer_old_BT, sampler_logprobs_BT[idx], mask_BT[idx], tis_cap=self.drift_tis_cap)}
+            metrics = {**metrics, **masked_means(health, mask_BT[idx])}
             keys = keys or [f"train/{key}" for key in metrics]
             values_K = torch.stack([value.detach().float() for value in metrics.values()]) * weight
             weighted_K = values_K if weighted_K is None else weighted_K + values_K

@@ -10,7 +10,7 @@ stopped returns before `max_tokens`.
 from __future__ import annotations
 
 import copy
-from typing import Iterable, Sequence
+from typing import Iterable, Optional, Sequence
 
 import torch
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase, StoppingCriteria, StoppingCriteriaList
@@ -31,24 +31,35 @@ class HFSampler(BatchingSampler):
         # as vLLM list them): a sync copies into them, so they are looked up once, not every sync.
         self._state = self.model.state_dict()
         self._aliases = _tied_aliases(self._state)
+        self._plan: Optional[tuple[list[str], list[torch.Tensor]]] = None
+        """The names of the last sync and the tensors they copy into: looked up once, not every sync."""
 
     def to_device(self, device: torch.device) -> None:
         """Generate on `device` (the trainer's: the policy was on the CPU when this copy was made)."""
         with self._weights_lock:
             self.model.to(device)
             self._state = self.model.state_dict()
+            self._plan = None
 
     @torch.no_grad()
     def _load(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        state = self._state
-        seen = set()
+        names, tensors = [], []
         for name, tensor in named_tensors:
-            key = normalize_weight_name(name, state)
-            state[key].copy_(tensor.detach().to(state[key].device, state[key].dtype))
-            seen.add(key)
-        missing = set(state) - seen - {alias for key in seen for alias in self._aliases.get(key, ())}
+            names.append(name)
+            tensors.append(tensor)
+        if self._plan is None or self._plan[0] != names:  # the first sync, or another set of names
+            self._plan = (names, self._targets(names))
+        # One kernel over every tensor; copy_ semantics, so it casts the dtype and moves the device.
+        torch._foreach_copy_(self._plan[1], tensors)
+
+    def _targets(self, names: list[str]) -> list[torch.Tensor]:
+        """The sampler's tensor each of `names` is copied into; refuses names that would leave one stale."""
+        state = self._state
+        keys = [normalize_weight_name(name, state) for name in names]
+        missing = set(state) - set(keys) - {alias for key in keys for alias in self._aliases.get(key, ())}
         if missing:
             raise RuntimeError(f"weight sync left {len(missing)} sampler weights stale, e.g. {sorted(missing)[:3]}")
+        return [state[key] for key in keys]
 
     @torch.inference_mode()
     def _generate(self, prompts: list[list[int]], temperature: float, max_tokens: int, stop: tuple[str, ...] = ()) -> list[Completion]:
