@@ -177,7 +177,7 @@ def turn_metric_values(runs: Iterable[list[RolloutSample]]) -> dict[str, list[fl
     """
     values: dict[str, list[float]] = {}
     for run in runs:
-        if any(s.turn_rewards is None for s in run):
+        if run[0].turn_rewards is None or any(s.turn_rewards is None for s in run):  # the first alone: no generator per run
             continue
         gains = run_turn_rewards(run)
         values.setdefault("igpo/turns", []).append(float(len(gains)))
