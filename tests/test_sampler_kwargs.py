@@ -194,6 +194,21 @@ def test_a_request_past_its_http_timeout_in_the_queue_is_never_generated(tokeniz
 
 
 @pytest.mark.timeout(30)
+def test_requests_of_n_fill_batches_of_max_batch_size_whole_and_get_their_own_completions(tokenizer):
+    sampler = _FakeEngine(tokenizer)
+    sampler.max_batch_size = 4
+
+    async def run():
+        return await asyncio.gather(*(sampler.sample_with_prompt_tokens([p], n, max_tokens=1) for p, n in [(1, 3), (2, 1), (3, 2), (4, 9)]))
+
+    results = asyncio.run(run())
+    assert [[c.full_tokens[0] for c in r] for r in results] == [[1] * 3, [2], [3] * 2, [4] * 9]
+    # 3 + 1 fill the first call; 2 + 9 would not fit: the 2 go alone; the 9 alone, split 4 + 4 + 1.
+    assert [n for n, *_ in sampler.calls] == [4, 2, 4, 4, 1]
+    sampler.close()
+
+
+@pytest.mark.timeout(30)
 def test_max_seq_len_caps_max_tokens_and_refuses_a_prompt_without_room(tokenizer):
     sampler = _FakeEngine(tokenizer)
 

@@ -140,10 +140,12 @@ def _raise(err: BaseException) -> None:
 @dataclass
 class _Request:
     prompt: list[int]
+    n: int
     temperature: float
     max_tokens: int
     stop: tuple[str, ...]
     future: asyncio.Future
+    """Set to the request's n completions: one future per request, not one per completion."""
 
     @property
     def key(self) -> tuple:
@@ -206,29 +208,22 @@ class BatchingSampler(ABC):
                                     f"the request's max_seq_len={args.max_seq_len}; it was not sampled")
             max_tokens = min(max_tokens, args.max_seq_len - prompt_len)
         loop = asyncio.get_running_loop()
-        futures = []
-        for _ in range(n):
-            fut = loop.create_future()
-            self._queue.append(_Request(list(prompt_token_ids), args.temperature, max_tokens, args.stop, fut))
-            futures.append(fut)
+        future = loop.create_future()
+        self._queue.append(_Request(list(prompt_token_ids), n, args.temperature, max_tokens, args.stop, future))
         if loop not in self._flushing:
             self._flushing[loop] = loop.create_task(self._flush(loop))
-        if args.http_timeout is None and n == 1:  # a rollout's usual request: no gather to build
-            return [await futures[0]]
-        gathered = asyncio.gather(*futures)
         if args.http_timeout is None:
-            return list(await gathered)
+            return await future  # a cancelled caller cancels the future: the flush skips a request still queued
         try:
-            done, _ = await asyncio.wait({gathered}, timeout=args.http_timeout)
+            done, _ = await asyncio.wait({future}, timeout=args.http_timeout)
         finally:
-            if not gathered.done():  # timed out, or this caller was cancelled: the flush skips what is still queued
-                gathered.cancel()
-                gathered.add_done_callback(lambda f: f.cancelled() or f.exception())  # its CancelledError is nobody's to log
+            if not future.done():  # timed out, or this caller was cancelled: the flush skips what is still queued
+                future.cancel()
         if not done:
             raise SamplerTimeout(f"no completion within http_timeout={args.http_timeout:g} s: the request's batched "
                                  "generate call is still running or queued (an in-process engine call cannot be "
                                  "cancelled; this request was dropped, the others of its call are unaffected)")
-        return list(gathered.result())
+        return future.result()
 
     async def sample_with_tokens(self, messages: list[dict], n: int = 1, **kwargs: Any) -> list[Completion]:
         return await self.sample_with_prompt_tokens(chat_prompt_tokens(self.tokenizer, messages), n, **kwargs)
@@ -311,23 +306,45 @@ class BatchingSampler(ABC):
                 if not self._queue:
                     break
                 head = self._queue[0]
-                batch = [r for r in self._queue if r.key == head.key][: self.max_batch_size]
+                batch = self._next_batch(head)
                 taken = set(map(id, batch))
                 self._queue = [r for r in self._queue if id(r) not in taken]
-                # The stop strings are passed only when set: an engine without them keeps the 3-argument `_generate`.
-                args = ([r.prompt for r in batch], head.temperature, head.max_tokens) + ((head.stop,) if head.stop else ())
+                prompts = [r.prompt for r in batch for _ in range(r.n)]
                 try:
-                    completions = await self._bounded(self._engine_call(loop, self.generate, *args), len(batch))
+                    completions = await self._bounded(self._engine_call(loop, self._generate_all, prompts, head), len(prompts))
                 except Exception as err:  # every waiting rollout sees the failure
                     for r in batch:
                         if not r.future.done():
                             r.future.set_exception(err)
                     continue
-                for r, c in zip(batch, completions):
+                offset = 0
+                for r in batch:
                     if not r.future.done():
-                        r.future.set_result(c)
+                        r.future.set_result(completions[offset : offset + r.n])
+                    offset += r.n
         finally:
             self._flushing.pop(loop, None)
+
+    def _next_batch(self, head: _Request) -> list[_Request]:
+        """The queued requests with `head`'s key, in order, up to `max_batch_size` prompts in all
+        (`head` alone when its n is more: `_generate_all` splits it)."""
+        batch, size = [], 0
+        for r in self._queue:
+            if r.key == head.key:
+                if batch and size + r.n > self.max_batch_size:
+                    break
+                batch.append(r)
+                size += r.n
+        return batch
+
+    def _generate_all(self, prompts: list[list[int]], head: _Request) -> list[Completion]:
+        """`generate` over `prompts` with `head`'s arguments, in calls of at most `max_batch_size`.
+        The stop strings are passed only when set: an engine without them keeps the 3-argument `_generate`."""
+        extra = (head.stop,) if head.stop else ()
+        out: list[Completion] = []
+        for start in range(0, len(prompts), self.max_batch_size):
+            out += self.generate(prompts[start : start + self.max_batch_size], head.temperature, head.max_tokens, *extra)
+        return out
 
     def _engine_call(self, loop: asyncio.AbstractEventLoop, fn, *args: Any) -> asyncio.Future:
         """`fn(*args)` on the worker thread, or, with `engine_on_loop`, here and now on the loop's
