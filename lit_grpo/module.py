@@ -209,14 +209,15 @@ class GRPOModule(L.LightningModule):
             logprobs_BT, entropy_BT = token_logprobs(self.policy, batch.tokens_BT[idx], batch.attention_mask_BT[idx], self.config.sampler.temperature)
             # The trainer's logprobs before this step's update: what the ratio and the drift compare against.
             trainer_old_BT = old_logprobs_BT[idx] if old_logprobs_BT is not None else logprobs_BT.detach()
+            micro_mask_BT, micro_sampler_BT = mask_BT[idx], sampler_logprobs_BT[idx]
             loss, metrics = policy_loss(
                 self.config.policy_loss.name,
                 logprobs=logprobs_BT,
                 old_logprobs=trainer_old_BT,
-                sampler_logprobs=sampler_logprobs_BT[idx],
+                sampler_logprobs=micro_sampler_BT,
                 ref_logprobs=ref_logprobs_BT[idx] if ref_logprobs_BT is not None else None,
                 advantages=advantages[idx],
-                mask=mask_BT[idx],
+                mask=micro_mask_BT,
                 normalization=self.config.policy_loss.loss_normalization,
                 num_tokens=num_tokens,
                 num_sequences=num_sequences,
@@ -228,9 +229,9 @@ class GRPOModule(L.LightningModule):
                 self.manual_backward(loss * world_size)
             # Metrics are token means per micro-batch; weighted by tokens over the global count
             # they add up (over micro-batches and ranks) to the step's token means.
-            weight = mask_BT[idx].sum() / num_tokens
-            health = {"entropy": entropy_BT, **drift_per_token(trainer_old_BT, sampler_logprobs_BT[idx], mask_BT[idx], tis_cap=self.drift_tis_cap)}
-            metrics = {**metrics, **masked_means(health, mask_BT[idx])}
+            weight = micro_mask_BT.sum() / num_tokens
+            health = {"entropy": entropy_BT, **drift_per_token(trainer_old_BT, micro_sampler_BT, micro_mask_BT, tis_cap=self.drift_tis_cap)}
+            metrics = {**metrics, **masked_means(health, micro_mask_BT)}
             keys = keys or [f"train/{key}" for key in metrics]
             values_K = torch.stack([value.detach().float() for value in metrics.values()]) * weight
             weighted_K = values_K if weighted_K is None else weighted_K + values_K

@@ -15,7 +15,8 @@ import functools
 from typing import Awaitable, Callable, Optional
 
 from lit_grpo.rows import RowPromptError, bad_prompt_message, prompt_field_of
-from lit_grpo.samplers.base import BatchingSampler, chat_prompt_tokens
+from lit_grpo.samplers.arguments import chat_prompt_tokens
+from lit_grpo.samplers.base import BatchingSampler
 from lit_grpo.types import Completion, RolloutSample, RolloutSetup
 
 RolloutFn = Callable[[dict], Awaitable[Optional[RolloutSample]]]

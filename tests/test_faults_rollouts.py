@@ -25,7 +25,8 @@ import pytest
 import hostile_rollouts
 import lit_grpo.train
 from lit_grpo.rollouts import NoProgressError, RolloutCircuitOpen
-from lit_grpo.samplers.base import BatchingSampler, PromptTooLong, SamplerTimeout
+from lit_grpo.samplers.arguments import PromptTooLong, SamplerTimeout
+from lit_grpo.samplers.base import BatchingSampler
 from lit_grpo.types import Completion
 
 from conftest import compose_config

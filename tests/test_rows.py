@@ -189,7 +189,7 @@ def test_a_plain_prompt_gets_the_tokenizers_special_tokens_in_rollouts_and_evalu
 
 
 def test_each_prompt_form(tokenizer):
-    from lit_grpo.samplers.base import chat_prompt_tokens
+    from lit_grpo.samplers.arguments import chat_prompt_tokens
 
     user = {"role": "user", "content": "2+3?"}
     shot = [{"role": "user", "content": "1+1?"}, {"role": "assistant", "content": "2"}]

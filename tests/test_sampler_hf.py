@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lit_grpo.module import token_logprobs
-from lit_grpo.samplers.base import PromptTooLong
+from lit_grpo.samplers.arguments import PromptTooLong
 from lit_grpo.samplers.hf import HFSampler
 from test_sampler_kwargs import check_stop_contract, reference_cut
 
@@ -168,7 +168,7 @@ def test_a_weight_sync_behind_a_stuck_generate_call_times_out(tiny_model, tokeni
     import threading
     import time
 
-    from lit_grpo.samplers.base import SamplerTimeout
+    from lit_grpo.samplers.arguments import SamplerTimeout
 
     sampler = HFSampler(tiny_model, tokenizer)
     sampler.call_timeout_s = 0.2

@@ -8,9 +8,8 @@ import time
 
 import pytest
 
-from lit_grpo.samplers.base import (
-    SAMPLE_KWARGS, BatchingSampler, PromptTooLong, SampleArgs, SamplerTimeout, check_sample_kwargs,
-)
+from lit_grpo.samplers.arguments import SAMPLE_KWARGS, PromptTooLong, SampleArgs, SamplerTimeout, check_sample_kwargs
+from lit_grpo.samplers.base import BatchingSampler
 from lit_grpo.samplers.stops import find_stop, first_stop, normalize_stop
 from lit_grpo.types import Completion
 

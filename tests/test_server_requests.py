@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from lit_grpo.samplers.base import SamplerTimeout
+from lit_grpo.samplers.arguments import SamplerTimeout
 from lit_grpo.samplers.server_requests import Coalescer, ReplicaRouter
 from lit_grpo.samplers.server_weights import ServerError
 

@@ -23,7 +23,7 @@ from lit_grpo.advantages import ragged_group_advantages
 from lit_grpo.health import rollout_health
 from lit_grpo.igpo import IGPOSettings, group_token_advantages, turn_metric_values
 from lit_grpo.rollouts.checks import check_sample
-from lit_grpo.samplers.base import PromptTooLong
+from lit_grpo.samplers.arguments import PromptTooLong
 from lit_grpo.types import PromptGroup, RolloutBatch, RolloutRecord, RolloutRun, RolloutSample
 
 _TYPECODES = {"q": torch.long, "f": torch.float32}

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Hashable, Optional
 
-from lit_grpo.samplers.base import SamplerTimeout
+from lit_grpo.samplers.arguments import SamplerTimeout
 from lit_grpo.samplers.server_weights import ServerError
 
 log = logging.getLogger("lit_grpo.samplers.vllm_server")

@@ -48,7 +48,8 @@ from typing import TYPE_CHECKING, Any, Awaitable, Iterable, Optional, Sequence, 
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from lit_grpo.samplers.base import BatchingSampler, PromptTooLong, SamplerTimeout, check_sample_kwargs, check_score_pairs
+from lit_grpo.samplers.arguments import PromptTooLong, SamplerTimeout, check_sample_kwargs, check_score_pairs
+from lit_grpo.samplers.base import BatchingSampler
 from lit_grpo.samplers.server_requests import Coalescer, Replica, ReplicaRouter
 from lit_grpo.samplers.server_scores import score_request, target_logprobs
 from lit_grpo.samplers.server_weights import ServerError, WeightSyncError, sync_replicas, write_weight_file  # noqa: F401 (re-exported)
