@@ -233,7 +233,9 @@ class OffPolicyScheduler:
         tasks: set[asyncio.Task] = set()
         while not self._stopping:
             if not self.can_admit():
-                self._gate_wait_s += await self._wait_for_wake()
+                waited = await self._wait_for_wake()  # awaited first: `x += await` would add to a stale `x`
+                with self._lock:
+                    self._gate_wait_s += waited
                 continue
             with self._lock:
                 taken = self.cursor.take_positioned(1)
@@ -339,7 +341,8 @@ class OffPolicyScheduler:
         train_window = (self._last_handover or waited_from, waited_from)  # the previous step trained here
         self._last_handover = now
         rejected = [self._rejected.popleft() for _ in range(len(self._rejected))]
-        gate_wait_s, self._gate_wait_s = self._gate_wait_s, 0.0
+        with self._lock:
+            gate_wait_s, self._gate_wait_s = self._gate_wait_s, 0.0
         timings = {
             "perf/sample_s": now - train_window[0], "perf/trainer_wait_s": now - waited_from, "perf/sampler_wait_s": gate_wait_s,
             "perf/overlap_ratio": self._overlap(*train_window), "async/in_flight": float(self.running),
