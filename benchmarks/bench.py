@@ -1,4 +1,5 @@
-"""Benchmark: seconds per training step by phase, against a bare-torch floor measured in the same process.
+"""Benchmark: seconds per training step by phase, against a bare-torch floor timed step by step
+beside it, in the same process.
 
     python -m benchmarks.bench --repeats 3        # `make bench`, from the repository root
     python -m benchmarks.bench --steps 80 sampler.max_completion_tokens=...   (extra args are Hydra overrides)
@@ -18,6 +19,7 @@ import statistics
 import tempfile
 import time
 
+import lightning as L
 import torch
 
 from lit_grpo.config import TrainConfig, validate
@@ -34,46 +36,91 @@ def _median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
-def framework_steps(c: TrainConfig, warmup: int) -> dict[str, float]:
-    """Median seconds of each phase over the steps after `warmup`, from the real training loop."""
-    _, module = fit(c)
-    steps = module.step_sequence.history.steps[warmup:]
-    out = {phase: _median([s[phase] for s in steps if phase in s]) for phase in PHASES}
-    out["sample_tokens_per_s"] = _median([s["perf/sample_tokens_per_s"] for s in steps])
-    out["train_tokens_per_s"] = _median([s["perf/train_tokens_per_s"] for s in steps])
-    return out
+class Floor:
+    """The work of one training step done with bare torch + transformers: one batched `generate`
+    of the same prompts, a reference forward when β > 0, one forward/backward/AdamW step over the
+    same sequences. It draws from its own RNG stream, so it leaves the framework's samples as they
+    would be without it."""
 
+    def __init__(self, c: TrainConfig) -> None:
+        self.c = c
+        self.tokenizer = load_tokenizer(c.model)
+        self.policy = load_policy(c.model, self.tokenizer, c.seed)
+        self.reference = load_policy(c.model, self.tokenizer, c.seed).requires_grad_(False) if c.policy_loss.kl_beta > 0 else None
+        self.sampler = HFSampler(self.policy, self.tokenizer)  # only its `generate`: one plain batched call
+        self.optimizer = adamw(self.policy.parameters(), lr=c.learning_rate)
+        P, G = c.data.prompt_groups_per_step, c.data.completions_per_prompt
+        prompts = [self.tokenizer(f"{i % 10}+{(i // 10) % 10}=", add_special_tokens=False)["input_ids"] for i in range(P)]
+        self.prompts = [p for p in prompts for _ in range(G)]
+        self._rng = torch.Generator().manual_seed(c.seed + 1).get_state()
+        self.generate_s: list[float] = []
+        self.train_s: list[float] = []
 
-def floor_step(c: TrainConfig, reps: int) -> dict[str, float]:
-    """Median seconds of the same work done with bare torch + transformers."""
-    tokenizer = load_tokenizer(c.model)
-    policy = load_policy(c.model, tokenizer, c.seed)
-    reference = load_policy(c.model, tokenizer, c.seed).requires_grad_(False) if c.policy_loss.kl_beta > 0 else None
-    sampler = HFSampler(policy, tokenizer)  # only its `generate`: one plain batched call
-    optimizer = adamw(policy.parameters(), lr=c.learning_rate)
-    P, G = c.data.prompt_groups_per_step, c.data.completions_per_prompt
-    prompts = [tokenizer(f"{i % 10}+{(i // 10) % 10}=", add_special_tokens=False)["input_ids"] for i in range(P)]
-    gen_s, train_s = [], []
-    for _ in range(reps):
+    def step(self) -> None:
+        with torch.random.fork_rng(devices=[]):
+            torch.set_rng_state(self._rng)
+            self._step()
+            self._rng = torch.get_rng_state()
+
+    def _step(self) -> None:
+        c, pad = self.c, self.tokenizer.pad_token_id
         t0 = time.perf_counter()
-        completions = sampler.generate([p for p in prompts for _ in range(G)], c.sampler.temperature, c.sampler.max_completion_tokens)
+        completions = self.sampler.generate(self.prompts, c.sampler.temperature, c.sampler.max_completion_tokens)
         t1 = time.perf_counter()
         width = max(len(x.full_tokens) for x in completions)
-        tokens = torch.tensor([x.full_tokens + [tokenizer.pad_token_id] * (width - len(x.full_tokens)) for x in completions])
+        tokens = torch.tensor([x.full_tokens + [pad] * (width - len(x.full_tokens)) for x in completions])
         attention = (torch.arange(width)[None] < torch.tensor([len(x.full_tokens) for x in completions])[:, None]).long()
-        if reference is not None:
+        if self.reference is not None:
             with torch.no_grad():
-                token_logprobs(reference, tokens, attention, c.sampler.temperature)
-        logprobs, _ = token_logprobs(policy, tokens, attention, c.sampler.temperature)
+                token_logprobs(self.reference, tokens, attention, c.sampler.temperature)
+        logprobs, _ = token_logprobs(self.policy, tokens, attention, c.sampler.temperature)
         loss = -(logprobs * attention[:, 1:]).sum() / attention[:, 1:].sum()
-        optimizer.zero_grad()
+        self.optimizer.zero_grad()
         loss.backward()
-        optimizer.step()
-        t2 = time.perf_counter()
-        gen_s.append(t1 - t0)
-        train_s.append(t2 - t1)
-    sampler.close()
-    return {"generate_s": _median(gen_s), "train_s": _median(train_s), "step_s": _median([a + b for a, b in zip(gen_s, train_s)])}
+        self.optimizer.step()
+        self.generate_s.append(t1 - t0)
+        self.train_s.append(time.perf_counter() - t1)
+
+    def close(self) -> None:
+        self.sampler.close()
+
+
+class InterleavedFloor(L.Callback):
+    """One floor step inside each training step, so the two are timed a few milliseconds apart on
+    the same machine state: a drift in the machine's speed (seconds long on a shared host) hits
+    both alike. Callbacks' `on_train_batch_end` runs before the module's, which stamps the step's
+    end, so floor step k lies inside framework step k's `perf/step_s` and is taken out of it."""
+
+    def __init__(self, floor: Floor) -> None:
+        self.floor = floor
+        self.spans: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if not outputs:
+            return  # the stream's end: no step was trained, none is stamped
+        start = time.perf_counter()
+        self.floor.step()
+        self.spans.append(time.perf_counter() - start)
+
+
+def paired_steps(c: TrainConfig, warmup: int) -> tuple[dict[str, float], dict[str, float]]:
+    """Medians over the steps after `warmup`: each phase of the real training loop, and the floor's."""
+    floor = Floor(c)
+    interleaved = InterleavedFloor(floor)
+    try:
+        _, module = fit(c, extra_callbacks=[interleaved])
+    finally:
+        floor.close()
+    steps = module.step_sequence.history.steps
+    if len(steps) != len(interleaved.spans):
+        raise RuntimeError(f"{len(steps)} steps but {len(interleaved.spans)} floor steps: the pairing is off")
+    ours = {phase: _median([s[phase] for s in steps[warmup:] if phase in s]) for phase in PHASES}
+    ours["perf/step_s"] = _median([s["perf/step_s"] - span for s, span in zip(steps, interleaved.spans)][warmup:])
+    ours["sample_tokens_per_s"] = _median([s["perf/sample_tokens_per_s"] for s in steps[warmup:]])
+    ours["train_tokens_per_s"] = _median([s["perf/train_tokens_per_s"] for s in steps[warmup:]])
+    gen, train = floor.generate_s[warmup:], floor.train_s[warmup:]
+    theirs = {"generate_s": _median(gen), "train_s": _median(train), "step_s": _median([a + b for a, b in zip(gen, train)])}
+    return ours, theirs
 
 
 def main() -> None:
@@ -81,20 +128,21 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=1,
-                        help="alternate the framework run and the floor this many times; medians over the repeats")
+                        help="fresh runs (each with its own floor); medians over the repeats")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. sampler.max_completion_tokens=4")
     args = parser.parse_args()
     torch.set_num_threads(max(torch.get_num_threads(), 1))
     runs, floors = [], []
-    for _ in range(max(args.repeats, 1)):  # interleaved, so a drift in the machine's speed hits both alike
+    for _ in range(max(args.repeats, 1)):
         with tempfile.TemporaryDirectory() as out:
             cfg = compose_config([
                 "+experiment=arithmetic", f"max_steps={args.steps}", "~callbacks.reward_filter", "~callbacks.reward_curve",
                 "logger=none", "output_model_id=null", "trainer.enable_progress_bar=false", f"output_dir={out}", *args.overrides,
             ])
             c = validate(cfg)
-            runs.append(framework_steps(c, args.warmup))
-            floors.append(floor_step(c, reps=max(args.steps - args.warmup, 5)))
+            ours, theirs = paired_steps(c, args.warmup)
+            runs.append(ours)
+            floors.append(theirs)
     ours = {key: _median([r[key] for r in runs]) for key in runs[0]}
     floor = {key: _median([f[key] for f in floors]) for key in floors[0]}
     ratios = [r["perf/step_s"] / f["step_s"] for r, f in zip(runs, floors)]
