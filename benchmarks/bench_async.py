@@ -4,6 +4,12 @@ Each rollout samples one completion and then awaits `env_latency_s` (standing in
 call). The same arithmetic run is timed with `synchronous_training: true` and with the
 off-policy gate at O = 1 and O = 2, in one process, and the medians are printed side by side.
 
+A second table times the schedulers alone: rollouts that only wait (`--latency`) and a training
+step that only sleeps (`--train-s`), so neither uses the CPU. With a rollout round of R seconds
+and a step of T, step k + 1's rows may start once the weights of step k - O exist, so a step
+takes max(T, (R + T) / (O + 1)) at best; synchronous training takes R + T. In the first table the
+in-process sampler and the trainer also share the machine's cores, which this one leaves out.
+
     python -m benchmarks.bench_async --steps 150 --latency 0.05   # from the repository root
 """
 
@@ -16,8 +22,11 @@ import tempfile
 import time
 
 from lit_grpo.config import validate
+from lit_grpo.data import RolloutStream
 from lit_grpo.rollout import make_rollout_fn
+from lit_grpo.rollouts import GroupSampler, OffPolicyScheduler, RowCursor, SynchronousScheduler
 from lit_grpo.train import compose_config, fit, summarize
+from lit_grpo.types import RolloutSample
 
 MODES = {
     "sync": ["synchronous_training=true"],
@@ -67,11 +76,46 @@ def run_mode(overrides: list[str], steps: int, latency: float, warmup: int) -> d
     }
 
 
+def scheduler_only_step_s(offpolicy: int | None, latency: float, train_s: float, steps: int, P: int = 8, G: int = 8) -> float:
+    """Median seconds a step with the scheduler alone: each rollout waits `latency`, each
+    training step sleeps `train_s` then syncs (offpolicy None: synchronous training)."""
+    async def rollout_fn(row):
+        await asyncio.sleep(latency)
+        return RolloutSample(tokens=[1, 2, 3], logprobs=[0.0, -1.0, -1.0], loss_mask=[0, 1, 1], reward=float(row["id"] % 2))
+
+    groups = GroupSampler(rollout_fn, G, max_seq_len=8, min_group_size=2, filters=[])
+    cursor = RowCursor([{"id": i} for i in range(P * (steps + 8))], 1, 0, False)
+    scheduler = (SynchronousScheduler(cursor, groups, P, max_concurrency=256) if offpolicy is None else
+                 OffPolicyScheduler(cursor, groups, P, max_head_offpolicy_versions=offpolicy, max_concurrency=256))
+    ends = []
+    try:
+        for _ in RolloutStream(scheduler, groups, max_steps=steps, advantage_scale="std", pad_id=0):
+            time.sleep(train_s)
+            scheduler.advance_version()
+            ends.append(time.perf_counter())
+    finally:
+        scheduler.close()
+    return statistics.median(b - a for a, b in list(zip(ends, ends[1:]))[5:])
+
+
+def print_scheduler_only(latency: float, train_s: float, steps: int) -> None:
+    print(f"\nschedulers alone: rollouts wait {latency * 1000:.0f} ms, a training step sleeps {train_s * 1000:.0f} ms, {steps} steps")
+    print(f"{'mode':<11}{'step_s':>8}{'ratio':>7}{'bound':>8}")
+    sync = scheduler_only_step_s(None, latency, train_s, steps)
+    print(f"{'sync':<11}{sync:>8.3f}{1.0:>6.2f}x{latency + train_s:>8.3f}")
+    for offpolicy in (1, 2):
+        step = scheduler_only_step_s(offpolicy, latency, train_s, steps)
+        bound = max(train_s, (latency + train_s) / (offpolicy + 1))
+        print(f"{'async O=' + str(offpolicy):<11}{step:>8.3f}{step / sync:>6.2f}x{bound:>8.3f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--latency", type=float, default=0.05, help="environment latency per rollout, seconds")
+    parser.add_argument("--train-s", type=float, default=0.025, help="the schedulers-alone table's training step, seconds")
+    parser.add_argument("--scheduler-steps", type=int, default=40, help="steps of each mode in the schedulers-alone table")
     args = parser.parse_args()
     results = {name: run_mode(o, args.steps, args.latency, args.warmup) for name, o in MODES.items()}
     base = results["sync"]["step_s"]
@@ -82,6 +126,7 @@ def main() -> None:
         print(f"{name:<11}{r['step_s']:>8.3f}{base / r['step_s']:>8.2f}x{r['samples_per_s']:>10.0f}{r['wall_s']:>8.1f}"
               f"{r['first_reward']:>10.2f} → {r['final_reward']:.2f}{r['offset_mean']:>10.2f} / {r['offset_max']:.0f}"
               f"{r['trainer_wait_s']:>8.3f}{r['overlap']:>8.2f}")
+    print_scheduler_only(args.latency, args.train_s, args.scheduler_steps)
 
 
 if __name__ == "__main__":
