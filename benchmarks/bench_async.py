@@ -7,8 +7,9 @@ off-policy gate at O = 1 and O = 2, in one process, and the medians are printed 
 A second table times the schedulers alone: rollouts that only wait (`--latency`) and a training
 step that only sleeps (`--train-s`), so neither uses the CPU. With a rollout round of R seconds
 and a step of T, step k + 1's rows may start once step k - O has trained, so rounds overlap each
-other as well as training, and a step takes max(T, (R + T) / (O + 1)) at best; synchronous training takes R + T. In the first table the
-in-process sampler and the trainer also share the machine's cores, which this one leaves out.
+other as well as training, and a step takes max(T, (R + T) / (O + 1)) at best; synchronous
+training takes R + T. In the first table the in-process sampler and the trainer also share the
+machine's cores, which this one leaves out.
 
     python -m benchmarks.bench_async --steps 150 --latency 0.05   # from the repository root
 """
