@@ -6,8 +6,9 @@ group checks and filters → advantages → a padded `RolloutBatch`, and the ste
         accepted groups ─► make_batch (advantages, padding) ─► RolloutBatch
         RolloutRecord of every rank ─► rollout_metrics (merged over ranks before logging)
 
-Nothing here waits, samples or keeps state; the schedulers (`lit_grpo.rollouts.schedulers`)
-decide when rows are sampled, and `GroupSampler` (`lit_grpo.rollouts.groups`) runs the calls.
+Nothing here waits, samples or keeps state; the schedulers (`lit_grpo.rollouts.schedulers`,
+`lit_grpo.rollouts.offpolicy`) decide when rows are sampled, and `GroupSampler`
+(`lit_grpo.rollouts.groups`) runs the calls.
 """
 
 from __future__ import annotations
