@@ -34,7 +34,7 @@ bench: install ## Time each phase of a training step against a bare-torch floor
 	$(PYTHON) -m benchmarks.bench --repeats 3
 
 bench-async: install ## Sync vs async training with a latency-bound environment
-	$(PYTHON) -m benchmarks.bench_async
+	$(PYTHON) -m benchmarks.bench_async --repeats 3
 
 bench-memory: install ## Peak memory of token logprobs + entropy, naive vs chunked, next to the logits
 	$(PYTHON) -m benchmarks.bench_logprob_memory

@@ -3,6 +3,9 @@
 Each rollout samples one completion and then awaits `env_latency_s` (standing in for a tool
 call). The same arithmetic run is timed with `synchronous_training: true` and with the
 off-policy gate at O = 1 and O = 2, in one process, and the medians are printed side by side.
+With `--repeats N` the three modes run N times in alternating order, and each mode's ratio to
+synchronous training is taken within a round, then the median over the rounds is printed: the
+machine's speed drifts over a run's minutes, and a lone run of each mode measures the drift too.
 
 A second table times the schedulers alone: rollouts that only wait (`--latency`) and a training
 step that only sleeps (`--train-s`), so neither uses the CPU. With a rollout round of R seconds
@@ -11,7 +14,7 @@ other as well as training, and a step takes max(T, (R + T) / (O + 1)) at best; s
 training takes R + T. In the first table the in-process sampler and the trainer also share the
 machine's cores, which this one leaves out.
 
-    python -m benchmarks.bench_async --steps 150 --latency 0.05   # from the repository root
+    python -m benchmarks.bench_async --steps 150 --latency 0.05 --repeats 3   # from the repository root
 """
 
 from __future__ import annotations
@@ -110,25 +113,44 @@ def print_scheduler_only(latency: float, train_s: float, steps: int) -> None:
         print(f"{'async O=' + str(offpolicy):<11}{step:>8.3f}{step / sync:>6.2f}x{bound:>8.3f}")
 
 
+def run_rounds(repeats: int, steps: int, latency: float, warmup: int) -> list[dict[str, dict[str, float]]]:
+    """`repeats` rounds of every mode, in alternating order (sync, O=1, O=2, then O=2, O=1, sync,
+    ...): a drift in the machine's speed over the minutes of a run hits every mode alike, and
+    ratios are taken within a round, between runs a few seconds apart."""
+    rounds = []
+    for i in range(max(repeats, 1)):
+        order = list(MODES) if i % 2 == 0 else list(reversed(MODES))
+        done = {name: run_mode(MODES[name], steps, latency, warmup) for name in order}
+        rounds.append({name: done[name] for name in MODES})
+    return rounds
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="rounds of the three modes, in alternating order; medians over the rounds")
     parser.add_argument("--latency", type=float, default=0.05, help="environment latency per rollout, seconds")
     parser.add_argument("--train-s", type=float, default=0.025, help="the schedulers-alone table's training step, seconds")
     parser.add_argument("--scheduler-steps", type=int, default=40, help="steps of each mode in the schedulers-alone table")
     args = parser.parse_args()
-    results = {name: run_mode(o, args.steps, args.latency, args.warmup) for name, o in MODES.items()}
-    base = results["sync"]["step_s"]
-    print(f"\nasync bench: arithmetic, {args.steps} steps, env latency {args.latency * 1000:.0f} ms per rollout")
-    print(f"{'mode':<11}{'step_s':>8}{'speed-up':>9}{'samples/s':>10}{'wall_s':>8}{'reward first→last':>19}"
+    rounds = run_rounds(args.repeats, args.steps, args.latency, args.warmup)
+    ratios = {name: [r[name]["step_s"] / r["sync"]["step_s"] for r in rounds] for name in MODES}
+    print(f"\nasync bench: arithmetic, {args.steps} steps, env latency {args.latency * 1000:.0f} ms per rollout, "
+          f"{len(rounds)} round(s) (medians over the rounds; ratio: step_s / sync's in the same round)")
+    print(f"{'mode':<11}{'step_s':>8}{'ratio':>7}{'speed-up':>9}{'samples/s':>10}{'wall_s':>8}{'reward first→last':>19}"
           f"{'offset mean/max':>16}{'wait_s':>8}{'overlap':>8}")
-    for name, r in results.items():
-        print(f"{name:<11}{r['step_s']:>8.3f}{base / r['step_s']:>8.2f}x{r['samples_per_s']:>10.0f}{r['wall_s']:>8.1f}"
-              f"{r['first_reward']:>10.2f} → {r['final_reward']:.2f}{r['offset_mean']:>10.2f} / {r['offset_max']:.0f}"
-              f"{r['trainer_wait_s']:>8.3f}{r['overlap']:>8.2f}")
+    for name in MODES:
+        med = {key: statistics.median(r[name][key] for r in rounds) for key in rounds[0][name]}
+        ratio = statistics.median(ratios[name])
+        print(f"{name:<11}{med['step_s']:>8.3f}{ratio:>6.2f}x{1 / ratio:>8.2f}x{med['samples_per_s']:>10.0f}{med['wall_s']:>8.1f}"
+              f"{med['first_reward']:>10.2f} → {med['final_reward']:.2f}{med['offset_mean']:>10.2f} / {med['offset_max']:.0f}"
+              f"{med['trainer_wait_s']:>8.3f}{med['overlap']:>8.2f}")
+    if len(rounds) > 1:
+        for name in list(MODES)[1:]:
+            print(f"{name + ' ratio of each round':<30}{'  '.join(f'{x:.2f}x' for x in ratios[name])}")
     print_scheduler_only(args.latency, args.train_s, args.scheduler_steps)
-
 
 if __name__ == "__main__":
     main()
