@@ -164,5 +164,6 @@ def main() -> None:
             print(f"{name + ' ratio of each round':<30}{'  '.join(f'{x:.2f}x' for x in ratios[name])}")
     print_scheduler_only(args.latency, args.train_s, args.scheduler_steps)
 
+
 if __name__ == "__main__":
     main()
