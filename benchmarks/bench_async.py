@@ -97,7 +97,7 @@ def scheduler_only_step_s(offpolicy: int | None, latency: float, train_s: float,
     def keep(group) -> bool:
         return random.Random(group.row["id"]).random() < accept
 
-    groups = GroupSampler(rollout_fn, G, max_seq_len=8, min_group_size=2, filters=[keep])
+    groups = GroupSampler(rollout_fn, G, max_seq_len=8, min_group_size=2, filters=[keep] if accept < 1 else [])
     rows_needed = math.ceil(P * (steps + 8) / accept) * 2  # rejected and stale rows are used up too
     cursor = RowCursor([{"id": i} for i in range(rows_needed)], 1, 0, False)
     scheduler = (SynchronousScheduler(cursor, groups, P, max_concurrency=256) if offpolicy is None else
