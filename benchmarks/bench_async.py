@@ -33,7 +33,8 @@ from lit_grpo.config import validate
 from lit_grpo.data import RolloutStream
 from lit_grpo.rollout import make_rollout_fn
 from lit_grpo.rollouts import GroupSampler, OffPolicyScheduler, RowCursor, SynchronousScheduler
-from lit_grpo.train import compose_config, fit, summarize
+from lit_grpo.build import fit
+from lit_grpo.train import compose_config, summarize
 from lit_grpo.types import RolloutSample
 
 MODES = {

@@ -55,7 +55,8 @@ def trainer_bytes(module, optimizer) -> dict[str, float]:
 def run_variant(rank: int, steps: int, overrides: list[str]) -> dict[str, float]:
     """Train `steps` steps in this process (rank 0: full fine-tuning) and measure it."""
     from lit_grpo.config import validate
-    from lit_grpo.train import compose_config, fit
+    from lit_grpo.build import fit
+    from lit_grpo.train import compose_config
 
     with tempfile.TemporaryDirectory() as out:
         c = validate(compose_config([*RUN, *MODEL, f"max_steps={steps}", f"model.lora.rank={rank}", *overrides, f"output_dir={out}"]))

@@ -16,7 +16,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from lit_grpo.callbacks.reward_curve import plot_curves
+from lit_grpo.curves import plot_curves  # not the callback's module: Hydra loads this one before every run
 
 log = logging.getLogger(__name__)
 COLUMNS = ["overrides", "final_reward", "best_reward", "first_reward", "steps", "wall_s"]

@@ -4,194 +4,40 @@
     python -m lit_grpo.train +experiment=arithmetic trainer.fast_dev_run=true
     python -m lit_grpo.train -m +experiment=arithmetic policy_loss=grpo,dapo,gspo
 
-The config is validated (and every field error reported by name) before any model is loaded.
+The config is validated (and every field error reported by name) before any model is loaded,
+and before torch, Lightning and transformers are imported: the run itself is `lit_grpo.build`'s.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import gc
 import json
 import logging
 import signal
 import sys
 import time
-import warnings
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Optional
 
 import hydra
-import lightning as L
-from hydra.utils import instantiate
-from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig
 
-from lit_grpo.callbacks.export import HFExport
-from lit_grpo.checkpoint import CheckpointStore, check_resumable
+from lit_grpo.checkpoint import check_resumable
 from lit_grpo.config import ConfigError, TrainConfig, ineffective_knobs, validate
-from lit_grpo.data import RolloutDataModule, rollout_guards
 from lit_grpo.errors import run_cli, run_hydra_cli
-from lit_grpo.evaluation import GreedyEvaluator
-from lit_grpo.loggers import finish_runs
-from lit_grpo.metrics import MetricHistory
-from lit_grpo.models import load_policy, load_tokenizer
-from lit_grpo.module import GRPOModule
 from lit_grpo.preflight import check_sources
-from lit_grpo.rollout import load_rollout_factory
 from lit_grpo.run_folder import claim_output_dir, find_resume_checkpoint, set_aside_metrics
-from lit_grpo.run_state import RunCheckpointer
-from lit_grpo.samplers import build_sampler
 from lit_grpo.signals import StopRequested, StopSignals
-from lit_grpo.step_sequence import StepSequence
-from lit_grpo.rows import evaluation_rows, training_rows
-from lit_grpo.tasks import reward_fn
-from lit_grpo.types import RolloutSetup
-from lit_grpo.rollout_evaluation import RolloutEvaluator
 from lit_grpo.user_inputs import UserInputs
+
+if TYPE_CHECKING:
+    import lightning as L
+
+    from lit_grpo.metrics import MetricHistory
+    from lit_grpo.module import GRPOModule
 
 log = logging.getLogger(__name__)
 SUMMARY_WINDOW = 10
 CONF_DIR = Path(__file__).resolve().parent / "conf"  # shipped in the package (the wheel carries it)
-
-# Both are deliberate: the step pulls its own batch (no prefetch of stale rollouts), and the
-# policy runs in eval mode (no dropout, so trainer and sampler logprobs agree).
-warnings.filterwarnings("ignore", message=r".*`dataloader_iter`.*")
-warnings.filterwarnings("ignore", message=r".*module\(s\) in eval mode.*")
-warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
-# A single-process run saves its DCP checkpoints without a process group, as intended.
-warnings.filterwarnings("ignore", message=r".*torch.distributed is disabled, unavailable or uninitialized.*")
-
-
-# Rank r samples from its own stream: the ranks' completions must differ, as their rows do.
-RANK_SEED_STRIDE = 1_000_003
-
-
-def build_datamodule(c: TrainConfig, policy, tokenizer, rows: list[dict], eval_rows: list[dict], *, rank: int = 0,
-                     world_size: int = 1, inputs: Optional[UserInputs] = None) -> RolloutDataModule:
-    """The rollout data module of this rank: its share of `rows`, its own sampler and rollout function."""
-    inputs = inputs or UserInputs()
-    sampler_cfg, work_dir = c.sampler, c.output_dir
-    if world_size > 1:  # each rank's sampler writes its own files, and owns its own servers
-        work_dir = str(Path(c.output_dir) / f"rank{rank}")
-        if c.sampler.server_urls:
-            if len(c.sampler.server_urls) < world_size:
-                raise ConfigError(f"config field `sampler.server_urls`: {len(c.sampler.server_urls)} servers cannot be shared "
-                                  f"out to {world_size} ranks (each rank syncs its own servers); give at least one per rank")
-            sampler_cfg = dataclasses.replace(c.sampler, server_urls=list(c.sampler.server_urls[rank::world_size]))
-    sampler = build_sampler(sampler_cfg, policy, tokenizer, model=c.model, work_dir=work_dir, seed=c.seed + RANK_SEED_STRIDE * rank)
-    setup = RolloutSetup(
-        sampler=sampler,
-        tokenizer=tokenizer,
-        sample_kwargs={"temperature": c.sampler.temperature, "max_tokens": c.sampler.max_completion_tokens, "top_p": 1.0, "top_k": 0},
-        extras={"reward_fn": inputs.reward_fn or reward_fn(c), "prompt_field": c.data.prompt_field, **c.rollout.extras,
-                **inputs.rollout_extras},
-        completions_per_prompt=c.data.completions_per_prompt,
-        model=c.model.name_or_path or c.model.kind,
-        tokenizer_id=c.model.name_or_path or c.model.kind,
-    )
-    return RolloutDataModule(
-        rows=rows,
-        eval_rows=eval_rows,
-        reward_fn=setup.extras["reward_fn"],
-        prompt_field=c.data.prompt_field,
-        tokenizer=tokenizer,
-        sampler=sampler,
-        rollout_fn=(inputs.rollout_factory or load_rollout_factory(c.rollout.factory))(setup),
-        completions_per_prompt=c.data.completions_per_prompt,
-        prompt_groups_per_step=c.data.prompt_groups_per_step,
-        epochs=c.data.epochs,
-        seed=c.seed,
-        shuffle=c.data.shuffle,
-        advantage_scale=c.policy_loss.advantage_scale,
-        igpo=c.policy_loss.igpo_settings(),
-        max_steps=c.max_steps,
-        max_seq_len=c.data.max_seq_len,
-        min_group_size=c.data.min_group_size,
-        synchronous_training=c.synchronous_training,
-        engine_thread=c.sampler.engine_thread,
-        max_head_offpolicy_versions=c.max_head_offpolicy_versions,
-        max_concurrency=c.max_concurrency_rollout_sample,
-        rank=rank,
-        world_size=world_size,
-        **rollout_guards(c),
-    )
-
-
-def _instantiate_all(group: dict) -> list[Any]:
-    return [instantiate(spec) for spec in group.values() if spec is not None]
-
-
-def build_step_sequence(c: TrainConfig, datamodule: RolloutDataModule, resume_from: Optional[Path], stop: Optional[StopSignals] = None,
-                        inputs: Optional[UserInputs] = None) -> StepSequence:
-    """Weight sync, checkpoints (and the resume) and evaluation, as the run's config sets them."""
-    checkpointer = None
-    if c.dcp_save_interval > 0 or resume_from is not None:
-        store = CheckpointStore(Path(c.output_dir) / "checkpoints", keep_last=c.dcp_keep_last)
-        checkpointer = RunCheckpointer(store, interval=c.dcp_save_interval, run_config=c)
-    evaluator = GreedyEvaluator(c.eval_interval, max_tokens=c.sampler.max_completion_tokens, batch_size=c.sampler.max_batch_size)
-    return StepSequence(
-        datamodule, weight_sync_interval=c.weight_sync_interval, checkpointer=checkpointer, evaluator=evaluator,
-        resume_from=resume_from, log_every_n_steps=c.trainer.log_every_n_steps, stop=stop,
-        rollout_evaluator=user_evaluator(datamodule, inputs),
-    )
-
-
-def user_evaluator(datamodule: RolloutDataModule, inputs: Optional[UserInputs]) -> Optional[RolloutEvaluator]:
-    """The Python caller's `evaluation_fn`, on this run's rollout function (None without one)."""
-    if inputs is None or inputs.evaluation_fn is None:
-        return None
-    return RolloutEvaluator(inputs.evaluation_fn, datamodule.groups.rollout_fn, interval=inputs.evaluation_interval,
-                            timeout_s=inputs.evaluation_timeout_s)
-
-
-def build_trainer(c: TrainConfig, extra_callbacks: list[L.Callback] = ()) -> L.Trainer:
-    t = c.trainer
-    return L.Trainer(
-        accelerator=t.accelerator,
-        devices=t.devices,
-        strategy=t.strategy,
-        precision=t.precision,
-        max_epochs=t.max_epochs,
-        max_steps=-1,  # the rollout stream decides when training ends
-        fast_dev_run=t.fast_dev_run,
-        log_every_n_steps=t.log_every_n_steps,
-        enable_progress_bar=t.enable_progress_bar,
-        enable_model_summary=t.enable_model_summary,
-        enable_checkpointing=False,  # checkpoints are the step sequence's (DCP), not Lightning's ModelCheckpoint
-        deterministic=t.deterministic,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-        default_root_dir=c.output_dir,
-        callbacks=[*_instantiate_all(c.callbacks), *extra_callbacks],
-        logger=_instantiate_all(c.logger) or False,
-        **t.extra,
-    )
-
-
-def build_run(
-    c: TrainConfig, *, rows: Optional[list[dict]] = None, eval_rows: Optional[list[dict]] = None,
-    resume_from: Optional[Path] = None, extra_callbacks: list[L.Callback] = (), stop: Optional[StopSignals] = None,
-    inputs: Optional[UserInputs] = None,
-) -> tuple[L.Trainer, GRPOModule, RolloutDataModule]:
-    """Seed, then build the model, the trainer (which knows this process's rank), this rank's data and the module."""
-    L.seed_everything(c.seed, workers=True, verbose=False)
-    # Data first: a malformed row or a missing file fails before a model is loaded. Rows given
-    # here come before data.path, which comes before the task's rows; all are kept as stored.
-    if inputs is not None:
-        rows = rows if rows is not None else inputs.rows
-        eval_rows = eval_rows if eval_rows is not None else inputs.eval_rows
-    rows = training_rows(c, rows)
-    eval_rows = evaluation_rows(c, eval_rows)
-    tokenizer = load_tokenizer(c.model)
-    policy = load_policy(c.model, tokenizer, c.seed)  # the same on every rank
-    callbacks = [HFExport(Path(c.output_dir) / c.output_model_id, tokenizer)] if c.output_model_id else []  # an absolute id stays absolute
-    trainer = build_trainer(c, [*callbacks, *extra_callbacks])
-    L.seed_everything(c.seed + RANK_SEED_STRIDE * trainer.global_rank, verbose=False)
-    datamodule = build_datamodule(c, policy, tokenizer, rows, eval_rows, rank=trainer.global_rank, world_size=trainer.world_size, inputs=inputs)
-    if inputs is not None and inputs.group_filter is not None:
-        datamodule.add_group_filter(inputs.group_filter)
-    module = GRPOModule(policy, c, build_step_sequence(c, datamodule, resume_from, stop, inputs))
-    return trainer, module, datamodule
 
 
 def summarize(history: MetricHistory, metric: str, wall_s: float) -> dict[str, float]:
@@ -206,25 +52,6 @@ def summarize(history: MetricHistory, metric: str, wall_s: float) -> dict[str, f
         "best_reward": max(window_means) if window_means else float("nan"),
         "wall_s": wall_s,
     }
-
-
-def fit(c: TrainConfig, resume_from: Optional[Path] = None, **build_kwargs) -> tuple[L.Trainer, GRPOModule]:
-    """Build a run from a validated config and train it (from `resume_from`'s state)."""
-    trainer, module, datamodule = build_run(c, resume_from=resume_from, **build_kwargs)
-    # The models, tokenizer and libraries are built: a full collection every few thousand new
-    # objects (each step makes thousands) would walk all of them again, milliseconds a step.
-    gc.collect()
-    gc.freeze()
-    try:
-        trainer.fit(module, datamodule=datamodule)
-    except SIGTERMException:  # Lightning's own end of a run that got SIGTERM
-        if not module.step_sequence.stop.requested:
-            raise  # no stop handlers installed (fit called outside `train`): nothing was saved for it
-    finally:
-        gc.unfreeze()  # a process that fits again (tests, sweeps) can free this run's objects
-        datamodule.close()
-        finish_runs(trainer.loggers)
-    return trainer, module
 
 
 def _job_overrides() -> str:
@@ -270,6 +97,8 @@ def train(cfg: DictConfig | TrainConfig, inputs: Optional[UserInputs] = None) ->
         if resume_from is not None:
             check_resumable(resume_from, c)  # refused before a model is touched, too
         set_aside_metrics(c.output_dir, resume_from)  # an earlier run's metrics.csv survives a fresh start
+        from lit_grpo.build import fit  # torch, Lightning and transformers load here, once the inputs are known good
+
         start = time.perf_counter()
         with StopSignals() as stop:
             trainer, module = fit(c, resume_from, stop=stop, inputs=inputs)

@@ -131,13 +131,14 @@ def test_the_run_guards_have_documented_defaults(tmp_path):
 
 
 def test_validation_happens_before_any_model_is_loaded(tmp_path, monkeypatch):
+    import lit_grpo.build
     import lit_grpo.train as train_mod
 
     def boom(*args, **kwargs):
         raise AssertionError("a model was loaded before the config was validated")
 
-    monkeypatch.setattr(train_mod, "load_policy", boom)
-    monkeypatch.setattr(train_mod, "load_tokenizer", boom)
+    monkeypatch.setattr(lit_grpo.build, "load_policy", boom)
+    monkeypatch.setattr(lit_grpo.build, "load_tokenizer", boom)
     with pytest.raises(ConfigError, match="sampler.temperature"):
         train_mod.train(compose_config("sampler.temperature=-1", output_dir=tmp_path))
 

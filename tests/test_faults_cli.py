@@ -128,6 +128,31 @@ def test_a_rollout_factory_that_cannot_be_imported(tmp_path, factory, module_tex
     _assert_user_error(proc, *needles)
 
 
+def test_a_rollout_factory_is_imported_before_the_run_is_built(tmp_path, monkeypatch):
+    import lit_grpo.build
+    from lit_grpo.config import ConfigError
+    from lit_grpo.train import train
+
+    monkeypatch.setattr(lit_grpo.build, "fit", lambda *args, **kwargs: pytest.fail("the run was built before the factory was imported"))
+    with pytest.raises(ConfigError, match=r"config field `rollout.factory`: .*no module 'no_such_rollouts'"):
+        train(compose_config("+experiment=arithmetic", "rollout.factory=no_such_rollouts:make_rollout_fn", output_dir=tmp_path))
+
+
+@pytest.mark.timeout(120)
+def test_a_bad_config_is_refused_before_lightning_and_transformers_load(tmp_path):
+    # About a second instead of several: `lit_grpo.train` (and the Hydra callbacks it loads) leave
+    # the heavy imports to `lit_grpo.build`, imported once the inputs are known good.
+    proc = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "lit_grpo.train", "data.completions_per_prompt=1", f"hydra.run.dir={tmp_path / 'run'}"],
+        capture_output=True, text=True, timeout=100, cwd=tmp_path,
+    )
+    assert proc.returncode == EXIT_USER_ERROR and "data.completions_per_prompt" in proc.stderr, proc.stderr[-2000:]
+    imported = {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
+    assert "lit_grpo.config" in imported  # the importtime lines are there to read
+    assert not {name for name in imported if name.split(".")[0] in ("lightning", "transformers", "vllm")}
+    assert "lit_grpo.build" not in imported
+
+
 @pytest.mark.timeout(300)
 def test_a_non_utf8_jsonl_line_is_named_by_file_and_line(tmp_path):
     lines = SAMPLE.read_bytes().splitlines(keepends=True)[:4]

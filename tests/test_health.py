@@ -15,7 +15,8 @@ from lit_grpo.health import drift_metrics, drift_tis_cap, rollout_health
 from lit_grpo.losses import per_token_policy_loss
 from lit_grpo.models import load_tokenizer
 from lit_grpo.rollouts import make_batch, rollout_metrics
-from lit_grpo.train import build_run, train
+from lit_grpo.build import build_run
+from lit_grpo.train import train
 from lit_grpo.types import PromptGroup, RolloutSample
 
 from conftest import compose_config

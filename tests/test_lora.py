@@ -18,7 +18,7 @@ from lit_grpo.lora import AdapterFreeView, apply_lora, base_name, is_lora
 from lit_grpo.models import load_policy, load_tokenizer
 from lit_grpo.module import token_logprobs
 from lit_grpo.samplers.hf import HFSampler
-from lit_grpo.train import fit
+from lit_grpo.build import fit
 from lit_grpo.weights import full_named_tensors
 
 from conftest import compose_config

@@ -5,7 +5,7 @@ import torch
 
 from lit_grpo.config import validate
 from lit_grpo.module import token_logprobs
-from lit_grpo.train import build_run
+from lit_grpo.build import build_run
 
 from conftest import compose_config
 

@@ -9,7 +9,7 @@ import torch
 import user_losses
 from lit_grpo.config import validate
 from lit_grpo.module import NonFiniteTraining
-from lit_grpo.train import build_run
+from lit_grpo.build import build_run
 
 from conftest import compose_config
 

@@ -92,7 +92,7 @@ def test_a_jsonl_row_reaches_the_rollout_and_the_reward_exactly_as_stored(tmp_pa
 
 @pytest.mark.timeout(300)
 def test_rows_given_in_python_come_first_and_are_the_very_objects(tmp_path, recorder):
-    from lit_grpo.train import build_run
+    from lit_grpo.build import build_run
 
     rows = [dict(DEEPMATH, id=f"py-{i}") for i in range(4)]
     snapshot = copy.deepcopy(rows)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from lit_grpo.config import validate
-from lit_grpo.train import build_run
+from lit_grpo.build import build_run
 
 from conftest import compose_config
 
