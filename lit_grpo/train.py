@@ -5,7 +5,7 @@
     python -m lit_grpo.train -m +experiment=arithmetic policy_loss=grpo,dapo,gspo
 
 The config is validated (and every field error reported by name) before any model is loaded,
-and before torch, Lightning and transformers are imported: the run itself is `lit_grpo.build`'s.
+and before Lightning and transformers are imported: the run itself is `lit_grpo.build`'s.
 """
 
 from __future__ import annotations

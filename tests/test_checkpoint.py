@@ -215,12 +215,12 @@ def test_a_manifest_that_is_not_an_object_is_corrupt_not_a_crash(tmp_path, manif
 
 
 def test_resuming_with_a_config_that_changes_the_state_is_refused(uninterrupted, tmp_path, monkeypatch):
-    import lit_grpo.train as train_mod
+    import lit_grpo.build
 
     def no_model(*args, **kwargs):
         raise AssertionError("a model was loaded before the config was checked")
 
-    monkeypatch.setattr(train_mod, "load_policy", no_model)
+    monkeypatch.setattr(lit_grpo.build, "load_policy", no_model)
     cfg = compose_config(
         *RUN, "policy_loss=dapo", "data.completions_per_prompt=4", "model.hidden_size=32",
         f"resume={uninterrupted / 'checkpoints'}", output_dir=tmp_path,

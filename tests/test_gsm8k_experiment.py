@@ -78,9 +78,9 @@ def test_greedy_accuracy_scores_each_row_once_greedily(tokenizer):
 
 
 def test_a_malformed_row_is_named_by_line_before_any_model_loads(tmp_path, monkeypatch):
-    import lit_grpo.train as train_mod
+    import lit_grpo.build
 
-    monkeypatch.setattr(train_mod, "load_policy", lambda *a, **k: pytest.fail("a model was loaded before the rows were checked"))
+    monkeypatch.setattr(lit_grpo.build, "load_policy", lambda *a, **k: pytest.fail("a model was loaded before the rows were checked"))
     bad = tmp_path / "train.jsonl"
     lines = SAMPLE.read_text().splitlines()[:3]
     lines.insert(1, json.dumps({"question": "How many?", "answer": "no number here"}))

@@ -27,12 +27,12 @@ HOLD_LOCK = "import sys, time; from lit_grpo.run_folder import claim_output_dir;
 @pytest.fixture
 def no_model(monkeypatch):
     """Fail the test if a model loads: every refusal here must come first."""
-    import lit_grpo.train as train_mod
+    import lit_grpo.build
 
     def load_policy(*args, **kwargs):
         raise AssertionError("a model was loaded before the output folder was checked")
 
-    monkeypatch.setattr(train_mod, "load_policy", load_policy)
+    monkeypatch.setattr(lit_grpo.build, "load_policy", load_policy)
 
 
 def test_a_fresh_run_in_a_folder_with_checkpoints_is_refused_before_a_model_loads(tmp_path, no_model):
