@@ -28,6 +28,7 @@ from lit_grpo.evaluation import GreedyEvaluator
 from lit_grpo.loggers import finish_runs
 from lit_grpo.models import load_policy, load_tokenizer
 from lit_grpo.module import GRPOModule
+from lit_grpo.rollout import load_rollout_factory
 from lit_grpo.rollout_evaluation import RolloutEvaluator
 from lit_grpo.rows import evaluation_rows, training_rows
 from lit_grpo.run_state import RunCheckpointer
@@ -36,7 +37,6 @@ from lit_grpo.signals import StopSignals
 from lit_grpo.step_sequence import StepSequence
 from lit_grpo.tasks import reward_fn
 from lit_grpo.types import RolloutSetup
-from lit_grpo.rollout import load_rollout_factory
 from lit_grpo.user_inputs import UserInputs
 
 # Both are deliberate: the step pulls its own batch (no prefetch of stale rollouts), and the

@@ -140,8 +140,8 @@ def test_a_rollout_factory_is_imported_before_the_run_is_built(tmp_path, monkeyp
 
 @pytest.mark.timeout(120)
 def test_a_bad_config_is_refused_before_lightning_and_transformers_load(tmp_path):
-    # About a second instead of several: `lit_grpo.train` (and the Hydra callbacks it loads) leave
-    # the heavy imports to `lit_grpo.build`, imported once the inputs are known good.
+    # About 3 s instead of 8: `lit_grpo.train` (and the Hydra callbacks it loads) leave the heavy
+    # imports to `lit_grpo.build`, imported once the inputs are known good.
     proc = subprocess.run(
         [sys.executable, "-X", "importtime", "-m", "lit_grpo.train", "data.completions_per_prompt=1", f"hydra.run.dir={tmp_path / 'run'}"],
         capture_output=True, text=True, timeout=100, cwd=tmp_path,
