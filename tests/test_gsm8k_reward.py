@@ -1,5 +1,6 @@
 """The GSM8K reward: each extraction rule by hand, then agreement with OpenAI's labelled solutions."""
 
+import gzip
 import json
 from pathlib import Path
 
@@ -8,8 +9,8 @@ import pytest
 from lit_grpo.rewards import RewardRowError, get_reward
 from lit_grpo.rewards.gsm8k import extract_final_number, parse_reference_answer, score
 
-# OpenAI's 4 x 1319 model solutions to the GSM8K test split, each labelled is_correct.
-SOLUTIONS = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k" / "example_model_solutions.jsonl"
+# OpenAI's 4 x 1319 model solutions to the GSM8K test split, each labelled is_correct (tests/data/README.md).
+SOLUTIONS = Path(__file__).resolve().parent / "data" / "gsm8k_example_model_solutions.jsonl.gz"
 SOLVERS = ("6b_finetuning", "6b_verification", "175b_finetuning", "175b_verification")
 
 
@@ -127,8 +128,7 @@ def test_the_registered_reward_names_an_unusable_row():
 
 def _labelled_solutions():
     """(row number, solver, solution, ground truth, is_correct) of every labelled solution."""
-    assert SOLUTIONS.is_file(), f"missing labelled GSM8K solutions {SOLUTIONS}: check out shared/ beside the repo"
-    with SOLUTIONS.open(encoding="utf-8") as f:
+    with gzip.open(SOLUTIONS, "rt", encoding="utf-8") as f:
         for i, line in enumerate(f, start=1):
             record = json.loads(line)
             for solver in SOLVERS:
