@@ -8,7 +8,7 @@ The run is the arithmetic experiment without the uniform-reward filter, so every
 exactly P·G completions once: the floor does the same work with no framework (one batched
 `generate` of the same prompts, a reference forward when the KL term is on, one
 forward/backward/AdamW step over the same sequences, with the same AdamW kernel as the trainer's,
-`lit_grpo.optim.adamw`: fused where torch has one).
+`lit_grpo.loop.optim.adamw`: fused where torch has one).
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ import lightning as L
 import torch
 
 from lit_grpo.config import TrainConfig, validate
-from lit_grpo.models import load_policy, load_tokenizer
-from lit_grpo.logprobs import token_logprobs
-from lit_grpo.optim import adamw
+from lit_grpo.models.load import load_policy, load_tokenizer
+from lit_grpo.maths.logprobs import token_logprobs
+from lit_grpo.loop.optim import adamw
 from lit_grpo.samplers.hf import HFSampler
 from lit_grpo.build import fit
 from lit_grpo.train import compose_config

@@ -30,8 +30,8 @@ import tempfile
 import time
 
 from lit_grpo.config import validate
-from lit_grpo.data import RolloutStream
-from lit_grpo.rollout import make_rollout_fn
+from lit_grpo.rollouts.datamodule import RolloutStream
+from lit_grpo.rollouts.rollout import make_rollout_fn
 from lit_grpo.rollouts import GroupSampler, OffPolicyScheduler, RowCursor, SynchronousScheduler
 from lit_grpo.build import fit
 from lit_grpo.train import compose_config, summarize

@@ -6,7 +6,7 @@
 For a `[B, T, V]` leaf tensor of logits (Qwen2.5's vocabulary and one 1,024-token sequence by
 default), each case measures the memory a path needs on top of the logits:
 - `naive`: `log_softmax(logits.float() / temperature)`, gather, entropy `-(p * logp).sum(-1)`;
-- `chunked`: `lit_grpo.logprobs.selected_logprobs_and_entropy` (default chunk size);
+- `chunked`: `lit_grpo.maths.logprobs.selected_logprobs_and_entropy` (default chunk size);
 in two modes: `train` (forward, then backward of a weighted sum of the logprobs: the gradient of
 the logits, a logits-sized tensor in their dtype, is part of the peak) and `no_grad` (the forward
 of the reference and old-policy passes).
@@ -32,7 +32,7 @@ from functools import partial
 
 import torch
 
-from lit_grpo.logprobs import default_chunk_rows, selected_logprobs_and_entropy
+from lit_grpo.maths.logprobs import default_chunk_rows, selected_logprobs_and_entropy
 
 MB = 2**20
 PATHS = ("naive", "chunked")

@@ -21,23 +21,23 @@ from hydra.utils import instantiate
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lit_grpo.callbacks.export import HFExport
-from lit_grpo.checkpoint import CheckpointStore
+from lit_grpo.run.checkpoint import CheckpointStore
 from lit_grpo.config import ConfigError, TrainConfig
-from lit_grpo.data import RolloutDataModule, rollout_guards
-from lit_grpo.evaluation import GreedyEvaluator
-from lit_grpo.loggers import finish_runs
-from lit_grpo.models import load_policy, load_tokenizer
-from lit_grpo.module import GRPOModule
-from lit_grpo.rollout import load_rollout_factory
-from lit_grpo.rollout_evaluation import RolloutEvaluator
-from lit_grpo.rows import evaluation_rows, training_rows
-from lit_grpo.run_state import RunCheckpointer
+from lit_grpo.rollouts.datamodule import RolloutDataModule, rollout_guards
+from lit_grpo.loop.evaluation import GreedyEvaluator
+from lit_grpo.run.loggers import finish_runs
+from lit_grpo.models.load import load_policy, load_tokenizer
+from lit_grpo.loop.module import GRPOModule
+from lit_grpo.rollouts.rollout import load_rollout_factory
+from lit_grpo.loop.rollout_evaluation import RolloutEvaluator
+from lit_grpo.tasks.rows import evaluation_rows, training_rows
+from lit_grpo.run.state import RunCheckpointer
 from lit_grpo.samplers import build_sampler
-from lit_grpo.signals import StopSignals
-from lit_grpo.step_sequence import StepSequence
+from lit_grpo.loop.signals import StopSignals
+from lit_grpo.loop.step_sequence import StepSequence
 from lit_grpo.tasks import reward_fn
 from lit_grpo.types import RolloutSetup
-from lit_grpo.user_inputs import UserInputs
+from lit_grpo.config import UserInputs
 
 # Both are deliberate: the step pulls its own batch (no prefetch of stale rollouts), and the
 # policy runs in eval mode (no dropout, so trainer and sampler logprobs agree).

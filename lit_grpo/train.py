@@ -21,19 +21,19 @@ from typing import TYPE_CHECKING, Optional
 import hydra
 from omegaconf import DictConfig
 
-from lit_grpo.checkpoint import check_resumable
+from lit_grpo.run.checkpoint import check_resumable
 from lit_grpo.config import ConfigError, TrainConfig, ineffective_knobs, validate
 from lit_grpo.errors import run_cli, run_hydra_cli
-from lit_grpo.preflight import check_sources
-from lit_grpo.run_folder import claim_output_dir, find_resume_checkpoint, set_aside_metrics
-from lit_grpo.signals import StopRequested, StopSignals
-from lit_grpo.user_inputs import UserInputs
+from lit_grpo.run.preflight import check_sources
+from lit_grpo.run.folder import claim_output_dir, find_resume_checkpoint, set_aside_metrics
+from lit_grpo.loop.signals import StopRequested, StopSignals
+from lit_grpo.config import UserInputs
 
 if TYPE_CHECKING:
     import lightning as L
 
-    from lit_grpo.metrics import MetricHistory
-    from lit_grpo.module import GRPOModule
+    from lit_grpo.loop.metrics import MetricHistory
+    from lit_grpo.loop.module import GRPOModule
 
 log = logging.getLogger(__name__)
 SUMMARY_WINDOW = 10

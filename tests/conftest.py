@@ -8,7 +8,7 @@ import pytest
 from omegaconf import DictConfig
 
 from lit_grpo.config import ModelConfig
-from lit_grpo.models import build_char_tokenizer, build_tiny_model
+from lit_grpo.models.load import build_char_tokenizer, build_tiny_model
 from lit_grpo.train import CONF_DIR
 from lit_grpo.train import compose_config as lit_compose
 
@@ -34,7 +34,7 @@ def score_error(model, pairs: list[tuple[list[int], list[int]]], scores: list[li
     float32 logprobs of the same target tokens (`token_logprobs`, temperature 1)."""
     import torch
 
-    from lit_grpo.module import token_logprobs
+    from lit_grpo.loop.module import token_logprobs
 
     diffs = []
     with torch.no_grad():

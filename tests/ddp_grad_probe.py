@@ -18,8 +18,8 @@ import torch
 from torch.utils.data import DataLoader
 
 from lit_grpo.config import validate
-from lit_grpo.models import load_policy, load_tokenizer
-from lit_grpo.module import GRPOModule
+from lit_grpo.models.load import load_policy, load_tokenizer
+from lit_grpo.loop.module import GRPOModule
 from lit_grpo.train import compose_config
 from lit_grpo.types import RolloutBatch
 

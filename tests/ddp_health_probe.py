@@ -17,9 +17,9 @@ import lightning as L
 
 from ddp_grad_probe import FixedData
 from lit_grpo.config import validate
-from lit_grpo.metrics import merge_step_metrics
-from lit_grpo.models import load_policy, load_tokenizer
-from lit_grpo.module import GRPOModule
+from lit_grpo.loop.metrics import merge_step_metrics
+from lit_grpo.models.load import load_policy, load_tokenizer
+from lit_grpo.loop.module import GRPOModule
 from lit_grpo.train import compose_config
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from lit_grpo.rollout import make_rollout_fn
+from lit_grpo.rollouts.rollout import make_rollout_fn
 
 
 def make_recording_rollout_fn(setup):

@@ -14,7 +14,7 @@ import time
 
 import lightning as L
 
-from lit_grpo.checkpoint import CheckpointStore
+from lit_grpo.run.checkpoint import CheckpointStore
 
 
 def _die() -> None:
@@ -68,7 +68,7 @@ class SignalAfterStep(L.Callback):
 def make_hanging_rollout_fn(setup):
     """The default rollout until call `hang_at_call` (extras), which never returns; `signal_after_s`
     later this process gets `signum` (extras, a name such as SIGTERM): a stop during a hung rollout."""
-    from lit_grpo.rollout import make_rollout_fn
+    from lit_grpo.rollouts.rollout import make_rollout_fn
 
     inner = make_rollout_fn(setup)
     hang_at = int(setup.extras["hang_at_call"])
@@ -88,7 +88,7 @@ def make_hanging_rollout_fn(setup):
 def make_hanging_engine_rollout_fn(setup):
     """The default rollout on a sampler whose engine call number `hang_at_generate` (extras) never
     returns; `signal_after_s` later this process gets `signum`: a stop during a hung engine call."""
-    from lit_grpo.rollout import make_rollout_fn
+    from lit_grpo.rollouts.rollout import make_rollout_fn
 
     sampler = setup.sampler
     generate, hang_at = sampler._generate, int(setup.extras["hang_at_generate"])

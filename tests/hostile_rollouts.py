@@ -15,7 +15,7 @@ import math
 import time
 from typing import Callable
 
-from lit_grpo.rollout import make_rollout_fn
+from lit_grpo.rollouts.rollout import make_rollout_fn
 from lit_grpo.types import RolloutSample, RolloutSetup
 
 

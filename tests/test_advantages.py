@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from lit_grpo.advantages import group_advantages, ragged_group_advantages
+from lit_grpo.maths.advantages import group_advantages, ragged_group_advantages
 
 
 def test_std_scaled_by_hand():

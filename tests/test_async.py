@@ -7,8 +7,8 @@ import time
 import lightning as L
 import pytest
 
-from lit_grpo.data import RolloutStream
-from lit_grpo.module import GRPOModule
+from lit_grpo.rollouts.datamodule import RolloutStream
+from lit_grpo.loop.module import GRPOModule
 from lit_grpo.rollouts import GroupSampler, OffPolicyScheduler, RowCursor
 from lit_grpo.train import train
 from lit_grpo.types import RolloutSample
@@ -20,7 +20,7 @@ ROLLOUT_INTERVALS: list[tuple[float, float]] = []
 
 def make_slow_rollout_fn(setup):
     """The default rollout plus a latency-bound environment step; records when each call ran."""
-    from lit_grpo.rollout import make_rollout_fn
+    from lit_grpo.rollouts.rollout import make_rollout_fn
 
     inner = make_rollout_fn(setup)
 

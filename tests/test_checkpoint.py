@@ -1,6 +1,6 @@
 """DCP checkpoints: an exact resume after SIGKILL, a kill during a save, corrupt checkpoints,
 pruning that touches only its own run's checkpoints, the config-mismatch refusal, and the Hugging
-Face export (end of fit and `python -m lit_grpo.export`)."""
+Face export (end of fit and `python -m lit_grpo.run.export`)."""
 
 from __future__ import annotations
 
@@ -18,9 +18,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from lit_grpo.checkpoint import CheckpointStore, check_resumable, locate_checkpoint, run_id_of, verify
+from lit_grpo.run.checkpoint import CheckpointStore, check_resumable, locate_checkpoint, run_id_of, verify
 from lit_grpo.config import ConfigError, validate
-from lit_grpo.data import RolloutStream
+from lit_grpo.rollouts.datamodule import RolloutStream
 from lit_grpo.rollouts import GroupSampler, OffPolicyScheduler, RowCursor
 from lit_grpo.train import train
 from lit_grpo.types import RolloutSample
@@ -247,7 +247,7 @@ def test_export_cli_writes_a_model_that_loads_and_generates(uninterrupted, tmp_p
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     out = tmp_path / "exported"
-    proc = run_cli(tmp_path, str(uninterrupted), str(out), module="lit_grpo.export")
+    proc = run_cli(tmp_path, str(uninterrupted), str(out), module="lit_grpo.run.export")
     assert proc.returncode == 0, proc.stderr[-3000:]
     # The newest checkpoint (step 8) is the end of training: the same tensors as the end-of-fit export.
     assert_bit_identical(tensors(uninterrupted / "final_model"), tensors(out))
@@ -259,7 +259,7 @@ def test_export_cli_writes_a_model_that_loads_and_generates(uninterrupted, tmp_p
     assert generated.shape[1] > prompt["input_ids"].shape[1]
     assert isinstance(tokenizer.decode(generated[0]), str)
 
-    again = run_cli(tmp_path, str(uninterrupted), str(out), module="lit_grpo.export")
+    again = run_cli(tmp_path, str(uninterrupted), str(out), module="lit_grpo.run.export")
     assert again.returncode == 2 and "--force" in again.stderr  # an existing folder is not overwritten silently
 
 
@@ -323,7 +323,7 @@ def test_export_merges_a_lora_policy(tiny_model, tokenizer, tmp_path):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from lit_grpo.export import export_pretrained
+    from lit_grpo.run.export import export_pretrained
 
     policy = get_peft_model(tiny_model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
     with torch.no_grad():
@@ -348,7 +348,7 @@ def test_export_merges_a_lora_policy(tiny_model, tokenizer, tmp_path):
 def test_a_checkpoint_saved_before_a_field_existed_resumes_when_the_field_is_at_its_default(tmp_path):
     from omegaconf import OmegaConf
 
-    from lit_grpo.checkpoint import CONFIG_FILE, config_as_dict
+    from lit_grpo.run.checkpoint import CONFIG_FILE, config_as_dict
 
     c = validate(compose_config("+experiment=arithmetic", output_dir=tmp_path))
     older = config_as_dict(c)

@@ -11,12 +11,12 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 from torch.testing import assert_close
 
-import lit_grpo.losses
+import lit_grpo.maths.losses
 import lit_grpo.samplers
 import lit_grpo.tasks.registry
-from lit_grpo.checkpoint import STATE_DEFINING_FIELDS
+from lit_grpo.run.checkpoint import STATE_DEFINING_FIELDS
 from lit_grpo.config import ConfigError, TrainConfig, ineffective_knobs, validate
-from lit_grpo.losses import available_policy_losses, get_policy_loss, policy_loss
+from lit_grpo.maths.losses import available_policy_losses, get_policy_loss, policy_loss
 from lit_grpo.tasks import available_tasks, build_eval_rows, build_rows, get_task, register_task, reward_fn
 
 from conftest import CONF_DIR, compose_config
@@ -150,8 +150,8 @@ def test_validation_happens_before_any_model_is_loaded(tmp_path, monkeypatch):
 def isolated_losses(monkeypatch):
     """The loss registry without `user_losses`' entries (another test may have imported it), restored
     after the test, with `user_losses` not yet imported."""
-    registry = {k: v for k, v in lit_grpo.losses.POLICY_LOSSES.items() if v.fn.__module__ != "user_losses"}
-    monkeypatch.setattr(lit_grpo.losses, "POLICY_LOSSES", registry)
+    registry = {k: v for k, v in lit_grpo.maths.losses.POLICY_LOSSES.items() if v.fn.__module__ != "user_losses"}
+    monkeypatch.setattr(lit_grpo.maths.losses, "POLICY_LOSSES", registry)
     monkeypatch.delitem(sys.modules, "user_losses", raising=False)
     yield
     sys.modules.pop("user_losses", None)  # its import registered into the registry just dropped
@@ -185,7 +185,7 @@ def test_a_misspelt_loss_hyperparameter_is_refused_naming_it(isolated_losses, tm
 
 def test_a_user_loss_module_is_imported_from_the_working_directory(isolated_losses, tmp_path, monkeypatch):
     (tmp_path / "my_cwd_losses.py").write_text(
-        "from lit_grpo.losses import register_policy_loss\n"
+        "from lit_grpo.maths.losses import register_policy_loss\n"
         "@register_policy_loss('halved', uses_tis=False, factor=0.5)\n"
         "def halved(*, logprobs, old_logprobs, advantages, mask, factor):\n"
         "    return -factor * logprobs * advantages, {}\n"

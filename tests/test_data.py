@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from lit_grpo.callbacks.reward_filter import UniformRewardFilter, has_reward_variance
-from lit_grpo.data import RolloutStream
+from lit_grpo.rollouts.datamodule import RolloutStream
 from lit_grpo.rollouts import GroupSampler, RowCursor, SynchronousScheduler, collate_groups, rollout_metrics
 from lit_grpo.types import PromptGroup, RolloutSample
 
@@ -159,7 +159,7 @@ def test_rows_running_out_before_max_steps_is_flagged_and_logged_once(caplog):
     groups = GroupSampler(rollout_fn, 3, max_seq_len=64, min_group_size=2, filters=[])
     scheduler = SynchronousScheduler(RowCursor(rows, 1, 0, shuffle=False), groups, 2, max_concurrency=256)
     stream = RolloutStream(scheduler, groups, max_steps=10, advantage_scale="std", pad_id=0)
-    with caplog.at_level("WARNING", logger="lit_grpo.data"):
+    with caplog.at_level("WARNING", logger="lit_grpo.rollouts.datamodule"):
         assert [b.num_sequences for b in stream] == [6, 3]  # 2 groups, then the last row alone
         assert list(stream) == []
     assert stream.rows_exhausted

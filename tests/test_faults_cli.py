@@ -19,9 +19,10 @@ from pathlib import Path
 import pytest
 
 from lit_grpo.config import TrainConfig
-from lit_grpo.config_keys import unknown_keys, unknown_keys_message
+from lit_grpo.config.keys import unknown_keys, unknown_keys_message
 from lit_grpo.errors import EXIT_USER_ERROR, UserError, import_user_object, register_user_error, report, run_cli, run_hydra_cli
-from lit_grpo.preflight import model_path_problem, output_dir_problem
+from lit_grpo.config.sources import model_path_problem
+from lit_grpo.run.preflight import output_dir_problem
 
 from conftest import compose_config
 
@@ -148,7 +149,7 @@ def test_a_bad_config_is_refused_before_lightning_and_transformers_load(tmp_path
     )
     assert proc.returncode == EXIT_USER_ERROR and "data.completions_per_prompt" in proc.stderr, proc.stderr[-2000:]
     imported = {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
-    assert "lit_grpo.config" in imported  # the importtime lines are there to read
+    assert "lit_grpo.config.run" in imported  # the importtime lines are there to read
     assert not {name for name in imported if name.split(".")[0] in ("lightning", "transformers", "vllm")}
     assert "lit_grpo.build" not in imported
 
@@ -317,8 +318,8 @@ def test_registered_types_are_reported_like_user_errors(monkeypatch):
 
 def test_user_error_types_of_this_package():
     from lit_grpo.errors import MissingExtraError
-    from lit_grpo.models import ModelLoadError
-    from lit_grpo.preflight import OutputDirError
+    from lit_grpo.models.load import ModelLoadError
+    from lit_grpo.run.preflight import OutputDirError
     from lit_grpo.tasks.gsm8k_rows import MissingFileError, RowError
 
     for cls in (RowError, MissingFileError, MissingExtraError, ModelLoadError, OutputDirError):
@@ -410,7 +411,7 @@ def test_model_path_problems(tmp_path, monkeypatch):
 
 def test_loading_a_missing_local_model_names_the_folder():
     from lit_grpo.config import ModelConfig
-    from lit_grpo.models import ModelLoadError, load_tokenizer
+    from lit_grpo.models.load import ModelLoadError, load_tokenizer
 
     with pytest.raises(ModelLoadError, match=r"model\.name_or_path=/no/such/folder: no such folder"):
         load_tokenizer(ModelConfig(kind="hf", name_or_path="/no/such/folder"))

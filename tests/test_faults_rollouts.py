@@ -265,14 +265,14 @@ def test_a_stop_raised_inside_an_engine_call_on_the_loop_is_not_logged_again_at_
 @pytest.mark.parametrize("setting,synchronous,on_loop", [("auto", True, True), ("auto", False, False),
                                                          ("worker", True, False), ("loop", False, True)])
 def test_engine_thread_setting_resolves_by_the_training_mode(setting, synchronous, on_loop):
-    from lit_grpo.config_groups import engine_on_loop
+    from lit_grpo.config import engine_on_loop
 
     assert engine_on_loop(setting, synchronous) is on_loop
 
 
 @pytest.mark.timeout(30)
 def test_the_default_rollout_never_sends_a_templated_prompt_that_is_too_long(tokenizer):
-    from lit_grpo.rollout import make_rollout_fn
+    from lit_grpo.rollouts.rollout import make_rollout_fn
     from lit_grpo.rollouts import GroupSampler
     from lit_grpo.types import RolloutSetup
 

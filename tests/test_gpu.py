@@ -7,7 +7,7 @@ machine with `python -m pytest -q -rs tests/test_gpu.py`.
 import pytest
 import torch
 
-from lit_grpo.logprobs import selected_logprobs_and_entropy
+from lit_grpo.maths.logprobs import selected_logprobs_and_entropy
 
 from conftest import compose_config
 

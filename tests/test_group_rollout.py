@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from lit_grpo.rollout import GROUP_ATTRIBUTE, group_rollout_fn, make_rollout_fn
+from lit_grpo.rollouts.rollout import GROUP_ATTRIBUTE, group_rollout_fn, make_rollout_fn
 from lit_grpo.rollouts import GroupSampler
 from lit_grpo.samplers.hf import HFSampler
 from lit_grpo.types import Completion, RolloutSample, RolloutSetup

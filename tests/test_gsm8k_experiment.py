@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from lit_grpo.evaluation import greedy_accuracy
+from lit_grpo.loop.evaluation import greedy_accuracy
 from lit_grpo.config import DataConfig, validate
 from lit_grpo.tasks.gsm8k_rows import RowError
 from lit_grpo.train import train

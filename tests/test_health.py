@@ -9,11 +9,11 @@ import lightning as L
 import pytest
 import torch
 
-import lit_grpo.data
+import lit_grpo.rollouts.datamodule
 from lit_grpo.config import validate
-from lit_grpo.health import drift_metrics, drift_tis_cap, rollout_health
-from lit_grpo.losses import per_token_policy_loss
-from lit_grpo.models import load_tokenizer
+from lit_grpo.maths.health import drift_metrics, drift_tis_cap, rollout_health
+from lit_grpo.maths.losses import per_token_policy_loss
+from lit_grpo.models.load import load_tokenizer
 from lit_grpo.rollouts import make_batch, rollout_metrics
 from lit_grpo.build import build_run
 from lit_grpo.train import train
@@ -72,7 +72,7 @@ def test_over_cap_fraction_is_token_level_tis_clip_frac():
 
 @pytest.mark.timeout(60)
 def test_drift_cap_is_the_losses_or_the_default():
-    from lit_grpo.losses import _TIS_DEFAULTS
+    from lit_grpo.maths.losses import _TIS_DEFAULTS
 
     assert drift_tis_cap("grpo", {"tis_cap": 7.5}) == 7.5
     assert drift_tis_cap("grpo", {}) == _TIS_DEFAULTS["tis_cap"]
@@ -174,14 +174,14 @@ def test_drift_by_hand_in_the_training_loop(tmp_path, monkeypatch, loss, overrid
     # Shift every trained token's sampler logprob down by δ = 2: π_s = π_t - 2 (to float noise),
     # so r = π_t - π_s = 2 on every token: k1 = mean(π_s - π_t) = -2, k3 = e^2 - 1 - 2 = 4.389056,
     # and every weight e^2 = 7.389 is above a cap of 2 or 5 (fraction 1) and below 10 (fraction 0).
-    real_make_batch = lit_grpo.data.make_batch
+    real_make_batch = lit_grpo.rollouts.datamodule.make_batch
 
     def shifted(*args, **kwargs):
         batch = real_make_batch(*args, **kwargs)
         batch.sampler_logprobs_BT = batch.sampler_logprobs_BT - 2.0 * batch.loss_mask_BT
         return batch
 
-    monkeypatch.setattr(lit_grpo.data, "make_batch", shifted)
+    monkeypatch.setattr(lit_grpo.rollouts.datamodule, "make_batch", shifted)
     [step] = _fit(tmp_path, f"policy_loss={loss}", "~callbacks.reward_filter", *overrides)
     assert step["train/drift/k1"] == pytest.approx(-2.0, abs=1e-4)
     assert step["train/drift/k3"] == pytest.approx(math.exp(2) - 3, abs=1e-3)

@@ -8,10 +8,10 @@ from collections import Counter
 import pytest
 import torch
 
-from lit_grpo.config_groups import ConfigError, PolicyLossConfig
-from lit_grpo.igpo import information_gains_from_logprobs, turn_advantages, turn_token_advantages
-from lit_grpo.losses import policy_loss
-from lit_grpo.module import align_to_predictions, token_logprobs
+from lit_grpo.config import ConfigError, PolicyLossConfig
+from lit_grpo.maths.igpo import information_gains_from_logprobs, turn_advantages, turn_token_advantages
+from lit_grpo.maths.losses import policy_loss
+from lit_grpo.loop.module import align_to_predictions, token_logprobs
 from lit_grpo.rollouts.pipeline import checked_samples, make_batch, rollout_metrics
 from lit_grpo.samplers.hf import HFSampler
 from lit_grpo.types import PromptGroup, RolloutRun, RolloutSample

@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from lit_grpo.logprobs import default_chunk_rows, selected_logprobs_and_entropy
-from lit_grpo.module import token_logprobs
+from lit_grpo.maths.logprobs import default_chunk_rows, selected_logprobs_and_entropy
+from lit_grpo.loop.module import token_logprobs
 
 FLOAT32 = {"atol": 1e-6, "rtol": 1e-6}
 

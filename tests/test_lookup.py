@@ -14,9 +14,9 @@ import torch
 from lit_grpo.callbacks.reward_filter import UniformRewardFilter, has_reward_variance, has_turn_signal
 from lit_grpo.config import ConfigError
 from lit_grpo.envs.lookup import make_rollout_fn
-from lit_grpo.igpo import IGPOSettings
-from lit_grpo.module import token_logprobs
-from lit_grpo.rollout import Trajectory
+from lit_grpo.maths.igpo import IGPOSettings
+from lit_grpo.loop.module import token_logprobs
+from lit_grpo.rollouts.rollout import Trajectory
 from lit_grpo.samplers.hf import HFSampler
 from lit_grpo.tasks import get_task
 from lit_grpo.tasks.lookup import KEYS, LookupOptions, answer_reward, make_row, make_rows, reply, resolve

@@ -1,4 +1,4 @@
-"""LoRA training (`lit_grpo.lora`, `model.lora.*`): only the adapters train, the KL reference is the
+"""LoRA training (`lit_grpo.models.lora`, `model.lora.*`): only the adapters train, the KL reference is the
 base model (the policy with its adapters off, no second copy), a weight sync hands the sampler the
 merged weights under the base names, checkpoints resume exactly, and the export is the merged model."""
 
@@ -13,13 +13,13 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from lit_grpo.config import ConfigError, validate
-from lit_grpo.config_groups import LoraConfig
-from lit_grpo.lora import AdapterFreeView, apply_lora, base_name, is_lora
-from lit_grpo.models import load_policy, load_tokenizer
-from lit_grpo.module import token_logprobs
+from lit_grpo.config import LoraConfig
+from lit_grpo.models.lora import AdapterFreeView, apply_lora, base_name, is_lora
+from lit_grpo.models.load import load_policy, load_tokenizer
+from lit_grpo.loop.module import token_logprobs
 from lit_grpo.samplers.hf import HFSampler
 from lit_grpo.build import fit
-from lit_grpo.weights import full_named_tensors
+from lit_grpo.models.weights import full_named_tensors
 
 from conftest import compose_config
 from test_checkpoint import assert_bit_identical, csv_rewards, run_cli, tensors
@@ -64,7 +64,7 @@ def test_config_defaults_and_refusals_name_the_field():
 @pytest.mark.timeout(60)
 def test_tiny_model_init_std(tokenizer, tiny_model):
     from lit_grpo.config import ModelConfig
-    from lit_grpo.models import build_tiny_model
+    from lit_grpo.models.load import build_tiny_model
 
     wide = build_tiny_model(ModelConfig(init_std=0.2), len(tokenizer), seed=0, tokenizer=tokenizer)
     assert abs(wide.model.embed_tokens.weight.std().item() - 0.2) < 0.02
@@ -120,7 +120,7 @@ def test_export_of_gathered_lora_state_is_the_merged_model(tiny_model, tokenizer
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from transformers import AutoModelForCausalLM
 
-    from lit_grpo.export import export_pretrained
+    from lit_grpo.run.export import export_pretrained
 
     policy = lora_policy(tiny_model)
     full = get_model_state_dict(policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -230,7 +230,7 @@ def test_lora_run_resumes_exactly_and_its_checkpoint_exports(tmp_path):
     assert csv_rewards(killed_dir) == csv_rewards(whole)
 
     exported = tmp_path / "exported"
-    proc = run_cli(tmp_path, str(whole), str(exported), module="lit_grpo.export")
+    proc = run_cli(tmp_path, str(whole), str(exported), module="lit_grpo.run.export")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert_bit_identical(tensors(whole / "final_model"), tensors(exported))  # merged from the checkpoint's adapters
 
@@ -244,7 +244,7 @@ def test_vllm_sampler_loads_the_merged_lora_weights(tmp_path):
 
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from lit_grpo.config import ModelConfig
-    from lit_grpo.models import build_char_tokenizer, build_tiny_model, save_pretrained
+    from lit_grpo.models.load import build_char_tokenizer, build_tiny_model, save_pretrained
     from lit_grpo.samplers.vllm import VLLMSampler
 
     tokenizer = build_char_tokenizer("printable")

@@ -1,4 +1,4 @@
-"""Tests of lit_grpo.losses: hand-derived values and gradients per variant, invariants over the
+"""Tests of lit_grpo.maths.losses: hand-derived values and gradients per variant, invariants over the
 whole registry, the aggregation modes, errors, user registration and conf/policy_loss/*.yaml.
 
 Hand cases build `old = π - log(r)` so each token's ratio r is a round number; the expected
@@ -15,7 +15,7 @@ import torch
 from omegaconf import OmegaConf
 from torch.testing import assert_close
 
-from lit_grpo.losses import (
+from lit_grpo.maths.losses import (
     POLICY_LOSSES,
     aggregate_loss,
     available_policy_losses,

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from lit_grpo.config import ModelConfig
-from lit_grpo.models import build_char_tokenizer, load_policy, load_tokenizer, save_pretrained
+from lit_grpo.models.load import build_char_tokenizer, load_policy, load_tokenizer, save_pretrained
 from lit_grpo.train import train
 
 from conftest import compose_config

@@ -4,7 +4,7 @@ import lightning as L
 import torch
 
 from lit_grpo.config import validate
-from lit_grpo.module import token_logprobs
+from lit_grpo.loop.module import token_logprobs
 from lit_grpo.build import build_run
 
 from conftest import compose_config

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from lit_grpo.rollouts import collate_groups
-from lit_grpo.module import align_to_predictions, token_logprobs
-from lit_grpo.rollout import Trajectory
+from lit_grpo.loop.module import align_to_predictions, token_logprobs
+from lit_grpo.rollouts.rollout import Trajectory
 from lit_grpo.samplers.hf import HFSampler
 from lit_grpo.types import PromptGroup
 

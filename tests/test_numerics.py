@@ -8,7 +8,7 @@ import torch
 
 import user_losses
 from lit_grpo.config import validate
-from lit_grpo.module import NonFiniteTraining
+from lit_grpo.loop.module import NonFiniteTraining
 from lit_grpo.build import build_run
 
 from conftest import compose_config

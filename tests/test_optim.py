@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from lit_grpo.optim import adamw, can_fuse, lr_multiplier
+from lit_grpo.loop.optim import adamw, can_fuse, lr_multiplier
 
 
 def _params(seed: int) -> list[torch.nn.Parameter]:

@@ -11,9 +11,9 @@ import sys
 import pytest
 
 from lit_grpo.config import ConfigError, RewardConfig, validate
-from lit_grpo.data import RolloutStream
+from lit_grpo.rollouts.datamodule import RolloutStream
 from lit_grpo.rewards import RewardRowError, WeightedReward, available_rewards, build_reward, get_reward, register_reward, reward_name
-from lit_grpo.rollout import make_rollout_fn
+from lit_grpo.rollouts.rollout import make_rollout_fn
 from lit_grpo.rollouts import GroupSampler, RowCursor, SynchronousScheduler, rollout_metrics
 from lit_grpo.tasks import reward_fn
 from lit_grpo.types import Completion, RolloutSetup

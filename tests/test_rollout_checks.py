@@ -7,9 +7,9 @@ import math
 import numpy as np
 import pytest
 
-from lit_grpo.data import RolloutStream
+from lit_grpo.rollouts.datamodule import RolloutStream
 from lit_grpo.rollouts import GroupSampler, RowCursor, SynchronousScheduler, rollout_metrics
-from lit_grpo.rollout import load_rollout_factory
+from lit_grpo.rollouts.rollout import load_rollout_factory
 from lit_grpo.rollouts.checks import CircuitBreaker, NoProgressError, ProgressGuard, RolloutCircuitOpen, sample_problem
 from lit_grpo.rollouts.deadlines import RolloutTimeout, call_rollout
 from lit_grpo.types import RolloutSample

@@ -16,9 +16,9 @@ import pytest
 
 from lit_grpo.config import ConfigError, validate
 from lit_grpo.errors import MissingExtraError
-from lit_grpo.preflight import check_sources
-from lit_grpo.rollout import make_rollout_fn, row_prompt_tokens
-from lit_grpo.rows import MissingFileError, RowError, RowPromptError, evaluation_rows, load_rows, training_rows
+from lit_grpo.run.preflight import check_sources
+from lit_grpo.rollouts.rollout import make_rollout_fn, row_prompt_tokens
+from lit_grpo.tasks.rows import MissingFileError, RowError, RowPromptError, evaluation_rows, load_rows, training_rows
 from lit_grpo.types import Completion, RolloutSetup
 
 from conftest import compose_config
@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parents[1]
 DEEPMATH = {"question": "What is 100/3? — exactly", "answer": "\\dfrac{100}{3}", "id": "dm-7", "meta": {"source": "x", "level": 3}}
 # A rollout factory and a reward of a user's module: both record the rows they are handed.
 RECORDER = '''
-from lit_grpo.rollout import make_rollout_fn as default_factory
+from lit_grpo.rollouts.rollout import make_rollout_fn as default_factory
 
 SEEN, SCORED = [], []
 
@@ -163,7 +163,7 @@ def bos_tokenizer():
     """The tiny char tokenizer with a post-processor that puts a BOS first, as Llama's does."""
     from tokenizers.processors import TemplateProcessing
 
-    from lit_grpo.models import build_char_tokenizer
+    from lit_grpo.models.load import build_char_tokenizer
 
     tokenizer = build_char_tokenizer("printable")
     bos = tokenizer.bos_token_id
@@ -172,7 +172,7 @@ def bos_tokenizer():
 
 
 def test_a_plain_prompt_gets_the_tokenizers_special_tokens_in_rollouts_and_evaluation(bos_tokenizer, tokenizer):
-    from lit_grpo.evaluation import greedy_accuracy
+    from lit_grpo.loop.evaluation import greedy_accuracy
 
     bos = bos_tokenizer.bos_token_id
     chars = bos_tokenizer("3+4=", add_special_tokens=False)["input_ids"]

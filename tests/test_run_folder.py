@@ -15,13 +15,13 @@ import pytest
 from hydra.utils import instantiate
 
 from lit_grpo.config import ConfigError
-from lit_grpo.run_folder import LOCK_FILE, claim_output_dir, find_resume_checkpoint, set_aside_metrics
+from lit_grpo.run.folder import LOCK_FILE, claim_output_dir, find_resume_checkpoint, set_aside_metrics
 from lit_grpo.train import train
 
 from conftest import compose_config
 from test_checkpoint import REPO, RUN, TESTS, fake_checkpoint
 
-HOLD_LOCK = "import sys, time; from lit_grpo.run_folder import claim_output_dir; lock = claim_output_dir(sys.argv[1]); print('held', flush=True); time.sleep(300)"
+HOLD_LOCK = "import sys, time; from lit_grpo.run.folder import claim_output_dir; lock = claim_output_dir(sys.argv[1]); print('held', flush=True); time.sleep(300)"
 
 
 @pytest.fixture

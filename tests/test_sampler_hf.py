@@ -5,7 +5,7 @@ import asyncio
 import pytest
 import torch
 
-from lit_grpo.module import token_logprobs
+from lit_grpo.loop.module import token_logprobs
 from lit_grpo.samplers.arguments import PromptTooLong
 from lit_grpo.samplers.hf import HFSampler
 from test_sampler_kwargs import check_stop_contract, reference_cut

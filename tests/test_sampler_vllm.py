@@ -15,8 +15,8 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 import vllm  # noqa: E402,F401  (fail, never skip, when the engine is missing)
 
 from lit_grpo.config import ModelConfig  # noqa: E402
-from lit_grpo.models import build_char_tokenizer, build_tiny_model, save_pretrained  # noqa: E402
-from lit_grpo.module import token_logprobs  # noqa: E402
+from lit_grpo.models.load import build_char_tokenizer, build_tiny_model, save_pretrained  # noqa: E402
+from lit_grpo.loop.module import token_logprobs  # noqa: E402
 from lit_grpo.samplers.vllm import VLLMSampler  # noqa: E402
 from lit_grpo.train import train  # noqa: E402
 

@@ -1,5 +1,5 @@
 """The vllm_server sampler against two real vLLM servers (the CPU build in CI), started once for
-the whole file by `lit_grpo.samplers.server_pool` (`python -m lit_grpo.serve`, each pinned to its
+the whole file by `lit_grpo.samplers.server.pool` (`python -m lit_grpo.serve`, each pinned to its
 own core, a small KV cache) on a tiny float32 model with the arithmetic experiment's shape, so the
 training run can attach to them.
 
@@ -27,10 +27,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from lit_grpo.config import ModelConfig
-from lit_grpo.models import build_char_tokenizer, build_tiny_model, save_pretrained
-from lit_grpo.module import token_logprobs
-from lit_grpo.samplers.server_pool import start_servers
-from lit_grpo.samplers.vllm_server import ServerError, VLLMServerSampler, WeightSyncError
+from lit_grpo.models.load import build_char_tokenizer, build_tiny_model, save_pretrained
+from lit_grpo.loop.module import token_logprobs
+from lit_grpo.samplers.server.pool import start_servers
+from lit_grpo.samplers.server.sampler import ServerError, VLLMServerSampler, WeightSyncError
 from lit_grpo.train import train
 
 from conftest import compose_config, score_error
@@ -256,7 +256,7 @@ def test_serve_refuses_a_bad_model_folder_before_starting_vllm(tmp_path):
 
 def test_the_config_takes_server_urls_or_num_servers():
     from lit_grpo.config import validate
-    from lit_grpo.config_groups import ConfigError
+    from lit_grpo.config import ConfigError
 
     def sampler(*overrides):
         return validate(compose_config("sampler=vllm_server", *overrides)).sampler
@@ -275,7 +275,7 @@ def test_the_config_takes_server_urls_or_num_servers():
 
 
 def test_the_client_does_not_import_vllm():
-    code = "import sys, lit_grpo.samplers.vllm_server, lit_grpo.samplers.server_pool; assert 'vllm' not in sys.modules"
+    code = "import sys, lit_grpo.samplers.server.sampler, lit_grpo.samplers.server.pool; assert 'vllm' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
@@ -284,8 +284,8 @@ def test_gloo_weight_transfer_streams_the_weights_and_names_a_dead_server(server
     """sampler.weight_transfer=gloo on one server: perturbed weights streamed (nothing written to
     weight_sync_dir), served logprobs equal the trainer's, the version is tracked, the group is
     made again after it was torn down, and a sync to a dead server raises naming it."""
-    from lit_grpo.samplers.server_pool import free_port
-    from lit_grpo.samplers.server_requests import Replica
+    from lit_grpo.samplers.server.pool import free_port
+    from lit_grpo.samplers.server.requests import Replica
 
     pool, model, tokenizer = servers
     url = pool.urls[0]
@@ -321,11 +321,11 @@ def test_gloo_weight_transfer_streams_the_weights_and_names_a_dead_server(server
 def test_weight_transfer_ranks_and_packing_over_several_servers():
     """No server needed: each server's workers get ranks after the previous server's, and the
     gloo backend's buffers hold whole tensors at aligned offsets within the limit."""
-    from lit_grpo.serve import patch_vllm_version
+    from lit_grpo.samplers.server.serve import patch_vllm_version
 
     patch_vllm_version()
-    from lit_grpo.samplers.weight_transfer import FanOutClient
-    from lit_grpo.vllm_plugin.gloo import chunk_plan
+    from lit_grpo.samplers.server.weight_transfer import FanOutClient
+    from lit_grpo.samplers.server.vllm_plugin.gloo import chunk_plan
 
     client = FanOutClient(["http://a:1", "http://b:2", "http://c:3"], workers=[2, 1, 4], timeout_s=1)
     seen = {}
@@ -361,7 +361,7 @@ def test_a_killed_replica_is_named_and_its_requests_fail_over(servers, sampler, 
     dead = pool.servers[1]
     dead.process.send_signal(signal.SIGKILL)  # the server process; its engine follows (or is killed by stop())
     dead.stop(grace_s=5)
-    with caplog.at_level(logging.WARNING, logger="lit_grpo.samplers.vllm_server"):
+    with caplog.at_level(logging.WARNING, logger="lit_grpo.samplers.server.sampler"):
         completions = _sample(sampler, _ids(tokenizer, PROMPTS * 2), temperature=1.0, max_tokens=6)
     assert len(completions) == 12 and _diffs(model, completions, 1.0).mean() < 1e-5
     assert any(dead.url in line for line in sampler.failovers)

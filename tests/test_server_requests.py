@@ -12,8 +12,8 @@ import httpx
 import pytest
 
 from lit_grpo.samplers.arguments import SamplerTimeout
-from lit_grpo.samplers.server_requests import Coalescer, ReplicaRouter
-from lit_grpo.samplers.server_weights import ServerError
+from lit_grpo.samplers.server.requests import Coalescer, ReplicaRouter
+from lit_grpo.samplers.server.weight_files import ServerError
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -129,7 +129,7 @@ def test_transient_errors_are_retried_and_an_unreachable_replica_is_dropped(capl
         return httpx.Response(200, json={"choices": [_choice(0)]})
 
     router = _router(handler)
-    with caplog.at_level(logging.WARNING, logger="lit_grpo.samplers.vllm_server"):
+    with caplog.at_level(logging.WARNING, logger="lit_grpo.samplers.server.sampler"):
         replicas = [asyncio.run(router.complete({"prompt": [1]}, 1, None))[0].url for _ in range(2)]
     assert replicas == ["http://b", "http://b"]
     assert tries["a"] == 3  # one try and max_retries=2 retries, then dropped

@@ -16,8 +16,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lit_grpo.config import ModelConfig
-from lit_grpo.export import export_pretrained
-from lit_grpo.models import build_char_tokenizer, build_tiny_model, load_policy, load_tokenizer
+from lit_grpo.run.export import export_pretrained
+from lit_grpo.models.load import build_char_tokenizer, build_tiny_model, load_policy, load_tokenizer
 from lit_grpo.train import train
 
 from conftest import compose_config

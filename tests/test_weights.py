@@ -26,9 +26,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from lit_grpo.config import ModelConfig
-from lit_grpo.models import build_char_tokenizer, build_tiny_model
+from lit_grpo.models.load import build_char_tokenizer, build_tiny_model
 from lit_grpo.samplers.hf import HFSampler
-from lit_grpo.weights import full_named_tensors
+from lit_grpo.models.weights import full_named_tensors
 
 REPO = Path(__file__).resolve().parents[1]
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=60)

@@ -1,6 +1,6 @@
 """A user's policy loss, registered when imported: what `policy_loss.name=user_losses:scaled_pg` loads."""
 
-from lit_grpo.losses import register_policy_loss
+from lit_grpo.maths.losses import register_policy_loss
 
 
 @register_policy_loss("scaled_pg", scale=1.0)

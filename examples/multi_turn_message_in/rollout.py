@@ -7,7 +7,7 @@ assistant turns are (mask 1). A row's `prompt` becomes the first user message.
 
 from reward import turn_reward
 
-from lit_grpo.rollout import Trajectory
+from lit_grpo.rollouts.rollout import Trajectory
 from lit_grpo.samplers.arguments import chat_prompt_tokens
 from lit_grpo.types import RolloutSample
 

@@ -5,7 +5,7 @@ a row's `prompt_token_ids` as they are, its text `prompt` with the tokenizer's s
 the reward is computed inside the rollout.
 """
 
-from lit_grpo.rollout import row_prompt_tokens
+from lit_grpo.rollouts.rollout import row_prompt_tokens
 from lit_grpo.types import RolloutSample
 
 

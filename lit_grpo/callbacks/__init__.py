@@ -2,7 +2,7 @@
 histograms, the sample log, and the final export (made by `lit_grpo.train` from `output_model_id`).
 
 Dropping any of them never stalls training or changes its maths: the end of a step (weight sync
-and policy version, checkpoint, evaluation, metrics) is `lit_grpo.step_sequence`.
+and policy version, checkpoint, evaluation, metrics) is `lit_grpo.loop.step_sequence`.
 """
 
 from lit_grpo.callbacks.reward_curve import RewardCurve

@@ -9,8 +9,8 @@ from pathlib import Path
 import lightning as L
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from lit_grpo.export import export_pretrained
-from lit_grpo.step_sequence import check_finite
+from lit_grpo.run.export import export_pretrained
+from lit_grpo.loop.step_sequence import check_finite
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import lightning as L
 
-from lit_grpo.curves import plot_curves
+from lit_grpo.run.curves import plot_curves
 
 
 class RewardCurve(L.Callback):

@@ -6,7 +6,7 @@ from typing import Callable, Optional
 
 import lightning as L
 
-from lit_grpo.igpo import IGPOSettings, run_turn_rewards
+from lit_grpo.maths.igpo import IGPOSettings, run_turn_rewards
 from lit_grpo.types import PromptGroup
 
 

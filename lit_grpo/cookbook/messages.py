@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from lit_grpo.rollout import Trajectory
+from lit_grpo.rollouts.rollout import Trajectory
 
 DEFAULT_APPEND_ROLES = ("tool", "user", "system")
 # A conversation that ends with an assistant turn: appended messages are rendered after it, so

@@ -10,9 +10,9 @@ from typing import Any, Awaitable, Callable, Optional
 
 from lit_grpo.config import ConfigError
 from lit_grpo.cookbook.config import Config, to_hydra_config
-from lit_grpo.signals import StopRequested
+from lit_grpo.loop.signals import StopRequested
 from lit_grpo.types import PromptGroup, RolloutSetup
-from lit_grpo.user_inputs import UserInputs
+from lit_grpo.config import UserInputs
 
 log = logging.getLogger(__name__)
 

@@ -22,9 +22,9 @@ from __future__ import annotations
 import functools
 from typing import Optional
 
-from lit_grpo.igpo import information_gains_from_logprobs
+from lit_grpo.maths.igpo import information_gains_from_logprobs
 from lit_grpo.rewards import score_with_parts
-from lit_grpo.rollout import RolloutFn, Trajectory, text_prompt_tokens
+from lit_grpo.rollouts.rollout import RolloutFn, Trajectory, text_prompt_tokens
 from lit_grpo.tasks.lookup import ANSWER_CUE, reply
 from lit_grpo.types import RolloutSample, RolloutSetup
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Callable, Optional
 from lit_grpo.rewards.registry import RewardFn, get_reward, reward_name
 
 if TYPE_CHECKING:
-    from lit_grpo.config_groups import RewardConfig
+    from lit_grpo.config import RewardConfig
 
 RESERVED_NAMES = ("mean", "std", "max", "histogram")
 """`reward/<name>` keys the run logs already: no component may take them."""

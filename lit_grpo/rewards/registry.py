@@ -3,7 +3,7 @@
     @register_reward("mine")
     def mine(completion_text: str, row: dict) -> float | None: ...
 
-A reward reads the row as it was stored (`lit_grpo.rows`); None means "not applicable to this
+A reward reads the row as it was stored (`lit_grpo.tasks.rows`); None means "not applicable to this
 row" (a weighted sum skips it; a sample whose every component is None is dropped). `reward.fn`
 names a registered reward, or `module:function` in a module of your own (imported from the
 working directory); a module that registers rewards can also be named `module:registered_name`.
@@ -15,7 +15,7 @@ import inspect
 import sys
 from typing import Callable, Optional
 
-from lit_grpo.config_groups import ConfigError
+from lit_grpo.config import ConfigError
 from lit_grpo.errors import UserError, import_user_object
 
 RewardFn = Callable[[str, dict], Optional[float]]

@@ -38,7 +38,7 @@ DROP_REASONS: dict[str, tuple[str, str]] = {
                    "RolloutSample.tokens, .logprobs and .loss_mask are lists with one entry per token"),
     "length_mismatch": ("tokens, logprobs and loss_mask differ in length",
                         "tokens, logprobs and loss_mask are parallel lists: one entry per token, 0.0 logprob and "
-                        "mask 0 on tokens that were not generated (lit_grpo.rollout.Trajectory builds them)"),
+                        "mask 0 on tokens that were not generated (lit_grpo.rollouts.rollout.Trajectory builds them)"),
     "bad_mask": ("loss_mask holds values other than 0 and 1",
                  "loss_mask is 1 on tokens the policy generated and is trained on, 0 elsewhere"),
     "empty_mask": ("loss_mask trains on no token", "at least one token of a sample must have loss_mask 1"),

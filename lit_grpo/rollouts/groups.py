@@ -14,7 +14,7 @@ import threading
 from collections import Counter
 from typing import Optional
 
-from lit_grpo.rollout import RolloutFn, group_rollout_fn
+from lit_grpo.rollouts.rollout import RolloutFn, group_rollout_fn
 from lit_grpo.rollouts.checks import CircuitBreaker, ProgressGuard, short_reason
 from lit_grpo.rollouts.context import RolloutCalls
 from lit_grpo.rollouts.deadlines import call_rollout, function_name, gather_or_cancel

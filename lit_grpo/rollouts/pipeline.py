@@ -20,9 +20,9 @@ from typing import Callable, Iterable, Optional
 
 import torch
 
-from lit_grpo.advantages import ragged_group_advantages
-from lit_grpo.health import rollout_health
-from lit_grpo.igpo import IGPOSettings, group_token_advantages, turn_metric_values
+from lit_grpo.maths.advantages import ragged_group_advantages
+from lit_grpo.maths.health import rollout_health
+from lit_grpo.maths.igpo import IGPOSettings, group_token_advantages, turn_metric_values
 from lit_grpo.rollouts.checks import check_sample
 from lit_grpo.samplers.arguments import PromptTooLong
 from lit_grpo.types import PromptGroup, RolloutBatch, RolloutRecord, RolloutRun, RolloutSample
@@ -135,7 +135,7 @@ def make_batch(accepted: list[PromptGroup], sampled: list[PromptGroup], *, versi
                pad_id: int, counts: Counter, timings: dict[str, float], igpo: Optional[IGPOSettings] = None) -> RolloutBatch:
     """The step's batch of `accepted` groups, with its `RolloutRecord` (over every `sampled` group)
     attached. `version` is the trainer's policy version now. Needs at least one accepted group.
-    `igpo` (`policy_loss.advantage: igpo`): per-token turn advantages (`lit_grpo.igpo`) in
+    `igpo` (`policy_loss.advantage: igpo`): per-token turn advantages (`lit_grpo.maths.igpo`) in
     `advantages_BT` instead of one group-relative advantage per sequence."""
     if igpo is not None:
         token_advantages = [a for g in accepted for a in group_token_advantages(g.runs, igpo)]
@@ -187,7 +187,7 @@ def rollout_metrics(records: list[RolloutRecord]) -> dict[str, float]:
     Rewards and lengths are pooled over all ranks' samples; counts add up; perf timings are the
     slowest rank's; `rollout/groups_accepted` is the groups trained on by all ranks together;
     `rollout/zero_spread_frac`, `rollout/truncated_frac` and `rollout/length_<reason>` are
-    `lit_grpo.health.rollout_health` of the pooled lists.
+    `lit_grpo.maths.health.rollout_health` of the pooled lists.
     """
     rewards = [float(r) for rec in records for r in rec.rewards]
     lengths = [n for rec in records for n in rec.completion_tokens]

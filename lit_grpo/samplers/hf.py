@@ -15,7 +15,7 @@ from typing import Iterable, Optional, Sequence
 import torch
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase, StoppingCriteria, StoppingCriteriaList
 
-from lit_grpo.logprobs import token_logprobs
+from lit_grpo.maths.logprobs import token_logprobs
 from lit_grpo.samplers.base import BatchingSampler, normalize_weight_name
 from lit_grpo.samplers.stops import find_stop, first_stop
 from lit_grpo.types import Completion

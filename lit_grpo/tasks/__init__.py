@@ -2,7 +2,7 @@
 `lit_grpo.tasks.registry`). The built-ins are `arithmetic` (the CPU demo), `gsm8k`, and `lookup`
 (a multi-turn game for IGPO).
 
-What the training entry point calls, all from the validated `TrainConfig` (`lit_grpo.rows` calls
+What the training entry point calls, all from the validated `TrainConfig` (`lit_grpo.tasks.rows` calls
 the first two only when `data.path` / `data.eval_path` give no rows of the user's own):
 
     rows = build_rows(c); eval_rows = build_eval_rows(c); reward = reward_fn(c)
@@ -72,7 +72,7 @@ def reward_fn(c: TrainConfig) -> RewardFn:
 
 
 def source_problems(c: TrainConfig) -> list[str]:
-    """What the task reads that cannot be reached from here (for `lit_grpo.preflight`); nothing
+    """What the task reads that cannot be reached from here (for `lit_grpo.run.preflight`); nothing
     when `data.path` replaces its rows."""
     data = _task_data(c)
     return [] if data is None else task_spec(c.task).sources(task_options(c.task), data)

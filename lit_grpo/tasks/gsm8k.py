@@ -89,7 +89,7 @@ def check(opts: GSM8KOptions, data: DataConfig) -> None:
 
 def sources(opts: GSM8KOptions, data: DataConfig) -> list[str]:
     """Missing JSONL files, and the hub dataset when it is needed and cannot be reached."""
-    from lit_grpo.preflight import hub_problem
+    from lit_grpo.config.sources import hub_problem
 
     problems = []
     for name, path in (("task.path", opts.path), ("task.eval_path", opts.eval_path if data.eval_rows else None)):

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from lit_grpo.rewards.gsm8k import ANSWER_FIELDS, parse_reference_answer
-from lit_grpo.rows import PROMPT_FIELDS, MissingFileError, RowError, jsonl_records
+from lit_grpo.tasks.rows import PROMPT_FIELDS, MissingFileError, RowError, jsonl_records
 
 __all__ = ["ANSWER_FIELDS", "ON_ERROR_MODES", "PROMPT_TEMPLATE", "MissingFileError", "RowError", "check_record",
            "collect_rows", "load_jsonl_rows"]  # fmt: skip

@@ -44,7 +44,7 @@ class TaskSpec:
     """Cross-field rule with the shared data options, run at validation; raises `ConfigError`."""
     sources: Callable[[Any, DataConfig], list[str]]
     """What the run reads that cannot be reached from here (files, hub datasets), one message
-    each with the override that points at a local copy; run by `lit_grpo.preflight`."""
+    each with the override that points at a local copy; run by `lit_grpo.run.preflight`."""
 
 
 TASKS: dict[str, TaskSpec] = {}

@@ -1,0 +1,25 @@
+"""Configuration: one documented dataclass per Hydra group and `TrainConfig` over them.
+
+    checks.py       ConfigError, `require`, the bounds every group shares
+    model.py        ModelConfig, LoraConfig: the policy and its adapters
+    groups.py       sampler, data, reward, rollout, policy loss, trainer
+    run.py          TrainConfig (the whole run), `parse` (a composed DictConfig into it), the ConfigStore node
+    keys.py         keys the schema does not have (a misspelt `+key=value`)
+    sources.py      a data file's kind; a model or dataset that cannot be reached from here
+    user_inputs.py  what a Python caller hands a run beside its config (rows, functions)
+
+The dataclasses check bounds and types only and import nothing above them; every check that
+needs a registry (losses, samplers, rewards, tasks) runs in `lit_grpo.run.validate`.
+"""
+
+from lit_grpo.config.checks import DEFINES_STATE, MAX_LEARNING_RATE, MAX_TEMPERATURE, ConfigError, require, require_finite
+from lit_grpo.config.groups import DataConfig, PolicyLossConfig, RewardConfig, RolloutConfig, SamplerConfig, TrainerConfig
+from lit_grpo.config.model import LORA_DEFAULT_TARGETS, LoraConfig, ModelConfig
+from lit_grpo.config.run import TrainConfig, ineffective_knobs, validate
+from lit_grpo.config.user_inputs import UserInputs
+
+__all__ = [
+    "DEFINES_STATE", "LORA_DEFAULT_TARGETS", "MAX_LEARNING_RATE", "MAX_TEMPERATURE", "ConfigError", "DataConfig",
+    "LoraConfig", "ModelConfig", "PolicyLossConfig", "RewardConfig", "RolloutConfig", "SamplerConfig", "TrainConfig",
+    "TrainerConfig", "UserInputs", "ineffective_knobs", "require", "require_finite", "validate",
+]

@@ -1,0 +1,380 @@
+"""The config groups' dataclasses (sampler, data, reward, rollout, policy loss, trainer; the model's
+in `lit_grpo.config.model`, the shared checks in `lit_grpo.config.checks`); `lit_grpo.config.run`
+composes them into `TrainConfig`.
+
+Every field has a docstring, and `__post_init__` checks what one group can check alone, naming
+the field; `ConfigError` is what a user sees.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Optional
+
+from lit_grpo.config.checks import (
+    DEFINES_STATE,
+    MAX_LEARNING_RATE,
+    MAX_TEMPERATURE,
+    ConfigError,
+    require,
+    require_finite,
+)
+
+if TYPE_CHECKING:
+    from lit_grpo.maths.igpo import IGPOSettings
+
+
+ENGINE_THREADS = ("auto", "worker", "loop")
+"""`sampler.engine_thread`."""
+
+
+def engine_on_loop(engine_thread: str, synchronous_training: bool) -> bool:
+    """Whether the in-process engine runs on the rollout event loop's thread (`sampler.engine_thread`)."""
+    return engine_thread == "loop" or (engine_thread == "auto" and synchronous_training)
+
+
+@dataclass
+class SamplerConfig:
+    """The in-process sampler that produces rollouts."""
+
+    kind: str = "hf"
+    """A registered sampler (`lit_grpo.samplers`): `hf`, batched transformers `generate` with its own
+    copy of the weights; `vllm`, in-process vLLM; `vllm_server`, vLLM OpenAI servers over HTTP
+    (started here, `num_servers`, or running, `server_urls`)."""
+    temperature: float = 1.0
+    """Sampling temperature; logprobs are reported at this temperature (top_p=1, top_k=0)."""
+    max_completion_tokens: int = 8
+    """Most tokens generated per completion."""
+    max_batch_size: int = 256
+    """Most sequences generated together in one batched call."""
+    engine_thread: str = "auto"
+    """hf, vllm: the thread the engine's batched calls run on. `worker`: a thread of their own, so
+    the rollout event loop (tool calls, other rollouts) keeps running during a generate; `loop`:
+    the event loop's own thread, blocked for each call, and on a CPU no second torch thread pool
+    spinning against the trainer's; `auto`: `loop` when training is synchronous (the loop is the
+    trainer's thread), else `worker`."""
+    dtype: str = "auto"
+    """vllm: engine dtype (`auto` follows the model; float32 for exact logprob checks)."""
+    max_model_len: Optional[int] = None
+    """vllm: longest prompt + completion the engine accepts (null: the model's own limit)."""
+    gpu_memory_utilization: float = 0.3
+    """vllm on CUDA: fraction of GPU memory for the engine (the rest is the trainer's, colocated)."""
+    enforce_eager: bool = False
+    """vllm: no CUDA graphs (faster start, slower decode)."""
+    tensor_parallel_size: int = 1
+    """vllm on CUDA: GPUs the engine shards over."""
+    sleep_between_phases: bool = False
+    """vllm on CUDA: free the engine's memory while the trainer steps (CPU: ignored, with a log line)."""
+    server_urls: list[str] = field(default_factory=list)
+    """vllm_server: URLs of running servers to attach to (`python -m lit_grpo.serve`, which sets the
+    logprobs mode and weight-update endpoints this sampler needs); their weights are replaced by the
+    policy's at start. Set this or `num_servers`."""
+    num_servers: Optional[int] = None
+    """vllm_server: start this many local servers from the policy's weights (written to the run
+    folder; logs in `<output_dir>/servers`), stopped at the end of the run; null: 1 unless
+    `server_urls` is set (then none are started)."""
+    max_in_flight_per_server: int = 64
+    """vllm_server: most requests outstanding at one server (requests go to the least busy one)."""
+    request_timeout_s: float = 120.0
+    """vllm_server: deadline of one HTTP request (each try of a completion; each step of a weight sync)."""
+    max_retries: int = 3
+    """vllm_server: retries of a completion after a transient error (connection refused or reset, 5xx,
+    timeout), with exponential backoff; past them a server that cannot be reached is dropped (its
+    requests go to the others), any other failure is an error naming the server."""
+    weight_sync_dir: Optional[str] = None
+    """vllm_server: folder the policy's weights are written to for the servers to load at each sync
+    (they must be able to read it); null: `<output_dir>/weight_sync`."""
+    server_startup_timeout_s: float = 600.0
+    """vllm_server with `num_servers`: how long the servers may take to answer `/health`."""
+    server_kv_cache_memory_bytes: Optional[str] = None
+    """vllm_server with `num_servers`: each server's KV cache (`--kv-cache-memory-bytes`, e.g. 256M);
+    null: vLLM's default (CPU: VLLM_CPU_KVCACHE_SPACE, GPU: gpu_memory_utilization)."""
+    server_args: list[str] = field(default_factory=list)
+    """vllm_server with `num_servers`: more `vllm serve` arguments for every server started."""
+    weight_transfer: str = "reload"
+    """vllm_server: how weights reach the servers at each sync: `reload` (safetensors in
+    `weight_sync_dir`), or streamed by vLLM's weight-transfer API, `gloo` (CPU) or `nccl` (GPU);
+    servers attached by `server_urls` must run `lit_grpo.samplers.server.serve --weight-transfer` with the same."""
+
+    @property
+    def servers_to_start(self) -> int:
+        """vllm_server: how many local servers the sampler starts (0: it attaches to `server_urls`)."""
+        if self.num_servers is not None:
+            return self.num_servers
+        return 0 if self.server_urls else 1
+
+    def __post_init__(self) -> None:
+        from lit_grpo.samplers import available_samplers
+
+        require(self.kind in available_samplers(), "sampler.kind", f"unknown sampler {self.kind!r}; valid: {', '.join(available_samplers())}")
+        require_finite(self.temperature, "sampler.temperature")
+        require(0 < self.temperature <= MAX_TEMPERATURE, "sampler.temperature", f"must be in (0, {MAX_TEMPERATURE:g}], got {self.temperature}")
+        require(self.max_completion_tokens > 0, "sampler.max_completion_tokens", "must be > 0")
+        require(self.max_batch_size > 0, "sampler.max_batch_size", "must be > 0")
+        require(self.engine_thread in ENGINE_THREADS, "sampler.engine_thread",
+                f"must be one of {', '.join(ENGINE_THREADS)}, got {self.engine_thread!r}")
+        require(0 < self.gpu_memory_utilization <= 1, "sampler.gpu_memory_utilization", "must be in (0, 1]")
+        require(self.tensor_parallel_size >= 1, "sampler.tensor_parallel_size", "must be >= 1")
+        _check_server_fields(self)
+
+
+def _check_server_fields(cfg: SamplerConfig) -> None:
+    """The `vllm_server` fields of `SamplerConfig`."""
+    require(cfg.num_servers is None or cfg.num_servers >= 0, "sampler.num_servers", "must be >= 0 or null")
+    require(all(isinstance(u, str) and u.startswith(("http://", "https://")) for u in cfg.server_urls),
+            "sampler.server_urls", f"must be http(s):// URLs, got {list(cfg.server_urls)!r}")
+    if cfg.kind == "vllm_server":
+        require(bool(cfg.server_urls) != (cfg.servers_to_start > 0), "sampler.server_urls",
+                "sampler=vllm_server needs exactly one of sampler.server_urls (attach to running servers) and "
+                f"sampler.num_servers (start local ones), got server_urls={list(cfg.server_urls)!r}, num_servers={cfg.num_servers}")
+    require(cfg.max_in_flight_per_server > 0, "sampler.max_in_flight_per_server", "must be > 0")
+    require_finite(cfg.request_timeout_s, "sampler.request_timeout_s")
+    require(cfg.request_timeout_s > 0, "sampler.request_timeout_s", "must be > 0")
+    require(cfg.max_retries >= 0, "sampler.max_retries", "must be >= 0")
+    require_finite(cfg.server_startup_timeout_s, "sampler.server_startup_timeout_s")
+    require(cfg.server_startup_timeout_s > 0, "sampler.server_startup_timeout_s", "must be > 0")
+    require(cfg.weight_sync_dir is None or bool(cfg.weight_sync_dir.strip()), "sampler.weight_sync_dir",
+            "must be null or a non-empty path")
+    require(cfg.weight_transfer in ("reload", "gloo", "nccl"), "sampler.weight_transfer",
+            f"must be reload, gloo (CPU) or nccl (GPU), got {cfg.weight_transfer!r}")
+    require(cfg.weight_transfer == "reload" or cfg.kind == "vllm_server", "sampler.weight_transfer",
+            f"{cfg.weight_transfer} streams weights to vLLM servers: only sampler=vllm_server takes it, not {cfg.kind}")
+
+
+@dataclass
+class DataConfig:
+    """Where the rows come from (`path`: a file or dataset of your own; null: the task's rows) and
+    how they are grouped into steps. Rows reach the rollout exactly as stored (`lit_grpo.tasks.rows`)."""
+
+    path: Optional[str] = field(default=None, metadata=DEFINES_STATE)
+    """Training rows: a `.jsonl`, `.json` (a list of objects), `.parquet` or `.csv` file, or a
+    Hugging Face dataset name or local dataset folder (Parquet, CSV and datasets need the
+    `lit_grpo[datasets]` extra); null: the task's rows. Rows given to `build_run(c, rows=...)` come first."""
+    split: str = field(default="train", metadata=DEFINES_STATE)
+    """The split of a dataset `path` trained on."""
+    dataset_config: Optional[str] = field(default=None, metadata=DEFINES_STATE)
+    """The config name of a dataset `path` or `eval_path` (e.g. `main` for openai/gsm8k)."""
+    eval_path: Optional[str] = None
+    """Held-out rows (the first `eval_rows` of them are evaluated), in any form `path` takes;
+    null: the task's held-out rows (needed when `path` is set and `eval_rows` > 0)."""
+    eval_split: str = "test"
+    """The split of a dataset `eval_path` evaluated on."""
+    prompt_field: Optional[str] = None
+    """The row field the default rollout takes the prompt from: text (tokenized with the
+    tokenizer's special tokens), chat messages (through the chat template) or token ids. null: the
+    first of `prompt_token_ids`, `messages`, `prompt` that a row has."""
+
+    completions_per_prompt: int = field(default=8, metadata=DEFINES_STATE)
+    """G: completions sampled per prompt; advantages are relative within these."""
+    prompt_groups_per_step: int = field(default=8, metadata=DEFINES_STATE)
+    """P: accepted prompt groups per training step (B = P·G sequences)."""
+    max_rows: int = field(default=0, metadata=DEFINES_STATE)
+    """Use at most this many training rows, wherever they come from (0: all)."""
+    epochs: int = 1
+    """Passes over the rows; rows are reshuffled each epoch with the run seed."""
+    max_seq_len: int = 256
+    """Longest prompt + completion, in tokens."""
+    shuffle: bool = field(default=True, metadata=DEFINES_STATE)
+    """Shuffle rows each epoch (seeded)."""
+    min_group_size: int = 2
+    """A group left with fewer samples (after dropped or failed rollouts) is dropped."""
+    eval_rows: int = 0
+    """Held-out rows (of `eval_path`, or the task's) scored greedily for `eval/accuracy` (0: no evaluation)."""
+
+    def __post_init__(self) -> None:
+        for name in ("path", "eval_path", "prompt_field", "dataset_config"):
+            value = getattr(self, name)
+            require(value is None or bool(value.strip()), f"data.{name}", "must be null or a non-empty string")
+        for name in ("split", "eval_split"):
+            require(bool(getattr(self, name).strip()), f"data.{name}", "must be a split name, e.g. train or test")
+        require(self.eval_rows >= 0, "data.eval_rows", "must be >= 0 (0: no evaluation)")
+        require(
+            not (self.path and not self.eval_path and self.eval_rows > 0),
+            "data.eval_path",
+            f"is needed with data.path={self.path} when data.eval_rows > 0 (held-out rows of your own), or set data.eval_rows=0",
+        )
+        require(self.completions_per_prompt >= 2, "data.completions_per_prompt", "must be >= 2 (advantages are relative within a group)")
+        require(self.prompt_groups_per_step >= 1, "data.prompt_groups_per_step", "must be >= 1")
+        require(self.max_rows >= 0, "data.max_rows", "must be >= 0 (0 means all rows)")
+        require(self.epochs >= 1, "data.epochs", "must be >= 1")
+        require(self.max_seq_len > 1, "data.max_seq_len", "must be > 1")
+        require(
+            2 <= self.min_group_size <= self.completions_per_prompt,
+            "data.min_group_size",
+            "must be between 2 and data.completions_per_prompt",
+        )
+
+
+@dataclass
+class RolloutConfig:
+    """The rollout function: the user's extension point."""
+
+    factory: str = "lit_grpo.rollouts.rollout:make_rollout_fn"
+    """`module:function` of a `make_rollout_fn(setup) -> rollout_fn`, importable from the working directory."""
+    extras: dict = field(default_factory=dict)
+    """Anything the factory needs, handed over as `setup.extras` (next to `reward_fn`)."""
+
+    def __post_init__(self) -> None:
+        require(":" in self.factory, "rollout.factory", f"must be 'module:function', got {self.factory!r}")
+
+
+@dataclass
+class RewardConfig:
+    """The reward (`lit_grpo.rewards`): the task's own, or functions of your own, weighted."""
+
+    fn: Any = None
+    """null: the task's reward. Or a registered reward (`arithmetic`, `gsm8k`, `exact_match`), or
+    `module:function` of your own (imported from the working directory), or a list of them: their
+    weighted sum, each component also logged as `reward/<name>`. A reward is
+    `reward(completion_text, row) -> float | None` (None: not applicable to this row)."""
+    weights: Optional[list[float]] = None
+    """One weight per component of `fn` (null: all 1.0)."""
+
+    def specs(self) -> list[str]:
+        """`fn` as a list of names (empty when null)."""
+        if self.fn is None:
+            return []
+        return list(self.fn) if isinstance(self.fn, (list, tuple)) else [self.fn]
+
+    def __post_init__(self) -> None:
+        from lit_grpo.rewards.combine import RESERVED_NAMES, check_weights, component_names
+
+        specs = self.specs()
+        require(self.fn is None or bool(specs), "reward.fn", "must name at least one reward, or be null (the task's reward)")
+        for spec in specs:
+            require(isinstance(spec, str) and bool(spec.strip()), "reward.fn", f"must be reward names or 'module:function', got {spec!r}")
+        names = component_names(specs)  # imports a user's module: a missing one is named here
+        if len(names) > 1:
+            require(len(set(names)) == len(names), "reward.fn", f"two components share a name ({', '.join(names)}): their "
+                    "reward/<name> curves would mix; give the functions distinct names")
+            for name in names:
+                require(name not in RESERVED_NAMES, "reward.fn", f"a component may not be called {name!r}: reward/{name} is already logged")
+        if why := check_weights(self.weights, max(len(specs), 1)):
+            require(False, "reward.weights", why)
+
+
+# PolicyLossConfig's named hyper-parameters; any other goes in `params`.
+ADVANTAGE_KINDS = ("group", "igpo")
+"""`policy_loss.advantage`: per-sequence group-relative advantages, or IGPO's per-token turn credit."""
+_NAMED_LOSS_HYPERPARAMS = ("eps_clip", "eps_clip_high", "eps_clip_c", "dro_beta", "tis_cap", "tis_level")
+
+
+@dataclass
+class PolicyLossConfig:
+    """The policy objective; `conf/policy_loss/<name>.yaml` holds each built-in variant's defaults.
+
+    Variant hyper-parameters are null unless the variant takes them; validation checks every one
+    that is set (named here or in `params`) against the loss registry, so a hyper-parameter the
+    variant does not take is an error naming its field, not a silent no-op.
+    """
+
+    name: str = field(default="grpo", metadata=DEFINES_STATE)
+    """A registered variant (`lit_grpo.maths.losses`: grpo, importance_sampling, reinforce, dapo, dro,
+    gspo, cispo), or `module.path:name` for a user's loss: `module.path` is imported first (the
+    working directory is importable) and its `@register_policy_loss("name")` registers it."""
+    kl_beta: float = 0.001
+    """β of the k3 KL penalty to the frozen reference; > 0 builds the reference model."""
+    loss_normalization: str = "token_mean"
+    """A registered normalization (`lit_grpo.maths.loss_terms.LOSS_NORMALIZATIONS`): token_mean (over
+    the whole optimizer step), seq_mean or sum."""
+    advantage_scale: str = "std"
+    """`std`: (r - mean) / std within the group; `none`: r - mean (Dr. GRPO)."""
+    advantage: str = "group"
+    """`group`: one group-relative advantage per sequence (from `reward`); `igpo`: turn-level
+    credit per token (`lit_grpo.maths.igpo.turn_advantages`), from each sample's `turn_spans` and
+    `turn_rewards` (information gains) and its `reward` (the outcome)."""
+    igpo_gamma: Optional[float] = None
+    """igpo: discount of the turn-level return, in [0, 1] (null: 0.95, the paper's)."""
+    igpo_skip_last_ig: Optional[bool] = None
+    """igpo: the last turn of each rollout carries only the outcome, no IG term (null: false)."""
+    eps_clip: Optional[float] = None
+    """Lower clip ε of the ratio (1 - ε)."""
+    eps_clip_high: Optional[float] = None
+    """Upper clip ε of the ratio (1 + ε)."""
+    eps_clip_c: Optional[float] = None
+    """dapo's dual-clip constant c for negative advantages (null: off)."""
+    dro_beta: Optional[float] = None
+    """dro's quadratic penalty β."""
+    tis_cap: Optional[float] = None
+    """Cap of the truncated importance weight against the sampler's logprobs."""
+    tis_level: Optional[str] = None
+    """`token` or `sequence` TIS weights (`lit_grpo.maths.loss_terms.TIS_LEVELS`)."""
+    params: dict = field(default_factory=dict)
+    """Any other hyper-parameter of the registered loss, by the name it was registered with
+    (`register_policy_loss("mine", scale=1.0)`: `+policy_loss.params.scale=3.0`)."""
+
+    def __post_init__(self) -> None:
+        from lit_grpo.maths.advantages import ADVANTAGE_SCALES
+        from lit_grpo.maths.losses import LOSS_NORMALIZATIONS, check_policy_loss_hyperparams, policy_loss_defaults
+
+        require_finite(self.kl_beta, "policy_loss.kl_beta")
+        require(self.kl_beta >= 0, "policy_loss.kl_beta", f"must be >= 0, got {self.kl_beta}")
+        for key in ("eps_clip", "eps_clip_high", "eps_clip_c", "dro_beta", "tis_cap"):
+            if getattr(self, key) is not None:
+                require_finite(getattr(self, key), f"policy_loss.{key}")
+        require(
+            self.loss_normalization in LOSS_NORMALIZATIONS,
+            "policy_loss.loss_normalization",
+            f"must be one of {', '.join(LOSS_NORMALIZATIONS)}, got {self.loss_normalization!r}",
+        )
+        require(self.advantage_scale in ADVANTAGE_SCALES, "policy_loss.advantage_scale", f"must be one of {', '.join(ADVANTAGE_SCALES)}, got {self.advantage_scale!r}")
+        self._check_advantage()
+        try:
+            defaults = policy_loss_defaults(self.name)
+        except ValueError as err:
+            raise ConfigError(f"config field `policy_loss.name`: {err}") from None
+        valid = f"valid hyper-parameters of {self.name!r}: {', '.join(sorted(defaults))}"
+        for key in _NAMED_LOSS_HYPERPARAMS:
+            require(getattr(self, key) is None or key in defaults, f"policy_loss.{key}", f"the loss does not take it; {valid}")
+        for key in self.params:
+            require(key not in (*_NAMED_LOSS_HYPERPARAMS, "kl_beta"), f"policy_loss.params.{key}", f"set it as policy_loss.{key}")
+            require(key in defaults, f"policy_loss.params.{key}", f"the loss does not take it; {valid}")
+        try:
+            check_policy_loss_hyperparams(self.name, self.hyperparams())
+        except ValueError as err:
+            raise ConfigError(f"config group `policy_loss`: {err}") from None
+
+    def _check_advantage(self) -> None:
+        require(self.advantage in ADVANTAGE_KINDS, "policy_loss.advantage", f"must be one of {', '.join(ADVANTAGE_KINDS)}, got {self.advantage!r}")
+        for key in ("igpo_gamma", "igpo_skip_last_ig"):
+            require(getattr(self, key) is None or self.advantage == "igpo", f"policy_loss.{key}",
+                    f"applies to policy_loss.advantage=igpo only (it is {self.advantage!r})")
+        if self.igpo_gamma is not None:
+            require_finite(self.igpo_gamma, "policy_loss.igpo_gamma")
+            require(0.0 <= self.igpo_gamma <= 1.0, "policy_loss.igpo_gamma", f"must be in [0, 1], got {self.igpo_gamma}")
+        if self.advantage == "igpo":  # igpo z-normalizes its rewards itself: another scale would be a silent no-op
+            require(self.advantage_scale == "std", "policy_loss.advantage_scale",
+                    f"igpo z-normalizes its IG and outcome rewards itself; leave it at std (got {self.advantage_scale!r})")
+
+    def igpo_settings(self) -> Optional["IGPOSettings"]:
+        """The IGPO settings when `advantage` is igpo, else None."""
+        if self.advantage != "igpo":
+            return None
+        from lit_grpo.maths.igpo import DEFAULT_GAMMA, IGPOSettings
+
+        gamma = DEFAULT_GAMMA if self.igpo_gamma is None else float(self.igpo_gamma)
+        return IGPOSettings(gamma=gamma, skip_last_ig=bool(self.igpo_skip_last_ig))
+
+    def hyperparams(self) -> dict[str, Any]:
+        """The hyper-parameters to call the loss with: the named ones that are set, `params`, kl_beta."""
+        named = {n: getattr(self, n) for n in _NAMED_LOSS_HYPERPARAMS if getattr(self, n) is not None}
+        return {**named, **self.params, "kl_beta": self.kl_beta}
+
+
+@dataclass
+class TrainerConfig:
+    """Arguments of `lightning.Trainer` that lit_grpo exposes; `extra` passes any other one."""
+
+    accelerator: str = "auto"
+    devices: Any = 1
+    strategy: str = "auto"
+    precision: str = "32-true"
+    max_epochs: int = 1
+    """One Lightning epoch is the whole rollout stream (all data epochs)."""
+    fast_dev_run: Any = False
+    """True or N: run 1 (or N) steps as a smoke test, no checkpoints, no plots."""
+    log_every_n_steps: int = 1
+    enable_progress_bar: bool = True
+    enable_model_summary: bool = False
+    deterministic: bool = False
+    extra: dict = field(default_factory=dict)

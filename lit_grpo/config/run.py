@@ -1,0 +1,218 @@
+"""Typed configuration: `TrainConfig` (the whole run) over one documented dataclass per Hydra group
+(`lit_grpo.config.groups`, re-exported here), registered in the ConfigStore.
+
+`conf/train.yaml` starts from the `train_schema` node stored here, so every YAML under `conf/`
+is merged onto these dataclasses: a misspelt key or a value of the wrong type fails while Hydra
+composes. Cross-field rules live in `__post_init__`; `validate(cfg)` turns a composed DictConfig
+into these objects (running those rules) before any model is loaded. Lists of valid names (loss
+variants, normalizations, TIS levels, advantage scales, sampler kinds, tasks) are read from the
+registries that own them, never written here. A field marked `metadata=DEFINES_STATE` defines what
+a checkpoint's state means (`lit_grpo.run.checkpoint.STATE_DEFINING_FIELDS`); `ineffective_knobs`
+names the knobs that a given config makes no-ops.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, OmegaConf
+
+from lit_grpo.config.checks import DEFINES_STATE, MAX_LEARNING_RATE, ConfigError, require, require_finite
+from lit_grpo.config.groups import DataConfig, PolicyLossConfig, RewardConfig, RolloutConfig, SamplerConfig, TrainerConfig
+from lit_grpo.config.model import ModelConfig
+from lit_grpo.config.keys import unknown_keys, unknown_keys_message
+from lit_grpo.config.sources import source_kind
+
+
+
+@dataclass
+class TrainConfig:
+    """The whole run. Top-level fields are the cookbook Config's knobs, under the same names."""
+
+    model: ModelConfig = field(default_factory=ModelConfig, metadata=DEFINES_STATE)
+    sampler: SamplerConfig = field(default_factory=SamplerConfig)
+    task: dict = field(default_factory=lambda: {"name": "arithmetic"}, metadata=DEFINES_STATE)
+    """The task (`conf/task/<name>.yaml`): `name`, a registered task (`lit_grpo.tasks`) or
+    `module.path:name` for a user's, plus that task's own options (e.g. `task.num_rows`), checked
+    strictly against the options dataclass the task registered."""
+    data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    """The reward (`conf/reward/`): null `reward.fn` is the task's; a name, `module:function` or a
+    weighted list of them replaces it."""
+    policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    callbacks: dict = field(default_factory=dict)
+    """Keyed Lightning callbacks (`_target_` dicts); drop one with `~callbacks.<key>`."""
+    logger: dict = field(default_factory=dict)
+    """Keyed Lightning loggers (`_target_` dicts)."""
+
+    seed: int = field(default=0, metadata=DEFINES_STATE)
+    """Seeds python, numpy, torch, the tiny model's init and the data order."""
+    max_steps: int = -1
+    """Rollout steps to train (-1: until the rows × epochs are used up)."""
+    learning_rate: float = 1e-5
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    weight_decay: float = 0.01
+    grad_clip_norm: float = 1.0
+    """Clip the global gradient norm (0: off)."""
+    warmup_steps: int = 0
+    """Linear learning-rate warm-up, in optimizer steps."""
+    lr_decay: str = "constant"
+    """After warm-up: `constant`, or `linear` / `cosine` decay to 0 at the last step (needs max_steps)."""
+    weight_sync_interval: int = 1
+    """Push the policy into the sampler every N steps (1: on-policy; 0: never, the sampler keeps the base weights)."""
+    dcp_save_interval: int = 0
+    """Save a resumable DCP checkpoint every N rollout steps, and after the last one (0: off)."""
+    dcp_keep_last: int = 2
+    """Complete checkpoints kept in `<output_dir>/checkpoints` (older ones are deleted)."""
+    resume: Optional[str] = None
+    """`auto`: resume from the newest complete checkpoint in `<output_dir>/checkpoints` (start fresh
+    if there is none); a path: that checkpoint (or the newest complete one under that folder); null: start fresh."""
+    output_model_id: Optional[str] = "final_model"
+    """Folder (under output_dir unless absolute) the trained policy is exported to in Hugging Face
+    format when fit ends (null: no export)."""
+    synchronous_training: bool = False
+    """Sample a step's groups, then train, then sync: no overlap (the on-policy baseline)."""
+    max_head_offpolicy_versions: int = 0
+    """O: a sample may be trained at most O weight-sync versions after it was sampled (0: on-policy)."""
+    max_concurrency_rollout_sample: int = 256
+    """Most rollout calls in flight at once (asynchronous mode)."""
+    micro_batch_size: int = 0
+    """Sequences per forward/backward; gradients accumulate over a step (0: the whole batch)."""
+    ppo_n_minibatches: int = field(default=1, metadata=DEFINES_STATE)
+    """K: optimizer steps per rollout batch, each on 1/K of it, all against the same old policy."""
+    output_dir: str = "."
+    """Run folder: logs, plots, checkpoints. Set by Hydra to its run directory."""
+    summary_metric: str = "reward/mean"
+    """Metric reported in the run summary and the reward curve."""
+    eval_interval: int = 0
+    """Greedy accuracy on `data.eval_rows` held-out rows every N rollout steps and at the end (0: at the end only)."""
+    rollout_timeout_s: float = 300.0
+    """Deadline of each rollout call, in seconds: a call still running is cancelled and counted in
+    `rollout/timeouts` (retried like any transient error, then a `rollout/failures`). It also bounds
+    each batched sampler call, and how long the rollout event loop may go without running: a
+    rollout that blocks it (`time.sleep` in an async rollout) stops the run with `RolloutStalled`."""
+    rollout_max_retries: int = 2
+    """Retries of a rollout call that ended in a transient error (a timeout, `ConnectionError`,
+    `OSError`), with backoff 0.5 s, 1 s, 2 s, ...; counted in `rollout/retries`. A bug in the rollout
+    (`TypeError`, `KeyError`, ...) is never retried: it stops the run at once."""
+    max_rows_without_progress: int = 1000
+    """Consecutive rows sampled without one accepted group before the run stops with
+    `NoProgressError`, whose message counts the rows per drop reason (None returned, malformed
+    samples, non-finite rewards, uniform groups filtered, prompts too long, failures)."""
+    max_nonfinite_steps: int = 3
+    """Consecutive training steps whose loss or gradient norm is non-finite before the run stops;
+    each such step's update is skipped."""
+
+    def __post_init__(self) -> None:
+        require(self.max_steps == -1 or self.max_steps > 0, "max_steps", "must be -1 (until data is exhausted) or > 0")
+        for name in ("learning_rate", "adam_beta1", "adam_beta2", "adam_eps", "weight_decay", "grad_clip_norm", "rollout_timeout_s"):
+            require_finite(getattr(self, name), name)
+        require(0 < self.learning_rate <= MAX_LEARNING_RATE, "learning_rate",
+                f"must be in (0, {MAX_LEARNING_RATE:g}], got {self.learning_rate}")
+        require(0 <= self.adam_beta1 < 1, "adam_beta1", "must be in [0, 1)")
+        require(0 <= self.adam_beta2 < 1, "adam_beta2", "must be in [0, 1)")
+        require(self.adam_eps > 0, "adam_eps", "must be > 0")
+        require(self.weight_decay >= 0, "weight_decay", "must be >= 0")
+        require(self.grad_clip_norm >= 0, "grad_clip_norm", "must be >= 0 (0: off)")
+        require(self.rollout_timeout_s > 0, "rollout_timeout_s", f"must be > 0 seconds, got {self.rollout_timeout_s}")
+        require(0 <= self.rollout_max_retries <= 10, "rollout_max_retries", f"must be in [0, 10], got {self.rollout_max_retries}")
+        require(self.max_rows_without_progress >= 1, "max_rows_without_progress", "must be >= 1")
+        require(self.max_nonfinite_steps >= 1, "max_nonfinite_steps", "must be >= 1")
+        require(self.warmup_steps >= 0, "warmup_steps", "must be >= 0")
+        require(self.lr_decay in ("constant", "linear", "cosine"), "lr_decay", "must be constant, linear or cosine")
+        require(self.lr_decay == "constant" or self.max_steps > 0, "lr_decay", f"{self.lr_decay!r} decay needs max_steps > 0")
+        require(self.weight_sync_interval >= 0, "weight_sync_interval", "must be >= 0 (0: never sync)")
+        require(self.dcp_save_interval >= 0, "dcp_save_interval", "must be >= 0 (0: off)")
+        require(self.dcp_keep_last >= 1, "dcp_keep_last", "must be >= 1")
+        require(self.eval_interval >= 0, "eval_interval", "must be >= 0 (0: evaluate at the end only)")
+        require(
+            self.dcp_save_interval == 0 or self.weight_sync_interval == 0 or self.dcp_save_interval % self.weight_sync_interval == 0,
+            "dcp_save_interval",
+            f"must be a multiple of weight_sync_interval ({self.weight_sync_interval}) so a checkpoint is taken when the "
+            "sampler holds the saved policy (an exact resume needs both)",
+        )
+        require(self.resume is None or bool(self.resume.strip()), "resume", "must be null, 'auto' or a checkpoint path")
+        require(self.output_model_id is None or bool(self.output_model_id.strip()), "output_model_id", "must be null or a folder name")
+        require(self.max_head_offpolicy_versions >= 0, "max_head_offpolicy_versions", "must be >= 0 (0: on-policy)")
+        require(
+            self.synchronous_training or self.weight_sync_interval <= self.max_head_offpolicy_versions + 1,
+            "weight_sync_interval",
+            f"must be <= max_head_offpolicy_versions + 1 = {self.max_head_offpolicy_versions + 1} with the off-policy "
+            "scheduler (synchronous_training=false): the gate admits rows at most that many versions ahead, so a "
+            "longer sync window would wait forever for rollouts",
+        )
+        require(
+            self.max_concurrency_rollout_sample >= self.data.completions_per_prompt,
+            "max_concurrency_rollout_sample",
+            f"must be >= data.completions_per_prompt ({self.data.completions_per_prompt}): rows are admitted whole",
+        )
+        require(self.micro_batch_size >= 0, "micro_batch_size", "must be >= 0 (0: whole batch)")
+        require(self.ppo_n_minibatches >= 1, "ppo_n_minibatches", "must be >= 1")
+        batch_size = self.data.prompt_groups_per_step * self.data.completions_per_prompt
+        require(
+            self.ppo_n_minibatches <= batch_size,
+            "ppo_n_minibatches",
+            f"must be <= the sequences per step (prompt_groups_per_step × completions_per_prompt = {batch_size})",
+        )
+        if self.sampler.kind == "vllm" and self.model.kind == "tiny":
+            head_dim = self.model.hidden_size // self.model.num_heads
+            require(head_dim >= 32, "model.num_heads", f"vLLM's CPU attention needs a head size >= 32, got {head_dim}; try model.num_heads={max(self.model.hidden_size // 32, 1)}")
+        from lit_grpo.tasks import check_task
+
+        check_task(self)
+
+
+def ineffective_knobs(c: TrainConfig) -> list[str]:
+    """One message per knob that this config sets but that has no effect in it (logged at start-up).
+
+    A knob at its default is not reported: only values someone chose and that do nothing.
+    """
+    knobs = []
+    if c.synchronous_training and c.max_head_offpolicy_versions > 0:
+        knobs.append(
+            f"max_head_offpolicy_versions={c.max_head_offpolicy_versions} has no effect with synchronous_training=true: "
+            "every rollout is drained before each step, so none is ever off-policy"
+        )
+    if c.eval_interval > 0 and c.data.eval_rows == 0:
+        knobs.append(f"eval_interval={c.eval_interval} has no effect with data.eval_rows=0: there is nothing to evaluate")
+    if c.data.eval_path and c.data.eval_rows == 0:
+        knobs.append(f"data.eval_path={c.data.eval_path} has no effect with data.eval_rows=0: nothing is evaluated")
+    data_defaults = {f.name: f.default for f in fields(DataConfig)}
+    if not any(p and source_kind(p) == "dataset" for p in (c.data.path, c.data.eval_path)):
+        for name in ("split", "eval_split", "dataset_config"):
+            if getattr(c.data, name) != data_defaults[name]:
+                knobs.append(f"data.{name}={getattr(c.data, name)} has no effect: neither data.path nor data.eval_path is a dataset")
+    default_keep = TrainConfig.__dataclass_fields__["dcp_keep_last"].default
+    if c.dcp_save_interval == 0 and c.dcp_keep_last != default_keep:
+        knobs.append(f"dcp_keep_last={c.dcp_keep_last} has no effect with dcp_save_interval=0: no checkpoint is saved")
+    return knobs
+
+
+def register_configs() -> None:
+    """Store the schema so `conf/train.yaml` can start from it (`defaults: [train_schema, ...]`)."""
+    cs = ConfigStore.instance()
+    cs.store(name="train_schema", node=TrainConfig)
+
+
+def validate(cfg: DictConfig | TrainConfig) -> TrainConfig:
+    """Turn a composed config into `TrainConfig`, running every cross-field check.
+
+    Raises `ConfigError` naming the field; nothing has been loaded yet when it does.
+    """
+    if isinstance(cfg, TrainConfig):
+        return cfg
+    if problems := unknown_keys(cfg, TrainConfig):  # a misspelt `+key=value`: to_object would drop it silently
+        raise ConfigError(unknown_keys_message(problems))
+    obj = OmegaConf.to_object(cfg)
+    if not isinstance(obj, TrainConfig):
+        raise ConfigError("config does not follow the train schema; compose it from conf/train.yaml")
+    return obj
+
+
+register_configs()

@@ -1,0 +1,58 @@
+"""A step's metrics: merged over ranks, kept in a history, handed to the loggers.
+
+Every key is namespaced: `train/` (loss, lr, entropy, clip_frac, ratio_mean, ppo_kl, ref_kl,
+tis/*, grad_norm and grad_norm_clipped, tokens, drift/k1, drift/k3, drift/over_tis_cap_frac),
+`reward/` (mean, std, max over every sampled group of every rank), `rollout/` (lengths,
+accepted groups, one count per drop reason, zero_spread_frac, truncated_frac, length_<finish
+reason>), `async/` (version offsets, rollouts in flight), `perf/` (seconds per phase, tokens per
+second), `policy/version` and `eval/accuracy`. The health signals (`train/drift/*`,
+`train/tokens`, `train/grad_norm_clipped` and the `rollout/` ones after `dropped_*`) are defined
+in `lit_grpo.maths.health`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lit_grpo.loop.distributed import all_gather_objects, all_reduce
+from lit_grpo.rollouts.pipeline import rollout_metrics
+from lit_grpo.types import RolloutRecord
+
+
+class MetricHistory:
+    """`steps[i]` holds the scalar metrics of rollout step i (what the loggers got)."""
+
+    def __init__(self) -> None:
+        self.steps: list[dict[str, float]] = []
+
+    def append(self, metrics: dict[str, float]) -> None:
+        self.steps.append(metrics)
+
+    def series(self, key: str) -> list[float]:
+        return [s[key] for s in self.steps if key in s]
+
+    def state_dict(self) -> dict:
+        return {"steps": [dict(s) for s in self.steps]}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.steps = [dict(s) for s in state["steps"]]
+
+
+def merge_step_metrics(record: RolloutRecord, train_metrics: dict[str, torch.Tensor], timings: dict[str, float]) -> dict[str, float]:
+    """One step's metrics over every rank (a collective: every rank calls it once per step).
+
+    `train_metrics` are this rank's shares of the global values (summed over ranks); records are
+    pooled by `rollout_metrics`; `perf/*_s` timings are the slowest rank's; `train_tokens` adds up.
+    """
+    gathered = all_gather_objects((record, timings))
+    metrics = rollout_metrics([rec for rec, _ in gathered])
+    keys = sorted(train_metrics)
+    if keys:
+        summed = all_reduce(torch.stack([train_metrics[k].float().reshape(()) for k in keys]))
+        metrics.update(zip(keys, summed.tolist()))
+    per_rank = [t for _, t in gathered]
+    for key in {k for t in per_rank for k in t if k.startswith("perf/")}:
+        metrics[key] = max(t[key] for t in per_rank if key in t)
+    train_tokens = sum(t.get("train_tokens", 0.0) for t in per_rank)
+    metrics["perf/train_tokens_per_s"] = train_tokens / max(metrics.get("perf/train_s", 0.0), 1e-9)
+    return metrics

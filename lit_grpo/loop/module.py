@@ -1,0 +1,331 @@
+"""GRPOModule: the trainable policy, its frozen reference, and one training step that reads like the maths.
+
+Manual optimization, because one rollout batch makes `ppo_n_minibatches` optimizer steps (the
+PPO inner loop), each accumulating gradients over micro-batches. The step pulls its batch from the
+rollout stream itself (`dataloader_iter`), which stops Lightning from sampling the next batch
+before this step's weights are synced.
+
+Under data parallelism every rank trains on its own batch; the loss normalizers (masked tokens for
+`token_mean`, sequences for `seq_mean`) are summed over the ranks, and each rank's loss is scaled
+by the world size because DDP averages gradients: a W-rank step's gradient equals a 1-rank step
+on the union of the W batches.
+
+What follows the optimizer steps (weight sync and the policy version, checkpoint, evaluation,
+metrics) is the step sequence, `lit_grpo.loop.step_sequence.StepSequence`, which this module runs
+from its own `on_train_batch_end` hook, after every callback's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import time
+from dataclasses import dataclass, field
+from functools import partial
+from typing import TYPE_CHECKING, Iterator, Optional
+
+import lightning as L
+import torch
+from lightning.pytorch.plugins.precision import Precision
+from transformers import PreTrainedModel
+
+from lit_grpo.config import TrainConfig
+from lit_grpo.loop.distributed import all_reduce
+from lit_grpo.errors import UserError
+from lit_grpo.maths.health import drift_per_token, drift_tis_cap
+from lit_grpo.maths.logprobs import token_logprobs
+from lit_grpo.models.lora import AdapterFreeView, is_lora, with_lora
+from lit_grpo.maths.loss_terms import masked_means
+from lit_grpo.maths.losses import policy_loss
+from lit_grpo.loop.optim import adamw, lr_multiplier
+from lit_grpo.loop.signals import StopRequested
+from lit_grpo.types import RolloutBatch, RolloutRecord
+
+if TYPE_CHECKING:
+    from lit_grpo.loop.step_sequence import StepSequence
+
+
+def align_to_predictions(per_token_BT: torch.Tensor) -> torch.Tensor:
+    """Per-token values (loss mask, sampler logprobs) aligned with next-token logprobs.
+
+    A forward over T tokens gives T-1 logprobs, entry t scoring token t+1; a sample's lists hold
+    one value per token, so entry t+1 of theirs goes with entry t of the trainer's (the first
+    token, never generated, has no logprob). Shape: [B, T] -> [B, T-1].
+    """
+    return per_token_BT[:, 1:]
+
+
+def micro_slices(n: int, size: int) -> list[slice]:
+    """Contiguous slices of at most `size` (0: one slice of everything) covering range(n)."""
+    size = size if size > 0 else n
+    return [slice(i, min(i + size, n)) for i in range(0, n, size)]
+
+
+def even_slices(n: int, k: int) -> list[slice]:
+    """Exactly k contiguous slices covering range(n), sizes differing by at most one (k <= n)."""
+    return [slice(i * n // k, (i + 1) * n // k) for i in range(k)]
+
+
+@dataclass
+class StepResult:
+    """What one rank's training step hands to the step sequence."""
+
+    record: RolloutRecord
+    """This rank's rollout record (merged over ranks before logging)."""
+    rewards_B: torch.Tensor
+    """Rewards of the trained batch. Shape: [B]."""
+    train_metrics: dict[str, torch.Tensor] = field(default_factory=dict)
+    """`train/*` scalars as this rank's share of the global value: summed over ranks, they are
+    the loss and the token means of the whole step (weights are tokens over the global count)."""
+    timings: dict[str, float] = field(default_factory=dict)
+    """`perf/ref_s`, `perf/train_s` of this rank, and `train_tokens`, its real tokens."""
+
+
+class NonFiniteTraining(UserError, RuntimeError):
+    """The loss or the gradients stayed non-finite: training stops instead of corrupting the weights."""
+
+
+class GRPOModule(L.LightningModule):
+    """Policy + (only when kl_beta > 0) a frozen reference; the loss comes from `lit_grpo.maths.losses`.
+    With `model.lora.rank > 0` the policy is wrapped with LoRA adapters here (`lit_grpo.models.lora`)."""
+
+    def __init__(self, policy: PreTrainedModel, config: TrainConfig, step_sequence: Optional["StepSequence"] = None) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.policy = with_lora(policy, config.model.lora, config.seed)  # only the adapters train when model.lora.rank > 0
+        self.config = config
+        self.loss_hyperparams = config.policy_loss.hyperparams()
+        self.drift_tis_cap = drift_tis_cap(config.policy_loss.name, self.loss_hyperparams)
+        """The cap of `train/drift/over_tis_cap_frac`: the loss's tis_cap, else the default one."""
+        self.reference: Optional[PreTrainedModel] = None
+        if self.loss_hyperparams.get("kl_beta", 0.0) > 0:
+            # LoRA: the base model is the policy with its adapters off, no second copy.
+            self.reference = AdapterFreeView(self.policy) if is_lora(self.policy) else copy.deepcopy(policy).requires_grad_(False).eval()
+        self.step_sequence = step_sequence
+        """Weight sync and version, checkpoint, evaluation, metrics: run after each step (see `on_train_batch_end`)."""
+        self.rollout_step = 0
+        """Rollout steps completed (each is `ppo_n_minibatches` optimizer steps)."""
+        self.last_step: Optional[StepResult] = None
+        """The latest step's result, for the step sequence and callbacks (histograms)."""
+        self.nonfinite_in_a_row = 0
+        """Optimizer steps in a row whose loss or gradient norm was non-finite (their updates were skipped)."""
+
+    def train(self, mode: bool = True) -> "GRPOModule":
+        # Dropout stays off in both models: the trainer's logprobs must match the sampler's.
+        super().train(mode)
+        self.policy.eval()
+        if self.reference is not None:
+            self.reference.eval()
+        return self
+
+    def configure_optimizers(self):
+        c = self.config
+        optimizer = adamw(
+            [p for p in self.policy.parameters() if p.requires_grad], lr=c.learning_rate, betas=(c.adam_beta1, c.adam_beta2), eps=c.adam_eps, weight_decay=c.weight_decay
+        )
+        multiplier = partial(lr_multiplier, warmup_steps=c.warmup_steps, decay=c.lr_decay, total_steps=c.max_steps * c.ppo_n_minibatches)
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, multiplier)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+    # ------------------------------------------------------------------ the step
+
+    def training_step(self, dataloader_iter: Iterator) -> Optional[dict[str, torch.Tensor]]:
+        batch, fewest_sequences = self._next_batch(dataloader_iter)
+        if batch is None:
+            return None
+        t0 = time.perf_counter()
+        temperature = self.config.sampler.temperature
+        tokens, attention = batch.tokens_BT, batch.attention_mask_BT
+        mask_BT = align_to_predictions(batch.loss_mask_BT)
+        sampler_logprobs_BT = align_to_predictions(batch.sampler_logprobs_BT)
+        # Per-token advantages (IGPO's turn credit) shift exactly like the loss mask; else one per sequence.
+        advantages = batch.advantages_B if batch.advantages_BT is None else align_to_predictions(batch.advantages_BT)
+        ref_logprobs_BT = self._no_grad_logprobs(self.reference, tokens, attention, temperature) if self.reference is not None else None
+        t_ref = time.perf_counter()
+        # `old` is the policy before this batch's first update; with one minibatch it equals the
+        # current policy, so the training forward itself provides it (no extra forward).
+        K = self.config.ppo_n_minibatches
+        old_logprobs_BT = self._no_grad_logprobs(self.policy, tokens, attention, temperature) if K > 1 else None
+
+        k = min(K, fewest_sequences)  # every rank makes the same number of optimizer steps, even with a short batch
+        per_minibatch = [
+            self._optimizer_step(batch, rows, mask_BT, sampler_logprobs_BT, ref_logprobs_BT, old_logprobs_BT, advantages)
+            for rows in even_slices(batch.num_sequences, k)
+        ]
+        if len(per_minibatch) == 1:
+            metrics = per_minibatch[0]
+        else:
+            metrics = {key: sum(m[key] for m in per_minibatch) / len(per_minibatch) for key in per_minibatch[0]}
+            metrics["train/skipped_nonfinite"] = metrics["train/skipped_nonfinite"] * len(per_minibatch)  # a count, not a mean
+        metrics["train/tokens"] = mask_BT.sum()  # this rank's loss-masked tokens: summed over ranks, the step's
+        t_train = time.perf_counter()
+
+        self.rollout_step += 1
+        self.last_step = StepResult(
+            record=batch.record, rewards_B=batch.rewards_B.detach().cpu(), train_metrics=metrics,
+            timings={"perf/ref_s": t_ref - t0, "perf/train_s": t_train - t_ref, "train_tokens": float(attention.sum())},
+        )
+        return {"loss": metrics["train/loss"]}
+
+    def _next_batch(self, dataloader_iter: Iterator) -> tuple[Optional[RolloutBatch], int]:
+        """This rank's next batch and the fewest sequences any rank's batch has; (None, 0) on every
+        rank once any rank's stream has ended (training then stops: the ranks must make the same
+        collective calls). One collective answers both."""
+        stopped = False
+        try:
+            with self.step_sequence.stop.interruptible() if self.step_sequence is not None else contextlib.nullcontext():
+                item = next(dataloader_iter, None)
+        except StopRequested:  # a stop signal while waiting for rollouts (a stall, a hung rollout)
+            item, stopped = None, True
+        batch = None if item is None else item[0]
+        # max(-n) is the fewest sequences of any rank; max(stopped) whether any rank was stopped.
+        mine = torch.tensor([-(0 if batch is None else batch.num_sequences), float(stopped)], device=self.device)
+        negative_fewest, any_stopped = all_reduce(mine, "max").tolist()
+        fewest = int(-negative_fewest)
+        if fewest == 0:
+            if any_stopped and self.step_sequence is not None:
+                self.step_sequence.stop_between_steps(self.trainer, self)
+            self.trainer.should_stop = True
+            return None, 0
+        return self.trainer.strategy.batch_to_device(batch), fewest
+
+    def _optimizer_step(self, batch, rows: slice, mask_BT, sampler_logprobs_BT, ref_logprobs_BT, old_logprobs_BT,
+                        advantages) -> dict[str, torch.Tensor]:
+        """One optimizer step over `rows`, accumulating gradients over micro-batches. `advantages`:
+        [B] per sequence, or [B, T-1] per token (aligned with the predictions, like `mask_BT`)."""
+        optimizer = self.optimizers()
+        optimizer.zero_grad()
+        world_size = self.trainer.world_size
+        # Normalizers of the whole optimizer step over every rank: W ranks' step = one step on the union.
+        counts = torch.stack([mask_BT[rows].sum(), torch.tensor(float(rows.stop - rows.start), device=mask_BT.device)])
+        num_tokens, num_sequences = all_reduce(counts)
+        num_tokens = num_tokens.clamp_min(1.0)
+        micros = micro_slices(rows.stop - rows.start, self.config.micro_batch_size)
+        keys: list[str] = []
+        weighted_K: Optional[torch.Tensor] = None  # the metrics as one vector: one op per micro-batch, not one per metric
+        loss_sum = torch.zeros((), device=mask_BT.device)
+        for i, micro in enumerate(micros):
+            idx = slice(rows.start + micro.start, rows.start + micro.stop)
+            logprobs_BT, entropy_BT = token_logprobs(self.policy, batch.tokens_BT[idx], batch.attention_mask_BT[idx], self.config.sampler.temperature)
+            # The trainer's logprobs before this step's update: what the ratio and the drift compare against.
+            trainer_old_BT = old_logprobs_BT[idx] if old_logprobs_BT is not None else logprobs_BT.detach()
+            micro_mask_BT, micro_sampler_BT = mask_BT[idx], sampler_logprobs_BT[idx]
+            loss, metrics = policy_loss(
+                self.config.policy_loss.name,
+                logprobs=logprobs_BT,
+                old_logprobs=trainer_old_BT,
+                sampler_logprobs=micro_sampler_BT,
+                ref_logprobs=ref_logprobs_BT[idx] if ref_logprobs_BT is not None else None,
+                advantages=advantages[idx],
+                mask=micro_mask_BT,
+                normalization=self.config.policy_loss.loss_normalization,
+                num_tokens=num_tokens,
+                num_sequences=num_sequences,
+                **self.loss_hyperparams,
+            )
+            # DDP averages gradients over ranks; the loss is already a share of the global sum.
+            last = i == len(micros) - 1
+            with contextlib.nullcontext() if last else self._no_gradient_sync():
+                self.manual_backward(loss * world_size)
+            # Metrics are token means per micro-batch; weighted by tokens over the global count
+            # they add up (over micro-batches and ranks) to the step's token means.
+            weight = micro_mask_BT.sum() / num_tokens
+            health = {"entropy": entropy_BT, **drift_per_token(trainer_old_BT, micro_sampler_BT, micro_mask_BT, tis_cap=self.drift_tis_cap)}
+            metrics = {**metrics, **masked_means(health, micro_mask_BT)}
+            keys = keys or [f"train/{key}" for key in metrics]
+            values_K = torch.stack([value.detach().float() for value in metrics.values()]) * weight
+            weighted_K = values_K if weighted_K is None else weighted_K + values_K
+            loss_sum = loss_sum + loss.detach()
+        totals = dict(zip(keys, weighted_K.unbind()))
+        totals["train/loss"] = loss_sum
+        # The optimizer's own list: walking the policy's modules for its parameters costs more than the norm.
+        with_grads = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        grad_norm = torch.nn.utils.get_total_norm([p.grad for p in with_grads])
+        totals["train/grad_norm"] = grad_norm.detach() / world_size  # summed over ranks (equal under DDP)
+        totals["train/grad_norm_clipped"] = totals["train/grad_norm"]  # no clipping: the norm the update used
+        if self._finite_everywhere(totals["train/loss"], grad_norm):
+            if self.config.grad_clip_norm > 0:
+                self._clip(optimizer, with_grads, grad_norm)
+                # The norm after clipping, by clip_grad_norm_'s own factor min(1, c / (‖g‖ + 1e-6)): no second pass over the grads.
+                factor = (self.config.grad_clip_norm / (grad_norm.detach() + 1e-6)).clamp(max=1.0)
+                totals["train/grad_norm_clipped"] = totals["train/grad_norm"] * factor
+            optimizer.step()
+            self.nonfinite_in_a_row = 0
+            totals["train/skipped_nonfinite"] = torch.zeros((), device=grad_norm.device)
+        else:
+            self._skip_nonfinite_update(optimizer, totals["train/loss"], grad_norm)
+            totals["train/skipped_nonfinite"] = torch.ones((), device=grad_norm.device) / world_size
+        self.lr_schedulers().step()
+        return totals
+
+    def _clip(self, optimizer, with_grads: list[torch.Tensor], grad_norm: torch.Tensor) -> None:
+        """Clip the gradients to `grad_clip_norm`. Where the precision plugin clips with plain
+        `clip_grad_norm_`, the norm already taken is reused (no second pass over the gradients);
+        a plugin with its own clipping (FSDP, DeepSpeed) keeps it."""
+        if type(self.trainer.precision_plugin).clip_grad_by_norm is Precision.clip_grad_by_norm:
+            # clip_grad_norm_ scales by min(1, c / (norm + 1e-6)): a factor of 1 changes nothing. The
+            # finiteness check already waited for the norm, so reading it costs no further wait.
+            if float(grad_norm) + 1e-6 > self.config.grad_clip_norm:
+                torch.nn.utils.clip_grads_with_norm_(with_grads, self.config.grad_clip_norm, grad_norm)
+        else:
+            self.clip_gradients(optimizer, gradient_clip_val=self.config.grad_clip_norm, gradient_clip_algorithm="norm")
+
+    def _finite_everywhere(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> bool:
+        """Whether the loss and the gradient norm are finite on every rank (the ranks must agree to skip)."""
+        bad = (~torch.isfinite(loss.detach()) | ~torch.isfinite(grad_norm)).float()
+        return not bool(all_reduce(bad, "max"))
+
+    def _skip_nonfinite_update(self, optimizer, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
+        """Drop a non-finite update (the weights stay as they were); stop after `max_nonfinite_steps` in a row."""
+        optimizer.zero_grad()
+        self.nonfinite_in_a_row += 1
+        if self.nonfinite_in_a_row >= self.config.max_nonfinite_steps:
+            raise NonFiniteTraining(
+                f"the loss ({float(loss):.4g}) or the gradient norm ({float(grad_norm):.4g}) was non-finite in "
+                f"{self.nonfinite_in_a_row} optimizer steps in a row (max_nonfinite_steps={self.config.max_nonfinite_steps}); "
+                "each update was skipped, so the weights are those before them. Check learning_rate, the rewards and "
+                "the sampler's logprobs (a rollout that reports positive or NaN logprobs poisons the importance weights)."
+            )
+
+    def _no_gradient_sync(self):
+        """No gradient all-reduce for this backward (all but a step's last micro-batch): one per optimizer step."""
+        block = getattr(self.trainer.strategy, "block_backward_sync", None)
+        return block() if block is not None else contextlib.nullcontext()
+
+    @torch.no_grad()
+    def _no_grad_logprobs(self, model: PreTrainedModel, tokens_BT: torch.Tensor, attention_BT: torch.Tensor, temperature: float) -> torch.Tensor:
+        parts = [token_logprobs(model, tokens_BT[s], attention_BT[s], temperature)[0] for s in micro_slices(tokens_BT.shape[0], self.config.micro_batch_size)]
+        return torch.cat(parts)
+
+    # ------------------------------------------------------------------ hooks that run the step sequence
+
+    def setup(self, stage: str) -> None:
+        # A module built without a step sequence (not through `lit_grpo.train`) still syncs the
+        # sampler and advances the version: without that the off-policy gate would stall.
+        from lit_grpo.rollouts.datamodule import RolloutDataModule
+        from lit_grpo.loop.step_sequence import StepSequence
+
+        datamodule = getattr(self.trainer, "datamodule", None)
+        if self.step_sequence is None and isinstance(datamodule, RolloutDataModule):
+            self.step_sequence = StepSequence(datamodule, weight_sync_interval=self.config.weight_sync_interval)
+
+    def on_train_start(self) -> None:
+        if self.step_sequence is not None:
+            self.step_sequence.on_train_start(self.trainer, self)
+
+    def on_train_batch_start(self, batch, batch_idx: int) -> None:
+        if self.step_sequence is not None:
+            self.step_sequence.before_step()
+
+    def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
+        if not outputs or self.last_step is None or self.step_sequence is None:
+            return  # the stream ended: no step was trained
+        metrics = self.step_sequence.finish_step(self.trainer, self, self.last_step)
+        # Only the progress bar goes through `self.log` (about half a millisecond per key per step):
+        # with none shown, nothing reads it.
+        if self.trainer.progress_bar_callback is not None:
+            self.log("reward", metrics.get("reward/mean", 0.0), prog_bar=True, on_step=True, on_epoch=False, logger=False, batch_size=1)
+
+    def on_train_end(self) -> None:
+        if self.step_sequence is not None:
+            self.step_sequence.on_train_end(self.trainer, self)

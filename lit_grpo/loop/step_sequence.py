@@ -1,0 +1,237 @@
+"""The end of a rollout step, in one place and a fixed order.
+
+After a step's optimizer steps, `GRPOModule.on_train_batch_end` runs `StepSequence.finish_step`,
+on every rank:
+
+    0. merge    the step's metrics over all ranks (rewards pooled, counts summed, slowest timings)
+    1. sync     if due (every `weight_sync_interval` steps): the policy's full weights into the
+                sampler; then the policy version advances (with `weight_sync_interval=0` the
+                sampler keeps its weights and only the version advances, every step, so the
+                off-policy gate keeps admitting rows)
+    2. save     a DCP checkpoint if due (`dcp_save_interval`)
+    3. eval     greedy accuracy on the held-out rows if due (`eval_interval`)
+    4. log      the metrics to the loggers (and the history the run summary reads)
+
+A stop signal (`lit_grpo.loop.signals`) received during the step makes its checkpoint due (when
+checkpoints are on) and skips its evaluation; training then stops. One received while the
+trainer waits for rollouts abandons the wait and checkpoints the last finished step from the
+state kept at its end (`stop_between_steps`).
+
+The policy version is advanced here and nowhere else; no callback is needed for training to
+advance. Lightning runs every callback's `on_train_batch_end` before the module's, so callbacks
+see a trained step whose weights are not yet synced. On resume, the same `sync_sampler` path
+gives the fresh sampler the weights it held when the checkpoint was taken.
+
+`policy/version` is the trainer's policy version during the step: the version advances before
+it. A sample's version offset (`async/version_offset_*`) is that minus the version it was sampled at.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Optional
+
+import lightning as L
+import torch
+from lightning.pytorch.loggers import CSVLogger
+
+from lit_grpo.loop.evaluation import GreedyEvaluator
+from lit_grpo.loop.rollout_evaluation import RolloutEvaluator
+from lit_grpo.loop.metrics import MetricHistory, merge_step_metrics
+from lit_grpo.loop.distributed import all_reduce
+from lit_grpo.run.state import RunCheckpointer, capture_rng, restore_rng
+from lit_grpo.loop.signals import StopSignals
+from lit_grpo.models.weights import PolicyWeights, first_nonfinite
+
+if TYPE_CHECKING:
+    from lit_grpo.rollouts.datamodule import RolloutDataModule
+    from lit_grpo.loop.module import GRPOModule, StepResult
+
+log = logging.getLogger(__name__)
+
+
+def check_finite(policy, what: str) -> None:
+    """Refuse (on every rank) to `what` when any rank's policy holds a NaN or an infinity."""
+    from lit_grpo.loop.module import NonFiniteTraining
+
+    bad = first_nonfinite(policy)
+    if all_reduce(torch.tensor(float(bad is not None)), "max"):
+        raise NonFiniteTraining(f"refusing to {what}: the policy's weights are not finite ({bad or 'on another rank'})")
+
+
+class StepSequence:
+    """Weight sync and version → checkpoint → evaluation → metrics, after every step."""
+
+    def __init__(
+        self,
+        datamodule: "RolloutDataModule",
+        *,
+        weight_sync_interval: int = 1,
+        checkpointer: Optional[RunCheckpointer] = None,
+        evaluator: Optional[GreedyEvaluator] = None,
+        resume_from: Optional[Path] = None,
+        log_every_n_steps: int = 1,
+        stop: Optional[StopSignals] = None,
+        rollout_evaluator: Optional[RolloutEvaluator] = None,
+    ) -> None:
+        self.datamodule = datamodule
+        self.weight_sync_interval = weight_sync_interval
+        self.checkpointer, self.evaluator = checkpointer, evaluator
+        self.rollout_evaluator = rollout_evaluator
+        """The user's `evaluation_fn` (Python API), after the greedy evaluation."""
+        self.resume_from = resume_from
+        self.log_every_n_steps = max(log_every_n_steps, 1)
+        self.history = MetricHistory()
+        self.stop = stop or StopSignals()
+        """The stop signals received (installed by `lit_grpo.train.train` around the fit)."""
+        self.stopping = False
+        """True once every rank agreed to stop on a signal (training ends after this step)."""
+        self._end_of_last_step: Optional[tuple[dict, dict]] = None  # data state and RNG, for a stop between steps
+        self._rng_to_restore: Optional[dict] = None
+        self._last_end: Optional[float] = None
+        self._policy_weights: Optional[PolicyWeights] = None  # the strategy's model, looked up at the first sync
+
+    # ------------------------------------------------------------------ the sequence
+
+    def finish_step(self, trainer: L.Trainer, module: "GRPOModule", result: "StepResult") -> dict[str, float]:
+        """Run the end of step `module.rollout_step`; returns its metrics (every rank gets them)."""
+        step = module.rollout_step
+        metrics = merge_step_metrics(result.record, result.train_metrics, result.timings)
+        metrics["train/lr"] = module.lr_schedulers().get_last_lr()[0]
+        metrics["policy/version"] = float(self.datamodule.version)
+        self.history.append(metrics)  # before the checkpoint, which saves the history
+        self.stopping = self._stop_requested_anywhere()
+
+        metrics.update(self.sync(module, step))
+        if self.checkpointer is not None and (self.checkpointer.due(trainer, step) or self.stopping and not trainer.fast_dev_run):
+            metrics["perf/checkpoint_s"] = self._save(trainer, module, step)
+        if self.evaluator is not None and self.evaluator.due(step) and not self.stopping:
+            accuracy = self.evaluator.evaluate(self.datamodule, step, trainer.global_rank, trainer.world_size)
+            if accuracy is not None:
+                metrics["eval/accuracy"] = accuracy
+        if self.rollout_evaluator is not None and self.rollout_evaluator.due(step) and not self.stopping:
+            metrics.update(self.rollout_evaluator.evaluate(step, trainer.global_rank))
+
+        now = time.perf_counter()
+        metrics["perf/step_s"] = now - self._last_end if self._last_end is not None else sum(
+            metrics.get(k, 0.0) for k in ("perf/sample_s", "perf/ref_s", "perf/train_s"))
+        self._last_end = now
+        if step % self.log_every_n_steps == 0 or self.stopping:
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=step - 1)
+        if self.stopping:
+            trainer.should_stop = True
+        elif self.checkpointer is not None:
+            self._end_of_last_step = (self.datamodule.state_dict(), capture_rng())
+        return metrics
+
+    def _stop_requested_anywhere(self) -> bool:
+        """Whether any rank received a stop signal (a collective, so that every rank stops at this step)."""
+        return bool(all_reduce(torch.tensor(float(self.stop.requested)), "max"))
+
+    def stop_between_steps(self, trainer: L.Trainer, module: "GRPOModule") -> None:
+        """A stop signal came while waiting for rollouts (on some rank): checkpoint the last finished
+        step as it was at its end, if it is not saved yet, and end training (every rank calls it)."""
+        self.stopping = True
+        trainer.should_stop = True
+        step = module.rollout_step
+        if self.checkpointer is None or self._end_of_last_step is None or self.checkpointer.last_saved_step == step or trainer.fast_dev_run:
+            return
+        data_state, rng = self._end_of_last_step
+        self._save(trainer, module, step, data_state=data_state, rng=rng)
+
+    def sync(self, module: "GRPOModule", step: int) -> dict[str, float]:
+        """Phase 1: the weights into the sampler if a sync is due, and the version advance."""
+        if self.weight_sync_interval > 0 and step % self.weight_sync_interval:
+            return {}
+        start = time.perf_counter()
+        if self.weight_sync_interval > 0:
+            self.sync_sampler(module)
+        self.datamodule.advance_version()
+        return {"perf/weight_sync_s": time.perf_counter() - start} if self.weight_sync_interval > 0 else {}
+
+    def sync_sampler(self, module: "GRPOModule") -> None:
+        """The policy's full weights into this rank's sampler: gathered tensor by tensor when the
+        policy is sharded (a collective, in the same order on every rank). Through the strategy's
+        model, because a sharding strategy may wrap the whole module, not the policy alone."""
+        model = module.trainer.strategy.model
+        if self._policy_weights is None or self._policy_weights.model is not model:
+            self._policy_weights = PolicyWeights(model, prefix="policy.")
+        with torch.no_grad():
+            self.datamodule.push_weights(self._policy_weights.named_tensors())
+
+    def _save(self, trainer: L.Trainer, module: "GRPOModule", step: int, *, data_state: Optional[dict] = None, rng: Optional[dict] = None) -> float:
+        start = time.perf_counter()
+        check_finite(module.policy, f"checkpoint step {step}")
+        holds_policy = self.weight_sync_interval > 0 and step % self.weight_sync_interval == 0
+        self.checkpointer.save(trainer, module, step, {
+            "sampler_holds_policy": holds_policy,
+            "datamodule": data_state if data_state is not None else self.datamodule.state_dict(),
+            "sequence": self.state_dict(),
+            "callbacks": {cb.state_key: cb.state_dict() for cb in trainer.callbacks if cb.state_dict()},
+        }, rng=rng)
+        for logger in trainer.loggers:  # what the loggers hold is on disk too
+            logger.save()
+        return time.perf_counter() - start
+
+    # ------------------------------------------------------------------ start, resume, end
+
+    def on_train_start(self, trainer: L.Trainer, module: "GRPOModule") -> None:
+        self._last_end = time.perf_counter()
+        if self.resume_from is None:
+            return
+        state = self.checkpointer.load(self.resume_from, trainer, module)
+        module.rollout_step = state["step"]
+        self.datamodule.load_state_dict(state["datamodule"])
+        self.load_state_dict(state["sequence"])
+        for cb in trainer.callbacks:
+            if cb.state_key in state["callbacks"]:
+                cb.load_state_dict(state["callbacks"][cb.state_key])
+        if self.weight_sync_interval > 0:  # interval 0: the base weights the fresh sampler has are right
+            if not state["sampler_holds_policy"]:
+                log.warning("the checkpoint was taken between weight syncs; the sampler restarts from the saved policy (not an exact resume)")
+            self.sync_sampler(module)
+        self._rng_to_restore = state["rng"]
+        self._replay_history_into_csv(trainer)
+        log.info("resumed from %s at step %d", self.resume_from, state["step"])
+
+    def before_step(self) -> None:
+        """At each batch start; after a resume, the RNG states go back as late as possible:
+        Lightning draws from torch's RNG when it makes the dataloader iterator."""
+        if self._rng_to_restore is not None:
+            restore_rng(self._rng_to_restore)
+            self._rng_to_restore = None
+
+    def on_train_end(self, trainer: L.Trainer, module: "GRPOModule") -> None:
+        """A last checkpoint and a last evaluation, unless the last step just had them."""
+        step = module.rollout_step
+        if self.checkpointer is not None and self.checkpointer.due_at_end(trainer, step):
+            self._save(trainer, module, step)
+        if self.evaluator is not None and step > 0 and self.evaluator.last.get("eval/step") != float(step) and not self.stopping:
+            accuracy = self.evaluator.evaluate(self.datamodule, step, trainer.global_rank, trainer.world_size)
+            if accuracy is not None:
+                for logger in trainer.loggers:
+                    logger.log_metrics({"eval/accuracy": accuracy}, step=step - 1)
+        user_eval = self.rollout_evaluator
+        if user_eval is not None and step > 0 and user_eval.last_step != step and not self.stopping:
+            if metrics := user_eval.evaluate(step, trainer.global_rank):
+                for logger in trainer.loggers:
+                    logger.log_metrics(metrics, step=step - 1)
+
+    def _replay_history_into_csv(self, trainer: L.Trainer) -> None:
+        """Lightning's CSV logger starts a fresh metrics.csv; write the restored steps back into it."""
+        for logger in trainer.loggers:
+            if isinstance(logger, CSVLogger):
+                for step, metrics in enumerate(self.history.steps):
+                    logger.log_metrics(metrics, step=step)
+                logger.save()
+
+    def state_dict(self) -> dict:
+        return {"history": self.history.state_dict(), "evaluator": self.evaluator.state_dict() if self.evaluator else None}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.history.load_state_dict(state["history"])
+        if self.evaluator is not None and state["evaluator"] is not None:
+            self.evaluator.load_state_dict(state["evaluator"])

@@ -1,0 +1,185 @@
+"""Selected-token logprobs and entropy from logits, without a `[B, T, V]` float32 temporary.
+
+The naive computation, `log_softmax(logits.float() / temperature).gather(target)` plus the entropy
+`-(p * logp).sum(-1)`, materializes several float32 tensors the size of the logits: with Qwen2.5's
+vocabulary (151,936) each one is 0.6 GB per 1,024 tokens. Here the rows of the logits (one row per
+token, V wide) are processed a chunk at a time, in the forward and again in the backward:
+
+- forward keeps only the logits themselves (no copy), the targets and two floats per row (its
+  max and log-sum-exp);
+- backward recomputes the softmax chunk by chunk and writes
+  `grad_logits = g * (onehot(target) - softmax) / temperature` into one gradient tensor of the
+  logits' dtype, the only logits-sized allocation (autograd needs it anyway).
+
+Besides the logits and their gradient, the memory used is two float32 chunks in the forward and
+one in the backward. The entropy is detached (it is a metric, never differentiated).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Iterator
+
+import torch
+from torch.autograd.function import once_differentiable
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+# Bytes of one float32 chunk. 32 MiB is 55 rows of Qwen2.5's vocabulary: small next to the logits
+# of a micro-batch (a 1,024-token sequence's bf16 logits are 311 MB) yet wide enough that the
+# per-chunk kernel launches are negligible on a GPU.
+DEFAULT_CHUNK_BYTES = 32 * 2**20
+
+
+def default_chunk_rows(vocab_size: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> int:
+    """Rows (tokens) per chunk so that one float32 `[rows, vocab_size]` chunk is about `chunk_bytes`."""
+    return max(1, chunk_bytes // (4 * vocab_size))
+
+
+def _row_spans(start: int, stop: int, seq_len: int) -> Iterator[tuple[int, int, int, int]]:
+    """Rows `[start, stop)` of the flattened `[B * T]` tokens, split at sequence boundaries.
+
+    Yields `(b, t_start, t_stop, offset)`: rows `t_start:t_stop` of sequence `b` are rows
+    `offset:offset + (t_stop - t_start)` of the chunk. Working per sequence, never on a flattened
+    view, keeps non-contiguous logits (such as `logits[:, :-1]`) from being copied whole.
+    """
+    row = start
+    while row < stop:
+        b, t = divmod(row, seq_len)
+        n = min(seq_len - t, stop - row)
+        yield b, t, t + n, row - start
+        row += n
+
+
+def _load_scaled_chunk(logits_BTV: torch.Tensor, start: int, stop: int, temperature: float, out_CV: torch.Tensor) -> torch.Tensor:
+    """`logits.float() / temperature` for flattened rows `[start, stop)`, written into `out_CV`.
+
+    Shapes: logits `[B, T, V]`, out `[chunk_rows, V]` float32 -> a `[stop - start, V]` view of out.
+    """
+    chunk_CV = out_CV[: stop - start]
+    if logits_BTV.is_contiguous():  # one copy (a model's logits): a per-sequence loop costs B small copies
+        chunk_CV.copy_(logits_BTV.view(-1, logits_BTV.shape[-1])[start:stop])
+    else:
+        for b, t0, t1, offset in _row_spans(start, stop, logits_BTV.shape[1]):
+            chunk_CV[offset : offset + t1 - t0].copy_(logits_BTV[b, t0:t1])
+    # Divide (not multiply by 1/temperature) to round exactly as the naive `logits / temperature`.
+    return chunk_CV.div_(temperature)
+
+
+def _store_chunk(chunk_CV: torch.Tensor, grad_BTV: torch.Tensor, start: int, stop: int) -> None:
+    """Copy a chunk of flattened rows `[start, stop)` into `grad_BTV` `[B, T, V]` (contiguous), casting to its dtype."""
+    grad_BTV.view(-1, grad_BTV.shape[-1])[start:stop].copy_(chunk_CV[: stop - start])
+
+
+
+def _chunk_forward(scaled_CV: torch.Tensor, targets_C: torch.Tensor, work_CV: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Selected logprob, entropy, max and log-sum-exp (of the max-shifted row) of each row of a chunk.
+
+    The same steps as `torch.log_softmax` (subtract the row max, subtract the log-sum-exp), so the
+    values round like the naive computation's; the backward rebuilds the softmax from the two
+    per-row statistics. Shapes: scaled `[C, V]` float32 (overwritten with the log-softmax),
+    targets `[C]`, work `[C, V]` float32 scratch -> four `[C]` float32 tensors.
+    """
+    row_max_C1 = scaled_CV.amax(-1, keepdim=True)
+    shifted_CV = scaled_CV.sub_(row_max_C1)  # in place: the chunk's only other float32 buffer is `work`
+    log_sum_exp_C1 = torch.exp(shifted_CV, out=work_CV).sum(-1, keepdim=True).log_()
+    logp_CV = shifted_CV.sub_(log_sum_exp_C1)
+    selected_C = logp_CV.gather(-1, targets_C[:, None])[:, 0]
+    entropy_C = -torch.exp(logp_CV, out=work_CV).mul_(logp_CV).sum(-1)
+    return selected_C, entropy_C, row_max_C1[:, 0], log_sum_exp_C1[:, 0]
+
+
+def _chunk_grad(scaled_CV: torch.Tensor, targets_C: torch.Tensor, row_max_C: torch.Tensor, log_sum_exp_C: torch.Tensor,
+               grad_C: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Gradient of `sum(grad * selected logprob)` with respect to a chunk of (unscaled) logits.
+
+    `(g * onehot(target) - g * softmax) / temperature`, computed in place in `scaled_CV`, with the
+    softmax rebuilt exactly as the forward's (same max, same log-sum-exp, same order of operations)
+    so the result rounds like autograd's `log_softmax` backward.
+    Shapes: scaled `[C, V]` float32, targets / row_max / log_sum_exp / grad `[C]` -> `[C, V]` float32.
+    """
+    softmax_CV = scaled_CV.sub_(row_max_C[:, None]).sub_(log_sum_exp_C[:, None]).exp_()
+    grad_CV = softmax_CV.mul_(-grad_C[:, None]).scatter_add_(-1, targets_C[:, None], grad_C[:, None])
+    return grad_CV.div_(temperature)
+
+
+class _SelectedLogprobs(torch.autograd.Function):
+    """Autograd for `selected_logprobs_and_entropy`; saves the logits (no copy), not their softmax."""
+
+    @staticmethod
+    def forward(ctx, logits_BTV: torch.Tensor, targets_BT: torch.Tensor, temperature: float, chunk_rows: int):
+        B, T, V = logits_BTV.shape
+        n_rows = B * T
+        targets_N = targets_BT.reshape(n_rows)
+        selected_BT, entropy_BT = (torch.empty(B, T, dtype=torch.float32, device=logits_BTV.device) for _ in range(2))
+        row_max_N, log_sum_exp_N = torch.empty(2, n_rows, dtype=torch.float32, device=logits_BTV.device)
+        scaled_CV = torch.empty(min(chunk_rows, n_rows), V, dtype=torch.float32, device=logits_BTV.device)
+        work_CV = torch.empty_like(scaled_CV)
+        for start in range(0, n_rows, chunk_rows):
+            stop = min(start + chunk_rows, n_rows)
+            rows = slice(start, stop)
+            chunk_CV = _load_scaled_chunk(logits_BTV, start, stop, temperature, scaled_CV)
+            selected_C, entropy_C, row_max_N[rows], log_sum_exp_N[rows] = _chunk_forward(chunk_CV, targets_N[rows], work_CV[: stop - start])
+            selected_BT.view(n_rows)[rows], entropy_BT.view(n_rows)[rows] = selected_C, entropy_C
+        ctx.save_for_backward(logits_BTV, targets_N, row_max_N, log_sum_exp_N)
+        ctx.temperature, ctx.chunk_rows = temperature, chunk_rows
+        ctx.mark_non_differentiable(entropy_BT)
+        return selected_BT, entropy_BT
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_selected_BT: torch.Tensor | None, _grad_entropy_BT: torch.Tensor | None):
+        if grad_selected_BT is None or not ctx.needs_input_grad[0]:
+            return None, None, None, None
+        logits_BTV, targets_N, row_max_N, log_sum_exp_N = ctx.saved_tensors
+        B, T, V = logits_BTV.shape
+        n_rows, chunk_rows = B * T, ctx.chunk_rows
+        grad_N = grad_selected_BT.reshape(n_rows).float()
+        # The one logits-sized allocation: the gradient itself, in the logits' dtype.
+        grad_logits_BTV = torch.empty(B, T, V, dtype=logits_BTV.dtype, device=logits_BTV.device)
+        scaled_CV = torch.empty(min(chunk_rows, n_rows), V, dtype=torch.float32, device=logits_BTV.device)
+        for start in range(0, n_rows, chunk_rows):
+            stop = min(start + chunk_rows, n_rows)
+            rows = slice(start, stop)
+            chunk_CV = _load_scaled_chunk(logits_BTV, start, stop, ctx.temperature, scaled_CV)
+            grad_CV = _chunk_grad(chunk_CV, targets_N[rows], row_max_N[rows], log_sum_exp_N[rows], grad_N[rows], ctx.temperature)
+            _store_chunk(grad_CV, grad_logits_BTV, start, stop)
+        return grad_logits_BTV, None, None, None
+
+
+def selected_logprobs_and_entropy(logits_BTV: torch.Tensor, targets_BT: torch.Tensor, temperature: float = 1.0,
+                                  chunk_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logprob of each target token and the entropy of each position's tempered distribution.
+
+    Equals `log_softmax(logits.float() / temperature, -1).gather(-1, targets[..., None])[..., 0]`
+    and `-(p * log p).sum(-1)` of that distribution, with gradients (to the logits, in their
+    dtype) for the logprob only; the entropy is detached. Computed `chunk_rows` tokens (rows of
+    the flattened `B * T`) at a time, so no float32 tensor larger than `[chunk_rows, V]` is made
+    besides the outputs; `None` picks rows for a ~32 MiB chunk (`default_chunk_rows`).
+    Every target must be a valid id, padding included (its logprob is simply ignored by the caller).
+
+    Shapes: logits `[B, T, V]` (any float dtype, any strides), targets `[B, T]` int64 ->
+    (`[B, T]` float32, `[B, T]` float32).
+    """
+    if logits_BTV.dim() != 3 or targets_BT.shape != logits_BTV.shape[:2]:
+        raise ValueError(f"logits [B, T, V] and targets [B, T] expected, got {tuple(logits_BTV.shape)} and {tuple(targets_BT.shape)}")
+    rows = chunk_rows if chunk_rows is not None else default_chunk_rows(logits_BTV.shape[-1])
+    if rows < 1:
+        raise ValueError(f"chunk_rows must be positive, got {rows}")
+    return _SelectedLogprobs.apply(logits_BTV, targets_BT.long(), float(temperature), rows)
+
+
+def token_logprobs(model: "PreTrainedModel", tokens_BT: torch.Tensor, attention_mask_BT: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next-token logprobs of each token and the policy's entropy at each position.
+
+    A forward over T tokens predicts T-1 of them: position t of the output scores token t+1.
+    Logits are divided by the sampling temperature so the logprobs are those of the
+    distribution the sampler drew from. Shapes: [B, T] -> ([B, T-1], [B, T-1]); entropy is detached.
+    Computed a chunk of tokens at a time (`lit_grpo.maths.logprobs`): no [B, T, V] float32 copy of the logits.
+    """
+    logits_BTV = model(input_ids=tokens_BT, attention_mask=attention_mask_BT, use_cache=False).logits
+    # Scored over all T positions (the last one against a dummy target, then dropped): the gradient
+    # of a `logits[:, :-1]` slice would cost a zero-filled [B, T, V] tensor and a copy in backward.
+    targets_BT = torch.cat([tokens_BT[:, 1:], tokens_BT[:, :1]], dim=1)
+    logprobs_BT, entropy_BT = selected_logprobs_and_entropy(logits_BTV, targets_BT, temperature)
+    return logprobs_BT[:, :-1], entropy_BT[:, :-1]

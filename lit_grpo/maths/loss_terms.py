@@ -1,0 +1,150 @@
+"""The pieces every policy loss shares: the ratio, k3 KL, TIS weights, masked means, aggregation.
+
+Pure tensor functions, no `.item()` (a GPU sync per micro-batch). `lit_grpo.maths.losses` builds the
+registered variants from them; the maths is in DESIGN.md, section "Policy losses".
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+# exp() of a log-ratio beyond ±20 only overflows or underflows; the clamp keeps gradients finite.
+_LOG_RATIO_CLAMP = 20.0
+
+
+def masked_mean(x_BT: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
+    """Mean of `x` over the tokens where `mask` is 1; 0 when no token is masked in.
+
+    Shape: [B, T], [B, T] -> [].
+    """
+    return (x_BT * mask_BT).sum() / mask_BT.sum().clamp(min=1)
+
+
+def masked_means(values: dict[str, torch.Tensor], mask_BT: torch.Tensor) -> dict[str, torch.Tensor]:
+    """`masked_mean` of each value, as one stacked reduction (a handful of ops for any number of
+    metrics, where one `masked_mean` each costs five: these run every micro-batch). Values are
+    cast to the mask's dtype; the results are views of one vector.
+
+    Shape: {name: [B, T]}, [B, T] -> {name: []}.
+    """
+    if not values:
+        return {}
+    stacked_KBT = torch.stack([v.to(mask_BT.dtype) for v in values.values()])
+    means_K = (stacked_KBT * mask_BT).sum(dim=(1, 2)) / mask_BT.sum().clamp(min=1)
+    return dict(zip(values, means_K.unbind()))
+
+
+def masked_seq_mean(x_BT: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
+    """Each sequence's mean of `x` over its masked-in tokens; 0 for a sequence with none.
+
+    Shape: [B, T], [B, T] -> [B].
+    """
+    return (x_BT * mask_BT).sum(dim=1) / mask_BT.sum(dim=1).clamp(min=1)
+
+
+def ratio(logprobs_BT: torch.Tensor, old_logprobs_BT: torch.Tensor) -> torch.Tensor:
+    """Token importance ratio r = exp(clamp(π - old, -20, 20)). Shape: [B, T]."""
+    return torch.exp((logprobs_BT - old_logprobs_BT).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP))
+
+
+def k3(ref_logprobs_BT: torch.Tensor, logprobs_BT: torch.Tensor) -> torch.Tensor:
+    """Schulman's k3 estimator of KL(π || ref): exp(ref - π) - (ref - π) - 1, always >= 0.
+
+    Differentiable through both arguments (callers detach `ref`). Shape: [B, T].
+    """
+    log_ratio_BT = ref_logprobs_BT - logprobs_BT
+    return torch.exp(log_ratio_BT) - log_ratio_BT - 1
+
+
+def _token_log_weights(log_w_BT: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
+    return log_w_BT
+
+
+def _sequence_log_weights(log_w_BT: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
+    return masked_seq_mean(log_w_BT, mask_BT)[:, None].expand_as(log_w_BT)
+
+
+TIS_LEVELS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "token": _token_log_weights,
+    "sequence": _sequence_log_weights,
+}
+"""`tis_level` -> the log-weight each token gets from the per-token old - inf: its own (`token`),
+or its sequence's masked mean, broadcast (`sequence`). Shape: [B, T], [B, T] -> [B, T]."""
+
+
+def tis_weights(
+    *,
+    old_logprobs: torch.Tensor,
+    sampler_logprobs: torch.Tensor | None,
+    mask: torch.Tensor,
+    tis_cap: float,
+    tis_level: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Truncated importance weights correcting for the sampler drifting from the trainer.
+
+    `token`: w = min(exp(clamp(old - inf, -20, 20)), tis_cap) per token. `sequence`: the same
+    with the sequence's masked mean of old - inf, broadcast over its tokens. Masked-out tokens
+    get 1, and so does everything when `sampler_logprobs` is None (sampler assumed exact).
+    Returns `(w, capped)`: the detached weights and a bool mask of the masked-in tokens whose
+    weight hit the cap. Shapes: [B, T] each.
+    """
+    if tis_level not in TIS_LEVELS:
+        raise ValueError(f"unknown tis_level {tis_level!r}; valid: {', '.join(TIS_LEVELS)}")
+    keep_BT = mask > 0
+    if sampler_logprobs is None:
+        return torch.ones_like(old_logprobs), torch.zeros_like(keep_BT)
+    log_w_BT = TIS_LEVELS[tis_level]((old_logprobs - sampler_logprobs).detach(), mask)
+    raw_BT = torch.exp(log_w_BT.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP))
+    # `where`, not a product with the mask: garbage at padded positions must not leak in.
+    w_BT = torch.where(keep_BT, raw_BT.clamp(max=tis_cap), torch.ones_like(raw_BT))
+    return w_BT, keep_BT & (raw_BT > tis_cap)
+
+
+Count = int | float | torch.Tensor | None
+
+
+def _token_mean(loss_BT: torch.Tensor, mask_BT: torch.Tensor, num_tokens: Count, num_sequences: Count) -> torch.Tensor:
+    denominator = mask_BT.sum().clamp(min=1) if num_tokens is None else num_tokens
+    return (loss_BT * mask_BT).sum() / denominator
+
+
+def _seq_mean(loss_BT: torch.Tensor, mask_BT: torch.Tensor, num_tokens: Count, num_sequences: Count) -> torch.Tensor:
+    denominator = loss_BT.shape[0] if num_sequences is None else num_sequences
+    return masked_seq_mean(loss_BT, mask_BT).sum() / denominator
+
+
+def _sum(loss_BT: torch.Tensor, mask_BT: torch.Tensor, num_tokens: Count, num_sequences: Count) -> torch.Tensor:
+    return (loss_BT * mask_BT).sum()
+
+
+LOSS_NORMALIZATIONS: dict[str, Callable[[torch.Tensor, torch.Tensor, Count, Count], torch.Tensor]] = {
+    "token_mean": _token_mean,
+    "seq_mean": _seq_mean,
+    "sum": _sum,
+}
+"""`loss_normalization` -> its reduction `(loss_BT, mask_BT, num_tokens, num_sequences) -> []`;
+`aggregate_loss` documents each."""
+
+
+def aggregate_loss(
+    loss_BT: torch.Tensor,
+    mask_BT: torch.Tensor,
+    mode: str,
+    *,
+    num_tokens: Count = None,
+    num_sequences: Count = None,
+) -> torch.Tensor:
+    """Reduce a per-token loss to the scalar that is backpropagated.
+
+    `token_mean`: Σ m·L / Σ m; pass `num_tokens` (the masked tokens of the whole optimizer step,
+    across micro-batches and ranks) to use it as the denominator instead, so that accumulated
+    micro-batch gradients equal the full-batch one. `seq_mean`: the mean over sequences of each
+    sequence's masked token mean (a sequence with no masked token contributes 0), divided by
+    `num_sequences` if given, else B. `sum`: Σ m·L.
+    Shape: [B, T], [B, T] -> [].
+    """
+    if mode not in LOSS_NORMALIZATIONS:
+        raise ValueError(f"unknown loss normalization {mode!r}; valid: {', '.join(LOSS_NORMALIZATIONS)}")
+    return LOSS_NORMALIZATIONS[mode](loss_BT, mask_BT.to(loss_BT.dtype), num_tokens, num_sequences)

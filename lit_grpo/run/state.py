@@ -1,0 +1,123 @@
+"""A run's state saved with DCP every `interval` rollout steps, and loaded back for an exact resume.
+
+What is saved (by the step sequence, after the step's weight sync):
+- with `torch.distributed.checkpoint` (sharded under FSDP, deduplicated under DDP): the policy and
+  the optimizer state. The reference is not saved: it is the base model, rebuilt at start.
+- per rank, in `trainer_state_rank<R>.pt`: the step, the run id, the LR schedules, the RNG states
+  (python, numpy, torch, CUDA) and what the step sequence hands over (data cursor, rows in flight,
+  scheduler version and gate counter, metric history, stateful callbacks).
+
+Folders, manifests and pruning are `lit_grpo.run.checkpoint`'s job.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from pathlib import Path
+from typing import Optional
+
+import lightning as L
+import numpy as np
+import torch
+import torch.distributed.checkpoint as dcp
+from omegaconf import OmegaConf
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from lit_grpo.run.checkpoint import CONFIG_FILE, CheckpointStore, config_as_dict, run_id_of, step_dir_name, trainer_state_file
+
+log = logging.getLogger(__name__)
+FORMAT_VERSION = 2
+
+
+def capture_rng() -> dict:
+    """Every RNG a step draws from: python, numpy, torch CPU and (when present) each CUDA device."""
+    return {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+    }
+
+
+def restore_rng(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class RunCheckpointer:
+    """Saves and loads whole-run checkpoints in a `CheckpointStore` (a collective on every rank)."""
+
+    def __init__(self, store: CheckpointStore, *, interval: int, run_config) -> None:
+        self.store, self.interval, self.run_config = store, interval, run_config
+        self.last_saved_step: Optional[int] = None
+        self._run_id_agreed = False
+
+    def due(self, trainer: L.Trainer, step: int) -> bool:
+        return self.interval > 0 and step % self.interval == 0 and not trainer.fast_dev_run
+
+    def due_at_end(self, trainer: L.Trainer, step: int) -> bool:
+        """After the last step, unless it was just saved (or nothing was trained)."""
+        return self.interval > 0 and step > 0 and self.last_saved_step != step and not trainer.fast_dev_run
+
+    def save(self, trainer: L.Trainer, module: L.LightningModule, step: int, state: dict, rng: Optional[dict] = None) -> Path:
+        """Write step `step`'s checkpoint; `state` is this rank's part (picklable); `rng` the RNG
+        states to save (None: the current ones)."""
+        start = time.perf_counter()
+        if not self._run_id_agreed:  # a fresh run's ranks each drew an id; rank 0's names the run
+            self.store.run_id = trainer.strategy.broadcast(self.store.run_id, src=0)
+            self._run_id_agreed = True
+        staging = self.store.staging_dir(step)
+        if trainer.is_global_zero:
+            self.store.begin(step)
+        trainer.strategy.barrier("dcp_begin")
+        model_sd, optim_sd = get_state_dict(module.policy, trainer.optimizers)
+        dcp.save({"policy": model_sd, "optimizer": optim_sd}, checkpoint_id=staging)
+        full_state = {
+            "format": FORMAT_VERSION, "step": step, "world_size": trainer.world_size, "run_id": self.store.run_id,
+            "lr_schedulers": [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs],
+            "rng": rng if rng is not None else capture_rng(), **state,
+        }
+        torch.save(full_state, staging / trainer_state_file(trainer.global_rank))
+        trainer.strategy.barrier("dcp_written")
+        final = self.store.root / step_dir_name(step)
+        if trainer.is_global_zero:
+            (staging / CONFIG_FILE).write_text(OmegaConf.to_yaml(config_as_dict(self.run_config)))
+            final = self.store.publish(step, staging, {"world_size": trainer.world_size, "format": FORMAT_VERSION})
+            self.store.prune()
+        trainer.strategy.barrier("dcp_published")
+        self.last_saved_step = step
+        if trainer.is_global_zero:
+            log.info("saved checkpoint %s in %.2f s", final, time.perf_counter() - start)
+        return final
+
+    def load(self, path: Path, trainer: L.Trainer, module: L.LightningModule) -> dict:
+        """Load the policy, the optimizer and the LR schedules from `path`; return this rank's state."""
+        state = torch.load(path / trainer_state_file(trainer.global_rank), weights_only=False, map_location="cpu")
+        if state.get("format") != FORMAT_VERSION:
+            raise RuntimeError(f"checkpoint {path} has format {state.get('format')}, this version of lit_grpo reads {FORMAT_VERSION}")
+        if state["world_size"] != trainer.world_size:
+            raise RuntimeError(f"checkpoint {path} was written by {state['world_size']} processes; this run has {trainer.world_size}")
+        model_sd, optim_sd = get_state_dict(module.policy, trainer.optimizers)
+        dcp.load({"policy": model_sd, "optimizer": optim_sd}, checkpoint_id=path)
+        set_state_dict(module.policy, trainer.optimizers, model_state_dict=model_sd, optim_state_dict=optim_sd)
+        for config, saved in zip(trainer.lr_scheduler_configs, state["lr_schedulers"]):
+            config.scheduler.load_state_dict(saved)
+        self.last_saved_step = state["step"]
+        self._adopt_run(path)
+        return state
+
+    def _adopt_run(self, path: Path) -> None:
+        """A resumed run keeps the id of the checkpoint it resumed from, so it prunes that run's
+        older checkpoints (and nobody else's); `path` was verified when the run chose it."""
+        run_id = run_id_of(path)
+        if run_id is None:
+            log.info("checkpoint %s names no run (written by an older lit_grpo); this run is %s and leaves it in place", path, self.store.run_id)
+            return
+        self.store.run_id, self._run_id_agreed = run_id, True
+        if path.parent.resolve() == self.store.root.resolve():
+            self.store.mark_verified(self.store.root / path.name)

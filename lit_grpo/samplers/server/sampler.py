@@ -1,0 +1,396 @@
+"""The vLLM server sampler: completions from one or more vLLM OpenAI servers over HTTP.
+
+Prompts are tokenized here, in the training process, and sent as token ids to `/v1/completions`
+(with `return_token_ids` and the sampled tokens' logprobs), so the tokens trained on are exactly
+the tokens the server saw and sampled. Concurrent requests for the same prompt and sampling
+arguments (a rollout's G calls) go out as one request with `n` set to their number. The servers must run
+with `--logprobs-mode processed_logprobs` (as `python -m lit_grpo.serve` sets): the served
+logprobs are then the behaviour policy's (after temperature; top_p=1, top_k=0), and the raw ones
+(`inference_logprobs`) are known where they are the same numbers, at temperature 1 and in greedy
+decoding, as with the in-process vLLM sampler. The eos cut and the stop-string contract are the
+other samplers' (`BatchingSampler.completion`, `lit_grpo.samplers.stops`): vLLM ends a completion
+with the token that completed a stop string, keeps its logprob and cuts the text before it (the
+OpenAI API takes at most 4 stop strings: with more, the cut is made here by the same rule).
+
+Requests go to the replica with the fewest completions in flight, at most
+`max_in_flight_per_server` each. Transient errors (connection refused or reset, 5xx, timeouts)
+are retried with exponential backoff, up to `max_retries` times per replica. A replica that stays
+unreachable is dropped with a warning naming it, and its requests go to the others (failover);
+with none left, or when a replica answers errors or times out past its retries, the request fails
+with an error naming the server (`lit_grpo.samplers.server.requests`).
+
+A weight sync (`update_weights`) writes the policy's tensors as safetensors into
+`weight_sync_dir` (it must be readable by the servers: local servers, or a shared folder), then
+on every live replica: `/pause?mode=keep` (requests in flight are frozen, not lost),
+`/collective_rpc` `reload_weights` from that folder, `/reset_prefix_cache` (the frozen requests
+are recomputed with the new weights), `/update_weight_version`, `/resume`, and reads the version
+back from `/weight_info`. All replicas are paused before any is reloaded, so no request started
+after the sync returns sees the old weights. A failed or timed-out step raises
+`WeightSyncError` naming the server: training never continues against stale weights. With
+`weight_transfer` gloo or nccl the reload is replaced by streaming the tensors through vLLM's
+weight-transfer API (`lit_grpo.samplers.server.weight_transfer`); nothing is written then.
+
+This module does not import vLLM; it needs `httpx` (`pip install 'lit_grpo[server]'`). The servers
+need the dev-mode endpoints (`VLLM_SERVER_DEV_MODE=1`, set by `lit_grpo.samplers.server.serve`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Awaitable, Iterable, Optional, Sequence, TypeVar
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from lit_grpo.samplers.arguments import PromptTooLong, SamplerTimeout, check_sample_kwargs, check_score_pairs
+from lit_grpo.samplers.base import BatchingSampler
+from lit_grpo.samplers.server.requests import Coalescer, Replica, ReplicaRouter
+from lit_grpo.samplers.server.scores import score_request, target_logprobs
+from lit_grpo.samplers.server.weight_files import ServerError, WeightSyncError, sync_replicas, write_weight_file  # noqa: F401 (re-exported)
+from lit_grpo.samplers.stops import find_stop
+from lit_grpo.types import Completion
+
+if TYPE_CHECKING:
+    from lit_grpo.samplers.server.pool import ServerPool
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+MAX_SERVER_STOPS = 4
+"""The OpenAI API takes at most 4 stop strings; with more, none are sent and the completion is cut
+here (`stops.find_stop`, vLLM's rule), after the server generated past the stop string."""
+INSTALL_HINT = "sampler=vllm_server needs httpx: pip install 'lit_grpo[server]'"
+
+
+class VLLMServerSampler(BatchingSampler):
+    """Implements the `Sampler` protocol over vLLM OpenAI servers at `urls` (see the module docstring).
+
+    All HTTP runs on one event loop in a daemon thread of its own, so rollouts on any event loop,
+    the evaluator's synchronous `generate` and the trainer's `update_weights` share one
+    connection pool and one in-flight bound per server. `pool`: servers this sampler started and
+    stops in `close()`.
+    """
+
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        urls: list[str],
+        *,
+        weight_sync_dir: str | os.PathLike,
+        max_in_flight_per_server: int = 64,
+        request_timeout_s: float = 120.0,
+        max_retries: int = 3,
+        sync_timeout_s: float = 300.0,
+        retry_backoff_s: float = 0.5,
+        pool: Optional["ServerPool"] = None,
+        max_batch_size: int = 256,
+        weight_transfer: str = "reload",
+        weight_transfer_address: Optional[str] = None,
+    ) -> None:
+        try:
+            import httpx
+        except ImportError as err:
+            raise ImportError(f"{INSTALL_HINT} ({err})") from None
+        if not urls:
+            raise ValueError("VLLMServerSampler needs at least one server URL")
+        super().__init__(tokenizer, max_batch_size=max_batch_size)
+        self._httpx = httpx
+        for name in ("httpx", "httpcore"):  # a line per request at INFO would drown the run's log
+            if logging.getLogger(name).level == logging.NOTSET:
+                logging.getLogger(name).setLevel(logging.WARNING)
+        self.router = ReplicaRouter(urls, None, httpx, max_in_flight=max_in_flight_per_server,
+                                    request_timeout_s=request_timeout_s, max_retries=max_retries,
+                                    retry_backoff_s=retry_backoff_s)
+        self._coalescer = Coalescer()
+        self.weight_sync_dir = Path(weight_sync_dir)
+        self.max_in_flight_per_server = max_in_flight_per_server
+        self.request_timeout_s = request_timeout_s
+        self.sync_timeout_s = sync_timeout_s
+        self.pool = pool
+        self.transport = None
+        """`weight_transfer` other than reload: the `WeightTransport` that streams the weights."""
+        if weight_transfer != "reload":
+            from lit_grpo.samplers.server.weight_transfer import WeightTransport
+
+            self.transport = WeightTransport(weight_transfer, timeout_s=sync_timeout_s, address=weight_transfer_address)
+        self.version = 0
+        """Weight syncs done: the version every live replica serves."""
+        self._closed = False
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="vllm-server-client", daemon=True)
+        self._thread.start()
+        try:
+            self._run(self._open(), timeout=request_timeout_s)
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def replicas(self) -> list[Replica]:
+        return self.router.replicas
+
+    @property
+    def failovers(self) -> list[str]:
+        """One line per replica dropped (why), in order."""
+        return self.router.failovers
+
+    # ------------------------------------------------------------------ the client's own loop
+
+    def _run(self, coro: Awaitable[T], timeout: Optional[float]) -> T:
+        """Run `coro` on the client's loop from any other thread, waiting at most `timeout` s."""
+        self._check_open()
+        future = asyncio.run_coroutine_threadsafe(coro, self._loop)  # type: ignore[arg-type]
+        try:
+            return future.result(timeout)
+        except TimeoutError:
+            future.cancel()
+            raise
+
+    def _check_open(self) -> None:
+        if self._closed or not self._loop.is_running():
+            raise RuntimeError("the vllm_server sampler is closed")
+
+    async def _open(self) -> None:
+        """The HTTP client, and each server's model name and length limit from `/v1/models`."""
+        capacity = len(self.replicas) * self.max_in_flight_per_server + 16
+        # trust_env=False: a proxy from the environment must never stand between us and the servers.
+        self._client = self.router.client = self._httpx.AsyncClient(
+            trust_env=False, limits=self._httpx.Limits(max_connections=capacity, max_keepalive_connections=capacity),
+        )
+
+        async def describe(r: Replica) -> None:
+            data = await self.router.call(r, "GET", "/v1/models", timeout=self.request_timeout_s)
+            models = data.get("data") or []
+            if not models:
+                raise ServerError(f"vLLM server {r.url} serves no model (/v1/models is empty)")
+            r.model, r.max_model_len = models[0]["id"], models[0].get("max_model_len")
+
+        await asyncio.gather(*(describe(r) for r in self.replicas))
+
+    # ------------------------------------------------------------------ sampling
+
+    async def sample_with_prompt_tokens(self, prompt_token_ids: list[int], n: int = 1, **kwargs: Any) -> list[Completion]:
+        """`n` completions of a tokenized prompt, `kwargs` the sampling arguments of
+        `check_sample_kwargs`. Sent with the concurrent requests for the same prompt and arguments
+        as one request (`server_requests.Coalescer`). `http_timeout` bounds this call as a whole,
+        retries included (`SamplerTimeout` past it); a merged request no caller waits for any more
+        is cancelled on the server's side too."""
+        args = check_sample_kwargs(kwargs)
+        self._check_open()
+        prompt = [int(t) for t in prompt_token_ids]
+        max_tokens = self._bounded_max_tokens(len(prompt), args.max_tokens, args.max_seq_len)
+        deadline = None if args.http_timeout is None else time.monotonic() + args.http_timeout
+        key = (tuple(prompt), args.temperature, max_tokens, args.stop)
+        send = functools.partial(self._complete, prompt, args.temperature, max_tokens, args.stop)
+        future = asyncio.wrap_future(asyncio.run_coroutine_threadsafe(
+            self._coalescer.request(key, n, deadline, send), self._loop))
+        try:
+            return list(await asyncio.wait_for(future, args.http_timeout))
+        except TimeoutError as err:
+            if isinstance(err, SamplerTimeout):
+                raise
+            raise SamplerTimeout(f"no completion within http_timeout={args.http_timeout:g} s (waiting for a free "
+                                 "server slot or for the server); the request was cancelled") from None
+        finally:
+            future.cancel()  # the caller was cancelled or timed out: it stops waiting on the client's loop too
+
+    def _bounded_max_tokens(self, prompt_len: int, max_tokens: int, request_max_seq_len: Optional[int]) -> int:
+        """`max_tokens` within `data.max_seq_len`, the request's `max_seq_len` and the servers'
+        `max_model_len`; `PromptTooLong` when a bound leaves no room (as in `BatchingSampler`)."""
+        for bound, name in ((self.max_seq_len, "data.max_seq_len"), (request_max_seq_len, "the request's max_seq_len"),
+                            (self._max_model_len(), "the servers' max_model_len")):
+            if bound is None:
+                continue
+            if prompt_len >= bound:
+                raise PromptTooLong(f"a prompt of {prompt_len} tokens leaves no room for a completion within "
+                                    f"{name}={bound}; it was not sampled")
+            max_tokens = min(max_tokens, bound - prompt_len)
+        return max_tokens
+
+    def _max_model_len(self) -> Optional[int]:
+        lens = [r.max_model_len for r in self.replicas if r.max_model_len]
+        return min(lens) if lens else None
+
+    def _generate(self, prompts: list[list[int]], temperature: float, max_tokens: int, stop: tuple[str, ...] = ()) -> list[Completion]:
+        """The batched call of the synchronous `generate` (greedy evaluation): one request per
+        prompt, all in flight together, waited for at most `call_timeout_s`."""
+
+        async def gather() -> list[Completion]:
+            per_prompt = await asyncio.gather(*(self._complete(list(p), temperature, max_tokens, tuple(stop), 1, None) for p in prompts))
+            return [c for completions in per_prompt for c in completions]
+
+        try:
+            return self._run(gather(), timeout=self.call_timeout_s)
+        except TimeoutError:
+            raise SamplerTimeout(f"{len(prompts)} requests to the vLLM servers did not all complete within "
+                                 f"{self.call_timeout_s:g} s (rollout_timeout_s)") from None
+
+    async def _complete(self, prompt: list[int], temperature: float, max_tokens: int, stop: tuple[str, ...],
+                        n: int, deadline: Optional[float]) -> list[Completion]:
+        """`n` completions of `prompt` from one request (see `ReplicaRouter.complete`)."""
+        body: dict[str, Any] = {
+            "prompt": prompt, "max_tokens": max_tokens, "temperature": temperature, "top_p": 1.0, "top_k": 0,
+            "logprobs": 0, "return_token_ids": True, "skip_special_tokens": True,
+        }
+        if stop and len(stop) <= MAX_SERVER_STOPS:
+            body["stop"] = list(stop)
+        replica, choices = await self.router.complete(body, n, deadline)
+        return [self._to_completion(replica, prompt, c, temperature, stop) for c in choices]
+
+    def _to_completion(self, r: Replica, prompt: list[int], choice: dict, temperature: float, stop: tuple[str, ...] = ()) -> Completion:
+        tokens = choice.get("token_ids")
+        logprobs = (choice.get("logprobs") or {}).get("token_logprobs")
+        if tokens is None or logprobs is None or len(tokens) != len(logprobs) or any(lp is None for lp in logprobs):
+            raise ServerError(f"vLLM server {r.url} answered without the token ids and logprobs of its completion "
+                              "(a vLLM without `return_token_ids`?)")
+        served_prompt = choice.get("prompt_token_ids")
+        if served_prompt is not None and list(served_prompt) != prompt:
+            raise ServerError(f"vLLM server {r.url} sampled from other prompt tokens than were sent")
+        tokens, text = list(tokens), choice.get("text") or ""
+        stop_reason = choice.get("stop_reason")
+        stop_reason = stop_reason if isinstance(stop_reason, str) else None  # an int would be a stop token id
+        if len(stop) > MAX_SERVER_STOPS:  # the server was sent none: cut here, by the same rule
+            eos_id = self.tokenizer.eos_token_id
+            end = tokens.index(eos_id) + 1 if eos_id in tokens else len(tokens)
+            match = find_stop(tokens[:end], stop, self._decode)
+            if match is not None:
+                tokens, text, stop_reason = tokens[: match.num_tokens], match.text, match.stop
+        raw_known = temperature in (0.0, 1.0)  # processed logprobs == raw ones there (see the module docstring)
+        return self.completion(prompt, tokens, list(logprobs), text, stop_reason=stop_reason,
+                               inference_logprobs=list(logprobs) if raw_known else None)
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    # ------------------------------------------------------------------ scoring (IGPO)
+
+    async def score(self, pairs: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[list[float]]:
+        """`BatchingSampler.score` over the servers (`server_scores`): one request per pair, all in
+        flight together on the client's loop, waited for at most `call_timeout_s`. A weight sync
+        pauses the servers (`mode=keep`) and resets their prefix cache, so a frozen scoring request
+        is recomputed after the reload."""
+        checked = check_score_pairs(pairs)
+        self._check_open()
+        future = asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._score_all(checked), self._loop))
+        try:
+            return await asyncio.wait_for(future, self.call_timeout_s)
+        except TimeoutError:
+            raise SamplerTimeout(f"{len(checked)} scoring requests to the vLLM servers did not all complete within "
+                                 f"{self.call_timeout_s} s (rollout_timeout_s)") from None
+
+    def score_pairs(self, pairs: list[tuple[list[int], list[int]]]) -> list[list[float]]:
+        """`score` from a thread without an event loop (blocking)."""
+        checked = check_score_pairs(pairs)
+        try:
+            return self._run(self._score_all(checked), timeout=self.call_timeout_s)
+        except TimeoutError:
+            raise SamplerTimeout(f"{len(checked)} scoring requests did not complete within {self.call_timeout_s} s") from None
+
+    async def _score_all(self, pairs: list[tuple[list[int], list[int]]]) -> list[list[float]]:
+        async def one(prompt: list[int], target: list[int]) -> list[float]:
+            replica, choices = await self.router.complete(score_request(prompt, target), 1, None)
+            return target_logprobs(replica.url, choices[0], prompt, target)
+
+        return list(await asyncio.gather(*(one(p, t) for p, t in pairs)))
+
+    # ------------------------------------------------------------------ weight sync
+
+    @torch.no_grad()
+    def _load(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        start = time.perf_counter()
+        if self.transport is None:
+            self.write_weights(named_tensors)
+            named = None
+        else:  # streamed while the servers are paused (`weight_transfer`)
+            named = [(n, t.detach()) for n, t in named_tensors]
+            if not named:
+                raise WeightSyncError("the weight sync was given no tensors")
+        written = time.perf_counter() - start
+        try:
+            # Each server call has its own deadline (sync_timeout_s); this bound is only for a stuck
+            # client loop: cancelling between phases could leave a server paused.
+            self._run(self._sync_all(self.version + 1, named), timeout=8 * self.sync_timeout_s)
+        except TimeoutError:
+            raise WeightSyncError(f"weight sync to version {self.version + 1} did not finish within "
+                                  f"{8 * self.sync_timeout_s:g} s: the servers may hold stale weights") from None
+        self.version += 1
+        log.debug("weight sync %d: written in %.3f s, loaded by %d server(s) in %.3f s", self.version, written,
+                  sum(r.down is None for r in self.replicas), time.perf_counter() - start - written)
+
+    def write_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Path:
+        """The tensors as one safetensors file in `weight_sync_dir` (see `write_weight_file`)."""
+        if not write_weight_file(named_tensors, self.weight_sync_dir):
+            raise WeightSyncError("the weight sync was given no tensors")
+        return self.weight_sync_dir
+
+    async def _sync_all(self, version: int, named: Optional[list[tuple[str, torch.Tensor]]] = None) -> None:
+        """Every live replica to `version`, phase by phase (see `sync_replicas`); with a transport,
+        `named` is streamed to them instead of reloaded from `weight_sync_dir`."""
+        live = [r for r in self.replicas if r.down is None]
+        if not live:
+            raise WeightSyncError("no vLLM server left to sync weights to: " + "; ".join(self.failovers))
+        transport = self.transport
+        transfer = None if transport is None else (lambda urls: transport.send(urls, named or []))
+        await sync_replicas(self.router.call, live, version, str(self.weight_sync_dir.resolve()), self.sync_timeout_s,
+                            transfer=transfer)
+
+    def set_version(self, version: int) -> None:
+        """Tell every live replica that it serves `version` (the servers this sampler started from
+        the policy's own weights), checked by reading it back."""
+
+        async def tag(r: Replica) -> None:
+            await self.router.call(r, "POST", "/update_weight_version", timeout=self.request_timeout_s, json={"new_version": str(version)})
+            served = (await self.router.call(r, "GET", "/weight_info", timeout=self.request_timeout_s) or {}).get("weight_version")
+            if served != str(version):
+                raise WeightSyncError(f"vLLM server {r.url} reports weight version {served!r}, expected {version}")
+            r.version = version
+
+        async def tag_all() -> None:
+            await asyncio.gather(*(tag(r) for r in self.replicas if r.down is None))
+
+        self._run(tag_all(), timeout=self.request_timeout_s + 5.0)
+        self.version = version
+
+    def served_versions(self) -> dict[str, Optional[str]]:
+        """What each replica reports serving now (`/weight_info`), by URL (None: no answer)."""
+
+        async def ask(r: Replica) -> Optional[str]:
+            try:
+                return (await self.router.call(r, "GET", "/weight_info", timeout=10.0) or {}).get("weight_version")
+            except ServerError:
+                return None
+
+        async def ask_all() -> list[Optional[str]]:
+            return list(await asyncio.gather(*(ask(r) for r in self.replicas)))
+
+        return dict(zip([r.url for r in self.replicas], self._run(ask_all(), timeout=15.0)))
+
+    # ------------------------------------------------------------------ end
+
+    def close(self) -> None:
+        """Close the HTTP client and stop the servers this sampler started. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._loop.is_running() and getattr(self, "_client", None) is not None:
+                try:
+                    asyncio.run_coroutine_threadsafe(self._client.aclose(), self._loop).result(5.0)
+                except Exception:  # a stuck connection must not keep the servers alive
+                    log.debug("closing the HTTP client failed", exc_info=True)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=5.0)
+            if not self._thread.is_alive():
+                self._loop.close()
+        finally:
+            if self.transport is not None:
+                self.transport.close()
+            if self.pool is not None:
+                self.pool.stop()
+            super().close()

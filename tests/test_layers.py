@@ -1,0 +1,119 @@
+"""The package's imports run one way: every `import` of lit_grpo, at module level or inside a
+function, goes to a layer at or below its own, and no chain of imports comes back to where it
+started. The layers, lowest first, are the table of `lit_grpo/__init__.py`."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import lit_grpo
+
+PACKAGE = Path(lit_grpo.__file__).resolve().parent
+LAYERS = lit_grpo.LAYERS
+ROOT_MODULES_AT_MOST = 8
+MODULE_LINES_AT_MOST = 400
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+
+
+def _layer(module: str) -> int:
+    """The index in LAYERS of the wing that holds `module` (the longest name that is it or its package)."""
+    holders = [(len(name), i) for i, wing in enumerate(LAYERS) for name in wing if module == name or module.startswith(name + ".")]
+    assert holders, f"{module} is in no layer of lit_grpo.LAYERS: add it there"
+    return max(holders)[1]
+
+
+def _imports(module: str) -> set[str]:
+    """The lit_grpo modules `module` imports, anywhere in its body (functions and `TYPE_CHECKING` included)."""
+    path = MODULES[module]
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: resolve against this module's package
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            # `from pkg import sub` imports the submodule when there is one
+            names = [f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base for a in node.names]
+        else:
+            continue
+        found.update(n for n in names if n.split(".")[0] == "lit_grpo" and n in MODULES and n != module)
+    return found
+
+
+GRAPH = {m: _imports(m) for m in MODULES}
+
+
+def test_every_module_sits_in_a_layer():
+    for module in MODULES:
+        _layer(module)
+
+
+def test_imports_run_down_the_layers():
+    upward = [
+        f"{m} (layer {_layer(m)}) imports {t} (layer {_layer(t)})"
+        for m, targets in GRAPH.items() for t in targets if _layer(t) > _layer(m)
+    ]
+    assert not upward, "imports that run up the layers:\n" + "\n".join(sorted(upward))
+
+
+def _cycles() -> list[list[str]]:
+    """Every strongly connected set of two or more modules (Tarjan), as a sorted list."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in GRAPH[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(GRAPH):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_cycles():
+    assert not _cycles(), "import cycles (function-level imports included):\n" + "\n".join(" <-> ".join(c) for c in _cycles())
+
+
+def test_the_cycle_finder_finds_a_cycle(monkeypatch):
+    monkeypatch.setitem(GRAPH, "lit_grpo.types", GRAPH["lit_grpo.types"] | {"lit_grpo.errors"})
+    monkeypatch.setitem(GRAPH, "lit_grpo.errors", GRAPH["lit_grpo.errors"] | {"lit_grpo.types"})
+    assert ["lit_grpo.errors", "lit_grpo.types"] in _cycles()
+
+
+def test_the_root_reads_as_a_table_of_contents():
+    root = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert len(root) <= ROOT_MODULES_AT_MOST, root
+
+
+def test_no_module_over_400_lines():
+    long = {m: n for m, p in MODULES.items() if (n := len(p.read_text(encoding="utf-8").splitlines())) > MODULE_LINES_AT_MOST}
+    assert not long, long
