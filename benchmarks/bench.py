@@ -22,7 +22,8 @@ import time
 import lightning as L
 import torch
 
-from lit_grpo.config import TrainConfig, validate
+from lit_grpo.config import TrainConfig
+from lit_grpo.run.validate import validate
 from lit_grpo.models.load import load_policy, load_tokenizer
 from lit_grpo.maths.logprobs import token_logprobs
 from lit_grpo.loop.optim import adamw

@@ -29,7 +29,7 @@ import statistics
 import tempfile
 import time
 
-from lit_grpo.config import validate
+from lit_grpo.run.validate import validate
 from lit_grpo.rollouts.datamodule import RolloutStream
 from lit_grpo.rollouts.rollout import make_rollout_fn
 from lit_grpo.rollouts import GroupSampler, OffPolicyScheduler, RowCursor, SynchronousScheduler

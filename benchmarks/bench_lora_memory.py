@@ -54,7 +54,7 @@ def trainer_bytes(module, optimizer) -> dict[str, float]:
 
 def run_variant(rank: int, steps: int, overrides: list[str]) -> dict[str, float]:
     """Train `steps` steps in this process (rank 0: full fine-tuning) and measure it."""
-    from lit_grpo.config import validate
+    from lit_grpo.run.validate import validate
     from lit_grpo.build import fit
     from lit_grpo.train import compose_config
 

@@ -22,7 +22,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lit_grpo.callbacks.export import HFExport
 from lit_grpo.run.checkpoint import CheckpointStore
-from lit_grpo.config import ConfigError, TrainConfig
+from lit_grpo.config import ConfigError, PolicyLossConfig, TrainConfig, UserInputs
 from lit_grpo.rollouts.datamodule import RolloutDataModule, rollout_guards
 from lit_grpo.loop.evaluation import GreedyEvaluator
 from lit_grpo.run.loggers import finish_runs
@@ -30,14 +30,14 @@ from lit_grpo.models.load import load_policy, load_tokenizer
 from lit_grpo.loop.module import GRPOModule
 from lit_grpo.rollouts.rollout import load_rollout_factory
 from lit_grpo.loop.rollout_evaluation import RolloutEvaluator
-from lit_grpo.tasks.rows import evaluation_rows, training_rows
+from lit_grpo.tasks import evaluation_rows, training_rows
 from lit_grpo.run.state import RunCheckpointer
 from lit_grpo.samplers import build_sampler
 from lit_grpo.loop.signals import StopSignals
 from lit_grpo.loop.step_sequence import StepSequence
+from lit_grpo.maths.igpo import DEFAULT_GAMMA, IGPOSettings
 from lit_grpo.tasks import reward_fn
 from lit_grpo.types import RolloutSetup
-from lit_grpo.config import UserInputs
 
 # Both are deliberate: the step pulls its own batch (no prefetch of stale rollouts), and the
 # policy runs in eval mode (no dropout, so trainer and sampler logprobs agree).
@@ -89,7 +89,7 @@ def build_datamodule(c: TrainConfig, policy, tokenizer, rows: list[dict], eval_r
         seed=c.seed,
         shuffle=c.data.shuffle,
         advantage_scale=c.policy_loss.advantage_scale,
-        igpo=c.policy_loss.igpo_settings(),
+        igpo=igpo_settings(c.policy_loss),
         max_steps=c.max_steps,
         max_seq_len=c.data.max_seq_len,
         min_group_size=c.data.min_group_size,
@@ -197,3 +197,11 @@ def fit(c: TrainConfig, resume_from: Optional[Path] = None, **build_kwargs) -> t
         datamodule.close()
         finish_runs(trainer.loggers)
     return trainer, module
+
+
+def igpo_settings(p: PolicyLossConfig) -> Optional[IGPOSettings]:
+    """IGPO's settings when `policy_loss.advantage` is igpo, else None."""
+    if p.advantage != "igpo":
+        return None
+    gamma = DEFAULT_GAMMA if p.igpo_gamma is None else float(p.igpo_gamma)
+    return IGPOSettings(gamma=gamma, skip_last_ig=bool(p.igpo_skip_last_ig))

@@ -22,7 +22,8 @@ import hydra
 from omegaconf import DictConfig
 
 from lit_grpo.run.checkpoint import check_resumable
-from lit_grpo.config import ConfigError, TrainConfig, ineffective_knobs, validate
+from lit_grpo.config import ConfigError, TrainConfig, ineffective_knobs
+from lit_grpo.run.validate import validate
 from lit_grpo.errors import run_cli, run_hydra_cli
 from lit_grpo.run.preflight import check_sources
 from lit_grpo.run.folder import claim_output_dir, find_resume_checkpoint, set_aside_metrics

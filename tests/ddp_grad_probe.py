@@ -17,7 +17,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader
 
-from lit_grpo.config import validate
+from lit_grpo.run.validate import validate
 from lit_grpo.models.load import load_policy, load_tokenizer
 from lit_grpo.loop.module import GRPOModule
 from lit_grpo.train import compose_config

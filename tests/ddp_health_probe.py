@@ -16,7 +16,7 @@ from pathlib import Path
 import lightning as L
 
 from ddp_grad_probe import FixedData
-from lit_grpo.config import validate
+from lit_grpo.run.validate import validate
 from lit_grpo.loop.metrics import merge_step_metrics
 from lit_grpo.models.load import load_policy, load_tokenizer
 from lit_grpo.loop.module import GRPOModule

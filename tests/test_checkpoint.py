@@ -19,7 +19,8 @@ import torch
 from safetensors.torch import load_file
 
 from lit_grpo.run.checkpoint import CheckpointStore, check_resumable, locate_checkpoint, run_id_of, verify
-from lit_grpo.config import ConfigError, validate
+from lit_grpo.config import ConfigError
+from lit_grpo.run.validate import validate
 from lit_grpo.rollouts.datamodule import RolloutStream
 from lit_grpo.rollouts import GroupSampler, OffPolicyScheduler, RowCursor
 from lit_grpo.train import train

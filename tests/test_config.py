@@ -15,7 +15,8 @@ import lit_grpo.maths.losses
 import lit_grpo.samplers
 import lit_grpo.tasks.registry
 from lit_grpo.run.checkpoint import STATE_DEFINING_FIELDS
-from lit_grpo.config import ConfigError, TrainConfig, ineffective_knobs, validate
+from lit_grpo.config import ConfigError, TrainConfig, ineffective_knobs
+from lit_grpo.run.validate import validate
 from lit_grpo.maths.losses import available_policy_losses, get_policy_loss, policy_loss
 from lit_grpo.tasks import available_tasks, build_eval_rows, build_rows, get_task, register_task, reward_fn
 

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from lit_grpo.config import ConfigError, validate
+from lit_grpo.config import ConfigError
+from lit_grpo.run.validate import validate
 from lit_grpo.cookbook import (
     Config,
     DeployConfig,

@@ -45,7 +45,7 @@ def test_chunked_logprobs_on_cuda_match_the_naive_formula(dtype):
 @needs_cuda
 @pytest.mark.timeout(600)
 def test_training_on_one_gpu_in_bf16_mixed_samples_there_and_reports_small_drift(tmp_path):
-    from lit_grpo.config import validate
+    from lit_grpo.run.validate import validate
     from lit_grpo.build import fit
 
     c = validate(compose_config("+experiment=arithmetic", "trainer=gpu", "max_steps=30", "trainer.enable_progress_bar=false",

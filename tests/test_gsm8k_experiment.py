@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from lit_grpo.loop.evaluation import greedy_accuracy
-from lit_grpo.config import DataConfig, validate
+from lit_grpo.config import DataConfig
+from lit_grpo.run.validate import validate
 from lit_grpo.tasks.gsm8k_rows import RowError
 from lit_grpo.train import train
 from lit_grpo.types import Completion

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import lit_grpo.rollouts.datamodule
-from lit_grpo.config import validate
+from lit_grpo.run.validate import validate
 from lit_grpo.maths.health import drift_metrics, drift_tis_cap, rollout_health
 from lit_grpo.maths.losses import per_token_policy_loss
 from lit_grpo.models.load import load_tokenizer

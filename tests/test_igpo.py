@@ -8,6 +8,7 @@ from collections import Counter
 import pytest
 import torch
 
+from lit_grpo.build import igpo_settings
 from lit_grpo.config import ConfigError, PolicyLossConfig
 from lit_grpo.maths.igpo import information_gains_from_logprobs, turn_advantages, turn_token_advantages
 from lit_grpo.maths.losses import policy_loss
@@ -63,8 +64,8 @@ def test_information_gain_and_token_broadcast():
 
 @pytest.mark.timeout(10)
 def test_config_validates_the_advantage_fields():
-    assert PolicyLossConfig().igpo_settings() is None
-    assert PolicyLossConfig(advantage="igpo", igpo_gamma=0.5).igpo_settings().gamma == 0.5
+    assert igpo_settings(PolicyLossConfig()) is None
+    assert igpo_settings(PolicyLossConfig(advantage="igpo", igpo_gamma=0.5)).gamma == 0.5
     for kwargs, field in [({"advantage": "turns"}, "policy_loss.advantage"), ({"igpo_gamma": 0.9}, "policy_loss.igpo_gamma"),
                           ({"advantage": "igpo", "igpo_gamma": 1.5}, "policy_loss.igpo_gamma"),
                           ({"advantage": "igpo", "advantage_scale": "none"}, "policy_loss.advantage_scale")]:
@@ -114,7 +115,7 @@ def test_turn_advantages_reach_the_loss_on_their_turns_tokens():
     assert not counts and sizes == [1, 2]
     group = PromptGroup(row={}, samples=samples, version=0, run_sizes=sizes)
     batch = make_batch([group], [group], version=0, advantage_scale="std", pad_id=0, counts=Counter(), timings={},
-                       igpo=PolicyLossConfig(advantage="igpo", igpo_gamma=0.5).igpo_settings())
+                       igpo=igpo_settings(PolicyLossConfig(advantage="igpo", igpo_gamma=0.5)))
     returns = turn_advantages([[2.0, 0.0], [1.0, 3.0]], [1.0, 0.0], gamma=0.5)
     assert batch.advantages_BT.shape == batch.tokens_BT.shape == (3, 9)
 

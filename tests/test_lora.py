@@ -12,7 +12,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from lit_grpo.config import ConfigError, validate
+from lit_grpo.config import ConfigError
+from lit_grpo.run.validate import validate
 from lit_grpo.config import LoraConfig
 from lit_grpo.models.lora import AdapterFreeView, apply_lora, base_name, is_lora
 from lit_grpo.models.load import load_policy, load_tokenizer

@@ -3,7 +3,7 @@
 import lightning as L
 import torch
 
-from lit_grpo.config import validate
+from lit_grpo.run.validate import validate
 from lit_grpo.loop.module import token_logprobs
 from lit_grpo.build import build_run
 

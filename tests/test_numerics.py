@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import user_losses
-from lit_grpo.config import validate
-from lit_grpo.loop.module import NonFiniteTraining
+from lit_grpo.run.validate import validate
+from lit_grpo.loop.step_sequence import NonFiniteTraining
 from lit_grpo.build import build_run
 
 from conftest import compose_config

@@ -10,7 +10,8 @@ import sys
 
 import pytest
 
-from lit_grpo.config import ConfigError, RewardConfig, validate
+from lit_grpo.config import ConfigError, RewardConfig
+from lit_grpo.run.validate import check_reward, validate
 from lit_grpo.rollouts.datamodule import RolloutStream
 from lit_grpo.rewards import RewardRowError, WeightedReward, available_rewards, build_reward, get_reward, register_reward, reward_name
 from lit_grpo.rollouts.rollout import make_rollout_fn
@@ -98,7 +99,7 @@ def test_config_errors_name_the_field(user_rewards, tmp_path):
             validate(compose_config(*overrides, output_dir=tmp_path))
     (user_rewards / "my_mean.py").write_text("def mean(completion_text, row):\n    return 0.0\n")
     with pytest.raises(ConfigError, match=r"reward\.fn.*may not be called 'mean': reward/mean is already logged"):
-        RewardConfig(fn=["exact_match", "my_mean:mean"])
+        check_reward(RewardConfig(fn=["exact_match", "my_mean:mean"]))  # the registry's checks run in validate
     sys.modules.pop("my_mean", None)
 
 

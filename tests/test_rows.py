@@ -14,11 +14,13 @@ from pathlib import Path
 
 import pytest
 
-from lit_grpo.config import ConfigError, validate
+from lit_grpo.config import ConfigError
+from lit_grpo.run.validate import validate
 from lit_grpo.errors import MissingExtraError
 from lit_grpo.run.preflight import check_sources
 from lit_grpo.rollouts.rollout import make_rollout_fn, row_prompt_tokens
-from lit_grpo.tasks.rows import MissingFileError, RowError, RowPromptError, evaluation_rows, load_rows, training_rows
+from lit_grpo.tasks import evaluation_rows, training_rows
+from lit_grpo.tasks.rows import MissingFileError, RowError, RowPromptError, load_rows
 from lit_grpo.types import Completion, RolloutSetup
 
 from conftest import compose_config

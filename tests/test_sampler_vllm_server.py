@@ -255,7 +255,7 @@ def test_serve_refuses_a_bad_model_folder_before_starting_vllm(tmp_path):
 
 
 def test_the_config_takes_server_urls_or_num_servers():
-    from lit_grpo.config import validate
+    from lit_grpo.run.validate import validate
     from lit_grpo.config import ConfigError
 
     def sampler(*overrides):

@@ -13,7 +13,7 @@ import lightning as L
 import pytest
 import torch
 
-from lit_grpo.config import validate
+from lit_grpo.run.validate import validate
 from lit_grpo.build import build_run
 
 from conftest import compose_config

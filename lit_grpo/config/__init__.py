@@ -15,11 +15,11 @@ needs a registry (losses, samplers, rewards, tasks) runs in `lit_grpo.run.valida
 from lit_grpo.config.checks import DEFINES_STATE, MAX_LEARNING_RATE, MAX_TEMPERATURE, ConfigError, require, require_finite
 from lit_grpo.config.groups import DataConfig, PolicyLossConfig, RewardConfig, RolloutConfig, SamplerConfig, TrainerConfig
 from lit_grpo.config.model import LORA_DEFAULT_TARGETS, LoraConfig, ModelConfig
-from lit_grpo.config.run import TrainConfig, ineffective_knobs, validate
+from lit_grpo.config.run import TrainConfig, ineffective_knobs, parse
 from lit_grpo.config.user_inputs import UserInputs
 
 __all__ = [
     "DEFINES_STATE", "LORA_DEFAULT_TARGETS", "MAX_LEARNING_RATE", "MAX_TEMPERATURE", "ConfigError", "DataConfig",
     "LoraConfig", "ModelConfig", "PolicyLossConfig", "RewardConfig", "RolloutConfig", "SamplerConfig", "TrainConfig",
-    "TrainerConfig", "UserInputs", "ineffective_knobs", "require", "require_finite", "validate",
+    "TrainerConfig", "UserInputs", "ineffective_knobs", "require", "parse", "require_finite",
 ]

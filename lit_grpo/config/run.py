@@ -3,10 +3,10 @@
 
 `conf/train.yaml` starts from the `train_schema` node stored here, so every YAML under `conf/`
 is merged onto these dataclasses: a misspelt key or a value of the wrong type fails while Hydra
-composes. Cross-field rules live in `__post_init__`; `validate(cfg)` turns a composed DictConfig
+composes. Cross-field rules live in `__post_init__`; `parse(cfg)` turns a composed DictConfig
 into these objects (running those rules) before any model is loaded. Lists of valid names (loss
-variants, normalizations, TIS levels, advantage scales, sampler kinds, tasks) are read from the
-registries that own them, never written here. A field marked `metadata=DEFINES_STATE` defines what
+variants, normalizations, TIS levels, advantage scales, sampler kinds, tasks) belong to the
+registries that own them: `lit_grpo.run.validate` checks them, a layer above the registries. A field marked `metadata=DEFINES_STATE` defines what
 a checkpoint's state means (`lit_grpo.run.checkpoint.STATE_DEFINING_FIELDS`); `ineffective_knobs`
 names the knobs that a given config makes no-ops.
 """
@@ -163,9 +163,6 @@ class TrainConfig:
         if self.sampler.kind == "vllm" and self.model.kind == "tiny":
             head_dim = self.model.hidden_size // self.model.num_heads
             require(head_dim >= 32, "model.num_heads", f"vLLM's CPU attention needs a head size >= 32, got {head_dim}; try model.num_heads={max(self.model.hidden_size // 32, 1)}")
-        from lit_grpo.tasks import check_task
-
-        check_task(self)
 
 
 def ineffective_knobs(c: TrainConfig) -> list[str]:
@@ -200,10 +197,10 @@ def register_configs() -> None:
     cs.store(name="train_schema", node=TrainConfig)
 
 
-def validate(cfg: DictConfig | TrainConfig) -> TrainConfig:
-    """Turn a composed config into `TrainConfig`, running every cross-field check.
-
-    Raises `ConfigError` naming the field; nothing has been loaded yet when it does.
+def parse(cfg: DictConfig | TrainConfig) -> TrainConfig:
+    """A composed config as `TrainConfig`, with every check one group or field can make alone
+    (`lit_grpo.run.validate.validate` adds those that need a registry). Raises `ConfigError`
+    naming the field; nothing has been loaded yet when it does.
     """
     if isinstance(cfg, TrainConfig):
         return cfg

@@ -201,7 +201,7 @@ def to_hydra_config(cfg: Config) -> DictConfig:
     """The composed run config for `cfg`: the CLI's defaults with the cookbook's values set.
 
     Refuses (ConfigError naming the field) what lit_grpo cannot do; warns once about hosted-only
-    fields that are set. The result still goes through `lit_grpo.config.run.validate`.
+    fields that are set. The result still goes through `lit_grpo.run.validate.validate`.
     """
     from lit_grpo.train import compose_config
 

@@ -22,7 +22,7 @@ import copy
 import time
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING, Iterator, Optional
+from typing import Iterator, Optional
 
 import lightning as L
 import torch
@@ -39,10 +39,8 @@ from lit_grpo.maths.loss_terms import masked_means
 from lit_grpo.maths.losses import policy_loss
 from lit_grpo.loop.optim import adamw, lr_multiplier
 from lit_grpo.loop.signals import StopRequested
+from lit_grpo.loop.step_sequence import NonFiniteTraining, StepSequence
 from lit_grpo.types import RolloutBatch, RolloutRecord
-
-if TYPE_CHECKING:
-    from lit_grpo.loop.step_sequence import StepSequence
 
 
 def align_to_predictions(per_token_BT: torch.Tensor) -> torch.Tensor:
@@ -81,15 +79,11 @@ class StepResult:
     """`perf/ref_s`, `perf/train_s` of this rank, and `train_tokens`, its real tokens."""
 
 
-class NonFiniteTraining(UserError, RuntimeError):
-    """The loss or the gradients stayed non-finite: training stops instead of corrupting the weights."""
-
-
 class GRPOModule(L.LightningModule):
     """Policy + (only when kl_beta > 0) a frozen reference; the loss comes from `lit_grpo.maths.losses`.
     With `model.lora.rank > 0` the policy is wrapped with LoRA adapters here (`lit_grpo.models.lora`)."""
 
-    def __init__(self, policy: PreTrainedModel, config: TrainConfig, step_sequence: Optional["StepSequence"] = None) -> None:
+    def __init__(self, policy: PreTrainedModel, config: TrainConfig, step_sequence: Optional[StepSequence] = None) -> None:
         super().__init__()
         self.automatic_optimization = False
         self.policy = with_lora(policy, config.model.lora, config.seed)  # only the adapters train when model.lora.rank > 0
@@ -298,16 +292,6 @@ class GRPOModule(L.LightningModule):
         return torch.cat(parts)
 
     # ------------------------------------------------------------------ hooks that run the step sequence
-
-    def setup(self, stage: str) -> None:
-        # A module built without a step sequence (not through `lit_grpo.train`) still syncs the
-        # sampler and advances the version: without that the off-policy gate would stall.
-        from lit_grpo.rollouts.datamodule import RolloutDataModule
-        from lit_grpo.loop.step_sequence import StepSequence
-
-        datamodule = getattr(self.trainer, "datamodule", None)
-        if self.step_sequence is None and isinstance(datamodule, RolloutDataModule):
-            self.step_sequence = StepSequence(datamodule, weight_sync_interval=self.config.weight_sync_interval)
 
     def on_train_start(self) -> None:
         if self.step_sequence is not None:

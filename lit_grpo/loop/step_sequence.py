@@ -37,6 +37,7 @@ import lightning as L
 import torch
 from lightning.pytorch.loggers import CSVLogger
 
+from lit_grpo.errors import UserError
 from lit_grpo.loop.evaluation import GreedyEvaluator
 from lit_grpo.loop.rollout_evaluation import RolloutEvaluator
 from lit_grpo.loop.metrics import MetricHistory, merge_step_metrics
@@ -52,10 +53,12 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+class NonFiniteTraining(UserError, RuntimeError):
+    """The loss or the gradients stayed non-finite: training stops instead of corrupting the weights."""
+
+
 def check_finite(policy, what: str) -> None:
     """Refuse (on every rank) to `what` when any rank's policy holds a NaN or an infinity."""
-    from lit_grpo.loop.module import NonFiniteTraining
-
     bad = first_nonfinite(policy)
     if all_reduce(torch.tensor(float(bad is not None)), "max"):
         raise NonFiniteTraining(f"refusing to {what}: the policy's weights are not finite ({bad or 'on another rank'})")

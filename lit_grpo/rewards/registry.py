@@ -42,9 +42,8 @@ def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
 
 
 def available_rewards() -> list[str]:
-    """Names of the registered rewards, sorted."""
-    import lit_grpo.rewards  # noqa: F401  (registers the built-ins)
-
+    """Names of the registered rewards, sorted (the built-ins are registered by the package's
+    `__init__`, which Python runs before this module)."""
     return sorted(REWARDS)
 
 

@@ -22,7 +22,8 @@ from omegaconf import OmegaConf
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from lit_grpo.run.checkpoint import CONFIG_FILE, locate_checkpoint
-from lit_grpo.config import TrainConfig, validate
+from lit_grpo.config import TrainConfig
+from lit_grpo.run.validate import validate
 from lit_grpo.models.lora import is_lora, lora_layers, merged_lora_tensors, with_lora
 from lit_grpo.models.load import build_policy_skeleton, load_tokenizer, save_pretrained
 

@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import dataclasses
 
+from typing import Optional
+
 from lit_grpo.config import TrainConfig
 from lit_grpo.tasks import arithmetic, gsm8k, lookup  # noqa: F401  (registers the built-in tasks)
+from lit_grpo.tasks.rows import DEFAULT_ROLLOUT, RowError, check_prompts, load_rows
 from lit_grpo.tasks.registry import (
     TASKS,
     RewardFn,
@@ -27,7 +30,8 @@ from lit_grpo.tasks.registry import (
 
 __all__ = [
     "TASKS", "RewardFn", "TaskSpec", "available_tasks", "build_eval_rows", "build_rows", "check_task",
-    "get_task", "register_task", "reward_fn", "source_problems", "task_options", "task_spec",
+    "evaluation_rows", "get_task", "register_task", "reward_fn", "source_problems", "task_options", "task_spec",
+    "training_rows",
 ]  # fmt: skip
 
 
@@ -76,3 +80,44 @@ def source_problems(c: TrainConfig) -> list[str]:
     when `data.path` replaces its rows."""
     data = _task_data(c)
     return [] if data is None else task_spec(c.task).sources(task_options(c.task), data)
+
+
+# --------------------------------------------------------------------------- the run's rows
+
+
+def _checked(c: TrainConfig, rows: list[dict], source: str) -> list[dict]:
+    if c.rollout.factory == DEFAULT_ROLLOUT:  # another rollout reads whatever fields it likes
+        check_prompts(rows, c.data.prompt_field, source)
+    return rows
+
+
+def training_rows(c: TrainConfig, rows: Optional[list[dict]] = None) -> list[dict]:
+    """The run's training rows: `rows` given in Python, else `data.path`, else the task's rows;
+    at most `data.max_rows` (0: all). The row dicts themselves are never copied or changed."""
+    max_rows = c.data.max_rows
+    if rows is not None:
+        source = "the rows given to build_run"
+    elif c.data.path:
+        source = f"data.path={c.data.path}"
+        rows = load_rows(c.data.path, split=c.data.split, dataset_config=c.data.dataset_config, max_rows=max_rows)
+    else:
+        source = f"task {c.task.get('name')!r}"
+        rows = build_rows(c)
+    rows = list(rows[:max_rows] if max_rows else rows)
+    if not rows:
+        raise RowError(f"{source}: no training rows")
+    return _checked(c, rows, source)
+
+
+def evaluation_rows(c: TrainConfig, eval_rows: Optional[list[dict]] = None) -> list[dict]:
+    """The held-out rows: `eval_rows` given in Python, else the first `data.eval_rows` of
+    `data.eval_path`, else the task's (none when `data.eval_rows` is 0)."""
+    if eval_rows is not None:
+        return _checked(c, list(eval_rows), "the eval_rows given to build_run")
+    if c.data.eval_rows == 0:
+        return []
+    if c.data.eval_path:
+        rows = load_rows(c.data.eval_path, split=c.data.eval_split, dataset_config=c.data.dataset_config,
+                         max_rows=c.data.eval_rows, field="data.eval_path")
+        return _checked(c, rows, f"data.eval_path={c.data.eval_path}")
+    return _checked(c, build_eval_rows(c), f"task {c.task.get('name')!r} (held-out rows)")

@@ -22,15 +22,11 @@ import importlib.util
 import json
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from lit_grpo.config.sources import hub_problem, source_kind
 from lit_grpo.errors import MissingExtraError, UserError
 
-if TYPE_CHECKING:
-    from lit_grpo.config import TrainConfig
-
-"""File suffixes `load_rows` reads, and how; any other path is a dataset (a folder or a hub name)."""
 DATASETS_HINT = "pip install 'lit_grpo[datasets]'"
 PROMPT_FIELDS = ("prompt_token_ids", "messages", "prompt")
 """The fields the default rollout takes the prompt from, the first one a row has (`data.prompt_field=null`)."""
@@ -242,48 +238,3 @@ def check_prompts(rows: list[dict], prompt_field: Optional[str], source: str) ->
             prompt_field_of(row, prompt_field)
         except RowPromptError as err:
             raise RowPromptError(f"{source}, row {i}: {err}") from None
-
-
-# --------------------------------------------------------------------------- the run's rows
-
-
-def _checked(c: "TrainConfig", rows: list[dict], source: str) -> list[dict]:
-    if c.rollout.factory == DEFAULT_ROLLOUT:  # another rollout reads whatever fields it likes
-        check_prompts(rows, c.data.prompt_field, source)
-    return rows
-
-
-def training_rows(c: "TrainConfig", rows: Optional[list[dict]] = None) -> list[dict]:
-    """The run's training rows: `rows` given in Python, else `data.path`, else the task's rows;
-    at most `data.max_rows` (0: all). The row dicts themselves are never copied or changed."""
-    max_rows = c.data.max_rows
-    if rows is not None:
-        source = "the rows given to build_run"
-    elif c.data.path:
-        source = f"data.path={c.data.path}"
-        rows = load_rows(c.data.path, split=c.data.split, dataset_config=c.data.dataset_config, max_rows=max_rows)
-    else:
-        from lit_grpo.tasks import build_rows
-
-        source = f"task {c.task.get('name')!r}"
-        rows = build_rows(c)
-    rows = list(rows[:max_rows] if max_rows else rows)
-    if not rows:
-        raise RowError(f"{source}: no training rows")
-    return _checked(c, rows, source)
-
-
-def evaluation_rows(c: "TrainConfig", eval_rows: Optional[list[dict]] = None) -> list[dict]:
-    """The held-out rows: `eval_rows` given in Python, else the first `data.eval_rows` of
-    `data.eval_path`, else the task's (none when `data.eval_rows` is 0)."""
-    if eval_rows is not None:
-        return _checked(c, list(eval_rows), "the eval_rows given to build_run")
-    if c.data.eval_rows == 0:
-        return []
-    if c.data.eval_path:
-        rows = load_rows(c.data.eval_path, split=c.data.eval_split, dataset_config=c.data.dataset_config,
-                         max_rows=c.data.eval_rows, field="data.eval_path")
-        return _checked(c, rows, f"data.eval_path={c.data.eval_path}")
-    from lit_grpo.tasks import build_eval_rows
-
-    return _checked(c, build_eval_rows(c), f"task {c.task.get('name')!r} (held-out rows)")

@@ -1,0 +1,70 @@
+"""A composed config checked whole, before anything loads: the schema and each group's bounds
+(`lit_grpo.config.parse`), then every check that needs a registry: the sampler kind, the reward
+functions, the policy loss and its hyper-parameters, the advantage scale, and the task's options.
+
+It sits above the registries (samplers, rewards, losses, tasks), so the config's dataclasses
+import nothing above them. Raises `ConfigError` naming the field.
+"""
+
+from __future__ import annotations
+
+from omegaconf import DictConfig
+
+from lit_grpo.config import ConfigError, PolicyLossConfig, RewardConfig, SamplerConfig, TrainConfig, parse, require
+from lit_grpo.config.groups import NAMED_LOSS_HYPERPARAMS
+from lit_grpo.maths.advantages import ADVANTAGE_SCALES
+from lit_grpo.maths.losses import LOSS_NORMALIZATIONS, check_policy_loss_hyperparams, policy_loss_defaults
+from lit_grpo.rewards.combine import RESERVED_NAMES, check_weights, component_names
+from lit_grpo.samplers import available_samplers
+from lit_grpo.tasks import check_task
+
+
+def validate(cfg: DictConfig | TrainConfig) -> TrainConfig:
+    """`cfg` as a `TrainConfig` that passed every check; raises `ConfigError` naming the field."""
+    c = parse(cfg)
+    check_sampler(c.sampler)
+    check_reward(c.reward)
+    check_policy_loss(c.policy_loss)
+    check_task(c)
+    return c
+
+
+def check_sampler(s: SamplerConfig) -> None:
+    require(s.kind in available_samplers(), "sampler.kind", f"unknown sampler {s.kind!r}; valid: {', '.join(available_samplers())}")
+
+
+def check_reward(r: RewardConfig) -> None:
+    specs = r.specs()
+    names = component_names(specs)  # imports a user's module: a missing one is named here
+    if len(names) > 1:
+        require(len(set(names)) == len(names), "reward.fn", f"two components share a name ({', '.join(names)}): their "
+                "reward/<name> curves would mix; give the functions distinct names")
+        for name in names:
+            require(name not in RESERVED_NAMES, "reward.fn", f"a component may not be called {name!r}: reward/{name} is already logged")
+    if why := check_weights(r.weights, max(len(specs), 1)):
+        require(False, "reward.weights", why)
+
+
+def check_policy_loss(p: PolicyLossConfig) -> None:
+    """The variant is registered, takes every hyper-parameter that is set, and accepts its values."""
+    require(
+        p.loss_normalization in LOSS_NORMALIZATIONS,
+        "policy_loss.loss_normalization",
+        f"must be one of {', '.join(LOSS_NORMALIZATIONS)}, got {p.loss_normalization!r}",
+    )
+    require(p.advantage_scale in ADVANTAGE_SCALES, "policy_loss.advantage_scale",
+            f"must be one of {', '.join(ADVANTAGE_SCALES)}, got {p.advantage_scale!r}")
+    try:
+        defaults = policy_loss_defaults(p.name)
+    except ValueError as err:
+        raise ConfigError(f"config field `policy_loss.name`: {err}") from None
+    valid = f"valid hyper-parameters of {p.name!r}: {', '.join(sorted(defaults))}"
+    for key in NAMED_LOSS_HYPERPARAMS:
+        require(getattr(p, key) is None or key in defaults, f"policy_loss.{key}", f"the loss does not take it; {valid}")
+    for key in p.params:
+        require(key not in (*NAMED_LOSS_HYPERPARAMS, "kl_beta"), f"policy_loss.params.{key}", f"set it as policy_loss.{key}")
+        require(key in defaults, f"policy_loss.params.{key}", f"the loss does not take it; {valid}")
+    try:
+        check_policy_loss_hyperparams(p.name, p.hyperparams())
+    except ValueError as err:
+        raise ConfigError(f"config group `policy_loss`: {err}") from None
