@@ -24,19 +24,18 @@ from lit_grpo.callbacks.export import HFExport
 from lit_grpo.run.checkpoint import CheckpointStore
 from lit_grpo.config import ConfigError, PolicyLossConfig, TrainConfig, UserInputs
 from lit_grpo.rollouts.datamodule import RolloutDataModule, rollout_guards
-from lit_grpo.loop.evaluation import GreedyEvaluator
+from lit_grpo.loop.evaluation import Evaluator, GreedyEvaluator, RolloutEvaluator
 from lit_grpo.run.loggers import finish_runs
 from lit_grpo.models.load import load_policy, load_tokenizer
 from lit_grpo.loop.module import GRPOModule
 from lit_grpo.rollouts.rollout import load_rollout_factory
-from lit_grpo.loop.rollout_evaluation import RolloutEvaluator
 from lit_grpo.tasks import evaluation_rows, training_rows
 from lit_grpo.run.state import RunCheckpointer
 from lit_grpo.samplers import build_sampler
 from lit_grpo.loop.signals import StopSignals
 from lit_grpo.loop.step_sequence import StepSequence
 from lit_grpo.maths.igpo import DEFAULT_GAMMA, IGPOSettings
-from lit_grpo.tasks import reward_fn
+from lit_grpo.tasks import RewardFn, reward_fn
 from lit_grpo.types import RolloutSetup
 
 # Both are deliberate: the step pulls its own batch (no prefetch of stale rollouts), and the
@@ -52,7 +51,7 @@ warnings.filterwarnings("ignore", message=r".*torch.distributed is disabled, una
 RANK_SEED_STRIDE = 1_000_003
 
 
-def build_datamodule(c: TrainConfig, policy, tokenizer, rows: list[dict], eval_rows: list[dict], *, rank: int = 0,
+def build_datamodule(c: TrainConfig, policy, tokenizer, rows: list[dict], reward: RewardFn, *, rank: int = 0,
                      world_size: int = 1, inputs: Optional[UserInputs] = None) -> RolloutDataModule:
     """The rollout data module of this rank: its share of `rows`, its own sampler and rollout function."""
     inputs = inputs or UserInputs()
@@ -69,7 +68,7 @@ def build_datamodule(c: TrainConfig, policy, tokenizer, rows: list[dict], eval_r
         sampler=sampler,
         tokenizer=tokenizer,
         sample_kwargs={"temperature": c.sampler.temperature, "max_tokens": c.sampler.max_completion_tokens, "top_p": 1.0, "top_k": 0},
-        extras={"reward_fn": inputs.reward_fn or reward_fn(c), "prompt_field": c.data.prompt_field, **c.rollout.extras,
+        extras={"reward_fn": reward, "prompt_field": c.data.prompt_field, **c.rollout.extras,
                 **inputs.rollout_extras},
         completions_per_prompt=c.data.completions_per_prompt,
         model=c.model.name_or_path or c.model.kind,
@@ -77,9 +76,6 @@ def build_datamodule(c: TrainConfig, policy, tokenizer, rows: list[dict], eval_r
     )
     return RolloutDataModule(
         rows=rows,
-        eval_rows=eval_rows,
-        reward_fn=setup.extras["reward_fn"],
-        prompt_field=c.data.prompt_field,
         tokenizer=tokenizer,
         sampler=sampler,
         rollout_fn=(inputs.rollout_factory or load_rollout_factory(c.rollout.factory))(setup),
@@ -108,26 +104,31 @@ def _instantiate_all(group: dict) -> list[Any]:
 
 
 def build_step_sequence(c: TrainConfig, datamodule: RolloutDataModule, resume_from: Optional[Path], stop: Optional[StopSignals] = None,
-                        inputs: Optional[UserInputs] = None) -> StepSequence:
+                        inputs: Optional[UserInputs] = None, eval_rows: Optional[list[dict]] = None,
+                        reward: Optional[RewardFn] = None) -> StepSequence:
     """Weight sync, checkpoints (and the resume) and evaluation, as the run's config sets them."""
     checkpointer = None
     if c.dcp_save_interval > 0 or resume_from is not None:
         store = CheckpointStore(Path(c.output_dir) / "checkpoints", keep_last=c.dcp_keep_last)
         checkpointer = RunCheckpointer(store, interval=c.dcp_save_interval, run_config=c)
-    evaluator = GreedyEvaluator(c.eval_interval, max_tokens=c.sampler.max_completion_tokens, batch_size=c.sampler.max_batch_size)
     return StepSequence(
-        datamodule, weight_sync_interval=c.weight_sync_interval, checkpointer=checkpointer, evaluator=evaluator,
+        datamodule, weight_sync_interval=c.weight_sync_interval, checkpointer=checkpointer,
+        evaluators=evaluators(c, datamodule, eval_rows or [], reward, inputs),
         resume_from=resume_from, log_every_n_steps=c.trainer.log_every_n_steps, stop=stop,
-        rollout_evaluator=user_evaluator(datamodule, inputs),
     )
 
 
-def user_evaluator(datamodule: RolloutDataModule, inputs: Optional[UserInputs]) -> Optional[RolloutEvaluator]:
-    """The Python caller's `evaluation_fn`, on this run's rollout function (None without one)."""
-    if inputs is None or inputs.evaluation_fn is None:
-        return None
-    return RolloutEvaluator(inputs.evaluation_fn, datamodule.groups.rollout_fn, interval=inputs.evaluation_interval,
-                            timeout_s=inputs.evaluation_timeout_s)
+def evaluators(c: TrainConfig, datamodule: RolloutDataModule, eval_rows: list[dict], reward: Optional[RewardFn],
+               inputs: Optional[UserInputs]) -> list[Evaluator]:
+    """Greedy accuracy on the held-out rows, then the Python caller's `evaluation_fn` (when given)."""
+    found: list[Evaluator] = [GreedyEvaluator(
+        datamodule.sampler, datamodule.tokenizer, eval_rows if reward is not None else [], reward, interval=c.eval_interval,
+        max_tokens=c.sampler.max_completion_tokens, batch_size=c.sampler.max_batch_size, prompt_field=c.data.prompt_field,
+    )]
+    if inputs is not None and inputs.evaluation_fn is not None:
+        found.append(RolloutEvaluator(inputs.evaluation_fn, datamodule.groups.rollout_fn, interval=inputs.evaluation_interval,
+                                      timeout_s=inputs.evaluation_timeout_s))
+    return found
 
 
 def build_trainer(c: TrainConfig, extra_callbacks: list[L.Callback] = ()) -> L.Trainer:
@@ -173,10 +174,11 @@ def build_run(
     callbacks = [HFExport(Path(c.output_dir) / c.output_model_id, tokenizer)] if c.output_model_id else []  # an absolute id stays absolute
     trainer = build_trainer(c, [*callbacks, *extra_callbacks])
     L.seed_everything(c.seed + RANK_SEED_STRIDE * trainer.global_rank, verbose=False)
-    datamodule = build_datamodule(c, policy, tokenizer, rows, eval_rows, rank=trainer.global_rank, world_size=trainer.world_size, inputs=inputs)
+    reward = (inputs.reward_fn if inputs is not None else None) or reward_fn(c)
+    datamodule = build_datamodule(c, policy, tokenizer, rows, reward, rank=trainer.global_rank, world_size=trainer.world_size, inputs=inputs)
     if inputs is not None and inputs.group_filter is not None:
         datamodule.add_group_filter(inputs.group_filter)
-    module = GRPOModule(policy, c, build_step_sequence(c, datamodule, resume_from, stop, inputs))
+    module = GRPOModule(policy, c, build_step_sequence(c, datamodule, resume_from, stop, inputs, eval_rows, reward))
     return trainer, module, datamodule
 
 

@@ -68,15 +68,15 @@ def write_summary(c: TrainConfig, trainer: L.Trainer, module: GRPOModule, resume
     """The run's summary, also written to `<output_dir>/summary.json` (with the reward curve) by rank 0."""
     sequence = module.step_sequence
     summary = summarize(sequence.history, c.summary_metric, wall_s)
-    if sequence.evaluator is not None and sequence.evaluator.last:
-        summary["eval_accuracy"] = sequence.evaluator.last["eval/accuracy"]
+    if "eval/accuracy" in (evaluation := sequence.last_evaluation()):
+        summary["eval_accuracy"] = evaluation["eval/accuracy"]
     if stop.requested:
         summary["stopped_by"] = signal.Signals(stop.signum).name
-    if sequence.datamodule.stream.rows_exhausted:
+    if sequence.rows_exhausted:
         summary["rows_exhausted"] = 1.0  # the rows ran out before max_steps
     summary_file = {
         **summary, "overrides": _job_overrides(), "resumed_from": str(resume_from) if resume_from else None,
-        "run_id": sequence.checkpointer.store.run_id if sequence.checkpointer else None,
+        "run_id": sequence.run_id,
         "reward_curve": sequence.history.series(c.summary_metric),
     }
     if trainer.is_global_zero:

@@ -100,7 +100,13 @@ class Completion:
 
 @runtime_checkable
 class Sampler(Protocol):
-    """An in-process generator of completions with its own copy of the policy's weights."""
+    """A generator of completions holding a copy of the policy's weights: everything the loop asks
+    of one. `lit_grpo.samplers.base.BatchingSampler` implements it over one batched engine call,
+    with the defaults below; a sampler of your own subclasses it."""
+
+    group_requests: bool
+    """True: a request for n completions succeeds or fails as a whole, so the default rollout asks
+    for a row's G trajectories in one request (one deadline and retry budget for the group)."""
 
     async def sample_with_prompt_tokens(self, prompt_token_ids: list[int], n: int = 1, **kwargs: Any) -> list[Completion]:
         """Sample `n` completions of a tokenized prompt."""
@@ -112,6 +118,28 @@ class Sampler(Protocol):
 
     def update_weights(self, named_tensors: Any) -> None:
         """Load `(name, tensor)` pairs of the policy into the sampler's engine, in memory."""
+        ...
+
+    def generate(self, prompts: list[list[int]], temperature: float, max_tokens: int, stop: tuple[str, ...] = ()) -> list[Completion]:
+        """One completion per prompt, called outside the event loop (greedy evaluation: temperature 0)."""
+        ...
+
+    def bound_calls(self, timeout_s: Optional[float], max_seq_len: Optional[int], engine_on_loop: bool) -> None:
+        """The bounds the data module sets before sampling: a call's deadline, the longest sequence,
+        and whether engine calls run on the event loop's thread."""
+        ...
+
+    def to_device(self, device: Any) -> None:
+        """Move an in-process engine to the trainer's device (default: nothing to move)."""
+        ...
+
+    def sleep(self) -> None:
+        """Free the engine's memory between synchronous steps; it wakes itself for the next call
+        (default: nothing to free)."""
+        ...
+
+    def close(self) -> None:
+        """Stop the engine's threads and processes."""
         ...
 
 

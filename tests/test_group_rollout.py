@@ -25,7 +25,9 @@ def _setup(sampler, tokenizer) -> RolloutSetup:
 
 
 class _ServerLikeSampler:
-    """A sampler that is not in-process (its n completions are n separate requests)."""
+    """A sampler whose n completions are n separate requests (they may fail one by one)."""
+
+    group_requests = False
 
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer

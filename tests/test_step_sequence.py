@@ -95,12 +95,14 @@ def test_sampler_holds_the_policy_exactly_when_a_sync_was_due(interval, tmp_path
     assert datamodule.version == versions[-1]
 
 
-def test_a_module_built_without_a_step_sequence_gets_one_and_does_not_stall(tmp_path):
+def test_build_run_hands_the_module_the_step_sequence_of_its_data(tmp_path):
+    # The step sequence owns the version: the module gets it from build_run (no fallback built
+    # behind the caller's back), and it drives the run's own data module.
     c = validate(compose_config(*NO_EXTRAS[:3], "synchronous_training=false", "logger=none", "output_model_id=null",
                                 "trainer.enable_progress_bar=false", output_dir=tmp_path))
     trainer, module, datamodule = build_run(c)
-    module.step_sequence = None  # as a user wiring GRPOModule and RolloutDataModule by hand would have it
     try:
+        assert module.step_sequence is not None and module.step_sequence.datamodule is datamodule
         trainer.fit(module, datamodule=datamodule)
     finally:
         datamodule.close()

@@ -1,21 +1,49 @@
-"""Greedy accuracy on held-out rows: `eval/accuracy`, every `interval` rollout steps and at the end.
+"""Evaluation every N steps and at the end, behind one protocol (`Evaluator`) the step sequence
+runs in one loop, after the weight sync, so each scores the sampler holding the policy just trained:
 
-Run by the step sequence after the weight sync, so it scores the sampler holding the policy just
-trained. Under data parallelism each rank scores its share of the rows and the sums are reduced.
+- `GreedyEvaluator`: `eval/accuracy`, the mean reward of one greedy completion per held-out row.
+  Under data parallelism each rank scores its share of the rows and the sums are reduced.
+- `RolloutEvaluator`: the cookbook's hook, `evaluation_fn(step, eval_rollout_fn) -> dict | None`,
+  awaited on rank 0 (the others go on to the next step's collectives and wait there), on an event
+  loop of its own, under a deadline: past it, the evaluation is cancelled with a warning and
+  training goes on; any other exception is a bug and stops the run, as a rollout bug does.
+  `eval_rollout_fn` is the run's own rollout function called with `evaluation=True`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import math
 import time
-from typing import Optional
+from typing import Any, Awaitable, Callable, Mapping, Optional, Protocol
 
 import torch
 
 from lit_grpo.loop.distributed import all_reduce
+from lit_grpo.rollouts.context import make_evaluation_rollout_fn
 from lit_grpo.rollouts.rollout import row_prompt_tokens
 
 log = logging.getLogger(__name__)
+
+
+class Evaluator(Protocol):
+    """What the step sequence asks of an evaluation."""
+
+    last_step: Optional[int]
+    """The step of the latest evaluation (None before the first)."""
+    last_metrics: dict[str, float]
+    """The latest evaluation's metrics, for the run's summary."""
+
+    def due(self, step: int) -> bool:
+        """Whether to evaluate after step `step`."""
+
+    def evaluate(self, step: int, rank: int, world_size: int) -> dict[str, float]:
+        """The metrics of an evaluation after step `step` (called on every rank; may be a collective)."""
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
 
 
 def greedy_reward_sum(sampler, tokenizer, rows: list[dict], reward_fn, max_tokens: int, batch_size: int,
@@ -42,36 +70,84 @@ def greedy_accuracy(sampler, tokenizer, rows: list[dict], reward_fn, max_tokens:
 
 
 class GreedyEvaluator:
-    """Scores the sampler on the data module's `eval_rows` with greedy decoding."""
+    """Scores the sampler on held-out rows with greedy decoding: `eval/accuracy`, every `interval` steps."""
 
-    def __init__(self, interval: int = 0, max_tokens: int = 256, batch_size: int = 64) -> None:
-        self.interval, self.max_tokens, self.batch_size = interval, max_tokens, batch_size
-        self.last: dict[str, float] = {}
-        """The latest `eval/accuracy` and its step, for the run summary."""
+    def __init__(self, sampler, tokenizer, rows: list[dict], reward_fn: Callable[[str, dict], Optional[float]], *,
+                 interval: int = 0, max_tokens: int = 256, batch_size: int = 64, prompt_field: Optional[str] = None) -> None:
+        self.sampler, self.tokenizer, self.rows, self.reward_fn = sampler, tokenizer, rows, reward_fn
+        self.interval, self.max_tokens, self.batch_size, self.prompt_field = interval, max_tokens, batch_size, prompt_field
+        self.last_metrics: dict[str, float] = {}
+        self.last_step: Optional[int] = None
 
     def due(self, step: int) -> bool:
-        return self.interval > 0 and step % self.interval == 0
+        return bool(self.rows) and self.interval > 0 and step % self.interval == 0
 
-    def evaluate(self, datamodule, step: int, rank: int = 0, world_size: int = 1) -> Optional[float]:
-        """`eval/accuracy` over all ranks' shares of the rows (a collective), or None without rows."""
-        rows = datamodule.eval_rows
-        if not rows or datamodule.reward_fn is None:
-            return None
+    def evaluate(self, step: int, rank: int = 0, world_size: int = 1) -> dict[str, float]:
+        """`eval/accuracy` over all ranks' shares of the rows (a collective); nothing without rows."""
+        self.last_step = step
+        if not self.rows:
+            return {}
         start = time.perf_counter()
-        share = rows[rank::world_size]
-        prompt_field = getattr(datamodule, "prompt_field", None)
+        share = self.rows[rank::world_size]
         total, scored = greedy_reward_sum(
-            datamodule.sampler, datamodule.tokenizer, share, datamodule.reward_fn, self.max_tokens, self.batch_size, prompt_field,
+            self.sampler, self.tokenizer, share, self.reward_fn, self.max_tokens, self.batch_size, self.prompt_field,
         ) if share else (0.0, 0)
         total, scored = all_reduce(torch.tensor([total, scored], dtype=torch.float64)).tolist()
         accuracy = total / scored if scored else float("nan")
-        self.last = {"eval/accuracy": accuracy, "eval/step": float(step)}
+        self.last_metrics = {"eval/accuracy": accuracy}
         log.info("step %d: eval/accuracy %.4f on %d held-out rows (%d scored; the reward applies to those) (%.1f s)",
-                 step, accuracy, len(rows), int(scored), time.perf_counter() - start)
-        return accuracy
+                 step, accuracy, len(self.rows), int(scored), time.perf_counter() - start)
+        return dict(self.last_metrics)
 
     def state_dict(self) -> dict:
-        return {"last": dict(self.last)}
+        return {"last": dict(self.last_metrics), "last_step": self.last_step}
 
     def load_state_dict(self, state: dict) -> None:
-        self.last = dict(state["last"])
+        self.last_metrics = {k: v for k, v in state["last"].items() if k == "eval/accuracy"}
+        # Checkpoints written before `last_step` was saved kept the step in `last` as "eval/step".
+        step = state.get("last_step", state["last"].get("eval/step"))
+        self.last_step = None if step is None else int(step)
+
+
+class RolloutEvaluator:
+    """Awaits the user's `evaluation_fn` when due and turns its result into metrics."""
+
+    def __init__(self, evaluation_fn: Callable[[int, Callable[..., Awaitable[Any]]], Awaitable[Optional[dict]]],
+                 rollout_fn: Callable[..., Awaitable[Any]], *, interval: int = 1, timeout_s: float = 3600.0) -> None:
+        if interval < 1:
+            raise ValueError(f"evaluation_interval must be >= 1, got {interval}")
+        self.evaluation_fn, self.interval, self.timeout_s = evaluation_fn, interval, timeout_s
+        self.eval_rollout_fn = make_evaluation_rollout_fn(rollout_fn)
+        self.last_step: Optional[int] = None
+        self.last_metrics: dict[str, float] = {}
+
+    def due(self, step: int) -> bool:
+        return step % self.interval == 0 and step != self.last_step
+
+    def evaluate(self, step: int, rank: int = 0, world_size: int = 1) -> dict[str, float]:
+        """The metrics of `evaluation_fn(step, eval_rollout_fn)` (rank 0; other ranks get none)."""
+        self.last_step = step
+        if rank != 0:
+            return {}
+        start = time.perf_counter()
+        try:
+            result = asyncio.run(asyncio.wait_for(self.evaluation_fn(step, self.eval_rollout_fn), self.timeout_s))
+        except TimeoutError:
+            log.warning("step %d: evaluation_fn did not return within %g s; it was cancelled and training goes on", step, self.timeout_s)
+            return {"eval/timeouts": 1.0}
+        if result is not None and not isinstance(result, Mapping):
+            raise TypeError(f"evaluation_fn returned a {type(result).__name__}; it must return a dict of metrics or None")
+        metrics = {"eval/wall_time": time.perf_counter() - start}
+        for key, value in (result or {}).items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+                metrics[str(key)] = float(value)
+            else:
+                log.warning("step %d: evaluation_fn returned %s=%r, not a finite number; not logged", step, key, value)
+        self.last_metrics = metrics
+        return metrics
+
+    def state_dict(self) -> dict:
+        return {"last_step": self.last_step}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.last_step = state.get("last_step")

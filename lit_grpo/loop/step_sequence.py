@@ -38,8 +38,7 @@ import torch
 from lightning.pytorch.loggers import CSVLogger
 
 from lit_grpo.errors import UserError
-from lit_grpo.loop.evaluation import GreedyEvaluator
-from lit_grpo.loop.rollout_evaluation import RolloutEvaluator
+from lit_grpo.loop.evaluation import Evaluator
 from lit_grpo.loop.metrics import MetricHistory, merge_step_metrics
 from lit_grpo.loop.distributed import all_reduce
 from lit_grpo.run.state import RunCheckpointer, capture_rng, restore_rng
@@ -73,17 +72,16 @@ class StepSequence:
         *,
         weight_sync_interval: int = 1,
         checkpointer: Optional[RunCheckpointer] = None,
-        evaluator: Optional[GreedyEvaluator] = None,
+        evaluators: tuple[Evaluator, ...] = (),
         resume_from: Optional[Path] = None,
         log_every_n_steps: int = 1,
         stop: Optional[StopSignals] = None,
-        rollout_evaluator: Optional[RolloutEvaluator] = None,
     ) -> None:
         self.datamodule = datamodule
         self.weight_sync_interval = weight_sync_interval
-        self.checkpointer, self.evaluator = checkpointer, evaluator
-        self.rollout_evaluator = rollout_evaluator
-        """The user's `evaluation_fn` (Python API), after the greedy evaluation."""
+        self.checkpointer = checkpointer
+        self.evaluators = tuple(evaluators)
+        """Run in this order when due (greedy accuracy, then the Python caller's `evaluation_fn`)."""
         self.resume_from = resume_from
         self.log_every_n_steps = max(log_every_n_steps, 1)
         self.history = MetricHistory()
@@ -110,12 +108,9 @@ class StepSequence:
         metrics.update(self.sync(module, step))
         if self.checkpointer is not None and (self.checkpointer.due(trainer, step) or self.stopping and not trainer.fast_dev_run):
             metrics["perf/checkpoint_s"] = self._save(trainer, module, step)
-        if self.evaluator is not None and self.evaluator.due(step) and not self.stopping:
-            accuracy = self.evaluator.evaluate(self.datamodule, step, trainer.global_rank, trainer.world_size)
-            if accuracy is not None:
-                metrics["eval/accuracy"] = accuracy
-        if self.rollout_evaluator is not None and self.rollout_evaluator.due(step) and not self.stopping:
-            metrics.update(self.rollout_evaluator.evaluate(step, trainer.global_rank))
+        for evaluator in self.evaluators:
+            if evaluator.due(step) and not self.stopping:
+                metrics.update(evaluator.evaluate(step, trainer.global_rank, trainer.world_size))
 
         now = time.perf_counter()
         metrics["perf/step_s"] = now - self._last_end if self._last_end is not None else sum(
@@ -212,16 +207,11 @@ class StepSequence:
         step = module.rollout_step
         if self.checkpointer is not None and self.checkpointer.due_at_end(trainer, step):
             self._save(trainer, module, step)
-        if self.evaluator is not None and step > 0 and self.evaluator.last.get("eval/step") != float(step) and not self.stopping:
-            accuracy = self.evaluator.evaluate(self.datamodule, step, trainer.global_rank, trainer.world_size)
-            if accuracy is not None:
-                for logger in trainer.loggers:
-                    logger.log_metrics({"eval/accuracy": accuracy}, step=step - 1)
-        user_eval = self.rollout_evaluator
-        if user_eval is not None and step > 0 and user_eval.last_step != step and not self.stopping:
-            if metrics := user_eval.evaluate(step, trainer.global_rank):
-                for logger in trainer.loggers:
-                    logger.log_metrics(metrics, step=step - 1)
+        for evaluator in self.evaluators:
+            if step > 0 and evaluator.last_step != step and not self.stopping:
+                if metrics := evaluator.evaluate(step, trainer.global_rank, trainer.world_size):
+                    for logger in trainer.loggers:
+                        logger.log_metrics(metrics, step=step - 1)
 
     def _replay_history_into_csv(self, trainer: L.Trainer) -> None:
         """Lightning's CSV logger starts a fresh metrics.csv; write the restored steps back into it."""
@@ -231,10 +221,28 @@ class StepSequence:
                     logger.log_metrics(metrics, step=step)
                 logger.save()
 
+    # ------------------------------------------------------------------ what the run's summary reads
+
+    def last_evaluation(self) -> dict[str, float]:
+        """The latest metrics of every evaluator (greedy accuracy: `eval/accuracy`)."""
+        return {k: v for e in self.evaluators for k, v in e.last_metrics.items()}
+
+    @property
+    def rows_exhausted(self) -> bool:
+        """Whether the rows ran out before `max_steps`."""
+        return self.datamodule.rows_exhausted
+
+    @property
+    def run_id(self) -> Optional[str]:
+        """The id of the run's checkpoints (None without checkpoints)."""
+        return self.checkpointer.run_id if self.checkpointer is not None else None
+
     def state_dict(self) -> dict:
-        return {"history": self.history.state_dict(), "evaluator": self.evaluator.state_dict() if self.evaluator else None}
+        return {"history": self.history.state_dict(), "evaluators": [e.state_dict() for e in self.evaluators]}
 
     def load_state_dict(self, state: dict) -> None:
         self.history.load_state_dict(state["history"])
-        if self.evaluator is not None and state["evaluator"] is not None:
-            self.evaluator.load_state_dict(state["evaluator"])
+        # A checkpoint from before the evaluators were one list saved the greedy one alone, first.
+        saved = state.get("evaluators", [state["evaluator"]] if state.get("evaluator") is not None else [])
+        for evaluator, evaluator_state in zip(self.evaluators, saved):
+            evaluator.load_state_dict(evaluator_state)

@@ -20,7 +20,6 @@ from lit_grpo.maths.igpo import IGPOSettings
 from lit_grpo.rollouts.rollout import RolloutFn
 from lit_grpo.rollouts import GroupFilter, GroupSampler, OffPolicyScheduler, RowCursor, Scheduler, SynchronousScheduler, make_batch
 from lit_grpo.rollouts.checks import NoProgressError
-from lit_grpo.samplers.base import BatchingSampler
 from lit_grpo.types import RolloutBatch
 
 if TYPE_CHECKING:
@@ -108,9 +107,6 @@ class RolloutDataModule(L.LightningDataModule):
         synchronous_training: bool = True,
         max_head_offpolicy_versions: int = 0,
         max_concurrency: int = 256,
-        eval_rows: Optional[list[dict]] = None,
-        reward_fn: Optional[Callable[[str, dict], Optional[float]]] = None,
-        prompt_field: Optional[str] = None,
         rank: int = 0,
         world_size: int = 1,
         rollout_timeout_s: float = 300.0,
@@ -120,21 +116,14 @@ class RolloutDataModule(L.LightningDataModule):
     ) -> None:
         super().__init__()
         self.tokenizer, self.sampler = tokenizer, sampler
-        self.eval_rows = list(eval_rows or [])
-        """Held-out rows for greedy evaluation (their prompt: see `lit_grpo.rollouts.rollout.row_prompt_tokens`)."""
-        self.reward_fn = reward_fn
-        """The run's `reward(completion_text, row)`, for evaluation."""
-        self.prompt_field = prompt_field
-        """`data.prompt_field`: the row field evaluation takes the prompt from (None: the default fields)."""
         self.cursor = RowCursor(rows, epochs, seed, shuffle, rank=rank, world_size=world_size)
         self.groups = GroupSampler(
             rollout_fn, completions_per_prompt, max_seq_len=max_seq_len, min_group_size=min_group_size, filters=[],
             vocab_size=len(tokenizer), rollout_timeout_s=rollout_timeout_s, max_retries=rollout_max_retries,
             max_rows_without_progress=max_rows_without_progress,
         )
-        if isinstance(sampler, BatchingSampler):  # its calls get the same bounds as the rollouts
-            sampler.call_timeout_s, sampler.max_seq_len = rollout_timeout_s, max_seq_len
-            sampler.engine_on_loop = engine_on_loop(engine_thread, synchronous_training)
+        # The sampler's calls get the same bounds as the rollouts.
+        sampler.bound_calls(rollout_timeout_s, max_seq_len, engine_on_loop(engine_thread, synchronous_training))
         self.scheduler: Scheduler
         if synchronous_training:
             self.scheduler = SynchronousScheduler(self.cursor, self.groups, prompt_groups_per_step, max_concurrency=max_concurrency)
@@ -145,12 +134,12 @@ class RolloutDataModule(L.LightningDataModule):
             )
         self.stream = RolloutStream(self.scheduler, self.groups, max_steps=max_steps, advantage_scale=advantage_scale,
                                     pad_id=tokenizer.pad_token_id, igpo=igpo)
-        if synchronous_training and hasattr(sampler, "sleep"):
+        if synchronous_training:
             self.stream.rest_between_steps = sampler.sleep  # it wakes itself for the next sync or sample
 
     def setup(self, stage: str) -> None:
         # An in-process sampler was built with the policy, on the CPU: it generates where the trainer trains.
-        if self.trainer is not None and hasattr(self.sampler, "to_device"):
+        if self.trainer is not None:
             self.sampler.to_device(self.trainer.strategy.root_device)
 
     @property
@@ -161,6 +150,11 @@ class RolloutDataModule(L.LightningDataModule):
         """Accept a group only if `keep(group)` is True (and every other filter agrees)."""
         if keep not in self.groups.filters:
             self.groups.filters.append(keep)
+
+    @property
+    def rows_exhausted(self) -> bool:
+        """Whether the rows ran out before `max_steps` (the stream ended early)."""
+        return self.stream.rows_exhausted
 
     @property
     def version(self) -> int:

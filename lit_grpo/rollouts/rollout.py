@@ -16,7 +16,6 @@ from typing import Awaitable, Callable, Optional
 
 from lit_grpo.tasks.rows import RowPromptError, bad_prompt_message, prompt_field_of
 from lit_grpo.samplers.arguments import chat_prompt_tokens
-from lit_grpo.samplers.base import BatchingSampler
 from lit_grpo.types import Completion, RolloutSample, RolloutSetup
 
 RolloutFn = Callable[[dict], Awaitable[Optional[RolloutSample]]]
@@ -133,9 +132,9 @@ def make_rollout_fn(setup: RolloutSetup) -> RolloutFn:
             raise RuntimeError(f"the sampler returned {len(completions)} completions for a request of n={n}")
         return [scored(c, row) for c in completions]
 
-    # A server sampler's n completions are n separate requests that may fail one by one: per call, a
-    # failure costs one sample, not the group's.
-    if isinstance(sampler, BatchingSampler):
+    # A sampler whose n completions may fail one by one is called per sample: a failure costs one
+    # sample, not the group's.
+    if sampler.group_requests:
         setattr(rollout_fn, GROUP_ATTRIBUTE, sample_group)
     return rollout_fn
 

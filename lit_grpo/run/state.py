@@ -57,6 +57,11 @@ class RunCheckpointer:
         self.last_saved_step: Optional[int] = None
         self._run_id_agreed = False
 
+    @property
+    def run_id(self) -> str:
+        """The id every checkpoint of this run carries (a resume adopts the checkpoint's)."""
+        return self.store.run_id
+
     def due(self, trainer: L.Trainer, step: int) -> bool:
         return self.interval > 0 and step % self.interval == 0 and not trainer.fast_dev_run
 

@@ -80,9 +80,12 @@ class BatchingSampler(ABC):
     (or on the loop's own thread, `engine_on_loop`).
     A weight sync never lands in the middle of a batch. Subclasses implement `_generate` and `_load`.
 
-    The rollout data module sets the two bounds: `call_timeout_s` (the rollout deadline) and
-    `max_seq_len` (`data.max_seq_len`).
+    The rollout data module sets the bounds (`bound_calls`): `call_timeout_s` (the rollout
+    deadline), `max_seq_len` (`data.max_seq_len`) and `engine_on_loop`.
     """
+
+    group_requests = True
+    """A request for n completions is one batched engine call, which succeeds or fails whole."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, *, max_batch_size: int = 256) -> None:
         self.tokenizer = tokenizer
@@ -196,6 +199,16 @@ class BatchingSampler(ABC):
     def _score(self, pairs: list[ScorePair]) -> list[list[float]]:
         """The engine's batched scoring of (prompt, target) pairs (see `score`)."""
         raise NotImplementedError(f"{type(self).__name__} cannot score target tokens")
+
+    def bound_calls(self, timeout_s: Optional[float], max_seq_len: Optional[int], engine_on_loop: bool) -> None:
+        """Set `call_timeout_s`, `max_seq_len` and `engine_on_loop` (see their docstrings)."""
+        self.call_timeout_s, self.max_seq_len, self.engine_on_loop = timeout_s, max_seq_len, engine_on_loop
+
+    def to_device(self, device: torch.device) -> None:
+        """Nothing to move by default: an engine that runs on the trainer's device overrides it."""
+
+    def sleep(self) -> None:
+        """Nothing to free by default: an engine that can release its memory between steps overrides it."""
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load the weights between two generate calls; waiting for a running call is bounded by
