@@ -1,6 +1,9 @@
 """The two examples run on CPU, and the multi-turn one really makes multi-turn samples."""
 
+import ast
 import asyncio
+import json
+import math
 import os
 import subprocess
 import sys
@@ -17,13 +20,30 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 @pytest.mark.parametrize("name", ["single_turn_token_in", "multi_turn_message_in"])
 def test_example_trains_one_step(name, tmp_path):
     proc = subprocess.run(
-        [sys.executable, "train.py", "trainer.fast_dev_run=true", "trainer.enable_progress_bar=false", f"output_dir={tmp_path}"],
+        [sys.executable, "train.py", "trainer.fast_dev_run=true", "trainer.enable_progress_bar=false", f"output_dir={tmp_path}",
+         "~callbacks.reward_filter", "callbacks.sample_log.every_n_steps=1", "callbacks.sample_log.max_samples=1000"],
         cwd=EXAMPLES / name, capture_output=True, text=True, timeout=300,
         env={**os.environ, "PYTHONPATH": str(EXAMPLES.parent)},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "'steps': 1.0" in proc.stdout
-    assert (tmp_path / "summary.json").exists()
+    # The example prints train()'s summary dict as its last line: parse it, don't grep it.
+    printed = ast.literal_eval(proc.stdout.strip().splitlines()[-1])
+    assert set(printed) == {"steps", "first_reward", "final_reward", "best_reward", "wall_s"}
+    assert all(isinstance(v, float) and math.isfinite(v) for v in printed.values()), printed
+    assert printed["steps"] == 1.0
+    assert printed["first_reward"] == printed["final_reward"] == printed["best_reward"]  # one step
+    assert printed["wall_s"] > 0
+    written = json.loads((tmp_path / "summary.json").read_text())
+    assert {k: written[k] for k in printed} == printed
+    assert written["reward_curve"] == [printed["final_reward"]]
+    # No filter, every sample logged: the printed reward is the mean of the step's sample rewards.
+    table = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert len(table) == 64 and {row["step"] for row in table} == {1}  # 8 prompts x 8 completions
+    rewards = [row["reward"] for row in table]
+    # Exact match; the multi-turn example discounts a right answer by 0.5 per retry (3 turns at most).
+    assert set(rewards) <= ({0.0, 1.0} if name == "single_turn_token_in" else {0.0, 1.0, 0.5, 0.25})
+    assert sum(rewards) > 0  # seed 0 finds some right answers: the mean below is no constant 0
+    assert printed["final_reward"] == pytest.approx(sum(rewards) / len(rewards), abs=1e-12)
 
 
 def test_multi_turn_rollout_retries_with_masked_user_turns(tiny_model, tokenizer, monkeypatch):

@@ -1,10 +1,15 @@
 """GRPOModule: one step trains the policy and never the reference; logprobs line up with tokens."""
 
+import copy
+
 import lightning as L
+import pytest
 import torch
 
 from lit_grpo.run.validate import validate
 from lit_grpo.loop.module import token_logprobs
+from lit_grpo.maths.loss_terms import LOSS_NORMALIZATIONS
+from lit_grpo.maths.losses import policy_loss
 from lit_grpo.build import build_run
 
 from conftest import compose_config
@@ -58,26 +63,83 @@ def test_token_logprobs_align_with_next_tokens(tiny_model, tokenizer):
     assert (entropy > 0).all()
 
 
-def test_micro_batches_accumulate_to_the_whole_batch_step(tmp_path):
-    # token_mean divides by the tokens of the whole optimizer step, so splitting the batch into
-    # micro-batches must give the same gradient as one forward over everything.
+@pytest.mark.parametrize("normalization", list(LOSS_NORMALIZATIONS))
+def test_micro_batches_accumulate_to_the_whole_batch_step(tmp_path, normalization):
+    # Every normalization divides by counts of the whole optimizer step (token_mean: its masked
+    # tokens, seq_mean: its sequences; sum: nothing), so splitting the batch into micro-batches
+    # (of 1, and of 3: 2 groups of 8 rows leave a last one of 1) must give the gradient of one
+    # forward over everything. Completions of up to 3 tokens make the sequences' token counts
+    # differ (one of the 16 has 2), so seq_mean is not token_mean; the reward filter keeps only
+    # groups with a learning signal (non-zero advantages: at step 1 the KL term has no gradient).
     class GradCapture(L.Callback):
         def on_before_optimizer_step(self, trainer, pl_module, optimizer):
             self.grads = {k: p.grad.detach().clone() for k, p in pl_module.policy.named_parameters()}
 
     grads = []
-    for micro in (0, 3):
-        trainer, module, datamodule = _build(tmp_path / str(micro), "~callbacks.reward_filter", f"micro_batch_size={micro}", "sampler.max_completion_tokens=3", "grad_clip_norm=0")
+    for micro in (0, 1, 3):
+        trainer, module, datamodule = _build(
+            tmp_path / str(micro), f"micro_batch_size={micro}", "sampler.max_completion_tokens=3", "grad_clip_norm=0",
+            f"policy_loss.loss_normalization={normalization}", "data.prompt_groups_per_step=2", "data.completions_per_prompt=8",
+        )
+        assert module.config.policy_loss.loss_normalization == normalization
         capture = GradCapture()
         trainer.callbacks.append(capture)
         trainer.fit(module, datamodule=datamodule)
         grads.append(capture.grads)
-    assert any(g.abs().sum() > 0 for g in grads[0].values())
-    for k in grads[0]:
-        torch.testing.assert_close(grads[0][k], grads[1][k], atol=1e-6, rtol=1e-4)
+    whole = grads[0]
+    assert sum(g.abs().sum() for g in whole.values()) > 0
+    scale = max(g.abs().max() for g in whole.values()).item()  # `sum` has gradients far above 1
+    for micro, split in zip((1, 3), grads[1:]):
+        worst = max((whole[k] - split[k]).abs().max().item() for k in whole)
+        assert worst <= 1e-6 * max(1.0, scale), (micro, worst, scale)
 
 
 def test_ppo_minibatches_make_k_optimizer_steps(tmp_path):
     trainer, module, datamodule = _build(tmp_path, "ppo_n_minibatches=4", "~callbacks.reward_filter")
     trainer.fit(module, datamodule=datamodule)
     assert trainer.global_step == 4
+
+
+def test_ppo_old_logprobs_are_the_policy_before_the_first_minibatch(tmp_path, monkeypatch):
+    # `old` is the policy before the batch's first update, computed once: minibatch 1 trains at
+    # ratio exp(π - old) = 1, minibatch 2 (after minibatch 1's optimizer step) at a ratio != 1,
+    # and both minibatches' `old` are the initial policy's logprobs of their rows.
+    import lit_grpo.loop.module as module_py
+
+    calls, forwards = [], []
+
+    def recording_loss(name, **kwargs):
+        calls.append({k: kwargs[k].detach().clone() for k in ("logprobs", "old_logprobs", "sampler_logprobs", "mask")})
+        return policy_loss(name, **kwargs)
+
+    def recording_logprobs(model, tokens, attention, temperature):
+        if torch.is_grad_enabled():  # the training forwards, one per minibatch here (no micro-batches)
+            forwards.append((tokens.clone(), attention.clone()))
+        return token_logprobs(model, tokens, attention, temperature)
+
+    monkeypatch.setattr(module_py, "policy_loss", recording_loss)
+    monkeypatch.setattr(module_py, "token_logprobs", recording_logprobs)
+    trainer, module, datamodule = _build(tmp_path, "ppo_n_minibatches=2", "~callbacks.reward_filter", "policy_loss.kl_beta=0", "micro_batch_size=0")
+    initial = copy.deepcopy(module.policy)
+    trainer.fit(module, datamodule=datamodule)
+
+    assert trainer.global_step == 2 and len(calls) == 2 and len(forwards) == 2
+    # The initial policy's logprobs of the whole batch, in one forward as the module's `old` pass.
+    tokens, attention = (torch.cat(parts) for parts in zip(*forwards))
+    with torch.no_grad():
+        want_old = token_logprobs(initial, tokens, attention, module.config.sampler.temperature)[0]
+    half = tokens.shape[0] // 2
+    assert torch.equal(calls[0]["old_logprobs"], want_old[:half])
+    assert torch.equal(calls[1]["old_logprobs"], want_old[half:])
+
+    def ratio_gap(call):  # max |exp(π - old) - 1| over the loss-masked tokens
+        m = call["mask"] > 0
+        assert m.sum() > 0
+        return (call["logprobs"] - call["old_logprobs"]).exp()[m].sub(1).abs().max().item()
+
+    assert ratio_gap(calls[0]) < 1e-6  # nothing has moved the policy yet
+    assert ratio_gap(calls[1]) > 1e-3  # minibatch 1's step did, and `old` did not follow it
+    # The sampler drew with the same initial weights: its logprobs are `old` (up to kernels).
+    for call in calls:
+        m = call["mask"] > 0
+        torch.testing.assert_close(call["sampler_logprobs"][m], call["old_logprobs"][m], atol=1e-5, rtol=0)

@@ -2,6 +2,8 @@
 
 import json
 import os
+import re
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -23,12 +25,43 @@ def keep_everything(group: PromptGroup) -> bool:
     return True
 
 
-@pytest.mark.parametrize("experiment", ["arithmetic", "arithmetic_sums18"])
-def test_train_fast_dev_run(tmp_path, experiment):
-    summary = train(compose_config(f"+experiment={experiment}", "trainer.fast_dev_run=true", output_dir=tmp_path))
+def _exact_sum_reward(prompt: str, completion: str) -> float:
+    """The arithmetic reward worked out independently of lit_grpo.rewards: 1 when the completion's
+    leading whole number (after spaces) is the sum in the prompt `a+b=`."""
+    a, b = re.fullmatch(r"(\d+)\+(\d+)=", prompt).groups()
+    digits = re.match(r"\s*(-?\d+)", completion)
+    return 1.0 if digits is not None and digits.group(1) == str(int(a) + int(b)) else 0.0
+
+
+@pytest.mark.parametrize("experiment, groups, group_size", [("arithmetic", 8, 8), ("arithmetic_sums18", 8, 16)])
+def test_train_fast_dev_run(tmp_path, experiment, groups, group_size):
+    # No filter, so the step trains on every sample it drew, and the sample log keeps them all:
+    # the logged reward must be the mean of those samples' rewards, recomputed from their text.
+    summary = train(compose_config(
+        f"+experiment={experiment}", "trainer.fast_dev_run=true", "~callbacks.reward_filter",
+        "callbacks.sample_log.every_n_steps=1", "callbacks.sample_log.max_samples=1000", output_dir=tmp_path,
+    ))
     assert summary["steps"] == 1
-    assert 0.0 <= summary["final_reward"] <= 1.0
     assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 1
+
+    table = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert len(table) == groups * group_size
+    assert {row["step"] for row in table} == {1}
+    rewards = [_exact_sum_reward(row["prompt"], row["completion"]) for row in table]
+    assert [row["reward"] for row in table] == rewards
+    assert 0 < sum(rewards) < len(rewards)  # seed 0 draws both kinds: the mean below is no constant
+    assert summary["final_reward"] == pytest.approx(sum(rewards) / len(rewards), abs=1e-12)
+    assert summary["first_reward"] == summary["final_reward"]  # one step: both are its reward
+    # (fast_dev_run writes no metrics.csv; the summary reads the same history the loggers get.)
+    # GRPO advantages of each group of `group_size` consecutive samples: (r - mean) / (std + 1e-8),
+    # std unbiased, 0 for a uniform group.
+    for g in range(groups):
+        rows = table[g * group_size : (g + 1) * group_size]
+        assert len({row["prompt"] for row in rows}) == 1
+        r = [row["reward"] for row in rows]
+        mean, std = statistics.fmean(r), statistics.stdev(r)
+        want = [0.0 if std == 0 else (x - mean) / (std + 1e-8) for x in r]
+        assert [row["advantage"] for row in rows] == pytest.approx(want, abs=1e-6)
 
 
 def test_custom_filter_predicate_from_config(tmp_path):
