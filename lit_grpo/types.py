@@ -255,6 +255,8 @@ class RolloutBatch:
     """Policy version each sequence was sampled at. Shape: [B], long."""
     record: RolloutRecord = field(default_factory=RolloutRecord)
     """What this rank's sampling for the step saw (rewards of every sampled group, drops, timings)."""
+    groups: list[PromptGroup] = field(default_factory=list)
+    """The accepted groups the batch was made from, in batch order (host-side, for the sample log)."""
     advantages_BT: Optional[torch.Tensor] = None
     """Per-token advantages (turn-level credit, `policy_loss.advantage: igpo`), parallel to
     `tokens_BT`, 0 outside the turns; the loss then uses these instead of `advantages_B`
@@ -265,6 +267,6 @@ class RolloutBatch:
         return int(self.tokens_BT.shape[0])
 
     def to(self, device: torch.device | str) -> "RolloutBatch":
-        """The batch with its tensors on `device`; the record (host-side bookkeeping) is shared."""
+        """The batch with its tensors on `device`; the record and the groups (host-side) are shared."""
         return dataclasses.replace(self, **{f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)
                                             if isinstance(getattr(self, f.name), torch.Tensor)})

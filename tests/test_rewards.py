@@ -127,6 +127,8 @@ def test_a_weighted_sum_skips_none_and_reports_each_component(user_rewards):
 class _Scripted:
     """A sampler answering the texts of `texts` in turn."""
 
+    group_requests = False  # one request per sample, as a sampler that is not a BatchingSampler declares
+
     def __init__(self, texts: list[str]) -> None:
         self.texts, self.i = texts, 0
 

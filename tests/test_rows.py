@@ -144,6 +144,8 @@ def test_a_row_without_a_prompt_is_named_before_any_model_loads(tmp_path):
 class _Recording:
     """A sampler that records each prompt and answers with a fixed text."""
 
+    group_requests = False  # one request per sample, as a sampler that is not a BatchingSampler declares
+
     def __init__(self, text: str = "7") -> None:
         self.prompts: list[list[int]] = []
         self.text = text

@@ -5,7 +5,8 @@ import os
 
 import pytest
 
-from lit_grpo.callbacks.sample_log import markdown, prompt_text, sample_table
+from lit_grpo.callbacks.sample_log import markdown, sample_table
+from lit_grpo.tasks.rows import prompt_text
 from lit_grpo.train import compose_config, train
 from lit_grpo.types import PromptGroup, RolloutSample
 

@@ -11,24 +11,10 @@ from typing import Any
 import lightning as L
 from lightning.pytorch.loggers import TensorBoardLogger, WandbLogger
 
-from lit_grpo.rollouts.groups import row_label
+from lit_grpo.tasks.rows import prompt_text
 from lit_grpo.types import PromptGroup
 
 COLUMNS = ("step", "prompt", "completion", "reward", "advantage", "finish_reason", "version")
-
-
-def prompt_text(row: dict, tokenizer: Any) -> str:
-    """A row's prompt as text: its `prompt`, its last user message, or its decoded token ids."""
-    if isinstance(row.get("prompt"), str):
-        return row["prompt"]
-    messages = row.get("messages")
-    if isinstance(messages, list):
-        users = [m.get("content") for m in messages if isinstance(m, dict) and m.get("role") == "user"]
-        if users:
-            return str(users[-1])
-    if row.get("prompt_token_ids") is not None and tokenizer is not None:
-        return tokenizer.decode(list(row["prompt_token_ids"]))
-    return row_label(row)
 
 
 def sample_table(groups: list[PromptGroup], advantages: list[float], step: int, tokenizer: Any, limit: int) -> list[dict]:
@@ -72,11 +58,10 @@ class SampleLog(L.Callback):
         step = pl_module.rollout_step
         if not outputs or self.every_n_steps == 0 or step % self.every_n_steps or not trainer.is_global_zero:
             return
-        datamodule = trainer.datamodule
-        groups, advantages_B = datamodule.stream.last_trained
-        if not groups:
+        trained = pl_module.last_step
+        if trained is None or not trained.groups:
             return
-        table = sample_table(groups, advantages_B.tolist(), step, datamodule.tokenizer, self.max_samples)
+        table = sample_table(trained.groups, trained.advantages_B.tolist(), step, trainer.datamodule.tokenizer, self.max_samples)
         with self.path.open("a", encoding="utf-8") as f:
             f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in table)
         for logger in trainer.loggers:

@@ -40,7 +40,7 @@ from lit_grpo.maths.losses import policy_loss
 from lit_grpo.loop.optim import adamw, lr_multiplier
 from lit_grpo.loop.signals import StopRequested
 from lit_grpo.loop.step_sequence import NonFiniteTraining, StepSequence
-from lit_grpo.types import RolloutBatch, RolloutRecord
+from lit_grpo.types import PromptGroup, RolloutBatch, RolloutRecord
 
 
 def align_to_predictions(per_token_BT: torch.Tensor) -> torch.Tensor:
@@ -72,6 +72,10 @@ class StepResult:
     """This rank's rollout record (merged over ranks before logging)."""
     rewards_B: torch.Tensor
     """Rewards of the trained batch. Shape: [B]."""
+    advantages_B: torch.Tensor
+    """Advantages of the trained batch (per-token ones: their mean over each sequence). Shape: [B]."""
+    groups: list[PromptGroup] = field(default_factory=list)
+    """The accepted groups the batch was made from, in batch order."""
     train_metrics: dict[str, torch.Tensor] = field(default_factory=dict)
     """`train/*` scalars as this rank's share of the global value: summed over ranks, they are
     the loss and the token means of the whole step (weights are tokens over the global count)."""
@@ -156,7 +160,8 @@ class GRPOModule(L.LightningModule):
 
         self.rollout_step += 1
         self.last_step = StepResult(
-            record=batch.record, rewards_B=batch.rewards_B.detach().cpu(), train_metrics=metrics,
+            record=batch.record, rewards_B=batch.rewards_B.detach().cpu(), advantages_B=batch.advantages_B.detach().cpu(),
+            groups=batch.groups, train_metrics=metrics,
             timings={"perf/ref_s": t_ref - t0, "perf/train_s": t_train - t_ref, "train_tokens": float(attention.sum())},
         )
         return {"loss": metrics["train/loss"]}

@@ -49,9 +49,6 @@ class RolloutStream(IterableDataset):
         self.steps_done = 0
         self.rest_between_steps: Optional[Callable[[], None]] = None
         """Called once a step's rollouts are in (synchronous mode: lets a colocated engine sleep)."""
-        self.last_trained: tuple[list, Any] = ([], None)
-        """The groups of the batch yielded last (the one training now or just trained) and its
-        advantages, for the sample log."""
         self.rows_exhausted = False
         """True when the rows ran out before `max_steps` steps were trained (for the run summary)."""
 
@@ -68,7 +65,7 @@ class RolloutStream(IterableDataset):
             if self.rest_between_steps is not None:
                 self.rest_between_steps()
             self.steps_done += 1
-            self.last_trained = (step.accepted, batch.advantages_B)
+            batch.groups = step.accepted
             yield batch
 
     def _rows_ran_out(self) -> None:

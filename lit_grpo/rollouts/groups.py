@@ -19,17 +19,10 @@ from lit_grpo.rollouts.checks import CircuitBreaker, ProgressGuard, short_reason
 from lit_grpo.rollouts.context import RolloutCalls
 from lit_grpo.rollouts.deadlines import call_rollout, function_name, gather_or_cancel
 from lit_grpo.rollouts.pipeline import GroupFilter, checked_samples, error_key, group_verdict
+from lit_grpo.tasks.rows import row_label
 from lit_grpo.types import PromptGroup
 
 log = logging.getLogger(__name__)
-
-
-def row_label(row: dict) -> str:
-    """A short name of a row for log lines."""
-    for key in ("id", "prompt", "question"):
-        if key in row:
-            return f"{key}={str(row[key])[:60]!r}"
-    return "<row>"
 
 
 class GroupSampler:

@@ -191,9 +191,14 @@ def source_problem(source: str, field: str) -> Optional[str]:
 # --------------------------------------------------------------------------- prompts
 
 
-def _row_label(row: dict) -> str:
-    if "id" in row:
-        return f"id={str(row['id'])[:60]!r}"
+def row_label(row: Any) -> str:
+    """A short name of a row for messages and log lines: its `id`, else its prompt, else its repr."""
+    if isinstance(row, dict):
+        if "id" in row:
+            return f"id={str(row['id'])[:60]!r}"
+        for key in (*PROMPT_FIELDS, "question"):
+            if isinstance(row.get(key), str):
+                return f"{key}={row[key][:60]!r}"
     text = repr(row)
     return text if len(text) <= 100 else text[:97] + "..."
 
@@ -211,13 +216,13 @@ def no_prompt_message(row: Any, prompt_field: Optional[str]) -> str:
         f"has no field {prompt_field!r} (data.prompt_field)" if prompt_field else
         f"has none of the fields the default rollout takes the prompt from ({', '.join(PROMPT_FIELDS)}; data.prompt_field=null)"
     )  # fmt: skip
-    return f"row {_row_label(row)} {wanted}; its fields: {fields}. {_PROMPT_FIX}"
+    return f"row {row_label(row)} {wanted}; its fields: {fields}. {_PROMPT_FIX}"
 
 
 def bad_prompt_message(row: dict, field: str) -> str:
     """A row whose prompt field holds a value the default rollout cannot sample from, and the fix."""
     value = row[field]
-    return (f"row {_row_label(row)}: its prompt field {field!r} holds {type(value).__name__} {repr(value)[:60]}; the default "
+    return (f"row {row_label(row)}: its prompt field {field!r} holds {type(value).__name__} {repr(value)[:60]}; the default "
             f"rollout takes text, a non-empty list of chat messages or a list of token ids. {_PROMPT_FIX}")
 
 
@@ -238,3 +243,21 @@ def check_prompts(rows: list[dict], prompt_field: Optional[str], source: str) ->
             prompt_field_of(row, prompt_field)
         except RowPromptError as err:
             raise RowPromptError(f"{source}, row {i}: {err}") from None
+
+
+def prompt_text(row: dict, tokenizer: Any = None, prompt_field: Optional[str] = None) -> str:
+    """A row's prompt as text, from the field the default rollout reads (`prompt_field_of`): the
+    text, the last user message of chat messages, or the token ids decoded; the row's label when
+    it has no prompt field."""
+    try:
+        value = row[prompt_field_of(row, prompt_field)]
+    except RowPromptError:
+        return row_label(row)
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (list, tuple)) and value and all(isinstance(m, dict) for m in value):
+        users = [m.get("content") for m in value if m.get("role") == "user"]
+        return str(users[-1]) if users else str(value[-1].get("content"))
+    if tokenizer is not None and isinstance(value, (list, tuple)):
+        return tokenizer.decode(list(value))
+    return str(value)
