@@ -21,6 +21,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from lit_grpo.rollouts.rollout import Trajectory
+from lit_grpo.samplers.arguments import chat_prompt_tokens, render_chat
 
 DEFAULT_APPEND_ROLES = ("tool", "user", "system")
 # A conversation that ends with an assistant turn: appended messages are rendered after it, so
@@ -71,9 +72,11 @@ class TITOTokenizer:
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
         self.allowed_append_roles = list(allowed_append_roles or DEFAULT_APPEND_ROLES)
 
+    def _template_kwargs(self, tools: Optional[list]) -> dict:
+        return dict(self.chat_template_kwargs, **({"tools": tools} if tools else {}))
+
     def render(self, messages: list[dict], *, add_generation_prompt: bool, tools: Optional[list] = None) -> str:
-        kwargs = dict(self.chat_template_kwargs, **({"tools": tools} if tools else {}))
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs)
+        return render_chat(self.tokenizer, messages, add_generation_prompt=add_generation_prompt, **self._template_kwargs(tools))
 
     def encode(self, text: str) -> list[int]:
         """Token ids of rendered text: the template already holds the special tokens it wants."""
@@ -81,7 +84,7 @@ class TITOTokenizer:
 
     def render_initial_prompt(self, messages: list[dict], *, tools: Optional[list] = None) -> list[int]:
         """The first prompt: the whole conversation, ending with the assistant cue."""
-        return self.encode(self.render(messages, add_generation_prompt=True, tools=tools))
+        return chat_prompt_tokens(self.tokenizer, messages, **self._template_kwargs(tools))
 
     def tokenize_appended(self, old_messages: list[dict], new_messages: list[dict], *, tools: Optional[list] = None) -> list[int]:
         """Tokens of `new_messages` beyond `old_messages` (which end with an assistant turn), then

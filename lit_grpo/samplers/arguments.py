@@ -70,10 +70,17 @@ def check_sample_kwargs(kwargs: dict[str, Any]) -> SampleArgs:
     return SampleArgs(temperature, max_tokens, normalize_stop(kwargs.get("stop")), max_seq_len, http_timeout)
 
 
-def chat_prompt_tokens(tokenizer: PreTrainedTokenizerBase, messages: list[dict]) -> list[int]:
-    """Token ids of `messages` through the policy's chat template, ending with the assistant cue."""
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
+def render_chat(tokenizer: PreTrainedTokenizerBase, messages: list[dict], *, add_generation_prompt: bool = True,
+                **template_kwargs: Any) -> str:
+    """`messages` as text through the policy's chat template (the one place lit_grpo renders one);
+    `template_kwargs` reach the template (`tools`, `enable_thinking`, ...)."""
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt, **template_kwargs)
+
+
+def chat_prompt_tokens(tokenizer: PreTrainedTokenizerBase, messages: list[dict], **template_kwargs: Any) -> list[int]:
+    """Token ids of `messages` through the policy's chat template, ending with the assistant cue
+    (the rendered text holds the special tokens the template wants: none are added)."""
+    return list(tokenizer(render_chat(tokenizer, messages, **template_kwargs), add_special_tokens=False)["input_ids"])
 
 
 ScorePair = tuple[list[int], list[int]]
