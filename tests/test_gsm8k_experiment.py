@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from lit_grpo.loop.evaluation import greedy_accuracy
+from lit_grpo.loop.evaluation import greedy_reward_sum
 from lit_grpo.config import DataConfig
 from lit_grpo.run.validate import validate
 from lit_grpo.tasks.gsm8k_rows import RowError
@@ -68,12 +68,12 @@ class _ScriptedSampler:
         return [Completion(full_tokens=[*p, 1], prompt_len=len(p), sampling_logprobs=[0.0], finish_reason="stop", text=self.texts.pop(0)) for p in prompts]
 
 
-def test_greedy_accuracy_scores_each_row_once_greedily(tokenizer):
+def test_greedy_evaluation_scores_each_row_once_greedily(tokenizer):
     from lit_grpo.rewards.gsm8k import score
 
     rows = [{"prompt_token_ids": [5, 6], "answer": a} for a in ("18", "3", "70000", "540")]
     sampler = _ScriptedSampler(["so #### 18", "The answer is 4.", "A: 70,000", "540 meters"])
-    accuracy = greedy_accuracy(sampler, tokenizer, rows, lambda text, row: score(text, row["answer"]), max_tokens=8, batch_size=3)
+    accuracy = _greedy_accuracy(sampler, tokenizer, rows, lambda text, row: score(text, row["answer"]), max_tokens=8, batch_size=3)
     assert accuracy == pytest.approx(3 / 4)
     assert sampler.temperatures == [0.0, 0.0]  # greedy, in batches of at most 3
 
@@ -187,3 +187,8 @@ def test_cookbook_chat_rows_keep_their_id_and_solution_and_score_a_boxed_answer(
     final = rows[0]["answer"].rsplit("####", 1)[1].strip()
     assert reward_fn(c)(f"... so the answer is $\\boxed{{{final}}}$.", rows[0]) == 1.0
     assert reward_fn(c)("\\boxed{-1}", rows[0]) == 0.0
+
+
+def _greedy_accuracy(*args, **kwargs) -> float:
+    total, scored = greedy_reward_sum(*args, **kwargs)
+    return total / scored

@@ -17,6 +17,7 @@ import pytest
 from lit_grpo.config import ConfigError
 from lit_grpo.run.validate import validate
 from lit_grpo.errors import MissingExtraError
+from lit_grpo.loop.evaluation import greedy_reward_sum
 from lit_grpo.run.preflight import check_sources
 from lit_grpo.rollouts.rollout import make_rollout_fn, row_prompt_tokens
 from lit_grpo.tasks import evaluation_rows, training_rows
@@ -176,7 +177,6 @@ def bos_tokenizer():
 
 
 def test_a_plain_prompt_gets_the_tokenizers_special_tokens_in_rollouts_and_evaluation(bos_tokenizer, tokenizer):
-    from lit_grpo.loop.evaluation import greedy_accuracy
 
     bos = bos_tokenizer.bos_token_id
     chars = bos_tokenizer("3+4=", add_special_tokens=False)["input_ids"]
@@ -186,7 +186,7 @@ def test_a_plain_prompt_gets_the_tokenizers_special_tokens_in_rollouts_and_evalu
     sample = asyncio.run(rollout(row))
     assert sampler.prompts == [[bos, *chars]] and sample.tokens[: len(chars) + 1] == [bos, *chars]
     assert asyncio.run(rollout(row)).tokens == sample.tokens  # the second call (cached tokens) is the same
-    assert greedy_accuracy(sampler, bos_tokenizer, [row], lambda text, r: 1.0, max_tokens=1, batch_size=4) == 1.0
+    assert _greedy_accuracy(sampler, bos_tokenizer, [row], lambda text, r: 1.0, max_tokens=1, batch_size=4) == 1.0
     assert sampler.prompts[-1] == [bos, *chars]  # evaluation makes the prompt the same way
     # The demo's tokenizer has no post-processor: `tokenizer(text)` adds nothing, and that is what is used.
     assert row_prompt_tokens(row, tokenizer) == tokenizer("3+4=")["input_ids"] == tokenizer("3+4=", add_special_tokens=False)["input_ids"]
@@ -321,3 +321,8 @@ def test_the_cli_names_a_missing_data_file(tmp_path):
     proc = _cli(tmp_path, "data.path=rows.jsonl", "hydra.run.dir=run")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert "data.path: no file rows.jsonl" in proc.stderr[proc.stderr.rindex("error: "):]
+
+
+def _greedy_accuracy(*args, **kwargs) -> float:
+    total, scored = greedy_reward_sum(*args, **kwargs)
+    return total / scored

@@ -1,4 +1,4 @@
-"""Exports the trained policy in Hugging Face format when fit ends (the seeds' `output_model_id`)."""
+"""Exports the trained policy in Hugging Face format when fit ends (the cookbook's `output_model_id`)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Drops prompt groups that carry no learning signal (the seeds' `dynamic_filter_fn`)."""
+"""Drops prompt groups that carry no learning signal (the cookbook's `dynamic_filter_fn`)."""
 
 from __future__ import annotations
 

@@ -62,13 +62,6 @@ def greedy_reward_sum(sampler, tokenizer, rows: list[dict], reward_fn, max_token
     return total, scored
 
 
-def greedy_accuracy(sampler, tokenizer, rows: list[dict], reward_fn, max_tokens: int, batch_size: int,
-                    prompt_field: Optional[str] = None) -> float:
-    """Mean reward of one greedy completion per row the reward applies to (for a 0/1 reward: the accuracy)."""
-    total, scored = greedy_reward_sum(sampler, tokenizer, rows, reward_fn, max_tokens, batch_size, prompt_field)
-    return total / scored if scored else float("nan")
-
-
 class GreedyEvaluator:
     """Scores the sampler on held-out rows with greedy decoding: `eval/accuracy`, every `interval` steps."""
 

@@ -1,7 +1,7 @@
 """The pieces every policy loss shares: the ratio, k3 KL, TIS weights, masked means, aggregation.
 
 Pure tensor functions, no `.item()` (a GPU sync per micro-batch). `lit_grpo.maths.losses` builds the
-registered variants from them; the maths is in DESIGN.md, section "Policy losses".
+registered variants from them; the formulas are tabled in docs/guides/policy-losses.md.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ checks, the truncated importance weights against the sampler (for variants regis
 `uses_tis=True`; a variant that declares a `sampler_logprobs` keyword gets those logprobs
 themselves), the k3 KL penalty to the reference when `kl_beta > 0`, and the common metrics.
 `policy_loss` then reduces the matrix with `aggregate_loss` in the configured normalization.
-The formulas, and the defaults, are DESIGN.md's table "Policy losses". Every function taking a
+The formulas and the defaults are tabled in docs/guides/policy-losses.md. Every function taking a
 loss `name` also accepts `module.path:name`, which imports `module.path` (the module that
 registers the loss) first, so a user's loss is usable from the config alone.
 

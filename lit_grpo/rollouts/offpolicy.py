@@ -1,5 +1,6 @@
 """The off-policy scheduler (`synchronous_training: false`): rollouts run on a background event
-loop and overlap training, admitted through the off-policy gate of DESIGN.md.
+loop and overlap training, admitted through the off-policy gate
+(docs/guides/async-training.md).
 
 With B = P·G samples per step and O = max_head_offpolicy_versions, the samples of version v may be
 accepted while `accepted <= budget(v) = (O + v + 1) · B`, where `accepted` counts samples of groups

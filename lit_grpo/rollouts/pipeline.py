@@ -31,7 +31,7 @@ _TYPECODES = {"q": torch.long, "f": torch.float32}
 """`array` typecodes of the padded batch tensors, and their torch dtypes."""
 
 GroupFilter = Callable[[PromptGroup], bool]
-"""A group predicate: True keeps the group (the seeds' `dynamic_filter_fn`)."""
+"""A group predicate: True keeps the group (the cookbook's `dynamic_filter_fn`)."""
 
 
 def error_key(err: BaseException) -> str:

@@ -9,7 +9,6 @@ into its base first. The folder is written beside its final name and renamed whe
 from __future__ import annotations
 
 import argparse
-import copy
 import logging
 import shutil
 import sys
@@ -28,13 +27,6 @@ from lit_grpo.models.lora import is_lora, lora_layers, merged_lora_tensors, with
 from lit_grpo.models.load import build_policy_skeleton, load_tokenizer, save_pretrained
 
 log = logging.getLogger(__name__)
-
-
-def merged_model(policy: PreTrainedModel) -> PreTrainedModel:
-    """The policy as a plain transformers model: LoRA adapters merged into a copy of the base."""
-    if hasattr(policy, "merge_and_unload"):  # a peft model
-        return copy.deepcopy(policy).merge_and_unload()
-    return policy
 
 
 def export_pretrained(
