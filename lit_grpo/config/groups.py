@@ -163,7 +163,7 @@ class DataConfig:
     """Use at most this many training rows, wherever they come from (0: all)."""
     epochs: int = 1
     """Passes over the rows; rows are reshuffled each epoch with the run seed."""
-    max_seq_len: int = 256
+    max_seq_len: int = 64
     """Longest prompt + completion, in tokens."""
     shuffle: bool = field(default=True, metadata=DEFINES_STATE)
     """Shuffle rows each epoch (seeded)."""
