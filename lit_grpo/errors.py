@@ -49,6 +49,12 @@ class UserError(Exception):
     """
 
 
+class EnvironmentFault(UserError):
+    """Something the run depends on failed outside it (a vLLM server died or stopped answering);
+    the message names it. The step sequence saves the last finished step first (with checkpoints
+    on) and says where `resume=auto` continues once the thing is back."""
+
+
 class MissingExtraError(UserError, ImportError):
     """An optional extra of lit_grpo that this run needs is not installed; the message says how to get it."""
 

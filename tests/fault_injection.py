@@ -104,3 +104,80 @@ def make_hanging_engine_rollout_fn(setup):
 
     sampler._generate = hanging_generate
     return make_rollout_fn(setup)
+
+
+def _kill_group(pgid: int) -> None:
+    """SIGKILL a vLLM server's whole process group (the API server and its engine), as an OOM
+    killer or a preempted node would end it, and wait until its port is closed."""
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    time.sleep(1.0)
+
+
+class KillServerBeforeSync(L.Callback):
+    """SIGKILL the server whose process group is `pgid` at the end of rollout step `step`, before
+    the step sequence syncs the weights: that step's sync finds the server gone."""
+
+    def __init__(self, step: int, pgid: int) -> None:
+        self.step, self.pgid = step, pgid
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if outputs and pl_module.rollout_step == self.step:
+            _kill_group(self.pgid)
+
+
+def make_server_killing_rollout_fn(setup):
+    """The default rollout; at call `kill_at_call` (extras) the server whose process group is
+    `kill_pgid` is SIGKILLed first: that call's request, and those after it, find it gone."""
+    from lit_grpo.rollouts.rollout import make_rollout_fn
+
+    inner = make_rollout_fn(setup)
+    kill_at, pgid = int(setup.extras["kill_at_call"]), int(setup.extras["kill_pgid"])
+    calls = {"n": 0}
+
+    async def rollout_fn(row):
+        calls["n"] += 1
+        if calls["n"] == kill_at:
+            _kill_group(pgid)
+        return await inner(row)
+
+    return rollout_fn
+
+
+class FailSyncAtStep(L.Callback):
+    """From rollout step `step` on, the sampler's weight sync raises the error a dead vLLM server
+    gives (`WeightSyncError` naming `url`): a server lost during a sync, without starting one."""
+
+    def __init__(self, step: int, url: str = "http://127.0.0.1:9") -> None:
+        self.step, self.url = step, url
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        from lit_grpo.samplers.server.weight_files import WeightSyncError
+
+        if outputs and pl_module.rollout_step == self.step:
+            def dead(named_tensors):
+                raise WeightSyncError(f"weight sync to version {self.step + 1} failed on {self.url} (vLLM server "
+                                      f"{self.url}: POST /pause failed (ConnectError: connection refused))", servers=[self.url])
+
+            trainer.datamodule.sampler.update_weights = dead
+
+
+def make_server_error_rollout_fn(setup):
+    """The default rollout until call `fail_at_call` (extras); from then on every call raises the
+    error a vLLM server gone mid-sampling gives (`ServerError` naming `url`)."""
+    from lit_grpo.rollouts.rollout import make_rollout_fn
+    from lit_grpo.samplers.server.weight_files import ServerError
+
+    inner = make_rollout_fn(setup)
+    fail_at, url = int(setup.extras["fail_at_call"]), setup.extras.get("url", "http://127.0.0.1:9")
+    calls = {"n": 0}
+
+    async def rollout_fn(row):
+        calls["n"] += 1
+        if calls["n"] >= fail_at:
+            raise ServerError(f"no vLLM server left: vLLM server {url}: POST /v1/completions failed (ConnectError: connection refused)")
+        return await inner(row)
+
+    return rollout_fn

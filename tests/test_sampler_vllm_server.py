@@ -371,10 +371,18 @@ def test_a_killed_replica_is_named_and_its_requests_fail_over(servers, sampler, 
     # a sampler whose only server is gone says which
     with pytest.raises(ServerError, match=dead.url.replace(".", r"\.")):
         VLLMServerSampler(tokenizer, [dead.url], weight_sync_dir=tmp_path / "gone", request_timeout_s=5)
-    # a weight sync to a server that is gone names it
+    # a weight sync that loses a server drops it, names it, and goes on with the others ...
     lonely = VLLMServerSampler(tokenizer, [pool.urls[0]], weight_sync_dir=tmp_path / "lonely", request_timeout_s=10)
     try:
         lonely.replicas.append(type(lonely.replicas[0])(dead.url, model=lonely.replicas[0].model))
+        with caplog.at_level(logging.WARNING, logger="lit_grpo.samplers.server.weight_files"):
+            lonely.update_weights(model.state_dict().items())
+        assert f"dropped vLLM server {dead.url}" in caplog.text
+        assert lonely.replicas[1].down is not None and lonely.replicas[0].version == lonely.version
+        # ... and with none left, it fails naming the one it lost
+        gone = lonely.replicas[1]
+        gone.down = None
+        lonely.router.replicas = [gone]
         with pytest.raises(WeightSyncError, match=dead.url.replace(".", r"\.")):
             lonely.update_weights(model.state_dict().items())
     finally:

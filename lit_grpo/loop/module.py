@@ -31,7 +31,7 @@ from transformers import PreTrainedModel
 
 from lit_grpo.config import TrainConfig
 from lit_grpo.loop.distributed import all_reduce
-from lit_grpo.errors import UserError
+from lit_grpo.errors import EnvironmentFault, UserError
 from lit_grpo.maths.health import drift_per_token, drift_tis_cap
 from lit_grpo.maths.logprobs import token_logprobs
 from lit_grpo.models.lora import AdapterFreeView, is_lora, with_lora
@@ -176,6 +176,10 @@ class GRPOModule(L.LightningModule):
                 item = next(dataloader_iter, None)
         except StopRequested:  # a stop signal while waiting for rollouts (a stall, a hung rollout)
             item, stopped = None, True
+        except EnvironmentFault as fault:  # a vLLM server died: keep the last finished step, then stop
+            if self.step_sequence is None:
+                raise
+            raise self.step_sequence.stop_on_fault(fault, self.trainer, self) from None
         batch = None if item is None else item[0]
         # max(-n) is the fewest sequences of any rank; max(stopped) whether any rank was stopped.
         mine = torch.tensor([-(0 if batch is None else batch.num_sequences), float(stopped)], device=self.device)

@@ -37,7 +37,7 @@ import lightning as L
 import torch
 from lightning.pytorch.loggers import CSVLogger
 
-from lit_grpo.errors import UserError
+from lit_grpo.errors import EnvironmentFault, UserError
 from lit_grpo.loop.evaluation import Evaluator
 from lit_grpo.loop.metrics import MetricHistory, merge_step_metrics
 from lit_grpo.loop.distributed import all_reduce
@@ -105,7 +105,13 @@ class StepSequence:
         self.history.append(metrics)  # before the checkpoint, which saves the history
         self.stopping = self._stop_requested_anywhere()
 
-        metrics.update(self.sync(module, step))
+        try:
+            metrics.update(self.sync(module, step))
+        except EnvironmentFault as fault:  # step `step` is trained: keep it, then stop
+            self.datamodule.advance_version()  # as a sync would have: the saved state is step `step`'s end
+            if self.checkpointer is not None and not trainer.fast_dev_run:
+                self._save(trainer, module, step)
+            raise self.stopped_by(fault, trainer, module) from None
         if self.checkpointer is not None and (self.checkpointer.due(trainer, step) or self.stopping and not trainer.fast_dev_run):
             metrics["perf/checkpoint_s"] = self._save(trainer, module, step)
         for evaluator in self.evaluators:
@@ -134,11 +140,39 @@ class StepSequence:
         step as it was at its end, if it is not saved yet, and end training (every rank calls it)."""
         self.stopping = True
         trainer.should_stop = True
+        self._save_end_of_last_step(trainer, module)
+
+    def _save_end_of_last_step(self, trainer: L.Trainer, module: "GRPOModule") -> None:
         step = module.rollout_step
         if self.checkpointer is None or self._end_of_last_step is None or self.checkpointer.last_saved_step == step or trainer.fast_dev_run:
             return
         data_state, rng = self._end_of_last_step
         self._save(trainer, module, step, data_state=data_state, rng=rng)
+
+    def stop_on_fault(self, fault: EnvironmentFault, trainer: L.Trainer, module: "GRPOModule") -> EnvironmentFault:
+        """Something outside the run failed while waiting for rollouts (a vLLM server died): save
+        the last finished step as it was at its end, and return the error to raise, which says
+        where `resume=auto` continues."""
+        self.stopping = True
+        trainer.should_stop = True
+        self._save_end_of_last_step(trainer, module)
+        return self.stopped_by(fault, trainer, module)
+
+    def stopped_by(self, fault: EnvironmentFault, trainer: L.Trainer, module: "GRPOModule") -> EnvironmentFault:
+        """`fault`'s message and what to do next: the step `resume=auto` continues from, if one was saved."""
+        step = module.rollout_step
+        restart = "Start the server again (or point sampler.server_urls at a live one)"
+        if self.checkpointer is not None and self.checkpointer.last_saved_step is not None:
+            saved = self.checkpointer.last_saved_step
+            what = f"{restart} and run again with resume=auto: it continues from step {saved}, the last checkpoint."
+            if saved != step:
+                what = f"Step {step} finished but only step {saved} is saved. " + what
+        elif step == 0:
+            what = f"No step had finished. {restart} and run again."
+        else:
+            what = (f"Step {step} had finished, but checkpoints are off (dcp_save_interval=0), so the run cannot continue: "
+                    f"{restart} and run again (set dcp_save_interval=N to make a run resumable after a fault).")
+        return EnvironmentFault(f"{str(fault).rstrip('.')}; training stopped after step {step}. {what}")
 
     def sync(self, module: "GRPOModule", step: int) -> dict[str, float]:
         """Phase 1: the weights into the sampler if a sync is due, and the version advance."""

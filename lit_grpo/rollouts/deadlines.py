@@ -44,7 +44,7 @@ MAX_BACKOFF_S = 8.0
 STALL_EXIT_CODE = 70
 """Exit status when a blocked rollout cannot be interrupted (see `LoopWatchdog`)."""
 
-from lit_grpo.errors import UserError
+from lit_grpo.errors import EnvironmentFault, UserError
 
 
 class RolloutTimeout(TimeoutError):
@@ -57,7 +57,11 @@ class RolloutStalled(UserError, RuntimeError):
 
 
 def classify(err: BaseException) -> str:
-    """`bug` (stop at once), `transient` (retry, then count as a failure) or `failure` (count)."""
+    """`bug` (stop at once), `fault` (something outside the rollout failed for good, a vLLM server
+    after its retries and failover: stop at once, naming it), `transient` (retry, then count as a
+    failure) or `failure` (count)."""
+    if isinstance(err, EnvironmentFault):
+        return "fault"
     if isinstance(err, BUG_ERRORS):
         return "bug"
     if isinstance(err, TRANSIENT_ERRORS):
@@ -107,6 +111,8 @@ async def call_rollout(rollout_fn: Callable[[dict], Awaitable[Any]], row: dict, 
                                      f"rollout_timeout_s={timeout_s:g} s; it was cancelled") from None
         except Exception as err:
             kind = classify(err)
+            if kind == "fault":
+                raise
             if kind == "bug":
                 err.add_note(f"raised by the rollout function {function_name(rollout_fn)}: a bug in the rollout stops "
                              "training at once (not retried, not counted)")

@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
 import torch
 
+from lit_grpo.errors import EnvironmentFault
 from lit_grpo.samplers.base import strip_wrapper_prefixes
 
 WEIGHTS_FILE = "model.safetensors"
+
+log = logging.getLogger(__name__)
 
 
 def write_weight_file(named_tensors: Iterable[tuple[str, torch.Tensor]], folder: Path) -> int:
@@ -38,11 +42,11 @@ def write_weight_file(named_tensors: Iterable[tuple[str, torch.Tensor]], folder:
     return len(tensors)
 
 
-class ServerError(RuntimeError):
+class ServerError(EnvironmentFault, RuntimeError):
     """A vLLM server failed a request (after its retries), refused it, or is gone; the message names it."""
 
 
-class WeightSyncError(RuntimeError):
+class WeightSyncError(EnvironmentFault, RuntimeError):
     """A weight sync failed or timed out on a server (named in the message): its weights may be stale.
     `servers`: the URLs of those servers, where the raiser knows them."""
 
@@ -112,14 +116,17 @@ async def sync_replicas(call: Callable[..., Any], live: list, version: int, fold
     for r, result in zip(live, results):
         if isinstance(result, BaseException) and r.url not in failed:
             failed[r.url] = _describe(result)
-    if failed:
-        for r in live:
-            if r.url in failed:
-                r.down = r.down or f"weight sync to version {version} failed"
-                r.version = None
+    for r in live:
+        if r.url in failed:  # its weights are unknown: it never serves this run again
+            r.down = r.down or f"weight sync to version {version} failed"
+            r.version = None
+    if failed and len(failed) < len(live):
+        log.warning("weight sync %d: dropped %s; training goes on with the %d other server(s) holding version %d",
+                    version, "; ".join(f"vLLM server {url} ({why})" for url, why in failed.items()), len(live) - len(failed), version)
+    elif failed:
         raise WeightSyncError(f"weight sync to version {version} failed on " + "; ".join(
-            f"{url} ({why})" for url, why in failed.items()) + ": those servers may hold stale or broken weights; "
-            "training stops rather than sample from them", servers=list(failed))
+            f"{url} ({why})" for url, why in failed.items()) + ": no server holds the new weights; "
+            "training stops rather than sample from stale ones", servers=list(failed))
 
 
 def _describe(err: BaseException) -> str:
