@@ -105,7 +105,7 @@ def scheduler_only_step_s(offpolicy: int | None, latency: float, train_s: float,
                  OffPolicyScheduler(cursor, groups, P, max_head_offpolicy_versions=offpolicy, max_concurrency=256))
     ends = []
     try:
-        for _ in RolloutStream(scheduler, groups, max_steps=steps, advantage_scale="std", pad_id=0):
+        for _ in RolloutStream(scheduler, groups, max_steps=steps, pad_id=0):
             time.sleep(train_s)
             scheduler.advance_version()
             ends.append(time.perf_counter())

@@ -22,7 +22,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lit_grpo.callbacks.export import HFExport
 from lit_grpo.run.checkpoint import CheckpointStore
-from lit_grpo.config import ConfigError, PolicyLossConfig, TrainConfig, UserInputs
+from lit_grpo.config import ConfigError, TrainConfig, UserInputs
 from lit_grpo.rollouts.datamodule import RolloutDataModule, rollout_guards
 from lit_grpo.loop.evaluation import Evaluator, GreedyEvaluator, RolloutEvaluator
 from lit_grpo.run.loggers import finish_runs
@@ -34,7 +34,7 @@ from lit_grpo.run.state import RunCheckpointer
 from lit_grpo.samplers import build_sampler
 from lit_grpo.loop.signals import StopSignals
 from lit_grpo.loop.step_sequence import StepSequence
-from lit_grpo.maths.igpo import DEFAULT_GAMMA, IGPOSettings
+from lit_grpo.maths.advantages import make_advantage
 from lit_grpo.tasks import RewardFn, reward_fn
 from lit_grpo.types import RolloutSetup
 
@@ -84,8 +84,7 @@ def build_datamodule(c: TrainConfig, policy, tokenizer, rows: list[dict], reward
         epochs=c.data.epochs,
         seed=c.seed,
         shuffle=c.data.shuffle,
-        advantage_scale=c.policy_loss.advantage_scale,
-        igpo=igpo_settings(c.policy_loss),
+        advantage=make_advantage(c.advantage.name, c.advantage.params),
         max_steps=c.max_steps,
         max_seq_len=c.data.max_seq_len,
         min_group_size=c.data.min_group_size,
@@ -199,11 +198,3 @@ def fit(c: TrainConfig, resume_from: Optional[Path] = None, **build_kwargs) -> t
         datamodule.close()
         finish_runs(trainer.loggers)
     return trainer, module
-
-
-def igpo_settings(p: PolicyLossConfig) -> Optional[IGPOSettings]:
-    """IGPO's settings when `policy_loss.advantage` is igpo, else None."""
-    if p.advantage != "igpo":
-        return None
-    gamma = DEFAULT_GAMMA if p.igpo_gamma is None else float(p.igpo_gamma)
-    return IGPOSettings(gamma=gamma, skip_last_ig=bool(p.igpo_skip_last_ig))

@@ -41,7 +41,7 @@ class RolloutSample:
     """Optional, parallel to `tokens`: the engine's raw logprobs (`Completion.inference_logprobs`),
     for drift diagnostics only; the loss and TIS use `logprobs`."""
     turn_spans: Optional[list[tuple[int, int]]] = None
-    """Optional, for turn-level credit (`policy_loss.advantage: igpo`): the `[start, end)` index
+    """Optional, for turn-level credit (`advantage=igpo`): the `[start, end)` index
     ranges into `tokens` of each assistant turn, in order, not overlapping."""
     turn_rewards: Optional[list[float]] = None
     """Optional, parallel to `turn_spans`: each turn's reward (IGPO: its information gain,
@@ -248,7 +248,7 @@ class RolloutBatch:
     sampler_logprobs_BT: torch.Tensor
     """Sampler logprob per token (0 where not generated). Shape: [B, T], float."""
     advantages_B: torch.Tensor
-    """Group-relative advantage of each sequence. Shape: [B], float."""
+    """The advantage of each sequence (`advantage=<name>`). Shape: [B], float."""
     rewards_B: torch.Tensor
     """Reward of each sequence. Shape: [B], float64 (a reward of 1e200 stays finite)."""
     versions_B: torch.Tensor
@@ -258,7 +258,7 @@ class RolloutBatch:
     groups: list[PromptGroup] = field(default_factory=list)
     """The accepted groups the batch was made from, in batch order (host-side, for the sample log)."""
     advantages_BT: Optional[torch.Tensor] = None
-    """Per-token advantages (turn-level credit, `policy_loss.advantage: igpo`), parallel to
+    """Per-token advantages (a per-token estimator's, e.g. `advantage=igpo`), parallel to
     `tokens_BT`, 0 outside the turns; the loss then uses these instead of `advantages_B`
     (which holds their mean over each sequence's trained tokens, for logs). Shape: [B, T], float."""
 

@@ -98,7 +98,7 @@ def test_o1_overlaps_the_next_steps_rollouts_with_training():
     gate_waits: list[float] = []
     began = time.perf_counter()
     try:
-        for batch in RolloutStream(scheduler, groups, max_steps=steps, advantage_scale="std", pad_id=0):
+        for batch in RolloutStream(scheduler, groups, max_steps=steps, pad_id=0):
             gate_waits.append(batch.record.timings["perf/sampler_wait_s"])
             start = time.perf_counter()
             time.sleep(train_s)  # the training step
@@ -153,7 +153,7 @@ def test_a_straggler_past_its_budget_is_sampled_again_not_trained_late():
                                    max_head_offpolicy_versions=1, max_concurrency=64)
     trained, offsets, stale = [], [], 0
     try:
-        for batch in RolloutStream(scheduler, groups, max_steps=-1, advantage_scale="std", pad_id=0):
+        for batch in RolloutStream(scheduler, groups, max_steps=-1, pad_id=0):
             trained += [int(t) - 100 for t in batch.tokens_BT[::G, 1]]
             offsets += batch.record.version_offsets
             stale += batch.record.counts.get("rollout/stale_groups", 0)

@@ -285,7 +285,7 @@ def test_off_policy_scheduler_state_loses_no_row_and_repeats_none():
     def scheduler():
         groups = GroupSampler(_row_fn(), G, max_seq_len=64, min_group_size=2, filters=[])
         scheduler = OffPolicyScheduler(RowCursor(rows, 1, 0, True), groups, P, max_head_offpolicy_versions=2, max_concurrency=64)
-        return scheduler, iter(RolloutStream(scheduler, groups, max_steps=-1, advantage_scale="std", pad_id=0))
+        return scheduler, iter(RolloutStream(scheduler, groups, max_steps=-1, pad_id=0))
 
     first, stream = scheduler()
     before = []

@@ -37,7 +37,7 @@ def test_row_cursor_is_seeded_and_covers_every_row_each_epoch():
 def _stream(rows, rollout_fn, filters, P=2, G=3):
     groups = GroupSampler(rollout_fn, G, max_seq_len=64, min_group_size=2, filters=filters)
     scheduler = SynchronousScheduler(RowCursor(rows, 1, 0, shuffle=False), groups, P, max_concurrency=256)
-    return iter(RolloutStream(scheduler, groups, max_steps=-1, advantage_scale="std", pad_id=0))
+    return iter(RolloutStream(scheduler, groups, max_steps=-1, pad_id=0))
 
 
 def _next_batch(rewards_by_row, filters, P=2, G=3):
@@ -158,7 +158,7 @@ def test_rows_running_out_before_max_steps_is_flagged_and_logged_once(caplog):
 
     groups = GroupSampler(rollout_fn, 3, max_seq_len=64, min_group_size=2, filters=[])
     scheduler = SynchronousScheduler(RowCursor(rows, 1, 0, shuffle=False), groups, 2, max_concurrency=256)
-    stream = RolloutStream(scheduler, groups, max_steps=10, advantage_scale="std", pad_id=0)
+    stream = RolloutStream(scheduler, groups, max_steps=10, pad_id=0)
     with caplog.at_level("WARNING", logger="lit_grpo.rollouts.datamodule"):
         assert [b.num_sequences for b in stream] == [6, 3]  # 2 groups, then the last row alone
         assert list(stream) == []

@@ -102,7 +102,7 @@ def test_make_batch_records_and_metrics_pool_two_ranks_by_hand():
     a = PromptGroup(row={}, version=0, samples=[_sample([0, 0, 1, 1], 1.0), _sample([0, 1, 1, 1], 0.0, "length")])
     b = PromptGroup(row={}, version=0, samples=[_sample([0, 1], 1.0), _sample([0, 1], 1.0)])
     c = PromptGroup(row={}, version=0, samples=[_sample([0, 1], 0.0)])
-    batch0 = make_batch([a], [a, b, c], version=0, advantage_scale="std", pad_id=0, counts=Counter(), timings={})
+    batch0 = make_batch([a], [a, b, c], version=0, pad_id=0, counts=Counter(), timings={})
     assert batch0.record.zero_spread == [False, True]
     assert batch0.record.finish_reasons == ["stop", "length"]
     assert batch0.record.trained_tokens == [2, 3]
@@ -111,7 +111,7 @@ def test_make_batch_records_and_metrics_pool_two_ranks_by_hand():
     #   segments: length with 1 token, stop with 2; the second run: stop with 4 tokens.
     d = PromptGroup(row={}, version=0, samples=[_sample([0, 1], 0.5, "length"), _sample([0, 1, 1], 0.5), _sample([1, 1, 1, 1], 0.5)],
                     run_sizes=[2, 1])
-    batch1 = make_batch([d], [d], version=0, advantage_scale="std", pad_id=0, counts=Counter(), timings={})
+    batch1 = make_batch([d], [d], version=0, pad_id=0, counts=Counter(), timings={})
     assert batch1.record.zero_spread == [True]
     assert batch1.record.trained_tokens == [1, 2, 4]
     m = rollout_metrics([batch0.record, batch1.record])

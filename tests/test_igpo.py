@@ -8,8 +8,8 @@ from collections import Counter
 import pytest
 import torch
 
-from lit_grpo.build import igpo_settings
-from lit_grpo.config import ConfigError, PolicyLossConfig
+from lit_grpo.config import ConfigError, PolicyLossConfig, TrainConfig
+from lit_grpo.maths.advantages import make_advantage
 from lit_grpo.maths.igpo import information_gains_from_logprobs, turn_advantages, turn_token_advantages
 from lit_grpo.maths.losses import policy_loss
 from lit_grpo.loop.module import align_to_predictions, token_logprobs
@@ -64,13 +64,18 @@ def test_information_gain_and_token_broadcast():
 
 @pytest.mark.timeout(10)
 def test_config_validates_the_advantage_fields():
-    assert igpo_settings(PolicyLossConfig()) is None
-    assert igpo_settings(PolicyLossConfig(advantage="igpo", igpo_gamma=0.5)).gamma == 0.5
-    for kwargs, field in [({"advantage": "turns"}, "policy_loss.advantage"), ({"igpo_gamma": 0.9}, "policy_loss.igpo_gamma"),
+    # The deprecated policy_loss knobs, read into the `advantage` group by TrainConfig.
+    assert TrainConfig().advantage.name == "grpo"
+    c = TrainConfig(policy_loss=PolicyLossConfig(advantage="igpo", igpo_gamma=0.5))
+    assert (c.advantage.name, c.advantage.params, c.policy_loss.advantage) == ("igpo", {"gamma": 0.5}, None)
+    assert make_advantage(c.advantage.name, c.advantage.params).params["gamma"] == 0.5
+    for kwargs, field in [({"advantage": "turns"}, "policy_loss.advantage"),
                           ({"advantage": "igpo", "igpo_gamma": 1.5}, "policy_loss.igpo_gamma"),
                           ({"advantage": "igpo", "advantage_scale": "none"}, "policy_loss.advantage_scale")]:
         with pytest.raises(ConfigError, match=field):
             PolicyLossConfig(**kwargs)
+    with pytest.raises(ConfigError, match="policy_loss.igpo_gamma"):  # without advantage=igpo
+        TrainConfig(policy_loss=PolicyLossConfig(igpo_gamma=0.9))
 
 
 @pytest.mark.timeout(120)
@@ -114,8 +119,8 @@ def test_turn_advantages_reach_the_loss_on_their_turns_tokens():
     samples, sizes, counts, _ = checked_samples([a, RolloutRun(segments=[b1, b2])], max_seq_len=64)
     assert not counts and sizes == [1, 2]
     group = PromptGroup(row={}, samples=samples, version=0, run_sizes=sizes)
-    batch = make_batch([group], [group], version=0, advantage_scale="std", pad_id=0, counts=Counter(), timings={},
-                       igpo=igpo_settings(PolicyLossConfig(advantage="igpo", igpo_gamma=0.5)))
+    batch = make_batch([group], [group], version=0, pad_id=0, counts=Counter(), timings={},
+                       advantage=make_advantage("igpo", {"gamma": 0.5}))
     returns = turn_advantages([[2.0, 0.0], [1.0, 3.0]], [1.0, 0.0], gamma=0.5)
     assert batch.advantages_BT.shape == batch.tokens_BT.shape == (3, 9)
 
@@ -151,5 +156,5 @@ def test_malformed_turns_are_dropped_and_default_batches_are_unchanged():
     _, _, counts, _ = checked_samples([good, overlapping, missing_rewards], max_seq_len=64)
     assert counts == Counter({"rollout/dropped_bad_turns": 2})
     group = PromptGroup(row={}, samples=[good, _turn_sample(0.0, [0.1], [(1, 3)], 4)], version=0)
-    batch = make_batch([group], [group], version=0, advantage_scale="std", pad_id=0, counts=Counter(), timings={})
+    batch = make_batch([group], [group], version=0, pad_id=0, counts=Counter(), timings={})
     assert batch.advantages_BT is None and batch.advantages_B.shape == (2,)

@@ -11,10 +11,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from lit_grpo.callbacks.reward_filter import UniformRewardFilter, has_reward_variance, has_turn_signal
+from lit_grpo.callbacks.reward_filter import UniformRewardFilter, has_reward_variance
 from lit_grpo.config import ConfigError
 from lit_grpo.envs.lookup import make_rollout_fn
-from lit_grpo.maths.igpo import IGPOSettings
+from lit_grpo.maths.advantages import make_advantage
+from lit_grpo.maths.igpo import IGPOSettings, has_turn_signal
 from lit_grpo.loop.module import token_logprobs
 from lit_grpo.rollouts.rollout import Trajectory
 from lit_grpo.samplers.hf import HFSampler
@@ -162,28 +163,30 @@ def _group(outcomes, gains):
 def test_igpo_keeps_groups_of_equal_outcomes_whose_turns_differ():
     settings = IGPOSettings()
     differing = _group([0.0, 0.0], [[0.3, 0.1], [-0.2, 0.1]])
-    assert not has_reward_variance(differing) and has_turn_signal(differing, settings)
-    assert not has_turn_signal(_group([1.0, 1.0], [[0.2, 0.1], [0.2, 0.1]]), settings)  # every run gained alike
-    assert not has_turn_signal(_group([1.0, 1.0], [[0.2, 0.1], [0.2 + 1e-8, 0.1]]), settings)  # below eps: batching noise
-    assert has_turn_signal(_group([1.0, 1.0], [[0.2, 0.1], [0.2 + 1e-3, 0.1]]), settings)
-    assert has_turn_signal(_group([1.0, 0.0], [[0.2, 0.1], [0.2, 0.1]]), settings)  # outcomes differ
+    assert not has_reward_variance(differing) and has_turn_signal(differing.runs, settings)
+    assert not has_turn_signal(_group([1.0, 1.0], [[0.2, 0.1], [0.2, 0.1]]).runs, settings)  # every run gained alike
+    assert not has_turn_signal(_group([1.0, 1.0], [[0.2, 0.1], [0.2 + 1e-8, 0.1]]).runs, settings)  # below eps: batching noise
+    assert has_turn_signal(_group([1.0, 1.0], [[0.2, 0.1], [0.2 + 1e-3, 0.1]]).runs, settings)
+    assert has_turn_signal(_group([1.0, 0.0], [[0.2, 0.1], [0.2, 0.1]]).runs, settings)  # outcomes differ
     # Only the last turns' gains differ and they are left out: every advantage is 0.
     last_only = _group([0.0, 0.0], [[0.2, 0.5], [0.2, -0.5]])
-    assert has_turn_signal(last_only, settings) and not has_turn_signal(last_only, IGPOSettings(skip_last_ig=True))
+    assert has_turn_signal(last_only.runs, settings) and not has_turn_signal(last_only.runs, IGPOSettings(skip_last_ig=True))
     plain = PromptGroup(row={}, samples=[RolloutSample([1, 2], [0.0, -0.1], [0, 1], 0.0)] * 2, version=0)
-    assert not has_turn_signal(plain, settings)  # no turns reported: the outcome test
+    assert not has_turn_signal(plain.runs, settings)  # no turns reported: the outcome test
 
-    def registered(igpo, predicate=None, keep_turn_signal=True):
+    def registered(advantage, predicate=None, keep_turn_signal=True):
         filters = []
-        datamodule = SimpleNamespace(stream=SimpleNamespace(igpo=igpo), group_filters=filters, add_group_filter=filters.append)
+        datamodule = SimpleNamespace(stream=SimpleNamespace(advantage=advantage), group_filters=filters, add_group_filter=filters.append)
         UniformRewardFilter(predicate, keep_turn_signal=keep_turn_signal).setup(SimpleNamespace(datamodule=datamodule), None, "fit")
         (keep,) = filters
         return keep
 
-    assert registered(None) is has_reward_variance  # policy_loss.advantage=group: as before
-    assert registered(settings)(differing) and not registered(settings)(_group([1.0, 1.0], [[0.2, 0.1]] * 2))
-    assert registered(settings, keep_turn_signal=False) is has_reward_variance  # the default: opt-in only
-    assert registered(settings, "lit_grpo.callbacks.reward_filter.has_reward_variance") is has_reward_variance  # a user's choice stays
+    igpo = make_advantage("igpo")
+    assert registered(None) is has_reward_variance and registered(make_advantage("grpo")) is has_reward_variance  # as before
+    assert registered(igpo)(differing) and not registered(igpo)(_group([1.0, 1.0], [[0.2, 0.1]] * 2))
+    assert igpo.group_signal(differing.runs) and not make_advantage("grpo").group_signal(differing.runs)
+    assert registered(igpo, keep_turn_signal=False) is has_reward_variance  # the default: opt-in only
+    assert registered(igpo, "lit_grpo.callbacks.reward_filter.has_reward_variance") is has_reward_variance  # a user's choice stays
 
 
 def _metrics(folder):

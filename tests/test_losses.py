@@ -618,7 +618,6 @@ def test_conf_files_match_registry():
         cfg = OmegaConf.to_container(OmegaConf.load(path))
         assert cfg.pop("name") == name
         assert cfg.pop("loss_normalization") == "token_mean"
-        assert cfg.pop("advantage_scale") == "std"
         assert cfg.pop("params") == {}
         check_policy_loss_hyperparams(name, cfg)
         assert cfg == policy_loss_defaults(name), path.name

@@ -162,7 +162,7 @@ def test_a_step_logs_each_component_and_counts_the_dropped(tokenizer, user_rewar
     for fn, dropped in ((reward, 0), (none_for_untagged, 3)):
         groups = GroupSampler(_rollout(tokenizer, fn, ["2", "x", "6"]), 3, max_seq_len=64, min_group_size=2, filters=[])
         scheduler = SynchronousScheduler(RowCursor(rows, 1, 0, shuffle=False), groups, 2, max_concurrency=256)
-        batch = next(iter(RolloutStream(scheduler, groups, max_steps=1, advantage_scale="std", pad_id=0)))
+        batch = next(iter(RolloutStream(scheduler, groups, max_steps=1, pad_id=0)))
         metrics = rollout_metrics([batch.record])
         assert metrics.get("rollout/dropped_none", 0) == dropped
         assert 0.0 <= metrics["reward/exact_match"] <= 1.0 and metrics["reward/only_tagged"] == 1.0

@@ -65,7 +65,7 @@ def test_what_passes_the_checks():
 def _stream(rows, rollout_fn, *, G, max_seq_len=64, P=2, max_steps=-1, **group_kwargs):
     groups = GroupSampler(rollout_fn, G, max_seq_len=max_seq_len, min_group_size=2, filters=[], **group_kwargs)
     scheduler = SynchronousScheduler(RowCursor(rows, 1, 0, False), groups, P, max_concurrency=256)
-    return RolloutStream(scheduler, groups, max_steps=max_steps, advantage_scale="std", pad_id=0)
+    return RolloutStream(scheduler, groups, max_steps=max_steps, pad_id=0)
 
 
 def test_pipeline_drops_and_counts_bad_samples_and_small_groups():

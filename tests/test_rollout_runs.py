@@ -36,7 +36,7 @@ def test_segments_share_their_runs_advantage_and_statistics_count_runs():
     # std sqrt(((2/3)^2 + 2 (1/3)^2) / 2) = sqrt(1/3); advantages (r - mean) / std.
     group = PromptGroup(row={}, version=0, samples=[_sample(1.0), _sample(1.0, start=7), _sample(0.0), _sample(0.0)], run_sizes=[2, 1, 1])
     assert group.rewards == [1.0, 0.0, 0.0]
-    batch = make_batch([group], [group], version=0, advantage_scale="std", pad_id=0, counts=Counter(), timings={})
+    batch = make_batch([group], [group], version=0, pad_id=0, counts=Counter(), timings={})
     std = math.sqrt(1 / 3)
     expected = [(2 / 3) / std, (2 / 3) / std, (-1 / 3) / std, (-1 / 3) / std]
     assert batch.advantages_B.tolist() == pytest.approx(expected, rel=1e-5)

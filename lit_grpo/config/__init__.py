@@ -2,7 +2,7 @@
 
     checks.py       ConfigError, `require`, the bounds every group shares
     model.py        ModelConfig, LoraConfig: the policy and its adapters
-    groups.py       sampler, data, reward, rollout, policy loss, trainer
+    groups.py       sampler, data, reward, rollout, policy loss, advantage, trainer
     run.py          TrainConfig (the whole run), `parse` (a composed DictConfig into it), the ConfigStore node
     keys.py         keys the schema does not have (a misspelt `+key=value`)
     sources.py      a data file's kind; a model or dataset that cannot be reached from here
@@ -13,13 +13,13 @@ needs a registry (losses, samplers, rewards, tasks) runs in `lit_grpo.run.valida
 """
 
 from lit_grpo.config.checks import DEFINES_STATE, MAX_LEARNING_RATE, MAX_TEMPERATURE, ConfigError, require, require_finite
-from lit_grpo.config.groups import DataConfig, PolicyLossConfig, RewardConfig, RolloutConfig, SamplerConfig, TrainerConfig
+from lit_grpo.config.groups import AdvantageConfig, DataConfig, PolicyLossConfig, RewardConfig, RolloutConfig, SamplerConfig, TrainerConfig
 from lit_grpo.config.model import LORA_DEFAULT_TARGETS, LoraConfig, ModelConfig
 from lit_grpo.config.run import TrainConfig, ineffective_knobs, parse
 from lit_grpo.config.user_inputs import UserInputs
 
 __all__ = [
-    "DEFINES_STATE", "LORA_DEFAULT_TARGETS", "MAX_LEARNING_RATE", "MAX_TEMPERATURE", "ConfigError", "DataConfig",
+    "AdvantageConfig", "DEFINES_STATE", "LORA_DEFAULT_TARGETS", "MAX_LEARNING_RATE", "MAX_TEMPERATURE", "ConfigError", "DataConfig",
     "LoraConfig", "ModelConfig", "PolicyLossConfig", "RewardConfig", "RolloutConfig", "SamplerConfig", "TrainConfig",
     "TrainerConfig", "UserInputs", "ineffective_knobs", "require", "parse", "require_finite",
 ]

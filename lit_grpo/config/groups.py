@@ -8,6 +8,7 @@ the field; `ConfigError` is what a user sees.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -17,6 +18,8 @@ from lit_grpo.config.checks import (
     require,
     require_finite,
 )
+
+log = logging.getLogger(__name__)
 
 ENGINE_THREADS = ("auto", "worker", "loop")
 """`sampler.engine_thread`."""
@@ -234,9 +237,58 @@ class RewardConfig:
             require(isinstance(spec, str) and bool(spec.strip()), "reward.fn", f"must be reward names or 'module:function', got {spec!r}")
 
 
+@dataclass
+class AdvantageConfig:
+    """How a group's rewards become advantages (`advantage=<name>`, `conf/advantage/<name>.yaml`).
+
+    `name` is a registered estimator (`lit_grpo.maths.advantages`: grpo, dr_grpo, igpo) or
+    `module.path:name` for a user's (its module's `@register_advantage("name")` registers it);
+    `params` its hyper-parameters, checked against the registry in `lit_grpo.run.validate`.
+    """
+
+    name: str = "grpo"
+    """grpo: (r - mean) / (std + eps); dr_grpo: r - mean; igpo: IGPO's per-token turn credit."""
+    params: dict = field(default_factory=dict)
+    """The estimator's hyper-parameters by their registered names (grpo: eps; igpo: gamma,
+    skip_last_ig, eps); unset or null ones take the registered default."""
+
+    def __post_init__(self) -> None:
+        require(isinstance(self.name, str) and bool(self.name.strip()), "advantage.name", "must name a registered advantage")
+        self.params = {k: v for k, v in self.params.items() if v is not None}  # null: unset (an experiment's undo)
+
+
+LEGACY_ADVANTAGE_FIELDS = ("advantage", "advantage_scale", "igpo_gamma", "igpo_skip_last_ig")
+"""PolicyLossConfig's former advantage knobs, still read (`adopt_legacy_advantage`)."""
+_LEGACY_SCALES = {"std": "grpo", "none": "dr_grpo"}
+
+
+def adopt_legacy_advantage(p: "PolicyLossConfig", a: AdvantageConfig) -> AdvantageConfig:
+    """The advantage that `policy_loss`'s deprecated knobs ask for (they win over `a`, as they did:
+    `policy_loss.advantage=igpo` is `advantage=igpo`, `advantage_scale=none` is `advantage=dr_grpo`,
+    `igpo_gamma`/`igpo_skip_last_ig` are igpo's `gamma`/`skip_last_ig`); `a` when none is set.
+    The knobs are then cleared and one line is logged."""
+    legacy = {k: getattr(p, k) for k in LEGACY_ADVANTAGE_FIELDS if getattr(p, k) is not None}
+    if not legacy:
+        return a
+    kind = p.advantage or ("igpo" if a.name == "igpo" else "group")
+    params = {k: legacy[f"igpo_{k}"] for k in ("gamma", "skip_last_ig") if f"igpo_{k}" in legacy}
+    for key in params:
+        require(kind == "igpo", f"policy_loss.igpo_{key}", f"applies to advantage=igpo only (it is {a.name!r})")
+    require(kind != "igpo" or p.advantage_scale in (None, "std"), "policy_loss.advantage_scale",
+            f"igpo z-normalizes its IG and outcome rewards itself; leave it at std (got {p.advantage_scale!r})")
+    name = "igpo" if kind == "igpo" else _LEGACY_SCALES[p.advantage_scale or "std"]
+    new = AdvantageConfig(name, {**a.params, **params} if name == a.name else params)
+    for key in LEGACY_ADVANTAGE_FIELDS:
+        setattr(p, key, None)
+    set_ = " ".join(f"policy_loss.{k}={v}" for k, v in legacy.items())
+    log.warning("deprecated: %s is read as advantage=%s%s; use the `advantage` group", set_, new.name,
+                "".join(f" advantage.params.{k}={v}" for k, v in params.items()))
+    return new
+
+
 # PolicyLossConfig's named hyper-parameters; any other goes in `params`.
 ADVANTAGE_KINDS = ("group", "igpo")
-"""`policy_loss.advantage`: per-sequence group-relative advantages, or IGPO's per-token turn credit."""
+"""Deprecated `policy_loss.advantage`: per-sequence group-relative advantages, or IGPO's turn credit."""
 NAMED_LOSS_HYPERPARAMS = ("eps_clip", "eps_clip_high", "eps_clip_c", "dro_beta", "tis_cap", "tis_level")
 
 
@@ -258,16 +310,14 @@ class PolicyLossConfig:
     loss_normalization: str = "token_mean"
     """A registered normalization (`lit_grpo.maths.loss_terms.LOSS_NORMALIZATIONS`): token_mean (over
     the whole optimizer step), seq_mean or sum."""
-    advantage_scale: str = "std"
-    """`std`: (r - mean) / std within the group; `none`: r - mean (Dr. GRPO)."""
-    advantage: str = "group"
-    """`group`: one group-relative advantage per sequence (from `reward`); `igpo`: turn-level
-    credit per token (`lit_grpo.maths.igpo.turn_advantages`), from each sample's `turn_spans` and
-    `turn_rewards` (information gains) and its `reward` (the outcome)."""
+    advantage_scale: Optional[str] = None
+    """Deprecated (`advantage=grpo` / `advantage=dr_grpo`): `std` or `none` (null: unset)."""
+    advantage: Optional[str] = None
+    """Deprecated (`advantage=grpo` / `advantage=igpo`): `group` or `igpo` (null: unset)."""
     igpo_gamma: Optional[float] = None
-    """igpo: discount of the turn-level return, in [0, 1] (null: 0.95, the paper's)."""
+    """Deprecated (`advantage.params.gamma` under `advantage=igpo`)."""
     igpo_skip_last_ig: Optional[bool] = None
-    """igpo: the last turn of each rollout carries only the outcome, no IG term (null: false)."""
+    """Deprecated (`advantage.params.skip_last_ig` under `advantage=igpo`)."""
     eps_clip: Optional[float] = None
     """Lower clip ε of the ratio (1 - ε)."""
     eps_clip_high: Optional[float] = None
@@ -292,16 +342,19 @@ class PolicyLossConfig:
                 require_finite(getattr(self, key), f"policy_loss.{key}")
         self._check_advantage()
 
-    def _check_advantage(self) -> None:
-        require(self.advantage in ADVANTAGE_KINDS, "policy_loss.advantage", f"must be one of {', '.join(ADVANTAGE_KINDS)}, got {self.advantage!r}")
+    def _check_advantage(self) -> None:  # the deprecated knobs, read by `adopt_legacy_advantage`
+        require(self.advantage in (None, *ADVANTAGE_KINDS), "policy_loss.advantage",
+                f"must be one of {', '.join(ADVANTAGE_KINDS)}, got {self.advantage!r}")
+        require(self.advantage_scale in (None, *_LEGACY_SCALES), "policy_loss.advantage_scale",
+                f"must be one of {', '.join(_LEGACY_SCALES)}, got {self.advantage_scale!r}")
         for key in ("igpo_gamma", "igpo_skip_last_ig"):
-            require(getattr(self, key) is None or self.advantage == "igpo", f"policy_loss.{key}",
+            require(getattr(self, key) is None or self.advantage != "group", f"policy_loss.{key}",
                     f"applies to policy_loss.advantage=igpo only (it is {self.advantage!r})")
         if self.igpo_gamma is not None:
             require_finite(self.igpo_gamma, "policy_loss.igpo_gamma")
             require(0.0 <= self.igpo_gamma <= 1.0, "policy_loss.igpo_gamma", f"must be in [0, 1], got {self.igpo_gamma}")
         if self.advantage == "igpo":  # igpo z-normalizes its rewards itself: another scale would be a silent no-op
-            require(self.advantage_scale == "std", "policy_loss.advantage_scale",
+            require(self.advantage_scale in (None, "std"), "policy_loss.advantage_scale",
                     f"igpo z-normalizes its IG and outcome rewards itself; leave it at std (got {self.advantage_scale!r})")
 
     def hyperparams(self) -> dict[str, Any]:

@@ -20,7 +20,9 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
 from lit_grpo.config.checks import DEFINES_STATE, MAX_LEARNING_RATE, ConfigError, require, require_finite
-from lit_grpo.config.groups import DataConfig, PolicyLossConfig, RewardConfig, RolloutConfig, SamplerConfig, TrainerConfig
+from lit_grpo.config.groups import (
+    AdvantageConfig, DataConfig, PolicyLossConfig, RewardConfig, RolloutConfig, SamplerConfig, TrainerConfig, adopt_legacy_advantage,
+)
 from lit_grpo.config.model import ModelConfig
 from lit_grpo.config.keys import unknown_keys, unknown_keys_message
 from lit_grpo.config.sources import source_kind
@@ -42,6 +44,11 @@ class TrainConfig:
     """The reward (`conf/reward/`): null `reward.fn` is the task's; a name, `module:function` or a
     weighted list of them replaces it."""
     policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
+    """The advantage estimator (`conf/advantage/<name>.yaml`): grpo, dr_grpo, igpo or a user's
+    `module.path:name`, with its `params`. The deprecated `policy_loss.advantage`,
+    `policy_loss.advantage_scale`, `policy_loss.igpo_gamma` and `policy_loss.igpo_skip_last_ig`
+    are read into it here (`lit_grpo.config.groups.adopt_legacy_advantage`)."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     callbacks: dict = field(default_factory=dict)
@@ -110,6 +117,7 @@ class TrainConfig:
     each such step's update is skipped."""
 
     def __post_init__(self) -> None:
+        self.advantage = adopt_legacy_advantage(self.policy_loss, self.advantage)
         require(self.max_steps == -1 or self.max_steps > 0, "max_steps", "must be -1 (until data is exhausted) or > 0")
         for name in ("learning_rate", "adam_beta1", "adam_beta2", "adam_eps", "weight_decay", "grad_clip_norm", "rollout_timeout_s"):
             require_finite(getattr(self, name), name)

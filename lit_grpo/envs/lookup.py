@@ -6,13 +6,13 @@ the run's reward (`task=lookup`: 1.0 for the right digit). Moves are one token b
 game's keys and values are single characters), whatever `sampler.max_completion_tokens` says.
 
 With `rollout.extras.score_turns` (default true) the sample reports its turns for
-`policy_loss.advantage=igpo`: `turn_spans` (each move's token) and `turn_rewards`, the information
+`advantage=igpo`: `turn_spans` (each move's token) and `turn_rewards`, the information
 gain of each turn, IG_t = s_t - s_{t-1} with s_t = mean log p(answer | prefix_t) under the
 sampler's policy (`sampler.score`, temperature 1). Every prefix ends at the answer cue (`>`), so
 the T + 1 scores ask the same question, "your answer now?": prefix_0 is the prompt, prefix_t
 (t < T) ends with turn t's reply, each with its final cue made the answer cue, and prefix_T is the
 whole trajectory plus the answer cue (the last turn's IG is what the formula gives;
-`policy_loss.igpo_skip_last_ig=true` leaves it out). The T + 1 pairs go to the
+`advantage.params.skip_last_ig=true` leaves it out). The T + 1 pairs go to the
 sampler in one `score` call, batched with the other rollouts'. `score_turns: false` skips the
 scoring (plain GRPO on the same game).
 """

@@ -1,23 +1,62 @@
-"""Group-relative advantages: pure tensor functions.
+"""Advantages: a registry of estimators, each turning one prompt group's rewards into advantages.
 
-GRPO normalizes each reward by its group's mean and (unbiased) standard deviation; Dr. GRPO
-(`scale="none"`) only centres it. A group whose rewards are all equal carries no signal and gets
-all-zero advantages (it is usually dropped earlier by the uniform-reward filter).
+An entry is registered by name with its default hyper-parameters (`register_advantage`); a user's
+module registers its own and the config names it `module.path:name` (`advantage.name`), which
+imports the module first. An entry works at one of two levels:
+
+- per sequence (the default): `fn(rewards_G, **params) -> advantages_G`, `rewards_G` a float64
+  tensor of the group's G run rewards. A `RolloutRun`'s segments share their run's reward, so
+  they share its advantage too, and G counts runs, not segments;
+- per token (`per_token=True`): `fn(runs, **params) -> one list per segment` (runs in order, each
+  run's segments in order), one value per token of the segment, 0 where nothing is trained. What
+  the estimator reads (IGPO: each segment's `turn_spans` and `turn_rewards`) is on the samples.
+
+An entry may register `group_signal(runs, **params) -> bool`: whether a group carries a learning
+signal under it even when all its rewards are equal (IGPO: its turns' information gains differ);
+without one, a group carries a signal when its rewards differ (`Advantage.group_signal`).
+
+Built-ins: `grpo` (r - mean) / (std + eps), `dr_grpo` r - mean (Dr. GRPO), `igpo` (IGPO's turn
+credit, `lit_grpo.maths.igpo`). For scalar rewards: `compute("grpo", rewards_G) -> advantages_G`.
 """
 
 from __future__ import annotations
 
+import inspect
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Optional, Sequence
+
 import torch
+
+from lit_grpo.maths.igpo import DEFAULT_GAMMA, IGPOSettings, group_token_advantages, has_turn_signal
+from lit_grpo.registry import lookup
+from lit_grpo.types import RolloutSample
+
+__all__ = [
+    "ADVANTAGES", "ADVANTAGE_SCALES", "Advantage", "AdvantageSpec", "advantage_defaults", "advantage_param_problems",
+    "available_advantages", "check_advantage_params", "compute", "get_advantage", "group_advantages", "make_advantage",
+    "ragged_group_advantages", "register_advantage",
+]
 
 _STD_FLOOR = 1e-8
 ADVANTAGE_SCALES = ("std", "none")
+"""`group_advantages`' scales: `std` is the `grpo` entry, `none` the `dr_grpo` entry."""
+
+Runs = Sequence[Sequence[RolloutSample]]
+"""One group's runs, each the `RolloutSample` segments of one rollout call (a lone sample: one segment)."""
+ParamCheck = Callable[[Any], Optional[str]]
+"""A hyper-parameter's bound: None when the value is fine, else why not."""
 
 
-def group_advantages(rewards_PG: torch.Tensor, scale: str = "std") -> torch.Tensor:
+# ---------------------------------------------------------------------------------- group-relative maths
+
+
+def group_advantages(rewards_PG: torch.Tensor, scale: str = "std", eps: float = _STD_FLOOR) -> torch.Tensor:
     """Advantages of P groups of G rewards each.
 
-    `std`: A = (r - mean) / (std + 1e-8), std unbiased; `none`: A = r - mean. Groups whose std
-    is below 1e-8 get zeros. Shape: [P, G] -> [P, G].
+    `std`: A = (r - mean) / (std + eps), with std the unbiased (n - 1) standard deviation of the
+    group; `none`: A = r - mean. Groups whose std is below `eps` (default 1e-8) get zeros.
+    Shape: [P, G] -> [P, G], float32.
     """
     if scale not in ADVANTAGE_SCALES:
         raise ValueError(f"unknown advantage scale {scale!r}; valid: {', '.join(ADVANTAGE_SCALES)}")
@@ -30,9 +69,9 @@ def group_advantages(rewards_PG: torch.Tensor, scale: str = "std") -> torch.Tens
     magnitude_P1 = centred_PG.abs().amax(dim=1, keepdim=True)
     magnitude_P1 = torch.where(magnitude_P1 > 0, magnitude_P1, torch.ones_like(magnitude_P1))
     std_P1 = (centred_PG / magnitude_P1).std(dim=1, unbiased=True, keepdim=True) * magnitude_P1
-    uniform_P1 = std_P1 < _STD_FLOOR
+    uniform_P1 = std_P1 < eps
     if scale == "std":
-        centred_PG = centred_PG / (std_P1 + _STD_FLOOR)
+        centred_PG = centred_PG / (std_P1 + eps)
     return torch.where(uniform_P1, torch.zeros_like(centred_PG), centred_PG).float()
 
 
@@ -48,3 +87,181 @@ def ragged_group_advantages(rewards: list[list[float]], scale: str = "std") -> l
         for i, row in zip(indices, advantages):
             out[i] = row
     return out
+
+
+# ---------------------------------------------------------------------------------- the registry
+
+
+@dataclass(frozen=True)
+class AdvantageSpec:
+    """A registered advantage estimator."""
+
+    name: str
+    fn: Callable[..., Any]
+    """Per sequence: `fn(rewards_G, **params) -> [G]`; per token: `fn(runs, **params) -> [segments][tokens]`."""
+    defaults: Mapping[str, Any]
+    """Every hyper-parameter the estimator takes, with its default."""
+    per_token: bool = False
+    group_signal: Optional[Callable[..., bool]] = None
+    """`group_signal(runs, **params) -> bool`, or None: the group's rewards differ."""
+    checks: Mapping[str, ParamCheck] = field(default_factory=dict)
+    """Bounds of some hyper-parameters, checked with the config before anything loads."""
+
+
+ADVANTAGES: dict[str, AdvantageSpec] = {}
+
+
+def register_advantage(name: str, *, per_token: bool = False, group_signal: Optional[Callable[..., bool]] = None,
+                       checks: Optional[Mapping[str, ParamCheck]] = None, **defaults: Any) -> Callable:
+    """Decorator registering an advantage estimator under `name` with its default hyper-parameters
+    (each a keyword argument of the function: checked now, so a typo fails at import)."""
+    if name in ADVANTAGES:
+        raise ValueError(f"advantage {name!r} is already registered")
+    if unknown := sorted(set(checks or {}) - set(defaults)):
+        raise ValueError(f"advantage {name!r}: checks of {', '.join(unknown)}, which it has no default for")
+
+    def decorator(fn: Callable) -> Callable:
+        params = inspect.signature(fn).parameters
+        takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+        if not takes_any and (missing := sorted(set(defaults) - set(params))):
+            raise TypeError(f"advantage {name!r}: {fn.__name__} must accept keyword(s) {', '.join(missing)}")
+        ADVANTAGES[name] = AdvantageSpec(name, fn, dict(defaults), per_token, group_signal, dict(checks or {}))
+        return fn
+
+    return decorator
+
+
+def available_advantages() -> list[str]:
+    """Names of the registered advantage estimators, sorted."""
+    return sorted(ADVANTAGES)
+
+
+def get_advantage(name: str) -> AdvantageSpec:
+    """The registered estimator `name` (or `module.path:name`, importing the module first); a
+    ValueError listing the valid names otherwise."""
+    return lookup(name, ADVANTAGES, "advantage")
+
+
+def advantage_defaults(name: str) -> dict[str, Any]:
+    """Every hyper-parameter of estimator `name` with its registered default (a fresh dict)."""
+    return dict(get_advantage(name).defaults)
+
+
+def advantage_param_problems(name: str, params: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """(hyper-parameter, why) for each of `params` the estimator does not take, whose type differs
+    from its default's (an int is a fine float), or that is out of the entry's bounds."""
+    spec = get_advantage(name)
+    problems = []
+    for key, value in params.items():
+        if key not in spec.defaults:
+            problems.append((key, f"not taken; valid hyper-parameters: {', '.join(sorted(spec.defaults)) or 'none'}"))
+            continue
+        default = spec.defaults[key]
+        if isinstance(default, bool) and not isinstance(value, bool):
+            problems.append((key, f"must be true or false, got {value!r}"))
+        elif isinstance(default, float) and (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)):
+            problems.append((key, f"must be a finite number, got {value!r}"))
+        elif key in spec.checks and (why := spec.checks[key](value)):
+            problems.append((key, why))
+    return problems
+
+
+def check_advantage_params(name: str, params: Mapping[str, Any]) -> None:
+    """Raise ValueError if `name` is unknown or a hyper-parameter in `params` is not accepted."""
+    if problems := advantage_param_problems(name, params):
+        raise ValueError(f"advantage {name!r}: " + "; ".join(f"{key}: {why}" for key, why in problems))
+
+
+@dataclass(frozen=True)
+class Advantage:
+    """A registered estimator with its hyper-parameters: what the rollout pipeline calls."""
+
+    spec: AdvantageSpec
+    params: Mapping[str, Any]
+    """Every hyper-parameter, defaults filled in."""
+
+    @property
+    def per_token(self) -> bool:
+        return self.spec.per_token
+
+    def run_advantages(self, rewards: Sequence[float]) -> list[float]:
+        """A per-sequence estimator's advantages of one group's run rewards. Shape: [G] -> [G]."""
+        out = self.spec.fn(torch.tensor([float(r) for r in rewards], dtype=torch.float64), **self.params)
+        out = torch.as_tensor(out).to(torch.float32)
+        if tuple(out.shape) != (len(rewards),):
+            raise ValueError(f"advantage {self.spec.name!r} returned shape {tuple(out.shape)} for {len(rewards)} rewards")
+        return out.tolist()
+
+    def token_advantages(self, runs: Runs) -> list[list[float]]:
+        """A per-token estimator's advantages of one group: per segment (runs in order), per token."""
+        out = [list(map(float, values)) for values in self.spec.fn(runs, **self.params)]
+        if [len(v) for v in out] != [len(s.tokens) for run in runs for s in run]:
+            raise ValueError(f"advantage {self.spec.name!r} must return one list per segment, one value per token")
+        return out
+
+    @property
+    def has_own_signal(self) -> bool:
+        """Whether the entry registered its own `group_signal` (else: the group's rewards differ)."""
+        return self.spec.group_signal is not None
+
+    def group_signal(self, runs: Runs) -> bool:
+        """Whether the group carries a learning signal under this estimator (the reward filter's test)."""
+        if self.spec.group_signal is not None:
+            return bool(self.spec.group_signal(runs, **self.params))
+        return len({float(run[0].reward) for run in runs}) > 1
+
+
+def make_advantage(name: str = "grpo", params: Optional[Mapping[str, Any]] = None) -> Advantage:
+    """Estimator `name` with `params` over its defaults; ValueError on an unknown name or hyper-parameter."""
+    spec = get_advantage(name)
+    check_advantage_params(name, params or {})
+    return Advantage(spec, {**spec.defaults, **(params or {})})
+
+
+def compute(name: str, rewards_G: torch.Tensor | Sequence[float], **params: Any) -> torch.Tensor:
+    """The advantages of one group of G scalar rewards under a per-sequence estimator. Shape: [G] -> [G], float32."""
+    advantage = make_advantage(name, params)
+    if advantage.per_token:
+        raise ValueError(f"advantage {name!r} is per token: it needs the group's samples (Advantage.token_advantages)")
+    rewards = rewards_G.tolist() if isinstance(rewards_G, torch.Tensor) else list(rewards_G)
+    return torch.tensor(advantage.run_advantages(rewards), dtype=torch.float32)
+
+
+# ---------------------------------------------------------------------------------- built-ins
+
+
+def _positive(value: Any) -> Optional[str]:
+    return None if value > 0 else f"must be > 0, got {value}"
+
+
+@register_advantage("grpo", checks={"eps": _positive}, eps=_STD_FLOOR)
+def grpo_advantages(rewards_G: torch.Tensor, *, eps: float) -> torch.Tensor:
+    """A = (r - mean) / (std + eps), std the group's unbiased (n - 1) standard deviation; a group
+    whose std is below eps (default 1e-8: equal rewards) gets zeros (`group_advantages`, `std`)."""
+    return group_advantages(rewards_G[None], "std", eps)[0]
+
+
+@register_advantage("dr_grpo")
+def dr_grpo_advantages(rewards_G: torch.Tensor) -> torch.Tensor:
+    """Dr. GRPO: A = r - mean, no scaling; a group whose std is below 1e-8 gets zeros (`group_advantages`, `none`)."""
+    return group_advantages(rewards_G[None], "none")[0]
+
+
+def _igpo_settings(gamma: float, skip_last_ig: bool, eps: float) -> IGPOSettings:
+    return IGPOSettings(gamma=float(gamma), eps=float(eps), skip_last_ig=bool(skip_last_ig))
+
+
+def _igpo_signal(runs: Runs, *, gamma: float, skip_last_ig: bool, eps: float) -> bool:
+    return has_turn_signal(runs, _igpo_settings(gamma, skip_last_ig, eps))
+
+
+@register_advantage("igpo", per_token=True, group_signal=_igpo_signal,
+                    checks={"gamma": lambda g: None if 0.0 <= g <= 1.0 else f"must be in [0, 1], got {g}", "eps": _positive},
+                    gamma=DEFAULT_GAMMA, skip_last_ig=False, eps=1e-6)
+def igpo_advantages(runs: Runs, *, gamma: float, skip_last_ig: bool, eps: float) -> list[list[float]]:
+    """IGPO's turn credit (`lit_grpo.maths.igpo.group_token_advantages`): the group's information
+    gains (each segment's `turn_rewards`) and its outcomes (the runs' rewards) z-normalized apart
+    (population std, zeros below eps), combined per turn, discounted backwards by gamma over each
+    run's turns (across its segments), each turn's return on its `turn_spans` tokens. `skip_last_ig`:
+    each run's last turn carries the outcome only."""
+    return group_token_advantages([list(run) for run in runs], _igpo_settings(gamma, skip_last_ig, eps))

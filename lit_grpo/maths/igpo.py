@@ -26,7 +26,7 @@ DEFAULT_GAMMA = 0.95
 
 @dataclass(frozen=True)
 class IGPOSettings:
-    """How a group's turn rewards become advantages (`policy_loss.advantage: igpo`)."""
+    """How a group's turn rewards become advantages (`advantage=igpo`, `lit_grpo.maths.advantages`)."""
 
     gamma: float = DEFAULT_GAMMA
     """Discount of the return over later turns."""
@@ -150,7 +150,7 @@ def group_token_advantages(runs: list[list[RolloutSample]], settings: Optional[I
     for run in runs:
         for s in run:
             if s.turn_spans is None or s.turn_rewards is None:
-                raise ValueError("policy_loss.advantage=igpo needs every RolloutSample to report its turns "
+                raise ValueError("advantage=igpo needs every RolloutSample to report its turns "
                                  "(turn_spans, and turn_rewards: each turn's information gain)")
     ig = [run_turn_rewards(run) for run in runs]
     returns = turn_advantages(ig, [run[0].reward for run in runs], settings.gamma, settings.eps, settings.skip_last_ig)
@@ -162,6 +162,22 @@ def group_token_advantages(runs: list[list[RolloutSample]], settings: Optional[I
             per_sample.append(turn_token_advantages(run_returns[offset : offset + k], s.turn_spans, len(s.tokens)))
             offset += k
     return per_sample
+
+
+def has_turn_signal(runs: Sequence[Sequence[RolloutSample]], settings: Optional[IGPOSettings] = None) -> bool:
+    """IGPO's `group_signal`: True when the runs' outcomes differ, or when their turn rewards
+    (information gains, those that enter the IG pool: not the last turns' with `skip_last_ig`)
+    differ between runs by more than `settings.eps` (or the runs have different numbers of turns).
+    Runs that all gained the same at every turn compare to nothing: the pooled z-scores would
+    still give each turn index an offset, the same for every run, which only sharpens or flattens
+    the policy. A group whose samples do not all report turns: the outcomes' test alone."""
+    settings = settings or IGPOSettings()
+    if len({float(run[0].reward) for run in runs}) > 1:
+        return True
+    if any(s.turn_rewards is None for run in runs for s in run):
+        return False
+    gains = [run_turn_rewards(run)[: -1 if settings.skip_last_ig else None] for run in runs]
+    return any(len(g) != len(gains[0]) or any(abs(a - b) > settings.eps for a, b in zip(g, gains[0])) for g in gains[1:])
 
 
 def turn_metric_values(runs: Iterable[list[RolloutSample]]) -> dict[str, list[float]]:

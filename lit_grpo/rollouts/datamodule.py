@@ -16,7 +16,7 @@ import lightning as L
 from torch.utils.data import DataLoader, IterableDataset
 
 from lit_grpo.config.groups import engine_on_loop
-from lit_grpo.maths.igpo import IGPOSettings
+from lit_grpo.maths.advantages import Advantage
 from lit_grpo.rollouts.rollout import RolloutFn
 from lit_grpo.rollouts import GroupFilter, GroupSampler, OffPolicyScheduler, RowCursor, Scheduler, SynchronousScheduler, make_batch
 from lit_grpo.rollouts.checks import NoProgressError
@@ -40,12 +40,12 @@ def rollout_guards(c: "TrainConfig") -> dict[str, Any]:
 class RolloutStream(IterableDataset):
     """Yields one `RolloutBatch` per step until `max_steps` or the rows run out."""
 
-    def __init__(self, scheduler: Scheduler, groups: GroupSampler, *, max_steps: int, advantage_scale: str, pad_id: int,
-                 igpo: Optional[IGPOSettings] = None) -> None:
+    def __init__(self, scheduler: Scheduler, groups: GroupSampler, *, max_steps: int, pad_id: int,
+                 advantage: Optional[Advantage] = None) -> None:
         self.scheduler, self.groups = scheduler, groups
-        self.max_steps, self.advantage_scale, self.pad_id = max_steps, advantage_scale, pad_id
-        self.igpo = igpo
-        """Set: turn-level IGPO advantages per token (`policy_loss.advantage: igpo`)."""
+        self.max_steps, self.pad_id = max_steps, pad_id
+        self.advantage = advantage
+        """The advantage estimator (`advantage=<name>`; None: grpo)."""
         self.steps_done = 0
         self.rest_between_steps: Optional[Callable[[], None]] = None
         """Called once a step's rollouts are in (synchronous mode: lets a colocated engine sleep)."""
@@ -59,8 +59,8 @@ class RolloutStream(IterableDataset):
                 self._rows_ran_out()
                 return
             batch = make_batch(
-                step.accepted, step.sampled, version=self.scheduler.version, advantage_scale=self.advantage_scale,
-                pad_id=self.pad_id, counts=self.groups.take_counts(), timings=step.timings, igpo=self.igpo,
+                step.accepted, step.sampled, version=self.scheduler.version,
+                pad_id=self.pad_id, counts=self.groups.take_counts(), timings=step.timings, advantage=self.advantage,
             )
             if self.rest_between_steps is not None:
                 self.rest_between_steps()
@@ -96,8 +96,7 @@ class RolloutDataModule(L.LightningDataModule):
         epochs: int = 1,
         seed: int = 0,
         shuffle: bool = True,
-        advantage_scale: str = "std",
-        igpo: Optional[IGPOSettings] = None,
+        advantage: Optional[Advantage] = None,
         max_steps: int = -1,
         max_seq_len: int = 1 << 30,
         min_group_size: int = 2,
@@ -129,8 +128,8 @@ class RolloutDataModule(L.LightningDataModule):
                 self.cursor, self.groups, prompt_groups_per_step,
                 max_head_offpolicy_versions=max_head_offpolicy_versions, max_concurrency=max_concurrency,
             )
-        self.stream = RolloutStream(self.scheduler, self.groups, max_steps=max_steps, advantage_scale=advantage_scale,
-                                    pad_id=tokenizer.pad_token_id, igpo=igpo)
+        self.stream = RolloutStream(self.scheduler, self.groups, max_steps=max_steps,
+                                    pad_id=tokenizer.pad_token_id, advantage=advantage)
         if synchronous_training:
             self.stream.rest_between_steps = sampler.sleep  # it wakes itself for the next sync or sample
 

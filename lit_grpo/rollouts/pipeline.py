@@ -20,9 +20,9 @@ from typing import Callable, Iterable, Optional
 
 import torch
 
-from lit_grpo.maths.advantages import ragged_group_advantages
+from lit_grpo.maths.advantages import Advantage, make_advantage
 from lit_grpo.maths.health import rollout_health
-from lit_grpo.maths.igpo import IGPOSettings, group_token_advantages, turn_metric_values
+from lit_grpo.maths.igpo import turn_metric_values
 from lit_grpo.rollouts.checks import check_sample
 from lit_grpo.samplers.arguments import PromptTooLong
 from lit_grpo.types import PromptGroup, RolloutBatch, RolloutRecord, RolloutRun, RolloutSample
@@ -131,18 +131,19 @@ def collate_groups(groups: list[PromptGroup], advantages: list[list[float]], pad
     )
 
 
-def make_batch(accepted: list[PromptGroup], sampled: list[PromptGroup], *, version: int, advantage_scale: str,
-               pad_id: int, counts: Counter, timings: dict[str, float], igpo: Optional[IGPOSettings] = None) -> RolloutBatch:
+def make_batch(accepted: list[PromptGroup], sampled: list[PromptGroup], *, version: int, pad_id: int, counts: Counter,
+               timings: dict[str, float], advantage: Optional[Advantage] = None) -> RolloutBatch:
     """The step's batch of `accepted` groups, with its `RolloutRecord` (over every `sampled` group)
     attached. `version` is the trainer's policy version now. Needs at least one accepted group.
-    `igpo` (`policy_loss.advantage: igpo`): per-token turn advantages (`lit_grpo.maths.igpo`) in
-    `advantages_BT` instead of one group-relative advantage per sequence."""
-    if igpo is not None:
-        token_advantages = [a for g in accepted for a in group_token_advantages(g.runs, igpo)]
+    `advantage` (`advantage=<name>`, `lit_grpo.maths.advantages`; None: grpo) computes each group's
+    advantages: one per run, shared by its segments, or (a per-token estimator such as igpo) one per
+    token in `advantages_BT`."""
+    advantage = advantage or make_advantage("grpo")
+    if advantage.per_token:
+        token_advantages = [a for g in accepted for a in advantage.token_advantages(g.runs)]
         batch = collate_groups(accepted, [], pad_id, token_advantages)
     else:
-        advantages = ragged_group_advantages([g.rewards for g in accepted], advantage_scale)  # per run
-        batch = collate_groups(accepted, [g.per_sample(adv) for g, adv in zip(accepted, advantages)], pad_id)
+        batch = collate_groups(accepted, [g.per_sample(advantage.run_advantages(g.rewards)) for g in accepted], pad_id)
     batch.record = RolloutRecord(
         rewards=[r for g in sampled for r in g.rewards],
         completion_tokens=[sum(sum(s.loss_mask) for s in run) for g in sampled for run in g.runs],

@@ -173,7 +173,7 @@ class Trajectory:
     def to_sample(self, reward: float, finish_reason: str = "stop", text: str = "",
                   turn_rewards: Optional[list[float]] = None) -> RolloutSample:
         """The flattened sample. With `turn_rewards` (one per sampled turn, e.g. each turn's
-        information gain for `policy_loss.advantage=igpo`) it reports its turns: `turn_spans` and
+        information gain for `advantage=igpo`) it reports its turns: `turn_spans` and
         `turn_rewards`; without, neither (the checks drop a sample with spans but no rewards)."""
         spans = None
         if turn_rewards is not None:

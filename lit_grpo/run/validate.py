@@ -1,6 +1,7 @@
 """A composed config checked whole, before anything loads: the schema and each group's bounds
 (`lit_grpo.config.parse`), then every check that needs a registry: the sampler kind, the reward
-functions, the policy loss and its hyper-parameters, the advantage scale, and the task's options.
+functions, the policy loss and its hyper-parameters, the advantage estimator and its
+hyper-parameters, and the task's options.
 
 It sits above the registries (samplers, rewards, losses, tasks), so the config's dataclasses
 import nothing above them. Raises `ConfigError` naming the field.
@@ -10,9 +11,9 @@ from __future__ import annotations
 
 from omegaconf import DictConfig
 
-from lit_grpo.config import ConfigError, PolicyLossConfig, RewardConfig, SamplerConfig, TrainConfig, parse, require
+from lit_grpo.config import AdvantageConfig, ConfigError, PolicyLossConfig, RewardConfig, SamplerConfig, TrainConfig, parse, require
 from lit_grpo.config.groups import NAMED_LOSS_HYPERPARAMS
-from lit_grpo.maths.advantages import ADVANTAGE_SCALES
+from lit_grpo.maths.advantages import advantage_param_problems, get_advantage
 from lit_grpo.maths.losses import LOSS_NORMALIZATIONS, check_policy_loss_hyperparams, policy_loss_defaults
 from lit_grpo.rewards.combine import RESERVED_NAMES, check_weights, component_names
 from lit_grpo.samplers import available_samplers
@@ -25,6 +26,7 @@ def validate(cfg: DictConfig | TrainConfig) -> TrainConfig:
     check_sampler(c.sampler)
     check_reward(c.reward)
     check_policy_loss(c.policy_loss)
+    check_advantage(c.advantage)
     check_task(c)
     return c
 
@@ -45,6 +47,16 @@ def check_reward(r: RewardConfig) -> None:
         require(False, "reward.weights", why)
 
 
+def check_advantage(a: AdvantageConfig) -> None:
+    """The estimator is registered and takes every hyper-parameter in `params`, within its bounds."""
+    try:
+        get_advantage(a.name)  # imports a user's module: a missing one is named here
+    except ValueError as err:
+        raise ConfigError(f"config field `advantage.name`: {err}") from None
+    for key, why in advantage_param_problems(a.name, a.params):
+        require(False, f"advantage.params.{key}", f"advantage {a.name!r}: {why}")
+
+
 def check_policy_loss(p: PolicyLossConfig) -> None:
     """The variant is registered, takes every hyper-parameter that is set, and accepts its values."""
     require(
@@ -52,8 +64,6 @@ def check_policy_loss(p: PolicyLossConfig) -> None:
         "policy_loss.loss_normalization",
         f"must be one of {', '.join(LOSS_NORMALIZATIONS)}, got {p.loss_normalization!r}",
     )
-    require(p.advantage_scale in ADVANTAGE_SCALES, "policy_loss.advantage_scale",
-            f"must be one of {', '.join(ADVANTAGE_SCALES)}, got {p.advantage_scale!r}")
     try:
         defaults = policy_loss_defaults(p.name)
     except ValueError as err:
