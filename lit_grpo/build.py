@@ -23,7 +23,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lit_grpo.callbacks.export import HFExport
 from lit_grpo.run.checkpoint import CheckpointStore
 from lit_grpo.config import ConfigError, TrainConfig, UserInputs
-from lit_grpo.rollouts.datamodule import RolloutDataModule, rollout_guards
+from lit_grpo.rollouts.datamodule import RolloutDataModule
 from lit_grpo.loop.evaluation import Evaluator, GreedyEvaluator, RolloutEvaluator
 from lit_grpo.run.loggers import finish_runs
 from lit_grpo.models.load import load_policy, load_tokenizer
@@ -75,26 +75,9 @@ def build_datamodule(c: TrainConfig, policy, tokenizer, rows: list[dict], reward
         tokenizer_id=c.model.name_or_path or c.model.kind,
     )
     return RolloutDataModule(
-        rows=rows,
-        tokenizer=tokenizer,
-        sampler=sampler,
+        c, rows=rows, tokenizer=tokenizer, sampler=sampler,
         rollout_fn=(inputs.rollout_factory or load_rollout_factory(c.rollout.factory))(setup),
-        completions_per_prompt=c.data.completions_per_prompt,
-        prompt_groups_per_step=c.data.prompt_groups_per_step,
-        epochs=c.data.epochs,
-        seed=c.seed,
-        shuffle=c.data.shuffle,
-        advantage=make_advantage(c.advantage.name, c.advantage.params),
-        max_steps=c.max_steps,
-        max_seq_len=c.data.max_seq_len,
-        min_group_size=c.data.min_group_size,
-        synchronous_training=c.synchronous_training,
-        engine_thread=c.sampler.engine_thread,
-        max_head_offpolicy_versions=c.max_head_offpolicy_versions,
-        max_concurrency=c.max_concurrency_rollout_sample,
-        rank=rank,
-        world_size=world_size,
-        **rollout_guards(c),
+        advantage=make_advantage(c.advantage.name, c.advantage.params), rank=rank, world_size=world_size,
     )
 
 

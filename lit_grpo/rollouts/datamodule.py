@@ -10,11 +10,12 @@ the policy version through `sync_weights`.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import lightning as L
 from torch.utils.data import DataLoader, IterableDataset
 
+from lit_grpo.config import TrainConfig
 from lit_grpo.config.groups import engine_on_loop
 from lit_grpo.maths.advantages import Advantage
 from lit_grpo.rollouts.rollout import RolloutFn
@@ -22,19 +23,7 @@ from lit_grpo.rollouts import GroupFilter, GroupSampler, OffPolicyScheduler, Row
 from lit_grpo.rollouts.checks import NoProgressError
 from lit_grpo.types import RolloutBatch
 
-if TYPE_CHECKING:
-    from lit_grpo.config import TrainConfig
-
 log = logging.getLogger(__name__)
-
-
-def rollout_guards(c: "TrainConfig") -> dict[str, Any]:
-    """The `RolloutDataModule` arguments that bound the rollouts, from the run's config."""
-    return {
-        "rollout_timeout_s": c.rollout_timeout_s,
-        "rollout_max_retries": c.rollout_max_retries,
-        "max_rows_without_progress": c.max_rows_without_progress,
-    }
 
 
 class RolloutStream(IterableDataset):
@@ -84,53 +73,34 @@ class RolloutDataModule(L.LightningDataModule):
     """Streams rollouts of this rank's rows from an in-process sampler. Rows reach the rollout
     function as they were given (never tokenized or copied here: the rollout makes the prompt)."""
 
-    def __init__(
-        self,
-        *,
-        rows: list[dict],
-        tokenizer,
-        sampler,
-        rollout_fn: RolloutFn,
-        completions_per_prompt: int,
-        prompt_groups_per_step: int,
-        epochs: int = 1,
-        seed: int = 0,
-        shuffle: bool = True,
-        advantage: Optional[Advantage] = None,
-        max_steps: int = -1,
-        max_seq_len: int = 1 << 30,
-        min_group_size: int = 2,
-        synchronous_training: bool = True,
-        max_head_offpolicy_versions: int = 0,
-        max_concurrency: int = 256,
-        rank: int = 0,
-        world_size: int = 1,
-        rollout_timeout_s: float = 300.0,
-        rollout_max_retries: int = 2,
-        max_rows_without_progress: int = 1000,
-        engine_thread: str = "auto",
-    ) -> None:
+    def __init__(self, c: TrainConfig, *, rows: list[dict], tokenizer, sampler, rollout_fn: RolloutFn,
+                 advantage: Optional[Advantage] = None, rank: int = 0, world_size: int = 1) -> None:
+        """This rank's share of `rows` (`c.data`: G, P, epochs, shuffle, lengths), scheduled as
+        `c.synchronous_training` and `c.max_head_offpolicy_versions` say, each rollout call under
+        `c.rollout_timeout_s`, `c.rollout_max_retries` and `c.max_rows_without_progress`."""
         super().__init__()
+        data = c.data
         self.tokenizer, self.sampler = tokenizer, sampler
-        self.cursor = RowCursor(rows, epochs, seed, shuffle, rank=rank, world_size=world_size)
+        self.cursor = RowCursor(rows, data.epochs, c.seed, data.shuffle, rank=rank, world_size=world_size)
         self.groups = GroupSampler(
-            rollout_fn, completions_per_prompt, max_seq_len=max_seq_len, min_group_size=min_group_size, filters=[],
-            vocab_size=len(tokenizer), rollout_timeout_s=rollout_timeout_s, max_retries=rollout_max_retries,
-            max_rows_without_progress=max_rows_without_progress,
+            rollout_fn, data.completions_per_prompt, max_seq_len=data.max_seq_len, min_group_size=data.min_group_size,
+            filters=[], vocab_size=len(tokenizer), rollout_timeout_s=c.rollout_timeout_s, max_retries=c.rollout_max_retries,
+            max_rows_without_progress=c.max_rows_without_progress,
         )
         # The sampler's calls get the same bounds as the rollouts.
-        sampler.bound_calls(rollout_timeout_s, max_seq_len, engine_on_loop(engine_thread, synchronous_training))
+        sampler.bound_calls(c.rollout_timeout_s, data.max_seq_len, engine_on_loop(c.sampler.engine_thread, c.synchronous_training))
         self.scheduler: Scheduler
-        if synchronous_training:
-            self.scheduler = SynchronousScheduler(self.cursor, self.groups, prompt_groups_per_step, max_concurrency=max_concurrency)
+        if c.synchronous_training:
+            self.scheduler = SynchronousScheduler(self.cursor, self.groups, data.prompt_groups_per_step,
+                                                  max_concurrency=c.max_concurrency_rollout_sample)
         else:
             self.scheduler = OffPolicyScheduler(
-                self.cursor, self.groups, prompt_groups_per_step,
-                max_head_offpolicy_versions=max_head_offpolicy_versions, max_concurrency=max_concurrency,
+                self.cursor, self.groups, data.prompt_groups_per_step,
+                max_head_offpolicy_versions=c.max_head_offpolicy_versions, max_concurrency=c.max_concurrency_rollout_sample,
             )
-        self.stream = RolloutStream(self.scheduler, self.groups, max_steps=max_steps,
+        self.stream = RolloutStream(self.scheduler, self.groups, max_steps=c.max_steps,
                                     pad_id=tokenizer.pad_token_id, advantage=advantage)
-        if synchronous_training:
+        if c.synchronous_training:
             self.stream.rest_between_steps = sampler.sleep  # it wakes itself for the next sync or sample
 
     def setup(self, stage: str) -> None:
