@@ -16,7 +16,7 @@ below, function-level imports included, and `tests/test_layers.py` holds it to t
     loop/        GRPOModule, the step sequence, metrics, evaluation, signals
     callbacks/   optional extras as Lightning callbacks
     build        a validated config into trainer, module and data module
-    train, serve the entry points: `python -m lit_grpo.train`, `python -m lit_grpo.serve`
+    train, serve, export   the entry points: `python -m lit_grpo.train`, `lit_grpo.serve`, `lit_grpo.export`
     cookbook/    the cookbook's Python surface (`Config`, `main`) on top of `train`
 """
 
@@ -36,7 +36,7 @@ LAYERS = (
     ("lit_grpo.loop",),
     ("lit_grpo.callbacks",),
     ("lit_grpo.build",),
-    ("lit_grpo.train", "lit_grpo.serve"),
+    ("lit_grpo.train", "lit_grpo.serve", "lit_grpo.export"),
     ("lit_grpo.cookbook",),
 )
 """The package's wings, lowest first; `lit_grpo.conf` (Hydra's YAML tree) holds no code."""

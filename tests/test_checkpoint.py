@@ -248,7 +248,7 @@ def test_export_cli_writes_a_model_that_loads_and_generates(uninterrupted, tmp_p
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     out = tmp_path / "exported"
-    proc = run_cli(tmp_path, str(uninterrupted), str(out), module="lit_grpo.run.export")
+    proc = run_cli(tmp_path, str(uninterrupted), str(out), module="lit_grpo.export")  # the public entry point
     assert proc.returncode == 0, proc.stderr[-3000:]
     # The newest checkpoint (step 8) is the end of training: the same tensors as the end-of-fit export.
     assert_bit_identical(tensors(uninterrupted / "final_model"), tensors(out))

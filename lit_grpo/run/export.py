@@ -1,6 +1,6 @@
 """Export ("promote") a trained policy in Hugging Face format: safetensors + config + tokenizer.
 
-    python -m lit_grpo.run.export <checkpoint> <out_dir>      # a DCP checkpoint, or a run's folder (its newest)
+    python -m lit_grpo.export <checkpoint> <out_dir>      # a DCP checkpoint, or a run's folder (its newest)
 
 `AutoModelForCausalLM.from_pretrained(out_dir)` loads the result. A LoRA policy (peft) is merged
 into its base first. The folder is written beside its final name and renamed when complete.
@@ -73,7 +73,7 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path) -> Path:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m lit_grpo.run.export", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m lit_grpo.export", description=__doc__.splitlines()[0])
     parser.add_argument("checkpoint", help="a checkpoint folder (checkpoints/step_N), a run's checkpoints/ folder, or its run folder")
     parser.add_argument("out_dir", help="where the Hugging Face model folder is written")
     parser.add_argument("--force", action="store_true", help="replace out_dir if it exists")
