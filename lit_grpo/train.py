@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import signal
 import sys
 import time
@@ -26,9 +27,13 @@ from lit_grpo.config import ConfigError, TrainConfig, ineffective_knobs
 from lit_grpo.run.validate import validate
 from lit_grpo.errors import run_cli, run_hydra_cli
 from lit_grpo.run.preflight import check_sources
-from lit_grpo.run.folder import claim_output_dir, find_resume_checkpoint, set_aside_metrics
+from lit_grpo.run.folder import claim_output_dir, find_resume_checkpoint, launched_as_rank_zero, set_aside_metrics
+from lit_grpo.run.console import stop_reason, tidy_lightning_logging
+from lit_grpo.run.provenance import run_versions, warn_if_versions_differ, write_provenance
 from lit_grpo.loop.signals import StopRequested, StopSignals
 from lit_grpo.config import UserInputs
+from lit_grpo.errors import user_message
+from lit_grpo.samplers.worker import run_threads
 
 if TYPE_CHECKING:
     import lightning as L
@@ -74,14 +79,17 @@ def write_summary(c: TrainConfig, trainer: L.Trainer, module: GRPOModule, resume
         summary["stopped_by"] = signal.Signals(stop.signum).name
     if sequence.rows_exhausted:
         summary["rows_exhausted"] = 1.0  # the rows ran out before max_steps
+    reason = stop_reason(steps=module.rollout_step, max_steps=c.max_steps, rows_exhausted=sequence.rows_exhausted,
+                         signum=stop.signum if stop.requested else None, fast_dev_run=bool(trainer.fast_dev_run))
     summary_file = {
         **summary, "overrides": _job_overrides(), "resumed_from": str(resume_from) if resume_from else None,
-        "run_id": sequence.run_id,
+        "run_id": sequence.run_id, "stop_reason": reason, "versions": run_versions(c.sampler.kind),
         "reward_curve": sequence.history.series(c.summary_metric),
     }
     if trainer.is_global_zero:
         (Path(c.output_dir) / "summary.json").write_text(json.dumps(summary_file, indent=1))
         log.info("run summary: %s", json.dumps(summary))
+        log.info("%s", reason)  # the run's last line: why it stopped
     return summary
 
 
@@ -98,11 +106,20 @@ def train(cfg: DictConfig | TrainConfig, inputs: Optional[UserInputs] = None) ->
         if resume_from is not None:
             check_resumable(resume_from, c)  # refused before a model is touched, too
         set_aside_metrics(c.output_dir, resume_from)  # an earlier run's metrics.csv survives a fresh start
+        if launched_as_rank_zero():
+            write_provenance(c, resume_from)  # what the run runs on, written first: a crashed run has it too
+        if resume_from is not None:
+            warn_if_versions_differ(resume_from, run_versions(c.sampler.kind))
         from lit_grpo.build import fit  # torch, Lightning and transformers load here, once the inputs are known good
 
+        tidy_lightning_logging()  # each line once, no advertisement, no misleading stop line
         start = time.perf_counter()
-        with StopSignals() as stop:
-            trainer, module = fit(c, resume_from, stop=stop, inputs=inputs)
+        try:
+            with StopSignals() as stop:
+                trainer, module = fit(c, resume_from, stop=stop, inputs=inputs)
+        except Exception as err:
+            log.error("stopped: %s (%s)", type(err).__name__, "its message follows" if user_message(err) else "a bug: its traceback follows")
+            raise
         summary = write_summary(c, trainer, module, resume_from, time.perf_counter() - start, stop)
     if stop.requested:
         raise StopRequested(stop.signum)  # after the summary and the metrics are written
@@ -128,9 +145,32 @@ def main(cfg: DictConfig) -> float:
         sys.exit(128 + stop.signum)
 
 
+def exit_past_stuck_threads(code: int, wait_s: float = 5.0) -> None:
+    """The last resort of a clean exit: every thread a run starts is stopped and joined when it ends
+    (bounded), but one stuck in an engine call that never returns is abandoned, and the interpreter
+    tearing torch down under it can abort the process (SIGABRT, "terminate called without an active
+    exception") after the run finished. If any is still alive `wait_s` after the run, the process
+    exits here with `code` (logs and output flushed, atexit handlers skipped)."""
+    deadline = time.monotonic() + wait_s
+    while (left := run_threads()) and time.monotonic() < deadline:
+        left[0].join(max(deadline - time.monotonic(), 0.0))
+    if left := run_threads():
+        log.warning("threads still running after the run ended (%s): exiting with status %d without waiting for them",
+                    ", ".join(t.name for t in left), code)
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
 def cli() -> None:
     """The `lit-grpo` console command: exactly `python -m lit_grpo.train` (Hydra's CLI included)."""
-    run_hydra_cli(main)
+    try:
+        run_hydra_cli(main)
+    except SystemExit as stop:
+        exit_past_stuck_threads(0 if stop.code is None else stop.code if isinstance(stop.code, int) else 1)
+        raise
+    exit_past_stuck_threads(0)
 
 
 if __name__ == "__main__":

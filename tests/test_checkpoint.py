@@ -359,3 +359,36 @@ def test_a_checkpoint_saved_before_a_field_existed_resumes_when_the_field_is_at_
     changed = validate(compose_config("+experiment=arithmetic", "data.path=rows.jsonl", output_dir=tmp_path))
     with pytest.raises(ConfigError, match="data.path"):
         check_resumable(tmp_path, changed)
+
+
+# 16 rows, 2 groups a step, no filter: an epoch is exactly 8 steps, and step 8's checkpoint is the
+# end of the first epoch (verl #7401: a resume from there trained 0 steps and exited 0).
+EPOCH_RUN = ["+experiment=arithmetic", "task.num_rows=16", "data.prompt_groups_per_step=2", "data.epochs=2", "max_steps=12",
+             "dcp_save_interval=8", "~callbacks.reward_filter", "trainer.enable_progress_bar=false"]
+
+
+@pytest.mark.timeout(900)
+def test_a_resume_from_the_checkpoint_at_an_epoch_end_trains_on_to_max_steps(tmp_path):
+    def cli(run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), str(REPO)])}
+        return subprocess.run([sys.executable, "-m", "lit_grpo.train", *EPOCH_RUN, *overrides, f"hydra.run.dir={run_dir}"],
+                              cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+
+    whole = tmp_path / "whole"
+    assert (done := cli(whole)).returncode == 0, done.stderr[-3000:]
+    run_dir = tmp_path / "run"
+    killed = cli(run_dir, "+callbacks.kill={_target_:fault_injection.KillAfterStep,step:9}")
+    assert killed.returncode == -9, killed.stderr[-3000:]  # SIGKILL in step 9: the last checkpoint is step 8's, the epoch's end
+    state = torch.load(run_dir / "checkpoints" / "step_00000008" / "trainer_state_rank0.pt", weights_only=False)
+    assert state["step"] == 8 and state["datamodule"]["steps_done"] == 8
+    cursor = state["datamodule"]["scheduler"]["cursor"]
+    assert (cursor["epoch"], cursor["index"], cursor["replay"]) in ((0, 16, []), (1, 0, [])), cursor  # every row of epoch 0 used
+
+    resumed = cli(run_dir, "resume=auto")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["resumed_from"].endswith("step_00000008")
+    assert summary["steps"] == 12 and "rows_exhausted" not in summary, summary  # 4 more steps, in the second epoch
+    assert summary["stop_reason"] == "stopped: max_steps=12 reached"
+    assert summary["reward_curve"] == json.loads((whole / "summary.json").read_text())["reward_curve"]
+    assert_bit_identical(tensors(whole / "final_model"), tensors(run_dir / "final_model"))

@@ -152,8 +152,16 @@ def build_policy_skeleton(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, 
 def save_pretrained(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out_dir: str | os.PathLike, *, state_dict: dict | None = None) -> Path:
     """Write model (safetensors) + config + tokenizer so `from_pretrained(out_dir)` loads them;
     `state_dict` (e.g. gathered from shards) replaces the model's own tensors."""
+    from transformers.utils import logging as hf_logging
+
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, state_dict=state_dict, safe_serialization=True)
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # no "Writing model shards" bar (nor its tqdm thread) for a save of seconds
+    try:
+        model.save_pretrained(out, state_dict=state_dict, safe_serialization=True)
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
     tokenizer.save_pretrained(out)
     return out

@@ -45,6 +45,7 @@ STALL_EXIT_CODE = 70
 """Exit status when a blocked rollout cannot be interrupted (see `LoopWatchdog`)."""
 
 from lit_grpo.errors import EnvironmentFault, UserError
+from lit_grpo.samplers.worker import THREAD_PREFIX, join_thread
 
 
 class RolloutTimeout(TimeoutError):
@@ -213,7 +214,7 @@ class LoopWatchdog:
         else:
             log.warning("the rollout event loop runs off the main thread: a rollout that blocks it cannot be "
                         "interrupted, and the process will exit %s s after rollout_timeout_s instead", self.grace_s)
-        self._thread = threading.Thread(target=self._watch, name="rollout-watchdog", daemon=True)
+        self._thread = threading.Thread(target=self._watch, name=THREAD_PREFIX + "rollout-watchdog", daemon=True)
         self._thread.start()
 
     @contextlib.contextmanager
@@ -239,11 +240,11 @@ class LoopWatchdog:
     def _watch(self) -> None:
         main_id = threading.main_thread().ident
         while not self._stop.is_set():
-            if not self._armed.wait(timeout=60.0):  # idle between steps: no polling
+            if not self._armed.wait(timeout=60.0) or self._stop.is_set():  # idle between steps: no polling
                 continue
-            time.sleep(self.heartbeat.period_s)
+            self._stop.wait(self.heartbeat.period_s)
             stale = self.heartbeat.stale_for()
-            if not self._armed.is_set() or self.report is not None or stale <= self.deadline_s:
+            if self._stop.is_set() or not self._armed.is_set() or self.report is not None or stale <= self.deadline_s:
                 continue
             self.report = self.describe(stale, self._loop_thread_id)
             log.error("%s", self.report)
@@ -252,15 +253,19 @@ class LoopWatchdog:
                 signal.pthread_kill(main_id, self.SIGNAL)
             give_up = time.monotonic() + self.grace_s
             while self._armed.is_set() and time.monotonic() < give_up and not self._stop.is_set():
-                time.sleep(self.heartbeat.period_s)
+                self._stop.wait(self.heartbeat.period_s)
             if self._armed.is_set() and not self._stop.is_set():
                 log.critical("the blocked rollout could not be interrupted within %s s; exiting with status %d so the run "
                              "does not hang. %s", self.grace_s, STALL_EXIT_CODE, self.report)
                 logging.shutdown()
                 os._exit(STALL_EXIT_CODE)
 
-    def close(self) -> None:
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop the watchdog's thread and join it (bounded), and give the signal back."""
         self._stop.set()
+        self._armed.set()  # wakes the thread from its idle wait; `_stop` makes it leave
+        join_thread(self._thread, timeout_s, "the rollout watchdog")
+        self._armed.clear()
         if self._can_interrupt and threading.current_thread() is threading.main_thread():
             signal.signal(self.SIGNAL, self._previous_handler if self._previous_handler is not None else signal.SIG_DFL)
             self._can_interrupt = False

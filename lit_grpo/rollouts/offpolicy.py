@@ -32,6 +32,7 @@ from lit_grpo.rollouts.cursor import Position, RowCursor
 from lit_grpo.rollouts.deadlines import Heartbeat, RolloutStalled, heartbeat_period, stall_report
 from lit_grpo.rollouts.groups import GroupSampler
 from lit_grpo.rollouts.schedulers import StepGroups
+from lit_grpo.samplers.worker import THREAD_PREFIX, join_thread
 from lit_grpo.types import PromptGroup
 
 
@@ -181,7 +182,7 @@ class OffPolicyScheduler:
         if self._thread is None:
             self.heartbeat.reset()
             self._wake = asyncio.Event()
-            self._thread = threading.Thread(target=self._run, name="rollout-scheduler", daemon=True)
+            self._thread = threading.Thread(target=self._run, name=THREAD_PREFIX + "rollout-scheduler", daemon=True)
             self._thread.start()
 
     def advance_version(self) -> None:
@@ -279,6 +280,6 @@ class OffPolicyScheduler:
         if self._thread is not None:
             self._loop.call_soon_threadsafe(self._wake.set)
             # In-flight rollouts are cancelled; a loop blocked by a rollout never ends: leave its daemon thread.
-            self._thread.join(timeout=1 if self._stalled else 10)
+            join_thread(self._thread, 1 if self._stalled else 10, "the rollout scheduler's event loop")
         if not self._loop.is_running():
             self._loop.close()

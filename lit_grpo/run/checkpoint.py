@@ -6,7 +6,8 @@ A checkpoint is a folder `<root>/step_NNNNNNNN/` holding
     trainer_state_rank<R>.pt     per-rank state: loop, data cursor, producer, callbacks, RNG, LR schedule
     config.yaml                  the run's resolved config (what the state means)
     run_id.txt                   the id of the run that wrote it (also in the manifest)
-    manifest.json                written last: every file's size and sha256, the step, the run id
+    manifest.json                written last: every file's size and sha256, the step, the run id, the
+                                 versions it ran on (`lit_grpo.run.provenance`)
 
 It is written under `<root>/.tmp-step_NNNNNNNN/` and renamed into place only when complete, so a
 crash mid-save leaves no folder under a checkpoint name. A folder whose manifest is missing or

@@ -21,6 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from lit_grpo.config import ConfigError, TrainConfig
 from lit_grpo.config.sources import hub_problem, model_path_problem
 from lit_grpo.errors import UserError, config_composed, import_user_object, run_cli
+from lit_grpo.samplers.vllm_boundary import vllm_problem
 
 MIN_FREE_BYTES = 100 * 2**20
 """Free space an output folder's disk needs at the start (logs, plots, a tiny model's export)."""
@@ -108,8 +109,9 @@ def server_sampler_problems(c: TrainConfig) -> list[str]:
 
 def check_sources(c: TrainConfig) -> None:
     """Raise one `ConfigError` listing every unreachable model, data file or dataset (with the
-    overrides that point at local copies), a sampler backend that is not installed, a rollout factory that cannot
-    be imported, and an output folder that cannot be written."""
+    overrides that point at local copies), a sampler backend that is not installed (or a vLLM outside the
+    tested versions, or without an API lit_grpo calls), a rollout factory that cannot be imported, and an
+    output folder that cannot be written."""
     from lit_grpo.samplers import get_sampler
     from lit_grpo.tasks import source_problems
 
@@ -125,6 +127,9 @@ def check_sources(c: TrainConfig) -> None:
     if why := get_sampler(c.sampler.kind).missing():
         problems.append(f"sampler={c.sampler.kind}: {why}")
     problems.extend(server_sampler_problems(c))
+    s = c.sampler
+    if why := vllm_problem(s.kind, s.weight_transfer, starts_servers=s.kind == "vllm_server" and s.servers_to_start > 0):
+        problems.append(f"sampler={s.kind}: {why}")  # outside the tested versions, or an API it calls is gone
     if why := rollout_factory_problem(c.rollout.factory):
         problems.append(why)
     if why := output_dir_problem(c.output_dir):

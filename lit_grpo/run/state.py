@@ -26,6 +26,7 @@ from omegaconf import OmegaConf
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from lit_grpo.run.checkpoint import CONFIG_FILE, CheckpointStore, config_as_dict, run_id_of, step_dir_name, trainer_state_file
+from lit_grpo.run.provenance import run_versions
 
 log = logging.getLogger(__name__)
 FORMAT_VERSION = 2
@@ -92,7 +93,8 @@ class RunCheckpointer:
         final = self.store.root / step_dir_name(step)
         if trainer.is_global_zero:
             (staging / CONFIG_FILE).write_text(OmegaConf.to_yaml(config_as_dict(self.run_config)))
-            final = self.store.publish(step, staging, {"world_size": trainer.world_size, "format": FORMAT_VERSION})
+            meta = {"world_size": trainer.world_size, "format": FORMAT_VERSION, "versions": run_versions(self.run_config.sampler.kind)}
+            final = self.store.publish(step, staging, meta)  # the versions: a resume compares them with its own
             self.store.prune()
         trainer.strategy.barrier("dcp_published")
         self.last_saved_step = step

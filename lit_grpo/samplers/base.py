@@ -224,8 +224,7 @@ class BatchingSampler(ABC):
     def close(self) -> None:
         """Drop queued calls and let a running one finish, for at most CLOSE_WAIT_S (a stuck engine
         call is left to its daemon thread rather than keeping the process alive)."""
-        self._worker.shutdown(wait=False, cancel_futures=True)
-        self._worker.join(timeout=CLOSE_WAIT_S)
+        self._worker.close(CLOSE_WAIT_S)
 
     async def _flush(self, loop: asyncio.AbstractEventLoop) -> None:
         """Generate for everything queued, in batches, until the queue is empty."""

@@ -23,6 +23,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from lit_grpo.samplers.base import BatchingSampler, strip_wrapper_prefixes
+from lit_grpo.samplers.vllm_boundary import IN_PROCESS_ENV
 from lit_grpo.types import Completion
 
 log = logging.getLogger(__name__)
@@ -34,7 +35,8 @@ _INSTALL_HINT = (
 
 def import_vllm():
     """`vllm`, imported lazily with the in-process engine; a clear error names the extra when missing."""
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    for key, value in IN_PROCESS_ENV.items():
+        os.environ.setdefault(key, value)
     try:
         import vllm
     except ImportError as err:

