@@ -22,13 +22,13 @@ import time
 import lightning as L
 import torch
 
-from lit_grpo.config import TrainConfig
-from lit_grpo.run.validate import validate
-from lit_grpo.models.load import load_policy, load_tokenizer
-from lit_grpo.maths.logprobs import token_logprobs
-from lit_grpo.loop.optim import adamw
-from lit_grpo.samplers.hf import HFSampler
 from lit_grpo.build import fit
+from lit_grpo.config import TrainConfig
+from lit_grpo.loop.optim import adamw
+from lit_grpo.maths.logprobs import token_logprobs
+from lit_grpo.models.load import load_policy, load_tokenizer
+from lit_grpo.run.validate import validate
+from lit_grpo.samplers.hf import HFSampler
 from lit_grpo.train import compose_config
 
 PHASES = ["perf/sample_s", "perf/ref_s", "perf/train_s", "perf/weight_sync_s", "perf/step_s"]
@@ -48,11 +48,15 @@ class Floor:
         self.c = c
         self.tokenizer = load_tokenizer(c.model)
         self.policy = load_policy(c.model, self.tokenizer, c.seed)
-        self.reference = load_policy(c.model, self.tokenizer, c.seed).requires_grad_(False) if c.policy_loss.kl_beta > 0 else None
+        self.reference = (
+            load_policy(c.model, self.tokenizer, c.seed).requires_grad_(False) if c.policy_loss.kl_beta > 0 else None
+        )
         self.sampler = HFSampler(self.policy, self.tokenizer)  # only its `generate`: one plain batched call
         self.optimizer = adamw(self.policy.parameters(), lr=c.learning_rate)
         P, G = c.data.prompt_groups_per_step, c.data.completions_per_prompt
-        prompts = [self.tokenizer(f"{i % 10}+{(i // 10) % 10}=", add_special_tokens=False)["input_ids"] for i in range(P)]
+        prompts = [
+            self.tokenizer(f"{i % 10}+{(i // 10) % 10}=", add_special_tokens=False)["input_ids"] for i in range(P)
+        ]
         self.prompts = [p for p in prompts for _ in range(G)]
         self._rng = torch.Generator().manual_seed(c.seed + 1).get_state()
         self.generate_s: list[float] = []
@@ -71,7 +75,9 @@ class Floor:
         t1 = time.perf_counter()
         width = max(len(x.full_tokens) for x in completions)
         tokens = torch.tensor([x.full_tokens + [pad] * (width - len(x.full_tokens)) for x in completions])
-        attention = (torch.arange(width)[None] < torch.tensor([len(x.full_tokens) for x in completions])[:, None]).long()
+        attention = (
+            torch.arange(width)[None] < torch.tensor([len(x.full_tokens) for x in completions])[:, None]
+        ).long()
         if self.reference is not None:
             with torch.no_grad():
                 token_logprobs(self.reference, tokens, attention, c.sampler.temperature)
@@ -121,7 +127,11 @@ def paired_steps(c: TrainConfig, warmup: int) -> tuple[dict[str, float], dict[st
     ours["sample_tokens_per_s"] = _median([s["perf/sample_tokens_per_s"] for s in steps[warmup:]])
     ours["train_tokens_per_s"] = _median([s["perf/train_tokens_per_s"] for s in steps[warmup:]])
     gen, train = floor.generate_s[warmup:], floor.train_s[warmup:]
-    theirs = {"generate_s": _median(gen), "train_s": _median(train), "step_s": _median([a + b for a, b in zip(gen, train)])}
+    theirs = {
+        "generate_s": _median(gen),
+        "train_s": _median(train),
+        "step_s": _median([a + b for a, b in zip(gen, train)]),
+    }
     return ours, theirs
 
 
@@ -129,18 +139,28 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--warmup", type=int, default=10)
-    parser.add_argument("--repeats", type=int, default=1,
-                        help="fresh runs (each with its own floor); medians over the repeats")
+    parser.add_argument(
+        "--repeats", type=int, default=1, help="fresh runs (each with its own floor); medians over the repeats"
+    )
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. sampler.max_completion_tokens=4")
     args = parser.parse_args()
     torch.set_num_threads(max(torch.get_num_threads(), 1))
     runs, floors = [], []
     for _ in range(max(args.repeats, 1)):
         with tempfile.TemporaryDirectory() as out:
-            cfg = compose_config([
-                "+experiment=arithmetic", f"max_steps={args.steps}", "~callbacks.reward_filter", "~callbacks.reward_curve",
-                "logger=none", "output_model_id=null", "trainer.enable_progress_bar=false", f"output_dir={out}", *args.overrides,
-            ])
+            cfg = compose_config(
+                [
+                    "+experiment=arithmetic",
+                    f"max_steps={args.steps}",
+                    "~callbacks.reward_filter",
+                    "~callbacks.reward_curve",
+                    "logger=none",
+                    "output_model_id=null",
+                    "trainer.enable_progress_bar=false",
+                    f"output_dir={out}",
+                    *args.overrides,
+                ]
+            )
             c = validate(cfg)
             ours, theirs = paired_steps(c, args.warmup)
             runs.append(ours)
@@ -149,8 +169,10 @@ def main() -> None:
     floor = {key: _median([f[key] for f in floors]) for key in floors[0]}
     ratios = [r["perf/step_s"] / f["step_s"] for r, f in zip(runs, floors)]
     B = c.data.prompt_groups_per_step * c.data.completions_per_prompt
-    print(f"lit_grpo bench: arithmetic, B={B} sequences/step, {c.sampler.max_completion_tokens} max new tokens, "
-          f"{args.steps} steps ({args.warmup} warm-up), {len(runs)} repeat(s), torch threads={torch.get_num_threads()}")
+    print(
+        f"lit_grpo bench: arithmetic, B={B} sequences/step, {c.sampler.max_completion_tokens} max new tokens, "
+        f"{args.steps} steps ({args.warmup} warm-up), {len(runs)} repeat(s), torch threads={torch.get_num_threads()}"
+    )
     print(f"{'phase':<28}{'median s/step':>14}")
     for phase in PHASES:
         print(f"{phase:<28}{ours[phase]:>14.4f}")

@@ -29,11 +29,11 @@ import statistics
 import tempfile
 import time
 
-from lit_grpo.run.validate import validate
+from lit_grpo.build import fit
+from lit_grpo.rollouts import GroupSampler, OffPolicyScheduler, RowCursor, SynchronousScheduler
 from lit_grpo.rollouts.datamodule import RolloutStream
 from lit_grpo.rollouts.rollout import make_rollout_fn
-from lit_grpo.rollouts import GroupSampler, OffPolicyScheduler, RowCursor, SynchronousScheduler
-from lit_grpo.build import fit
+from lit_grpo.run.validate import validate
 from lit_grpo.train import compose_config, summarize
 from lit_grpo.types import RolloutSample
 
@@ -59,11 +59,22 @@ def make_latency_rollout_fn(setup):
 
 def run_mode(overrides: list[str], steps: int, latency: float, warmup: int) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as out:
-        c = validate(compose_config([
-            "+experiment=arithmetic", f"max_steps={steps}", "logger=none", "output_model_id=null", "~callbacks.reward_curve",
-            "trainer.enable_progress_bar=false", "rollout.factory=benchmarks.bench_async:make_latency_rollout_fn",
-            f"+rollout.extras.env_latency_s={latency}", f"output_dir={out}", *overrides,
-        ]))
+        c = validate(
+            compose_config(
+                [
+                    "+experiment=arithmetic",
+                    f"max_steps={steps}",
+                    "logger=none",
+                    "output_model_id=null",
+                    "~callbacks.reward_curve",
+                    "trainer.enable_progress_bar=false",
+                    "rollout.factory=benchmarks.bench_async:make_latency_rollout_fn",
+                    f"+rollout.extras.env_latency_s={latency}",
+                    f"output_dir={out}",
+                    *overrides,
+                ]
+            )
+        )
         start = time.perf_counter()
         _, module = fit(c)
         history = module.step_sequence.history
@@ -71,7 +82,10 @@ def run_mode(overrides: list[str], steps: int, latency: float, warmup: int) -> d
     steps_after = history.steps[warmup:]
     samples = c.data.prompt_groups_per_step * c.data.completions_per_prompt
     summary = summarize(history, "reward/mean", wall)
-    med = lambda key: statistics.median([s.get(key, 0.0) for s in steps_after])
+
+    def med(key: str) -> float:
+        return statistics.median([s.get(key, 0.0) for s in steps_after])
+
     return {
         "step_s": med("perf/step_s"),
         "wall_s": wall,
@@ -85,15 +99,19 @@ def run_mode(overrides: list[str], steps: int, latency: float, warmup: int) -> d
     }
 
 
-def scheduler_only_step_s(offpolicy: int | None, latency: float, train_s: float, steps: int, P: int = 8, G: int = 8,
-                          accept: float = 1.0) -> float:
+def scheduler_only_step_s(
+    offpolicy: int | None, latency: float, train_s: float, steps: int, P: int = 8, G: int = 8, accept: float = 1.0
+) -> float:
     """Median seconds a step with the scheduler alone: each rollout waits `latency`, each
     training step sleeps `train_s` then syncs (offpolicy None: synchronous training). A filter
     keeps each group with probability `accept` (drawn per row from a seeded RNG), as the
     uniform-reward filter keeps about half of them in the first table."""
+
     async def rollout_fn(row):
         await asyncio.sleep(latency)
-        return RolloutSample(tokens=[1, 2, 3], logprobs=[0.0, -1.0, -1.0], loss_mask=[0, 1, 1], reward=float(row["id"] % 2))
+        return RolloutSample(
+            tokens=[1, 2, 3], logprobs=[0.0, -1.0, -1.0], loss_mask=[0, 1, 1], reward=float(row["id"] % 2)
+        )
 
     def keep(group) -> bool:
         return random.Random(group.row["id"]).random() < accept
@@ -101,8 +119,11 @@ def scheduler_only_step_s(offpolicy: int | None, latency: float, train_s: float,
     groups = GroupSampler(rollout_fn, G, max_seq_len=8, min_group_size=2, filters=[keep] if accept < 1 else [])
     rows_needed = math.ceil(P * (steps + 8) / accept) * 2  # rejected and stale rows are used up too
     cursor = RowCursor([{"id": i} for i in range(rows_needed)], 1, 0, False)
-    scheduler = (SynchronousScheduler(cursor, groups, P, max_concurrency=256) if offpolicy is None else
-                 OffPolicyScheduler(cursor, groups, P, max_head_offpolicy_versions=offpolicy, max_concurrency=256))
+    scheduler = (
+        SynchronousScheduler(cursor, groups, P, max_concurrency=256)
+        if offpolicy is None
+        else OffPolicyScheduler(cursor, groups, P, max_head_offpolicy_versions=offpolicy, max_concurrency=256)
+    )
     ends = []
     try:
         for _ in RolloutStream(scheduler, groups, max_steps=steps, pad_id=0):
@@ -115,7 +136,9 @@ def scheduler_only_step_s(offpolicy: int | None, latency: float, train_s: float,
 
 
 def print_scheduler_only(latency: float, train_s: float, steps: int) -> None:
-    print(f"\nschedulers alone: rollouts wait {latency * 1000:.0f} ms, a training step sleeps {train_s * 1000:.0f} ms, {steps} steps")
+    print(
+        f"\nschedulers alone: rollouts wait {latency * 1000:.0f} ms, a training step sleeps {train_s * 1000:.0f} ms, {steps} steps"
+    )
     print(f"{'mode':<11}{'kept':>6}{'step_s':>8}{'ratio':>7}{'bound':>8}")
     for accept in (1.0, 0.5):
         sync = scheduler_only_step_s(None, latency, train_s, steps, accept=accept)
@@ -142,24 +165,38 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--repeats", type=int, default=1,
-                        help="rounds of the three modes, in alternating order; medians over the rounds")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="rounds of the three modes, in alternating order; medians over the rounds",
+    )
     parser.add_argument("--latency", type=float, default=0.05, help="environment latency per rollout, seconds")
-    parser.add_argument("--train-s", type=float, default=0.025, help="the schedulers-alone table's training step, seconds")
-    parser.add_argument("--scheduler-steps", type=int, default=40, help="steps of each mode in the schedulers-alone table")
+    parser.add_argument(
+        "--train-s", type=float, default=0.025, help="the schedulers-alone table's training step, seconds"
+    )
+    parser.add_argument(
+        "--scheduler-steps", type=int, default=40, help="steps of each mode in the schedulers-alone table"
+    )
     args = parser.parse_args()
     rounds = run_rounds(args.repeats, args.steps, args.latency, args.warmup)
     ratios = {name: [r[name]["step_s"] / r["sync"]["step_s"] for r in rounds] for name in MODES}
-    print(f"\nasync bench: arithmetic, {args.steps} steps, env latency {args.latency * 1000:.0f} ms per rollout, "
-          f"{len(rounds)} round(s) (medians over the rounds; ratio: step_s / sync's in the same round)")
-    print(f"{'mode':<11}{'step_s':>8}{'ratio':>7}{'speed-up':>9}{'samples/s':>10}{'wall_s':>8}{'reward first→last':>19}"
-          f"{'offset mean/max':>16}{'wait_s':>8}{'overlap':>8}")
+    print(
+        f"\nasync bench: arithmetic, {args.steps} steps, env latency {args.latency * 1000:.0f} ms per rollout, "
+        f"{len(rounds)} round(s) (medians over the rounds; ratio: step_s / sync's in the same round)"
+    )
+    print(
+        f"{'mode':<11}{'step_s':>8}{'ratio':>7}{'speed-up':>9}{'samples/s':>10}{'wall_s':>8}{'reward first→last':>19}"
+        f"{'offset mean/max':>16}{'wait_s':>8}{'overlap':>8}"
+    )
     for name in MODES:
         med = {key: statistics.median(r[name][key] for r in rounds) for key in rounds[0][name]}
         ratio = statistics.median(ratios[name])
-        print(f"{name:<11}{med['step_s']:>8.3f}{ratio:>6.2f}x{1 / ratio:>8.2f}x{med['samples_per_s']:>10.0f}{med['wall_s']:>8.1f}"
-              f"{med['first_reward']:>10.2f} → {med['final_reward']:.2f}{med['offset_mean']:>10.2f} / {med['offset_max']:.0f}"
-              f"{med['trainer_wait_s']:>8.3f}{med['overlap']:>8.2f}")
+        print(
+            f"{name:<11}{med['step_s']:>8.3f}{ratio:>6.2f}x{1 / ratio:>8.2f}x{med['samples_per_s']:>10.0f}{med['wall_s']:>8.1f}"
+            f"{med['first_reward']:>10.2f} → {med['final_reward']:.2f}{med['offset_mean']:>10.2f} / {med['offset_max']:.0f}"
+            f"{med['trainer_wait_s']:>8.3f}{med['overlap']:>8.2f}"
+        )
     if len(rounds) > 1:
         for name in list(MODES)[1:]:
             print(f"{name + ' ratio of each round':<30}{'  '.join(f'{x:.2f}x' for x in ratios[name])}")

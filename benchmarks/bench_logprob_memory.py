@@ -39,7 +39,9 @@ PATHS = ("naive", "chunked")
 MODES = ("train", "no_grad")
 
 
-def naive_logprobs_and_entropy(logits_BTV: torch.Tensor, targets_BT: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+def naive_logprobs_and_entropy(
+    logits_BTV: torch.Tensor, targets_BT: torch.Tensor, temperature: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The formula `token_logprobs` used before chunking: [B, T, V] -> ([B, T], [B, T])."""
     logp_BTV = torch.log_softmax(logits_BTV.float() / temperature, dim=-1)
     logprobs_BT = logp_BTV.gather(-1, targets_BT[..., None])[..., 0]
@@ -76,10 +78,19 @@ class PeakMeter:
         return _proc_status_kb("VmHWM") * 1024 - self.baseline
 
 
-def _run_path(path: str, mode: str, logits_BTV: torch.Tensor, targets_BT: torch.Tensor, weights_BT: torch.Tensor,
-              temperature: float, chunk_rows: int | None) -> None:
+def _run_path(
+    path: str,
+    mode: str,
+    logits_BTV: torch.Tensor,
+    targets_BT: torch.Tensor,
+    weights_BT: torch.Tensor,
+    temperature: float,
+    chunk_rows: int | None,
+) -> None:
     """One path over the logits: forward only (`no_grad`), or forward and backward (`train`)."""
-    fn = naive_logprobs_and_entropy if path == "naive" else partial(selected_logprobs_and_entropy, chunk_rows=chunk_rows)
+    fn = (
+        naive_logprobs_and_entropy if path == "naive" else partial(selected_logprobs_and_entropy, chunk_rows=chunk_rows)
+    )
     if mode == "no_grad":
         with torch.no_grad():
             fn(logits_BTV, targets_BT, temperature)
@@ -91,7 +102,11 @@ def _run_path(path: str, mode: str, logits_BTV: torch.Tensor, targets_BT: torch.
 def _inputs(batch: int, tokens: int, vocab: int, dtype: torch.dtype, device: torch.device, seed: int = 0):
     """Leaf logits [B, T, V] (filled: resident), targets [B, T] and loss weights [B, T]."""
     g = torch.Generator(device=device).manual_seed(seed)
-    logits_BTV = torch.randn(batch, tokens, vocab, generator=g, device=device, dtype=torch.float32).to(dtype).requires_grad_(True)
+    logits_BTV = (
+        torch.randn(batch, tokens, vocab, generator=g, device=device, dtype=torch.float32)
+        .to(dtype)
+        .requires_grad_(True)
+    )
     targets_BT = torch.randint(0, vocab, (batch, tokens), generator=g, device=device)
     weights_BT = torch.randn(batch, tokens, generator=g, device=device)
     return logits_BTV, targets_BT, weights_BT
@@ -111,8 +126,17 @@ def measure_case(path: str, mode: str, dtype_name: str, args: argparse.Namespace
     wall = time.perf_counter() - start
     peak = meter.peak_bytes()
     grad = logits_BTV.grad.nbytes if logits_BTV.grad is not None else 0
-    return {"path": path, "mode": mode, "dtype": dtype_name, "device": device.type, "logits_MB": logits_BTV.nbytes / MB,
-            "grad_MB": grad / MB, "peak_extra_MB": peak / MB, "extra_no_grad_MB": (peak - grad) / MB, "wall_s": wall}
+    return {
+        "path": path,
+        "mode": mode,
+        "dtype": dtype_name,
+        "device": device.type,
+        "logits_MB": logits_BTV.nbytes / MB,
+        "grad_MB": grad / MB,
+        "peak_extra_MB": peak / MB,
+        "extra_no_grad_MB": (peak - grad) / MB,
+        "wall_s": wall,
+    }
 
 
 def _child(path: str, mode: str, dtype_name: str, argv: list[str]) -> dict:
@@ -122,8 +146,18 @@ def _child(path: str, mode: str, dtype_name: str, argv: list[str]) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
-COLUMNS = [("dtype", 9), ("path", 8), ("mode", 8), ("logits_MB", 9), ("grad_MB", 8), ("peak_extra_MB", 13),
-           ("extra_no_grad_MB", 16), ("peak/logits", 11), ("excl_grad", 9), ("wall_s", 7)]
+COLUMNS = [
+    ("dtype", 9),
+    ("path", 8),
+    ("mode", 8),
+    ("logits_MB", 9),
+    ("grad_MB", 8),
+    ("peak_extra_MB", 13),
+    ("extra_no_grad_MB", 16),
+    ("peak/logits", 11),
+    ("excl_grad", 9),
+    ("wall_s", 7),
+]
 
 
 def _table_cells(r: dict) -> list[str]:
@@ -136,14 +170,21 @@ def _table_cells(r: dict) -> list[str]:
 
 def print_table(rows: list[dict], args: argparse.Namespace) -> None:
     chunk = args.chunk_rows or default_chunk_rows(args.vocab)
-    print(f"B={args.batch} T={args.tokens} V={args.vocab:,} temperature={args.temperature} device={rows[0]['device']} "
-          f"chunk={chunk} rows ({chunk * args.vocab * 4 / MB:.1f} MB float32); logits are a leaf tensor of the dtype shown")
+    print(
+        f"B={args.batch} T={args.tokens} V={args.vocab:,} temperature={args.temperature} device={rows[0]['device']} "
+        f"chunk={chunk} rows ({chunk * args.vocab * 4 / MB:.1f} MB float32); logits are a leaf tensor of the dtype shown"
+    )
     print("peak_extra_MB counts the logits' gradient (train mode); extra_no_grad_MB does not")
     header = " ".join(name.ljust(w) if i < 3 else name.rjust(w) for i, (name, w) in enumerate(COLUMNS))
     print(header)
     print("-" * len(header))
     for r in rows:
-        print(" ".join(cell.ljust(w) if i < 3 else cell.rjust(w) for i, (cell, (_, w)) in enumerate(zip(_table_cells(r), COLUMNS))))
+        print(
+            " ".join(
+                cell.ljust(w) if i < 3 else cell.rjust(w)
+                for i, (cell, (_, w)) in enumerate(zip(_table_cells(r), COLUMNS))
+            )
+        )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -154,7 +195,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated logits dtypes")
-    parser.add_argument("--chunk-rows", type=int, default=None, help="chunk rows for the chunked path (default: ~32 MiB)")
+    parser.add_argument(
+        "--chunk-rows", type=int, default=None, help="chunk rows for the chunked path (default: ~32 MiB)"
+    )
     parser.add_argument("--cpu", action="store_true", help="measure on CPU even where CUDA is available")
     parser.add_argument("--case", default=None, help=argparse.SUPPRESS)  # a child process: path,mode,dtype
     args = parser.parse_args(argv)

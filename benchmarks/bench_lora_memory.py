@@ -26,8 +26,14 @@ import time
 import torch
 
 MODEL = ["model.hidden_size=512", "model.num_layers=8", "model.num_heads=8", "model.intermediate_size=2048"]
-RUN = ["+experiment=arithmetic", "policy_loss.kl_beta=0.1", "callbacks=none", "output_model_id=null",
-       "trainer.enable_progress_bar=false", "logger=none"]
+RUN = [
+    "+experiment=arithmetic",
+    "policy_loss.kl_beta=0.1",
+    "callbacks=none",
+    "output_model_id=null",
+    "trainer.enable_progress_bar=false",
+    "logger=none",
+]
 
 
 def _storage_bytes(tensors, seen: set[int]) -> int:
@@ -44,30 +50,49 @@ def trainer_bytes(module, optimizer) -> dict[str, float]:
     """MB of the policy, the reference, the gradients and the optimizer state the module holds."""
     seen: set[int] = set()
     policy = _storage_bytes(module.policy.state_dict().values(), seen)
-    reference = _storage_bytes(module.reference.state_dict().values(), seen) if isinstance(module.reference, torch.nn.Module) else 0
+    reference = (
+        _storage_bytes(module.reference.state_dict().values(), seen)
+        if isinstance(module.reference, torch.nn.Module)
+        else 0
+    )
     grads = _storage_bytes([p.grad for p in module.policy.parameters() if p.grad is not None], seen)
     state = _storage_bytes([v for s in optimizer.state.values() for v in s.values()], seen)
     mb = 1 / 2**20
-    return {"policy_MB": policy * mb, "reference_MB": reference * mb, "grads_MB": grads * mb, "optimizer_MB": state * mb,
-            "trainer_MB": (policy + reference + grads + state) * mb}
+    return {
+        "policy_MB": policy * mb,
+        "reference_MB": reference * mb,
+        "grads_MB": grads * mb,
+        "optimizer_MB": state * mb,
+        "trainer_MB": (policy + reference + grads + state) * mb,
+    }
 
 
 def run_variant(rank: int, steps: int, overrides: list[str]) -> dict[str, float]:
     """Train `steps` steps in this process (rank 0: full fine-tuning) and measure it."""
-    from lit_grpo.run.validate import validate
     from lit_grpo.build import fit
+    from lit_grpo.run.validate import validate
     from lit_grpo.train import compose_config
 
     with tempfile.TemporaryDirectory() as out:
-        c = validate(compose_config([*RUN, *MODEL, f"max_steps={steps}", f"model.lora.rank={rank}", *overrides, f"output_dir={out}"]))
+        c = validate(
+            compose_config(
+                [*RUN, *MODEL, f"max_steps={steps}", f"model.lora.rank={rank}", *overrides, f"output_dir={out}"]
+            )
+        )
         start = time.perf_counter()
         trainer, module = fit(c)
         wall = time.perf_counter() - start
     params = sum(p.numel() for p in module.policy.parameters())
     trainable = sum(p.numel() for p in module.policy.parameters() if p.requires_grad)
-    return {"lora_rank": rank, "params_M": params / 1e6, "trainable_M": trainable / 1e6, **trainer_bytes(module, trainer.optimizers[0]),
-            "peak_rss_MB": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "wall_s": wall,
-            "steps": module.rollout_step}
+    return {
+        "lora_rank": rank,
+        "params_M": params / 1e6,
+        "trainable_M": trainable / 1e6,
+        **trainer_bytes(module, trainer.optimizers[0]),
+        "peak_rss_MB": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "wall_s": wall,
+        "steps": module.rollout_step,
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -81,7 +106,16 @@ def main(argv: list[str] | None = None) -> None:
         return
     rows = []
     for rank in (0, args.rank):  # each in a fresh process: a peak RSS is per process
-        cmd = [sys.executable, "-m", "benchmarks.bench_lora_memory", "--variant", str(rank), "--steps", str(args.steps), *overrides]
+        cmd = [
+            sys.executable,
+            "-m",
+            "benchmarks.bench_lora_memory",
+            "--variant",
+            str(rank),
+            "--steps",
+            str(args.steps),
+            *overrides,
+        ]
         proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if proc.returncode != 0:
             sys.exit(f"variant lora_rank={rank} failed:\n{proc.stderr[-3000:]}")
@@ -91,8 +125,10 @@ def main(argv: list[str] | None = None) -> None:
     for row in rows:
         print(" | ".join(f"{row[k]:.1f}" if isinstance(row[k], float) else str(row[k]) for k in keys))
     full, lora = rows
-    print(f"LoRA rank {args.rank}: trainer tensors {lora['trainer_MB']:.0f} MB vs {full['trainer_MB']:.0f} MB full fine-tuning "
-          f"({lora['trainer_MB'] / full['trainer_MB']:.0%}); peak RSS {lora['peak_rss_MB']:.0f} MB vs {full['peak_rss_MB']:.0f} MB")
+    print(
+        f"LoRA rank {args.rank}: trainer tensors {lora['trainer_MB']:.0f} MB vs {full['trainer_MB']:.0f} MB full fine-tuning "
+        f"({lora['trainer_MB'] / full['trainer_MB']:.0%}); peak RSS {lora['peak_rss_MB']:.0f} MB vs {full['peak_rss_MB']:.0f} MB"
+    )
 
 
 if __name__ == "__main__":

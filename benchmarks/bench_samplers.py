@@ -36,9 +36,19 @@ def run(name: str, overrides: list[str], steps: int, root: Path) -> Path:
     """One training run; its metrics.csv. A failed run prints its log's tail and exits."""
     out = root / name
     command = [
-        sys.executable, "-m", "lit_grpo.train", "+experiment=arithmetic", "model.num_heads=2", "sampler.dtype=float32",
-        f"max_steps={steps}", "output_model_id=null", "trainer.enable_progress_bar=false", "callbacks=none",
-        f"output_dir={out}", f"hydra.run.dir={out}", *overrides,
+        sys.executable,
+        "-m",
+        "lit_grpo.train",
+        "+experiment=arithmetic",
+        "model.num_heads=2",
+        "sampler.dtype=float32",
+        f"max_steps={steps}",
+        "output_model_id=null",
+        "trainer.enable_progress_bar=false",
+        "callbacks=none",
+        f"output_dir={out}",
+        f"hydra.run.dir={out}",
+        *overrides,
     ]
     log = root / f"{name}.log"
     with open(log, "w") as handle:
@@ -59,8 +69,11 @@ def medians(metrics: Path, warmup: int) -> dict[str, float]:
 
     sampled = [float(r["rollout/groups_accepted"]) * group_size for r in rows if r.get("rollout/groups_accepted")]
     return {
-        "steps": len(rows) + warmup, "step_s": median("perf/step_s"), "sample_s": median("perf/sample_s"),
-        "train_s": median("perf/train_s"), "sync_s": median("perf/weight_sync_s"),
+        "steps": len(rows) + warmup,
+        "step_s": median("perf/step_s"),
+        "sample_s": median("perf/sample_s"),
+        "train_s": median("perf/train_s"),
+        "sync_s": median("perf/weight_sync_s"),
         "samples_per_step": statistics.median(sampled) if sampled else float("nan"),
     }
 
@@ -81,11 +94,15 @@ def main() -> None:
         for name in names:
             results[name] = medians(run(name, SAMPLERS[name] + args.overrides, args.steps, Path(tmp)), args.warmup)
             print(f"{name}: done", file=sys.stderr, flush=True)
-    print(f"lit_grpo bench_samplers: arithmetic demo (num_heads=2, float32), {args.steps} steps, medians after {args.warmup}")
+    print(
+        f"lit_grpo bench_samplers: arithmetic demo (num_heads=2, float32), {args.steps} steps, medians after {args.warmup}"
+    )
     print(f"{'sampler':<10}{'step s':>9}{'samples/s':>11}{'sample s':>10}{'train s':>9}{'sync s':>9}")
     for name, r in results.items():
         rate = r["samples_per_step"] / r["step_s"]
-        print(f"{name:<10}{r['step_s']:>9.3f}{rate:>11.1f}{r['sample_s']:>10.3f}{r['train_s']:>9.3f}{r['sync_s']:>9.4f}")
+        print(
+            f"{name:<10}{r['step_s']:>9.3f}{rate:>11.1f}{r['sample_s']:>10.3f}{r['train_s']:>9.3f}{r['sync_s']:>9.4f}"
+        )
 
 
 if __name__ == "__main__":

@@ -21,21 +21,20 @@ from hydra.utils import instantiate
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lit_grpo.callbacks.export import HFExport
-from lit_grpo.run.checkpoint import CheckpointStore
 from lit_grpo.config import ConfigError, TrainConfig, UserInputs
-from lit_grpo.rollouts.datamodule import RolloutDataModule
 from lit_grpo.loop.evaluation import Evaluator, GreedyEvaluator, RolloutEvaluator
-from lit_grpo.run.loggers import finish_runs
-from lit_grpo.models.load import load_policy, load_tokenizer
 from lit_grpo.loop.module import GRPOModule
-from lit_grpo.rollouts.rollout import load_rollout_factory
-from lit_grpo.tasks import evaluation_rows, training_rows
-from lit_grpo.run.state import RunCheckpointer
-from lit_grpo.samplers import build_sampler
 from lit_grpo.loop.signals import StopSignals
 from lit_grpo.loop.step_sequence import StepSequence
 from lit_grpo.maths.advantages import make_advantage
-from lit_grpo.tasks import RewardFn, reward_fn
+from lit_grpo.models.load import load_policy, load_tokenizer
+from lit_grpo.rollouts.datamodule import RolloutDataModule
+from lit_grpo.rollouts.rollout import load_rollout_factory
+from lit_grpo.run.checkpoint import CheckpointStore
+from lit_grpo.run.loggers import finish_runs
+from lit_grpo.run.state import RunCheckpointer
+from lit_grpo.samplers import build_sampler
+from lit_grpo.tasks import RewardFn, evaluation_rows, reward_fn, training_rows
 from lit_grpo.types import RolloutSetup
 
 # Both are deliberate: the step pulls its own batch (no prefetch of stale rollouts), and the
@@ -51,8 +50,17 @@ warnings.filterwarnings("ignore", message=r".*torch.distributed is disabled, una
 RANK_SEED_STRIDE = 1_000_003
 
 
-def build_datamodule(c: TrainConfig, policy, tokenizer, rows: list[dict], reward: RewardFn, *, rank: int = 0,
-                     world_size: int = 1, inputs: Optional[UserInputs] = None) -> RolloutDataModule:
+def build_datamodule(
+    c: TrainConfig,
+    policy,
+    tokenizer,
+    rows: list[dict],
+    reward: RewardFn,
+    *,
+    rank: int = 0,
+    world_size: int = 1,
+    inputs: Optional[UserInputs] = None,
+) -> RolloutDataModule:
     """The rollout data module of this rank: its share of `rows`, its own sampler and rollout function."""
     inputs = inputs or UserInputs()
     sampler_cfg, work_dir = c.sampler, c.output_dir
@@ -60,24 +68,37 @@ def build_datamodule(c: TrainConfig, policy, tokenizer, rows: list[dict], reward
         work_dir = str(Path(c.output_dir) / f"rank{rank}")
         if c.sampler.server_urls:
             if len(c.sampler.server_urls) < world_size:
-                raise ConfigError(f"config field `sampler.server_urls`: {len(c.sampler.server_urls)} servers cannot be shared "
-                                  f"out to {world_size} ranks (each rank syncs its own servers); give at least one per rank")
+                raise ConfigError(
+                    f"config field `sampler.server_urls`: {len(c.sampler.server_urls)} servers cannot be shared "
+                    f"out to {world_size} ranks (each rank syncs its own servers); give at least one per rank"
+                )
             sampler_cfg = dataclasses.replace(c.sampler, server_urls=list(c.sampler.server_urls[rank::world_size]))
-    sampler = build_sampler(sampler_cfg, policy, tokenizer, model=c.model, work_dir=work_dir, seed=c.seed + RANK_SEED_STRIDE * rank)
+    sampler = build_sampler(
+        sampler_cfg, policy, tokenizer, model=c.model, work_dir=work_dir, seed=c.seed + RANK_SEED_STRIDE * rank
+    )
     setup = RolloutSetup(
         sampler=sampler,
         tokenizer=tokenizer,
-        sample_kwargs={"temperature": c.sampler.temperature, "max_tokens": c.sampler.max_completion_tokens, "top_p": 1.0, "top_k": 0},
-        extras={"reward_fn": reward, "prompt_field": c.data.prompt_field, **c.rollout.extras,
-                **inputs.rollout_extras},
+        sample_kwargs={
+            "temperature": c.sampler.temperature,
+            "max_tokens": c.sampler.max_completion_tokens,
+            "top_p": 1.0,
+            "top_k": 0,
+        },
+        extras={"reward_fn": reward, "prompt_field": c.data.prompt_field, **c.rollout.extras, **inputs.rollout_extras},
         completions_per_prompt=c.data.completions_per_prompt,
         model=c.model.name_or_path or c.model.kind,
         tokenizer_id=c.model.name_or_path or c.model.kind,
     )
     return RolloutDataModule(
-        c, rows=rows, tokenizer=tokenizer, sampler=sampler,
+        c,
+        rows=rows,
+        tokenizer=tokenizer,
+        sampler=sampler,
         rollout_fn=(inputs.rollout_factory or load_rollout_factory(c.rollout.factory))(setup),
-        advantage=make_advantage(c.advantage.name, c.advantage.params), rank=rank, world_size=world_size,
+        advantage=make_advantage(c.advantage.name, c.advantage.params),
+        rank=rank,
+        world_size=world_size,
     )
 
 
@@ -85,31 +106,60 @@ def _instantiate_all(group: dict) -> list[Any]:
     return [instantiate(spec) for spec in group.values() if spec is not None]
 
 
-def build_step_sequence(c: TrainConfig, datamodule: RolloutDataModule, resume_from: Optional[Path], stop: Optional[StopSignals] = None,
-                        inputs: Optional[UserInputs] = None, eval_rows: Optional[list[dict]] = None,
-                        reward: Optional[RewardFn] = None) -> StepSequence:
+def build_step_sequence(
+    c: TrainConfig,
+    datamodule: RolloutDataModule,
+    resume_from: Optional[Path],
+    stop: Optional[StopSignals] = None,
+    inputs: Optional[UserInputs] = None,
+    eval_rows: Optional[list[dict]] = None,
+    reward: Optional[RewardFn] = None,
+) -> StepSequence:
     """Weight sync, checkpoints (and the resume) and evaluation, as the run's config sets them."""
     checkpointer = None
     if c.dcp_save_interval > 0 or resume_from is not None:
         store = CheckpointStore(Path(c.output_dir) / "checkpoints", keep_last=c.dcp_keep_last)
         checkpointer = RunCheckpointer(store, interval=c.dcp_save_interval, run_config=c)
     return StepSequence(
-        datamodule, weight_sync_interval=c.weight_sync_interval, checkpointer=checkpointer,
+        datamodule,
+        weight_sync_interval=c.weight_sync_interval,
+        checkpointer=checkpointer,
         evaluators=evaluators(c, datamodule, eval_rows or [], reward, inputs),
-        resume_from=resume_from, log_every_n_steps=c.trainer.log_every_n_steps, stop=stop,
+        resume_from=resume_from,
+        log_every_n_steps=c.trainer.log_every_n_steps,
+        stop=stop,
     )
 
 
-def evaluators(c: TrainConfig, datamodule: RolloutDataModule, eval_rows: list[dict], reward: Optional[RewardFn],
-               inputs: Optional[UserInputs]) -> list[Evaluator]:
+def evaluators(
+    c: TrainConfig,
+    datamodule: RolloutDataModule,
+    eval_rows: list[dict],
+    reward: Optional[RewardFn],
+    inputs: Optional[UserInputs],
+) -> list[Evaluator]:
     """Greedy accuracy on the held-out rows, then the Python caller's `evaluation_fn` (when given)."""
-    found: list[Evaluator] = [GreedyEvaluator(
-        datamodule.sampler, datamodule.tokenizer, eval_rows if reward is not None else [], reward, interval=c.eval_interval,
-        max_tokens=c.sampler.max_completion_tokens, batch_size=c.sampler.max_batch_size, prompt_field=c.data.prompt_field,
-    )]
+    found: list[Evaluator] = [
+        GreedyEvaluator(
+            datamodule.sampler,
+            datamodule.tokenizer,
+            eval_rows if reward is not None else [],
+            reward,
+            interval=c.eval_interval,
+            max_tokens=c.sampler.max_completion_tokens,
+            batch_size=c.sampler.max_batch_size,
+            prompt_field=c.data.prompt_field,
+        )
+    ]
     if inputs is not None and inputs.evaluation_fn is not None:
-        found.append(RolloutEvaluator(inputs.evaluation_fn, datamodule.groups.rollout_fn, interval=inputs.evaluation_interval,
-                                      timeout_s=inputs.evaluation_timeout_s))
+        found.append(
+            RolloutEvaluator(
+                inputs.evaluation_fn,
+                datamodule.groups.rollout_fn,
+                interval=inputs.evaluation_interval,
+                timeout_s=inputs.evaluation_timeout_s,
+            )
+        )
     return found
 
 
@@ -138,8 +188,13 @@ def build_trainer(c: TrainConfig, extra_callbacks: list[L.Callback] = ()) -> L.T
 
 
 def build_run(
-    c: TrainConfig, *, rows: Optional[list[dict]] = None, eval_rows: Optional[list[dict]] = None,
-    resume_from: Optional[Path] = None, extra_callbacks: list[L.Callback] = (), stop: Optional[StopSignals] = None,
+    c: TrainConfig,
+    *,
+    rows: Optional[list[dict]] = None,
+    eval_rows: Optional[list[dict]] = None,
+    resume_from: Optional[Path] = None,
+    extra_callbacks: list[L.Callback] = (),
+    stop: Optional[StopSignals] = None,
     inputs: Optional[UserInputs] = None,
 ) -> tuple[L.Trainer, GRPOModule, RolloutDataModule]:
     """Seed, then build the model, the trainer (which knows this process's rank), this rank's data and the module."""
@@ -153,11 +208,15 @@ def build_run(
     eval_rows = evaluation_rows(c, eval_rows)
     tokenizer = load_tokenizer(c.model)
     policy = load_policy(c.model, tokenizer, c.seed)  # the same on every rank
-    callbacks = [HFExport(Path(c.output_dir) / c.output_model_id, tokenizer)] if c.output_model_id else []  # an absolute id stays absolute
+    callbacks = (
+        [HFExport(Path(c.output_dir) / c.output_model_id, tokenizer)] if c.output_model_id else []
+    )  # an absolute id stays absolute
     trainer = build_trainer(c, [*callbacks, *extra_callbacks])
     L.seed_everything(c.seed + RANK_SEED_STRIDE * trainer.global_rank, verbose=False)
     reward = (inputs.reward_fn if inputs is not None else None) or reward_fn(c)
-    datamodule = build_datamodule(c, policy, tokenizer, rows, reward, rank=trainer.global_rank, world_size=trainer.world_size, inputs=inputs)
+    datamodule = build_datamodule(
+        c, policy, tokenizer, rows, reward, rank=trainer.global_rank, world_size=trainer.world_size, inputs=inputs
+    )
     if inputs is not None and inputs.group_filter is not None:
         datamodule.add_group_filter(inputs.group_filter)
     module = GRPOModule(policy, c, build_step_sequence(c, datamodule, resume_from, stop, inputs, eval_rows, reward))

@@ -31,7 +31,8 @@ import importlib.util
 import os
 import sys
 import traceback
-from typing import Any, Callable, Optional, TypeVar
+from collections.abc import Callable
+from typing import Any, Optional, TypeVar
 
 T = TypeVar("T")
 

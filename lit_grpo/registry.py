@@ -8,7 +8,8 @@ import is what registers `mine`. So a user's entry is usable from YAML or the co
 
 from __future__ import annotations
 
-from typing import Mapping, TypeVar
+from collections.abc import Mapping
+from typing import TypeVar
 
 from lit_grpo.errors import UserError, import_user_module
 

@@ -22,17 +22,15 @@ from typing import TYPE_CHECKING, Optional
 import hydra
 from omegaconf import DictConfig
 
-from lit_grpo.run.checkpoint import check_resumable
-from lit_grpo.config import ConfigError, TrainConfig, ineffective_knobs
-from lit_grpo.run.validate import validate
-from lit_grpo.errors import run_cli, run_hydra_cli
-from lit_grpo.run.preflight import check_sources
-from lit_grpo.run.folder import claim_output_dir, find_resume_checkpoint, launched_as_rank_zero, set_aside_metrics
-from lit_grpo.run.console import stop_reason, tidy_lightning_logging
-from lit_grpo.run.provenance import run_versions, warn_if_versions_differ, write_provenance
+from lit_grpo.config import ConfigError, TrainConfig, UserInputs, ineffective_knobs
+from lit_grpo.errors import run_cli, run_hydra_cli, user_message
 from lit_grpo.loop.signals import StopRequested, StopSignals
-from lit_grpo.config import UserInputs
-from lit_grpo.errors import user_message
+from lit_grpo.run.checkpoint import check_resumable
+from lit_grpo.run.console import stop_reason, tidy_lightning_logging
+from lit_grpo.run.folder import claim_output_dir, find_resume_checkpoint, launched_as_rank_zero, set_aside_metrics
+from lit_grpo.run.preflight import check_sources
+from lit_grpo.run.provenance import run_versions, warn_if_versions_differ, write_provenance
+from lit_grpo.run.validate import validate
 from lit_grpo.samplers.worker import run_threads
 
 if TYPE_CHECKING:
@@ -50,7 +48,9 @@ def summarize(history: MetricHistory, metric: str, wall_s: float) -> dict[str, f
     """First/last/best `metric` (means over SUMMARY_WINDOW steps), step count and wall time."""
     values = history.series(metric)
     w = SUMMARY_WINDOW
-    window_means = [sum(values[i : i + w]) / len(values[i : i + w]) for i in range(max(len(values) - w + 1, 1))] if values else []
+    window_means = (
+        [sum(values[i : i + w]) / len(values[i : i + w]) for i in range(max(len(values) - w + 1, 1))] if values else []
+    )
     return {
         "steps": float(len(history.steps)),
         "first_reward": sum(values[:w]) / len(values[:w]) if values else float("nan"),
@@ -69,7 +69,14 @@ def _job_overrides() -> str:
     return " ".join(o for o in HydraConfig.get().overrides.task if not o.startswith(("output_dir", "hydra.")))
 
 
-def write_summary(c: TrainConfig, trainer: L.Trainer, module: GRPOModule, resume_from: Optional[Path], wall_s: float, stop: StopSignals) -> dict:
+def write_summary(
+    c: TrainConfig,
+    trainer: L.Trainer,
+    module: GRPOModule,
+    resume_from: Optional[Path],
+    wall_s: float,
+    stop: StopSignals,
+) -> dict:
     """The run's summary, also written to `<output_dir>/summary.json` (with the reward curve) by rank 0."""
     sequence = module.step_sequence
     summary = summarize(sequence.history, c.summary_metric, wall_s)
@@ -79,11 +86,20 @@ def write_summary(c: TrainConfig, trainer: L.Trainer, module: GRPOModule, resume
         summary["stopped_by"] = signal.Signals(stop.signum).name
     if sequence.rows_exhausted:
         summary["rows_exhausted"] = 1.0  # the rows ran out before max_steps
-    reason = stop_reason(steps=module.rollout_step, max_steps=c.max_steps, rows_exhausted=sequence.rows_exhausted,
-                         signum=stop.signum if stop.requested else None, fast_dev_run=bool(trainer.fast_dev_run))
+    reason = stop_reason(
+        steps=module.rollout_step,
+        max_steps=c.max_steps,
+        rows_exhausted=sequence.rows_exhausted,
+        signum=stop.signum if stop.requested else None,
+        fast_dev_run=bool(trainer.fast_dev_run),
+    )
     summary_file = {
-        **summary, "overrides": _job_overrides(), "resumed_from": str(resume_from) if resume_from else None,
-        "run_id": sequence.run_id, "stop_reason": reason, "versions": run_versions(c.sampler.kind),
+        **summary,
+        "overrides": _job_overrides(),
+        "resumed_from": str(resume_from) if resume_from else None,
+        "run_id": sequence.run_id,
+        "stop_reason": reason,
+        "versions": run_versions(c.sampler.kind),
         "reward_curve": sequence.history.series(c.summary_metric),
     }
     if trainer.is_global_zero:
@@ -97,7 +113,9 @@ def train(cfg: DictConfig | TrainConfig, inputs: Optional[UserInputs] = None) ->
     """Run one training job; returns (and writes to `<output_dir>/summary.json`) its summary."""
     c = validate(cfg)  # every field error surfaces here, before a model is touched
     if inputs is not None and inputs.reward_fn is not None and c.reward.fn:
-        raise ConfigError(f"config field `reward.fn`: {c.reward.fn!r} and a reward_fn given in Python both name the reward; keep one")
+        raise ConfigError(
+            f"config field `reward.fn`: {c.reward.fn!r} and a reward_fn given in Python both name the reward; keep one"
+        )
     for note in ineffective_knobs(c):
         log.warning(note)
     check_sources(c)  # an unreachable model or dataset: one message in seconds, not a retry loop
@@ -118,7 +136,11 @@ def train(cfg: DictConfig | TrainConfig, inputs: Optional[UserInputs] = None) ->
             with StopSignals() as stop:
                 trainer, module = fit(c, resume_from, stop=stop, inputs=inputs)
         except Exception as err:
-            log.error("stopped: %s (%s)", type(err).__name__, "its message follows" if user_message(err) else "a bug: its traceback follows")
+            log.error(
+                "stopped: %s (%s)",
+                type(err).__name__,
+                "its message follows" if user_message(err) else "a bug: its traceback follows",
+            )
             raise
         summary = write_summary(c, trainer, module, resume_from, time.perf_counter() - start, stop)
     if stop.requested:
@@ -155,8 +177,11 @@ def exit_past_stuck_threads(code: int, wait_s: float = 5.0) -> None:
     while (left := run_threads()) and time.monotonic() < deadline:
         left[0].join(max(deadline - time.monotonic(), 0.0))
     if left := run_threads():
-        log.warning("threads still running after the run ended (%s): exiting with status %d without waiting for them",
-                    ", ".join(t.name for t in left), code)
+        log.warning(
+            "threads still running after the run ended (%s): exiting with status %d without waiting for them",
+            ", ".join(t.name for t in left),
+            code,
+        )
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()

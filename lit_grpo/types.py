@@ -108,7 +108,9 @@ class Sampler(Protocol):
     """True: a request for n completions succeeds or fails as a whole, so the default rollout asks
     for a row's G trajectories in one request (one deadline and retry budget for the group)."""
 
-    async def sample_with_prompt_tokens(self, prompt_token_ids: list[int], n: int = 1, **kwargs: Any) -> list[Completion]:
+    async def sample_with_prompt_tokens(
+        self, prompt_token_ids: list[int], n: int = 1, **kwargs: Any
+    ) -> list[Completion]:
         """Sample `n` completions of a tokenized prompt."""
         ...
 
@@ -120,7 +122,9 @@ class Sampler(Protocol):
         """Load `(name, tensor)` pairs of the policy into the sampler's engine, in memory."""
         ...
 
-    def generate(self, prompts: list[list[int]], temperature: float, max_tokens: int, stop: tuple[str, ...] = ()) -> list[Completion]:
+    def generate(
+        self, prompts: list[list[int]], temperature: float, max_tokens: int, stop: tuple[str, ...] = ()
+    ) -> list[Completion]:
         """One completion per prompt, called outside the event loop (greedy evaluation: temperature 0)."""
         ...
 
@@ -266,7 +270,13 @@ class RolloutBatch:
     def num_sequences(self) -> int:
         return int(self.tokens_BT.shape[0])
 
-    def to(self, device: torch.device | str) -> "RolloutBatch":
+    def to(self, device: torch.device | str) -> RolloutBatch:
         """The batch with its tensors on `device`; the record and the groups (host-side) are shared."""
-        return dataclasses.replace(self, **{f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)
-                                            if isinstance(getattr(self, f.name), torch.Tensor)})
+        return dataclasses.replace(
+            self,
+            **{
+                f.name: getattr(self, f.name).to(device)
+                for f in dataclasses.fields(self)
+                if isinstance(getattr(self, f.name), torch.Tensor)
+            },
+        )

@@ -9,9 +9,7 @@ from omegaconf import DictConfig
 
 from lit_grpo.config import ModelConfig
 from lit_grpo.models.load import build_char_tokenizer, build_tiny_model
-from lit_grpo.train import CONF_DIR
 from lit_grpo.train import compose_config as lit_compose
-
 
 
 def compose_config(*overrides: str, output_dir: Path | str = ".") -> DictConfig:

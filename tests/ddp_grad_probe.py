@@ -17,9 +17,9 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader
 
-from lit_grpo.run.validate import validate
-from lit_grpo.models.load import load_policy, load_tokenizer
 from lit_grpo.loop.module import GRPOModule
+from lit_grpo.models.load import load_policy, load_tokenizer
+from lit_grpo.run.validate import validate
 from lit_grpo.train import compose_config
 from lit_grpo.types import RolloutBatch
 
@@ -48,7 +48,15 @@ def fixed_batch(rank: int, size: int, vocab: int) -> RolloutBatch:
 
 
 def union(batches: list[RolloutBatch]) -> RolloutBatch:
-    fields = ["tokens_BT", "attention_mask_BT", "loss_mask_BT", "sampler_logprobs_BT", "advantages_B", "rewards_B", "versions_B"]
+    fields = [
+        "tokens_BT",
+        "attention_mask_BT",
+        "loss_mask_BT",
+        "sampler_logprobs_BT",
+        "advantages_B",
+        "rewards_B",
+        "versions_B",
+    ]
     return RolloutBatch(**{f: torch.cat([getattr(b, f) for b in batches]) for f in fields})
 
 
@@ -83,16 +91,31 @@ class FixedData(L.LightningDataModule):
 
 def main() -> None:
     out, devices, sizes = Path(sys.argv[1]), int(sys.argv[2]), [int(n) for n in sys.argv[3].split(",")]
-    c = validate(compose_config([
-        "micro_batch_size=3", "grad_clip_norm=0", "policy_loss.kl_beta=0", "logger=none", f"output_dir={out}",
-    ]))
+    c = validate(
+        compose_config(
+            [
+                "micro_batch_size=3",
+                "grad_clip_norm=0",
+                "policy_loss.kl_beta=0",
+                "logger=none",
+                f"output_dir={out}",
+            ]
+        )
+    )
     L.seed_everything(0, verbose=False)
     tokenizer = load_tokenizer(c.model)
     policy = load_policy(c.model, tokenizer, c.seed)
     probe = Probe()
     trainer = L.Trainer(
-        accelerator="cpu", devices=devices, strategy="ddp" if devices > 1 else "auto", max_epochs=1, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[probe],
+        accelerator="cpu",
+        devices=devices,
+        strategy="ddp" if devices > 1 else "auto",
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[probe],
         use_distributed_sampler=False,  # each rank its own fixed batch
     )
     trainer.fit(GRPOModule(policy, c), datamodule=FixedData(sizes, len(tokenizer)))

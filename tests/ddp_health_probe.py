@@ -14,12 +14,12 @@ import sys
 from pathlib import Path
 
 import lightning as L
-
 from ddp_grad_probe import FixedData
-from lit_grpo.run.validate import validate
+
 from lit_grpo.loop.metrics import merge_step_metrics
-from lit_grpo.models.load import load_policy, load_tokenizer
 from lit_grpo.loop.module import GRPOModule
+from lit_grpo.models.load import load_policy, load_tokenizer
+from lit_grpo.run.validate import validate
 from lit_grpo.train import compose_config
 
 
@@ -36,18 +36,35 @@ class MergedMetrics(L.Callback):
 
 def main() -> None:
     out, devices, sizes = Path(sys.argv[1]), int(sys.argv[2]), [int(n) for n in sys.argv[3].split(",")]
-    c = validate(compose_config([
-        "micro_batch_size=3", "grad_clip_norm=0.5", "policy_loss.kl_beta=0", "policy_loss.tis_cap=1.5", "logger=none",
-        f"output_dir={out}", "max_steps=1",
-    ]))
+    c = validate(
+        compose_config(
+            [
+                "micro_batch_size=3",
+                "grad_clip_norm=0.5",
+                "policy_loss.kl_beta=0",
+                "policy_loss.tis_cap=1.5",
+                "logger=none",
+                f"output_dir={out}",
+                "max_steps=1",
+            ]
+        )
+    )
     L.seed_everything(0, verbose=False)
     tokenizer = load_tokenizer(c.model)
     policy = load_policy(c.model, tokenizer, c.seed)
     merged = MergedMetrics()
     trainer = L.Trainer(
-        accelerator="cpu", devices=devices, strategy="ddp" if devices > 1 else "auto", max_epochs=1, max_steps=1,
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        callbacks=[merged], use_distributed_sampler=False,  # each rank its own fixed batch
+        accelerator="cpu",
+        devices=devices,
+        strategy="ddp" if devices > 1 else "auto",
+        max_epochs=1,
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[merged],
+        use_distributed_sampler=False,  # each rank its own fixed batch
     )
     trainer.fit(GRPOModule(policy, c), datamodule=FixedData(sizes, len(tokenizer)))
     if trainer.global_rank == 0:

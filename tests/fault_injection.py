@@ -54,7 +54,9 @@ class SignalAfterStep(L.Callback):
     With `linger_s`, keep the step busy that long, and with `again_after_s` send the signal again
     that many seconds into it (a slow step end that a second signal must cut short)."""
 
-    def __init__(self, step: int, signum: int = signal.SIGTERM, linger_s: float = 0.0, again_after_s: float | None = None) -> None:
+    def __init__(
+        self, step: int, signum: int = signal.SIGTERM, linger_s: float = 0.0, again_after_s: float | None = None
+    ) -> None:
         self.step, self.signum, self.linger_s, self.again_after_s = step, signum, linger_s, again_after_s
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
@@ -157,9 +159,13 @@ class FailSyncAtStep(L.Callback):
         from lit_grpo.samplers.server.weight_files import WeightSyncError
 
         if outputs and pl_module.rollout_step == self.step:
+
             def dead(named_tensors):
-                raise WeightSyncError(f"weight sync to version {self.step + 1} failed on {self.url} (vLLM server "
-                                      f"{self.url}: POST /pause failed (ConnectError: connection refused))", servers=[self.url])
+                raise WeightSyncError(
+                    f"weight sync to version {self.step + 1} failed on {self.url} (vLLM server "
+                    f"{self.url}: POST /pause failed (ConnectError: connection refused))",
+                    servers=[self.url],
+                )
 
             trainer.datamodule.sampler.update_weights = dead
 
@@ -177,7 +183,9 @@ def make_server_error_rollout_fn(setup):
     async def rollout_fn(row):
         calls["n"] += 1
         if calls["n"] >= fail_at:
-            raise ServerError(f"no vLLM server left: vLLM server {url}: POST /v1/completions failed (ConnectError: connection refused)")
+            raise ServerError(
+                f"no vLLM server left: vLLM server {url}: POST /v1/completions failed (ConnectError: connection refused)"
+            )
         return await inner(row)
 
     return rollout_fn

@@ -13,7 +13,7 @@ import asyncio
 import dataclasses
 import math
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from lit_grpo.rollouts.rollout import make_rollout_fn
 from lit_grpo.types import RolloutSample, RolloutSetup
@@ -45,7 +45,9 @@ make_ragged = _corrupting(lambda s, setup: dataclasses.replace(s, logprobs=s.log
 make_nan_reward = _corrupting(lambda s, setup: dataclasses.replace(s, reward=math.nan))
 make_inf_reward = _corrupting(lambda s, setup: dataclasses.replace(s, reward=math.inf))
 make_string_reward = _corrupting(lambda s, setup: dataclasses.replace(s, reward=str(s.reward)))
-make_out_of_vocab = _corrupting(lambda s, setup: dataclasses.replace(s, tokens=[*s.tokens[:-1], len(setup.tokenizer) + 5]))
+make_out_of_vocab = _corrupting(
+    lambda s, setup: dataclasses.replace(s, tokens=[*s.tokens[:-1], len(setup.tokenizer) + 5])
+)
 make_mask_two = _corrupting(lambda s, setup: dataclasses.replace(s, loss_mask=[2 * m for m in s.loss_mask]))
 make_positive_logprob = _corrupting(lambda s, setup: dataclasses.replace(s, logprobs=_generated(s, 0.5)))
 make_huge_reward = _corrupting(lambda s, setup: dataclasses.replace(s, reward=s.reward * 1e200))
@@ -67,6 +69,7 @@ def make_blocking(setup: RolloutSetup):
 
 def make_stuck_engine(setup: RolloutSetup):
     """The default rollout on a sampler whose engine call never returns (a hung generate)."""
+
     def hung_generate(prompts, temperature, max_tokens, stop=()):
         time.sleep(10**6)
 

@@ -34,7 +34,9 @@ def test_std_scaled_by_hand():
     # Group [1, 0, 0, 1]: mean 0.5, unbiased std sqrt((4 · 0.25) / 3) = 0.57735 -> ±0.5 / 0.57735 = ±0.866025.
     # Group [2, 0]: mean 1, unbiased std sqrt(2) -> ±1/sqrt(2).
     rewards = torch.tensor([[1.0, 0.0, 0.0, 1.0]])
-    assert_close(group_advantages(rewards), torch.tensor([[0.866025, -0.866025, -0.866025, 0.866025]]), atol=1e-5, rtol=0)
+    assert_close(
+        group_advantages(rewards), torch.tensor([[0.866025, -0.866025, -0.866025, 0.866025]]), atol=1e-5, rtol=0
+    )
     assert_close(group_advantages(torch.tensor([[2.0, 0.0]])), torch.tensor([[1 / math.sqrt(2), -1 / math.sqrt(2)]]))
 
 
@@ -52,7 +54,9 @@ def test_uniform_group_is_all_zero_and_others_unaffected():
 
 
 def test_dr_grpo_only_centres():
-    assert_close(group_advantages(torch.tensor([[3.0, 1.0, 2.0, 2.0]]), scale="none"), torch.tensor([[1.0, -1.0, 0.0, 0.0]]))
+    assert_close(
+        group_advantages(torch.tensor([[3.0, 1.0, 2.0, 2.0]]), scale="none"), torch.tensor([[1.0, -1.0, 0.0, 0.0]])
+    )
 
 
 def test_ragged_groups_match_per_group_computation():
@@ -73,7 +77,7 @@ def test_bad_inputs_are_refused():
 def test_huge_rewards_do_not_overflow_the_std():
     # Rewards 2e200 and 0: mean 1e200, unbiased std sqrt(2)·1e200, so A = ±1/sqrt(2) (not 0 from an inf std).
     adv = group_advantages(torch.tensor([[2e200, 0.0]], dtype=torch.float64))
-    torch.testing.assert_close(adv, torch.tensor([[2 ** -0.5, -(2 ** -0.5)]]))
+    torch.testing.assert_close(adv, torch.tensor([[2**-0.5, -(2**-0.5)]]))
 
 
 # --------------------------------------------------------------------------- the registry
@@ -84,7 +88,9 @@ BUILT_INS = {"grpo", "dr_grpo", "igpo"}
 
 def _turns(reward, gains):
     """A 4-token sample whose two turns are tokens [1, 2) and [2, 3)."""
-    return RolloutSample([1, 2, 3, 4], [0.0, -0.1, -0.1, 0.0], [0, 1, 1, 0], reward, turn_spans=[(1, 2), (2, 3)], turn_rewards=gains)
+    return RolloutSample(
+        [1, 2, 3, 4], [0.0, -0.1, -0.1, 0.0], [0, 1, 1, 0], reward, turn_spans=[(1, 2), (2, 3)], turn_rewards=gains
+    )
 
 
 def test_grpo_and_dr_grpo_entries_by_hand():
@@ -124,9 +130,13 @@ def test_group_signal_is_the_entrys_own_or_differing_rewards():
 def test_segments_of_a_run_share_its_advantage_through_the_registry():
     # Runs: one sample with reward 1, a run of two segments with reward 0 -> grpo over [1, 0]: ±1/sqrt(2).
     seg = RolloutSample([1, 2], [0.0, -0.1], [0, 1], 0.0)
-    group = PromptGroup(row={}, samples=[RolloutSample([1, 2], [0.0, -0.1], [0, 1], 1.0), seg, seg], version=0, run_sizes=[1, 2])
-    batch = make_batch([group], [group], version=0, pad_id=0, counts=Counter(), timings={}, advantage=make_advantage("grpo"))
-    assert batch.advantages_B.tolist() == pytest.approx([2 ** -0.5, -(2 ** -0.5), -(2 ** -0.5)], rel=1e-5)
+    group = PromptGroup(
+        row={}, samples=[RolloutSample([1, 2], [0.0, -0.1], [0, 1], 1.0), seg, seg], version=0, run_sizes=[1, 2]
+    )
+    batch = make_batch(
+        [group], [group], version=0, pad_id=0, counts=Counter(), timings={}, advantage=make_advantage("grpo")
+    )
+    assert batch.advantages_B.tolist() == pytest.approx([2**-0.5, -(2**-0.5), -(2**-0.5)], rel=1e-5)
 
 
 def test_unknown_names_and_hyperparameters_are_refused():
@@ -154,17 +164,36 @@ def test_a_users_estimator_from_its_module_drives_the_batch(isolated_advantages,
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
     monkeypatch.delitem(sys.modules, "my_cwd_advantages", raising=False)
-    c = validate(compose_config("advantage=user", "advantage.name=my_cwd_advantages:scaled", "+advantage.params.factor=3.0",
-                                output_dir=tmp_path))
+    c = validate(
+        compose_config(
+            "advantage=user",
+            "advantage.name=my_cwd_advantages:scaled",
+            "+advantage.params.factor=3.0",
+            output_dir=tmp_path,
+        )
+    )
     assert "scaled" in available_advantages() and advantage_defaults("scaled") == {"factor": 2.0}
     samples = [RolloutSample([1, 2], [0.0, -0.1], [0, 1], r) for r in (1.0, 0.0, 0.5)]
     group = PromptGroup(row={}, samples=samples, version=0)
-    batch = make_batch([group], [group], version=0, pad_id=0, counts=Counter(), timings={},
-                       advantage=make_advantage(c.advantage.name, c.advantage.params))
+    batch = make_batch(
+        [group],
+        [group],
+        version=0,
+        pad_id=0,
+        counts=Counter(),
+        timings={},
+        advantage=make_advantage(c.advantage.name, c.advantage.params),
+    )
     assert batch.advantages_B.tolist() == [3.0, 0.0, 1.5]  # 3 · (r - 0)
     with pytest.raises(ConfigError, match=r"advantage\.params\.facter.*valid hyper-parameters: factor"):
-        validate(compose_config("advantage=user", "advantage.name=my_cwd_advantages:scaled", "+advantage.params.facter=3.0",
-                                output_dir=tmp_path))
+        validate(
+            compose_config(
+                "advantage=user",
+                "advantage.name=my_cwd_advantages:scaled",
+                "+advantage.params.facter=3.0",
+                output_dir=tmp_path,
+            )
+        )
     with pytest.raises(ConfigError, match=r"advantage\.name.*my_cwd_advantages.*registers none"):
         validate(compose_config("advantage=user", "advantage.name=my_cwd_advantages:other", output_dir=tmp_path))
 
@@ -191,22 +220,31 @@ def test_advantage_is_checked_naming_the_field(tmp_path):
         validate(compose_config("advantage=igpo", "advantage.params.skip_last_ig=3", output_dir=tmp_path))
 
 
-@pytest.mark.parametrize("old, new", [
-    (["policy_loss.advantage_scale=none"], ["advantage=dr_grpo"]),
-    (["policy_loss.advantage_scale=std"], ["advantage=grpo", "advantage.params={}"]),
-    (["policy_loss.advantage=igpo", "policy_loss.igpo_gamma=0.5", "policy_loss.igpo_skip_last_ig=true"],
-     ["advantage=igpo", "advantage.params={gamma: 0.5, skip_last_ig: true}"]),
-    (["+experiment=igpo_lookup", "policy_loss.advantage=group", "policy_loss.igpo_skip_last_ig=null"],
-     ["+experiment=igpo_lookup_grpo", "rollout.extras.score_turns=true", "advantage.params={}"]),
-    (["advantage=igpo", "policy_loss.igpo_gamma=0.5"], ["advantage=igpo", "advantage.params.gamma=0.5"]),
-])
+@pytest.mark.parametrize(
+    "old, new",
+    [
+        (["policy_loss.advantage_scale=none"], ["advantage=dr_grpo"]),
+        (["policy_loss.advantage_scale=std"], ["advantage=grpo", "advantage.params={}"]),
+        (
+            ["policy_loss.advantage=igpo", "policy_loss.igpo_gamma=0.5", "policy_loss.igpo_skip_last_ig=true"],
+            ["advantage=igpo", "advantage.params={gamma: 0.5, skip_last_ig: true}"],
+        ),
+        (
+            ["+experiment=igpo_lookup", "policy_loss.advantage=group", "policy_loss.igpo_skip_last_ig=null"],
+            ["+experiment=igpo_lookup_grpo", "rollout.extras.score_turns=true", "advantage.params={}"],
+        ),
+        (["advantage=igpo", "policy_loss.igpo_gamma=0.5"], ["advantage=igpo", "advantage.params.gamma=0.5"]),
+    ],
+)
 def test_the_old_names_still_work(old, new, tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="lit_grpo.config.groups"):
         c_old = validate(compose_config(*old, output_dir=tmp_path))
     (message,) = [r.getMessage() for r in caplog.records if "deprecated" in r.getMessage()]
     assert "\n" not in message
     c_new = validate(compose_config(*new, output_dir=tmp_path))
-    assert make_advantage(c_old.advantage.name, c_old.advantage.params) == make_advantage(c_new.advantage.name, c_new.advantage.params)
+    assert make_advantage(c_old.advantage.name, c_old.advantage.params) == make_advantage(
+        c_new.advantage.name, c_new.advantage.params
+    )
     assert c_old.policy_loss == c_new.policy_loss  # the old knobs are cleared once read
 
 

@@ -6,14 +6,13 @@ import time
 
 import lightning as L
 import pytest
+from conftest import compose_config
 
-from lit_grpo.rollouts.datamodule import RolloutStream
 from lit_grpo.loop.module import GRPOModule
 from lit_grpo.rollouts import GroupSampler, OffPolicyScheduler, RowCursor
+from lit_grpo.rollouts.datamodule import RolloutStream
 from lit_grpo.train import train
 from lit_grpo.types import RolloutSample
-
-from conftest import compose_config
 
 ROLLOUT_INTERVALS: list[tuple[float, float]] = []
 
@@ -71,10 +70,13 @@ def test_gate_oversamples_by_the_accept_rate():
 
 def _half_kept_rows_fn(latency_s: float, starts: dict[int, float]):
     """A latency-bound rollout; the filter of `_half_kept` keeps the groups of even rows only."""
+
     async def rollout_fn(row):
         starts.setdefault(row["id"], time.perf_counter())
         await asyncio.sleep(latency_s)
-        return RolloutSample(tokens=[1, 100 + row["id"], 2], logprobs=[0.0, -1.0, -1.0], loss_mask=[0, 1, 1], reward=1.0)
+        return RolloutSample(
+            tokens=[1, 100 + row["id"], 2], logprobs=[0.0, -1.0, -1.0], loss_mask=[0, 1, 1], reward=1.0
+        )
 
     return rollout_fn
 
@@ -89,9 +91,16 @@ def test_o1_overlaps_the_next_steps_rollouts_with_training():
     group trains more than one version after it was sampled."""
     latency_s, train_s, steps, P, G = 0.2, 0.1, 10, 4, 2
     starts: dict[int, float] = {}
-    groups = GroupSampler(_half_kept_rows_fn(latency_s, starts), G, max_seq_len=64, min_group_size=2, filters=[_half_kept])
-    scheduler = OffPolicyScheduler(RowCursor([{"id": i} for i in range(400)], 1, 0, False), groups, P,
-                                   max_head_offpolicy_versions=1, max_concurrency=256)
+    groups = GroupSampler(
+        _half_kept_rows_fn(latency_s, starts), G, max_seq_len=64, min_group_size=2, filters=[_half_kept]
+    )
+    scheduler = OffPolicyScheduler(
+        RowCursor([{"id": i} for i in range(400)], 1, 0, False),
+        groups,
+        P,
+        max_head_offpolicy_versions=1,
+        max_concurrency=256,
+    )
     trained: list[list[int]] = []
     windows: list[tuple[float, float]] = []
     offsets: list[list[int]] = []
@@ -120,9 +129,15 @@ def test_o1_overlaps_the_next_steps_rollouts_with_training():
 @pytest.mark.parametrize("offpolicy", [0, 1, 2])
 def test_version_offset_never_exceeds_the_bound(offpolicy, tmp_path):
     cfg = compose_config(
-        "+experiment=arithmetic", "synchronous_training=false", f"max_head_offpolicy_versions={offpolicy}", "max_steps=12",
-        "lr_decay=constant", "rollout.factory=test_async:make_slow_rollout_fn", "trainer.enable_progress_bar=false",
-        "+callbacks.slow._target_=test_async.SlowTrainer", output_dir=tmp_path,
+        "+experiment=arithmetic",
+        "synchronous_training=false",
+        f"max_head_offpolicy_versions={offpolicy}",
+        "max_steps=12",
+        "lr_decay=constant",
+        "rollout.factory=test_async:make_slow_rollout_fn",
+        "trainer.enable_progress_bar=false",
+        "+callbacks.slow._target_=test_async.SlowTrainer",
+        output_dir=tmp_path,
     )
     train(cfg)
     steps = [{k: float(v) for k, v in row.items() if v} for row in csv.DictReader((tmp_path / "metrics.csv").open())]
@@ -145,12 +160,19 @@ def test_a_straggler_past_its_budget_is_sampled_again_not_trained_late():
     async def rollout_fn(row):
         calls[row["id"]] = calls.get(row["id"], 0) + 1
         await asyncio.sleep(0.5 if row["id"] == 0 and calls[0] <= 2 else 0.005)  # both samples of its first group
-        return RolloutSample(tokens=[1, 100 + row["id"], 2], logprobs=[0.0, -1.0, -1.0], loss_mask=[0, 1, 1], reward=float(row["id"] % 2))
+        return RolloutSample(
+            tokens=[1, 100 + row["id"], 2], logprobs=[0.0, -1.0, -1.0], loss_mask=[0, 1, 1], reward=float(row["id"] % 2)
+        )
 
     G = 2
     groups = GroupSampler(rollout_fn, G, max_seq_len=64, min_group_size=2, filters=[])
-    scheduler = OffPolicyScheduler(RowCursor([{"id": i} for i in range(8)], 1, 0, False), groups, 1,
-                                   max_head_offpolicy_versions=1, max_concurrency=64)
+    scheduler = OffPolicyScheduler(
+        RowCursor([{"id": i} for i in range(8)], 1, 0, False),
+        groups,
+        1,
+        max_head_offpolicy_versions=1,
+        max_concurrency=64,
+    )
     trained, offsets, stale = [], [], 0
     try:
         for batch in RolloutStream(scheduler, groups, max_steps=-1, pad_id=0):
@@ -176,26 +198,43 @@ def _overlap_count(monkeypatch, tmp_path, *overrides):
 
     monkeypatch.setattr(GRPOModule, "_optimizer_step", timed)
     ROLLOUT_INTERVALS.clear()
-    train(compose_config(
-        "+experiment=arithmetic", "max_steps=8", "lr_decay=constant", "rollout.factory=test_async:make_slow_rollout_fn",
-        "trainer.enable_progress_bar=false", *overrides, output_dir=tmp_path,
-    ))
+    train(
+        compose_config(
+            "+experiment=arithmetic",
+            "max_steps=8",
+            "lr_decay=constant",
+            "rollout.factory=test_async:make_slow_rollout_fn",
+            "trainer.enable_progress_bar=false",
+            *overrides,
+            output_dir=tmp_path,
+        )
+    )
     return sum(1 for a, b in ROLLOUT_INTERVALS for s, e in train_windows if a < e and s < b)
 
 
 def test_synchronous_training_never_overlaps(monkeypatch, tmp_path):
     assert _overlap_count(monkeypatch, tmp_path / "sync", "synchronous_training=true") == 0
-    assert _overlap_count(monkeypatch, tmp_path / "async", "synchronous_training=false", "max_head_offpolicy_versions=1") > 0
+    assert (
+        _overlap_count(monkeypatch, tmp_path / "async", "synchronous_training=false", "max_head_offpolicy_versions=1")
+        > 0
+    )
 
 
 def test_rollout_failures_in_async_mode_stop_training(tmp_path):
     from lit_grpo.rollouts.checks import RolloutCircuitOpen
 
     with pytest.raises(RolloutCircuitOpen):
-        train(compose_config(
-            "+experiment=arithmetic", "synchronous_training=false", "max_steps=3", "lr_decay=constant",
-            "rollout.factory=test_async:make_failing_rollout_fn", "trainer.enable_progress_bar=false", output_dir=tmp_path,
-        ))
+        train(
+            compose_config(
+                "+experiment=arithmetic",
+                "synchronous_training=false",
+                "max_steps=3",
+                "lr_decay=constant",
+                "rollout.factory=test_async:make_failing_rollout_fn",
+                "trainer.enable_progress_bar=false",
+                output_dir=tmp_path,
+            )
+        )
 
 
 def make_failing_rollout_fn(setup):
@@ -206,8 +245,15 @@ def make_failing_rollout_fn(setup):
 
 
 def test_interval_zero_keeps_admitting_rows(tmp_path):
-    summary = train(compose_config(
-        "+experiment=arithmetic", "synchronous_training=false", "weight_sync_interval=0", "max_steps=5",
-        "lr_decay=constant", "trainer.enable_progress_bar=false", output_dir=tmp_path,
-    ))
+    summary = train(
+        compose_config(
+            "+experiment=arithmetic",
+            "synchronous_training=false",
+            "weight_sync_interval=0",
+            "max_steps=5",
+            "lr_decay=constant",
+            "trainer.enable_progress_bar=false",
+            output_dir=tmp_path,
+        )
+    )
     assert summary["steps"] == 5

@@ -16,29 +16,35 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import compose_config
 from safetensors.torch import load_file
 
-from lit_grpo.run.checkpoint import CheckpointStore, check_resumable, locate_checkpoint, run_id_of, verify
 from lit_grpo.config import ConfigError
-from lit_grpo.run.validate import validate
-from lit_grpo.rollouts.datamodule import RolloutStream
 from lit_grpo.rollouts import GroupSampler, OffPolicyScheduler, RowCursor
+from lit_grpo.rollouts.datamodule import RolloutStream
+from lit_grpo.run.checkpoint import CheckpointStore, check_resumable, locate_checkpoint, run_id_of, verify
+from lit_grpo.run.validate import validate
 from lit_grpo.train import train
 from lit_grpo.types import RolloutSample
-
-from conftest import compose_config
 
 REPO = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent
 STEPS, EVERY = 8, 2
 # Synchronous, so a run is a deterministic function of its seed; the tiny model, 8 steps.
-RUN = ["+experiment=arithmetic", f"max_steps={STEPS}", f"dcp_save_interval={EVERY}", "trainer.enable_progress_bar=false"]
+RUN = [
+    "+experiment=arithmetic",
+    f"max_steps={STEPS}",
+    f"dcp_save_interval={EVERY}",
+    "trainer.enable_progress_bar=false",
+]
 
 
 def run_cli(run_dir: Path, *overrides: str, module: str = "lit_grpo.train") -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), str(REPO)])}
     args = [*RUN, *overrides, f"hydra.run.dir={run_dir}"] if module == "lit_grpo.train" else list(overrides)
-    return subprocess.run([sys.executable, "-m", module, *args], cwd=run_dir.parent, env=env, capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", module, *args], cwd=run_dir.parent, env=env, capture_output=True, text=True, timeout=600
+    )
 
 
 def tensors(model_dir: Path) -> dict[str, torch.Tensor]:
@@ -80,7 +86,9 @@ def test_checkpoints_are_published_whole_and_pruned(uninterrupted):
     assert not list(store.root.glob(".tmp-*"))
     for _, path in store.step_dirs():
         assert verify(path) is None
-        assert {".metadata", "config.yaml", "manifest.json", "trainer_state_rank0.pt"} <= {p.name for p in path.iterdir()}
+        assert {".metadata", "config.yaml", "manifest.json", "trainer_state_rank0.pt"} <= {
+            p.name for p in path.iterdir()
+        }
     # Both name the run that wrote them, in the manifest and in the trainer state.
     run_ids = {run_id_of(path) for _, path in store.step_dirs()}
     assert len(run_ids) == 1 and len(run_ids.pop()) == 32
@@ -195,16 +203,25 @@ def test_pruning_deletes_only_this_runs_verified_checkpoints(tmp_path, caplog):
     assert len(displaced) == 1 and run_id_of(displaced[0]) == "older"
 
 
-@pytest.mark.parametrize("manifest, reason", [
-    ("[1, 2]", "holds a JSON array, not an object"),
-    ('"files"', "holds a JSON string, not an object"),
-    ("null", "holds a JSON null, not an object"),
-    ("{}", "no `files` object"),
-    ('{"files": ["config.yaml"]}', "no `files` object"),
-    ('{"files": {".metadata": 5, "config.yaml": 5, "trainer_state_rank0.pt": 5}}', "entry for .metadata is not {bytes, sha256}"),
-    ('{"files": {"../x": {}, ".metadata": {}, "config.yaml": {}, "trainer_state_rank0.pt": {}}}', "outside the checkpoint"),
-    ("{not json", "unreadable manifest.json"),
-])
+@pytest.mark.parametrize(
+    "manifest, reason",
+    [
+        ("[1, 2]", "holds a JSON array, not an object"),
+        ('"files"', "holds a JSON string, not an object"),
+        ("null", "holds a JSON null, not an object"),
+        ("{}", "no `files` object"),
+        ('{"files": ["config.yaml"]}', "no `files` object"),
+        (
+            '{"files": {".metadata": 5, "config.yaml": 5, "trainer_state_rank0.pt": 5}}',
+            "entry for .metadata is not {bytes, sha256}",
+        ),
+        (
+            '{"files": {"../x": {}, ".metadata": {}, "config.yaml": {}, "trainer_state_rank0.pt": {}}}',
+            "outside the checkpoint",
+        ),
+        ("{not json", "unreadable manifest.json"),
+    ],
+)
 def test_a_manifest_that_is_not_an_object_is_corrupt_not_a_crash(tmp_path, manifest, reason):
     path = fake_checkpoint(tmp_path / "checkpoints", 2, "r")
     (path / "manifest.json").write_text(manifest)
@@ -223,18 +240,29 @@ def test_resuming_with_a_config_that_changes_the_state_is_refused(uninterrupted,
 
     monkeypatch.setattr(lit_grpo.build, "load_policy", no_model)
     cfg = compose_config(
-        *RUN, "policy_loss=dapo", "data.completions_per_prompt=4", "model.hidden_size=32",
-        f"resume={uninterrupted / 'checkpoints'}", output_dir=tmp_path,
+        *RUN,
+        "policy_loss=dapo",
+        "data.completions_per_prompt=4",
+        "model.hidden_size=32",
+        f"resume={uninterrupted / 'checkpoints'}",
+        output_dir=tmp_path,
     )
     with pytest.raises(ConfigError) as err:
         train(cfg)
     message = str(err.value)
-    for field in ("policy_loss.name: 'grpo' in the checkpoint, 'dapo' now", "data.completions_per_prompt: 8 in the checkpoint, 4 now", "model.hidden_size"):
+    for field in (
+        "policy_loss.name: 'grpo' in the checkpoint, 'dapo' now",
+        "data.completions_per_prompt: 8 in the checkpoint, 4 now",
+        "model.hidden_size",
+    ):
         assert field in message
     assert "learning_rate" not in message
 
     # More steps, another logger, another output folder: allowed.
-    check_resumable(uninterrupted / "checkpoints" / "step_00000008", validate(compose_config(*RUN, "max_steps=20", "logger=none", output_dir=tmp_path)))
+    check_resumable(
+        uninterrupted / "checkpoints" / "step_00000008",
+        validate(compose_config(*RUN, "max_steps=20", "logger=none", output_dir=tmp_path)),
+    )
 
 
 def test_resume_auto_without_a_checkpoint_starts_fresh_and_a_bad_path_is_an_error(tmp_path):
@@ -268,7 +296,9 @@ def _row_fn():
     async def rollout_fn(row):
         await asyncio.sleep(0.002 * (row["id"] % 3))  # uneven latency: rows finish out of order
         # The row's id rides in the tokens, so a batch tells which rows it trains.
-        return RolloutSample(tokens=[1, 100 + row["id"], 2], logprobs=[0.0, -1.0, -1.0], loss_mask=[0, 1, 1], reward=float(row["id"] % 2))
+        return RolloutSample(
+            tokens=[1, 100 + row["id"], 2], logprobs=[0.0, -1.0, -1.0], loss_mask=[0, 1, 1], reward=float(row["id"] % 2)
+        )
 
     return rollout_fn
 
@@ -284,7 +314,9 @@ def test_off_policy_scheduler_state_loses_no_row_and_repeats_none():
 
     def scheduler():
         groups = GroupSampler(_row_fn(), G, max_seq_len=64, min_group_size=2, filters=[])
-        scheduler = OffPolicyScheduler(RowCursor(rows, 1, 0, True), groups, P, max_head_offpolicy_versions=2, max_concurrency=64)
+        scheduler = OffPolicyScheduler(
+            RowCursor(rows, 1, 0, True), groups, P, max_head_offpolicy_versions=2, max_concurrency=64
+        )
         return scheduler, iter(RolloutStream(scheduler, groups, max_steps=-1, pad_id=0))
 
     first, stream = scheduler()
@@ -363,26 +395,44 @@ def test_a_checkpoint_saved_before_a_field_existed_resumes_when_the_field_is_at_
 
 # 16 rows, 2 groups a step, no filter: an epoch is exactly 8 steps, and step 8's checkpoint is the
 # end of the first epoch (verl #7401: a resume from there trained 0 steps and exited 0).
-EPOCH_RUN = ["+experiment=arithmetic", "task.num_rows=16", "data.prompt_groups_per_step=2", "data.epochs=2", "max_steps=12",
-             "dcp_save_interval=8", "~callbacks.reward_filter", "trainer.enable_progress_bar=false"]
+EPOCH_RUN = [
+    "+experiment=arithmetic",
+    "task.num_rows=16",
+    "data.prompt_groups_per_step=2",
+    "data.epochs=2",
+    "max_steps=12",
+    "dcp_save_interval=8",
+    "~callbacks.reward_filter",
+    "trainer.enable_progress_bar=false",
+]
 
 
 @pytest.mark.timeout(900)
 def test_a_resume_from_the_checkpoint_at_an_epoch_end_trains_on_to_max_steps(tmp_path):
     def cli(run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), str(REPO)])}
-        return subprocess.run([sys.executable, "-m", "lit_grpo.train", *EPOCH_RUN, *overrides, f"hydra.run.dir={run_dir}"],
-                              cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+        return subprocess.run(
+            [sys.executable, "-m", "lit_grpo.train", *EPOCH_RUN, *overrides, f"hydra.run.dir={run_dir}"],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
 
     whole = tmp_path / "whole"
     assert (done := cli(whole)).returncode == 0, done.stderr[-3000:]
     run_dir = tmp_path / "run"
     killed = cli(run_dir, "+callbacks.kill={_target_:fault_injection.KillAfterStep,step:9}")
-    assert killed.returncode == -9, killed.stderr[-3000:]  # SIGKILL in step 9: the last checkpoint is step 8's, the epoch's end
+    assert killed.returncode == -9, killed.stderr[
+        -3000:
+    ]  # SIGKILL in step 9: the last checkpoint is step 8's, the epoch's end
     state = torch.load(run_dir / "checkpoints" / "step_00000008" / "trainer_state_rank0.pt", weights_only=False)
     assert state["step"] == 8 and state["datamodule"]["steps_done"] == 8
     cursor = state["datamodule"]["scheduler"]["cursor"]
-    assert (cursor["epoch"], cursor["index"], cursor["replay"]) in ((0, 16, []), (1, 0, [])), cursor  # every row of epoch 0 used
+    assert (cursor["epoch"], cursor["index"], cursor["replay"]) in ((0, 16, []), (1, 0, [])), (
+        cursor
+    )  # every row of epoch 0 used
 
     resumed = cli(run_dir, "resume=auto")
     assert resumed.returncode == 0, resumed.stderr[-3000:]

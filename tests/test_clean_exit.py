@@ -12,12 +12,11 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import compose_config
 
 from lit_grpo.rollouts.deadlines import Heartbeat, LoopWatchdog
 from lit_grpo.samplers.worker import THREAD_PREFIX, DaemonWorker, run_threads
 from lit_grpo.train import train
-
-from conftest import compose_config
 
 REPO = Path(__file__).resolve().parents[1]
 SHORT_RUN = ["+experiment=arithmetic", "max_steps=3", "trainer.enable_progress_bar=false"]
@@ -26,8 +25,14 @@ REPEATS = 20
 
 def cli(run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    return subprocess.run([sys.executable, "-m", "lit_grpo.train", *SHORT_RUN, *overrides, f"hydra.run.dir={run_dir}"],
-                          cwd=run_dir.parent, env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "lit_grpo.train", *SHORT_RUN, *overrides, f"hydra.run.dir={run_dir}"],
+        cwd=run_dir.parent,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 @pytest.mark.timeout(300)
@@ -79,8 +84,14 @@ def test_the_cli_exits_with_its_code_past_a_thread_that_never_ends(tmp_path):
         "exit_past_stuck_threads(0, wait_s=0.2)\n"
         "raise SystemExit(3)  # not reached\n"
     )
-    proc = subprocess.run([sys.executable, "-c", script], env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=tmp_path,
-                          capture_output=True, text=True, timeout=100)
+    proc = subprocess.run(
+        [sys.executable, "-c", script],
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "run finished" in proc.stdout and "lit_grpo-stuck" in proc.stderr
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from conftest import CONF_DIR, compose_config
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 from torch.testing import assert_close
@@ -14,13 +15,11 @@ from torch.testing import assert_close
 import lit_grpo.maths.losses
 import lit_grpo.samplers
 import lit_grpo.tasks.registry
-from lit_grpo.run.checkpoint import STATE_DEFINING_FIELDS
 from lit_grpo.config import ConfigError, TrainConfig, ineffective_knobs
-from lit_grpo.run.validate import validate
 from lit_grpo.maths.losses import available_policy_losses, get_policy_loss, policy_loss
+from lit_grpo.run.checkpoint import STATE_DEFINING_FIELDS
+from lit_grpo.run.validate import validate
 from lit_grpo.tasks import available_tasks, build_eval_rows, build_rows, get_task, register_task, reward_fn
-
-from conftest import CONF_DIR, compose_config
 
 GROUPS = ["model", "sampler", "task", "data", "reward", "policy_loss", "trainer", "callbacks", "logger"]
 # The `user` options of `policy_loss` and `task` leave `name` to the command line.
@@ -126,8 +125,15 @@ def test_bad_value_fails_validation_naming_the_field(override, field, tmp_path):
 
 def test_the_run_guards_have_documented_defaults(tmp_path):
     c = validate(compose_config(output_dir=tmp_path))
-    assert (c.rollout_timeout_s, c.rollout_max_retries, c.max_rows_without_progress, c.max_nonfinite_steps) == (300.0, 2, 1000, 3)
-    c = validate(compose_config("sampler.temperature=1e-6", "learning_rate=1", output_dir=tmp_path))  # extreme, not absurd
+    assert (c.rollout_timeout_s, c.rollout_max_retries, c.max_rows_without_progress, c.max_nonfinite_steps) == (
+        300.0,
+        2,
+        1000,
+        3,
+    )
+    c = validate(
+        compose_config("sampler.temperature=1e-6", "learning_rate=1", output_dir=tmp_path)
+    )  # extreme, not absurd
     assert c.sampler.temperature == 1e-6
 
 
@@ -218,7 +224,11 @@ def test_the_task_options_are_checked_strictly_naming_the_key(tmp_path):
 
 
 def test_the_task_group_sets_the_rows(tmp_path):
-    c = validate(compose_config("task.num_rows=16", "task.operators=*", "data.max_rows=10", "data.eval_rows=3", output_dir=tmp_path))
+    c = validate(
+        compose_config(
+            "task.num_rows=16", "task.operators=*", "data.max_rows=10", "data.eval_rows=3", output_dir=tmp_path
+        )
+    )
     rows = build_rows(c)
     assert len(rows) == 10 and all("*" in r["prompt"] for r in rows)
     assert len(build_eval_rows(c)) == 3
@@ -279,7 +289,11 @@ def test_synchronous_training_may_sync_every_n_steps(tmp_path):
 def test_ineffective_knobs_are_named(tmp_path):
     assert ineffective_knobs(validate(compose_config(output_dir=tmp_path))) == []
     assert ineffective_knobs(validate(compose_config("+experiment=arithmetic", output_dir=tmp_path))) == []
-    c = validate(compose_config("synchronous_training=true", "max_head_offpolicy_versions=2", "eval_interval=5", output_dir=tmp_path))
+    c = validate(
+        compose_config(
+            "synchronous_training=true", "max_head_offpolicy_versions=2", "eval_interval=5", output_dir=tmp_path
+        )
+    )
     knobs = ineffective_knobs(c)
     assert len(knobs) == 2
     assert "max_head_offpolicy_versions=2" in knobs[0] and "synchronous_training=true" in knobs[0]

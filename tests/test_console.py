@@ -23,9 +23,20 @@ PLAIN_LINE = re.compile(r"^(?:DEBUG|INFO|WARNING|ERROR|CRITICAL): (.*)$")  # Lig
 
 def run(tmp_path: Path, *overrides: str) -> tuple[subprocess.CompletedProcess, list[str]]:
     proc = subprocess.run(
-        [sys.executable, "-m", "lit_grpo.train", "+experiment=arithmetic", "trainer.enable_progress_bar=false", *overrides,
-         f"hydra.run.dir={tmp_path / 'run'}"],
-        cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "lit_grpo.train",
+            "+experiment=arithmetic",
+            "trainer.enable_progress_bar=false",
+            *overrides,
+            f"hydra.run.dir={tmp_path / 'run'}",
+        ],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc, [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
@@ -67,13 +78,31 @@ def test_a_run_whose_rows_ran_out_says_so_last(tmp_path):
     assert proc.stdout.splitlines()[-1].endswith("stopped: the rows ran out after 2 of max_steps=5 steps"), proc.stdout
 
 
-@pytest.mark.parametrize("kwargs, said", [
-    (dict(steps=20, max_steps=20, rows_exhausted=False, signum=None, fast_dev_run=False), "stopped: max_steps=20 reached"),
-    (dict(steps=7, max_steps=20, rows_exhausted=True, signum=None, fast_dev_run=False), "stopped: the rows ran out after 7 of max_steps=20 steps"),
-    (dict(steps=7, max_steps=-1, rows_exhausted=False, signum=None, fast_dev_run=False), "stopped: the rows are used up after 7 steps"),
-    (dict(steps=4, max_steps=20, rows_exhausted=False, signum=15, fast_dev_run=False), "stopped: SIGTERM after 4 steps"),
-    (dict(steps=1, max_steps=20, rows_exhausted=False, signum=None, fast_dev_run=True), "stopped: trainer.fast_dev_run (1 step)"),
-])
+@pytest.mark.parametrize(
+    "kwargs, said",
+    [
+        (
+            dict(steps=20, max_steps=20, rows_exhausted=False, signum=None, fast_dev_run=False),
+            "stopped: max_steps=20 reached",
+        ),
+        (
+            dict(steps=7, max_steps=20, rows_exhausted=True, signum=None, fast_dev_run=False),
+            "stopped: the rows ran out after 7 of max_steps=20 steps",
+        ),
+        (
+            dict(steps=7, max_steps=-1, rows_exhausted=False, signum=None, fast_dev_run=False),
+            "stopped: the rows are used up after 7 steps",
+        ),
+        (
+            dict(steps=4, max_steps=20, rows_exhausted=False, signum=15, fast_dev_run=False),
+            "stopped: SIGTERM after 4 steps",
+        ),
+        (
+            dict(steps=1, max_steps=20, rows_exhausted=False, signum=None, fast_dev_run=True),
+            "stopped: trainer.fast_dev_run (1 step)",
+        ),
+    ],
+)
 def test_stop_reasons(kwargs, said):
     assert stop_reason(**kwargs) == said
 

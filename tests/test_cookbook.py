@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 
 from lit_grpo.config import ConfigError
-from lit_grpo.run.validate import validate
 from lit_grpo.cookbook import (
     Config,
     DeployConfig,
@@ -24,6 +23,7 @@ from lit_grpo.cookbook import (
     main,
 )
 from lit_grpo.cookbook.config import to_hydra_config
+from lit_grpo.run.validate import validate
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples"
@@ -31,8 +31,12 @@ EXAMPLES = REPO / "examples"
 
 def _run_example(name: str, tmp_path: Path, *args: str) -> dict:
     proc = subprocess.run(
-        [sys.executable, "train.py", "--log-path", str(tmp_path), *args], cwd=EXAMPLES / name,
-        capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(REPO)},
+        [sys.executable, "train.py", "--log-path", str(tmp_path), *args],
+        cwd=EXAMPLES / name,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -56,13 +60,23 @@ def _two_turn_conversation(tokenizer, assembler: MessageTrajectoryAssembler):
     prompt1 = assembler.prepare_next_input(first)
     out1 = tokenizer("5", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
     assistant = {"role": "assistant", "content": "5"}
-    assembler.add_assistant_response(request_messages=first, assistant_message=assistant, prompt_token_ids=prompt1,
-                                      completion_token_ids=out1, completion_logprobs=[-0.5, -0.25])
+    assembler.add_assistant_response(
+        request_messages=first,
+        assistant_message=assistant,
+        prompt_token_ids=prompt1,
+        completion_token_ids=out1,
+        completion_logprobs=[-0.5, -0.25],
+    )
     second = first + [assistant, {"role": "user", "content": "No."}]
     prompt2 = assembler.prepare_next_input(second)
     out2 = tokenizer("4", add_special_tokens=False)["input_ids"]
-    assembler.add_assistant_response(request_messages=second, assistant_message={"role": "assistant", "content": "4"},
-                                      prompt_token_ids=prompt2, completion_token_ids=out2, completion_logprobs=[-0.125])
+    assembler.add_assistant_response(
+        request_messages=second,
+        assistant_message={"role": "assistant", "content": "4"},
+        prompt_token_ids=prompt2,
+        completion_token_ids=out2,
+        completion_logprobs=[-0.125],
+    )
     return prompt1, out1, prompt2, out2
 
 
@@ -92,10 +106,23 @@ def test_message_assembler_refuses_what_cannot_be_stitched(tokenizer):
 
 def test_config_fields_reach_the_run_config_and_hosted_ones_are_named_once(tmp_path, caplog):
     cfg = Config(
-        log_path=str(tmp_path), learning_rate=3e-4, kl_beta=0.0, completions_per_prompt=6, prompt_groups_per_step=3,
-        max_completion_tokens=5, temperature=0.7, epochs=2, max_rows=40, max_head_offpolicy_versions=2,
-        weight_sync_interval=2, policy_loss="dapo", dcp_save_interval=4, output_model_id="my-model", grad_clip_norm=0.5,
-        trainer=TrainerConfig(training_shape_id="accounts/x/trainingShapes/y"), deployment=DeployConfig(replica_count=2),
+        log_path=str(tmp_path),
+        learning_rate=3e-4,
+        kl_beta=0.0,
+        completions_per_prompt=6,
+        prompt_groups_per_step=3,
+        max_completion_tokens=5,
+        temperature=0.7,
+        epochs=2,
+        max_rows=40,
+        max_head_offpolicy_versions=2,
+        weight_sync_interval=2,
+        policy_loss="dapo",
+        dcp_save_interval=4,
+        output_model_id="my-model",
+        grad_clip_norm=0.5,
+        trainer=TrainerConfig(training_shape_id="accounts/x/trainingShapes/y"),
+        deployment=DeployConfig(replica_count=2),
         router_replay=False,
     )
     with caplog.at_level(logging.WARNING):
@@ -104,7 +131,12 @@ def test_config_fields_reach_the_run_config_and_hosted_ones_are_named_once(tmp_p
     assert len(hosted) == 1
     assert all(name in hosted[0] for name in ("trainer.training_shape_id", "deployment.replica_count", "router_replay"))
     assert (c.output_dir, c.learning_rate, c.seed, c.grad_clip_norm) == (str(tmp_path), 3e-4, 0, 0.5)
-    assert (c.data.completions_per_prompt, c.data.prompt_groups_per_step, c.data.epochs, c.data.max_rows) == (6, 3, 2, 40)
+    assert (c.data.completions_per_prompt, c.data.prompt_groups_per_step, c.data.epochs, c.data.max_rows) == (
+        6,
+        3,
+        2,
+        40,
+    )
     assert (c.sampler.max_completion_tokens, c.sampler.temperature) == (5, 0.7)
     assert (c.policy_loss.name, c.policy_loss.kl_beta, c.policy_loss.eps_clip) == ("dapo", 0.0, 0.2)
     assert (c.max_head_offpolicy_versions, c.weight_sync_interval, c.dcp_save_interval) == (2, 2, 4)
@@ -114,7 +146,15 @@ def test_config_fields_reach_the_run_config_and_hosted_ones_are_named_once(tmp_p
 
 
 def test_overrides_win_and_what_cannot_run_is_refused_by_field(tmp_path):
-    c = validate(to_hydra_config(Config(log_path=str(tmp_path), max_completion_tokens=5, overrides=["sampler.max_completion_tokens=3", "max_steps=2"])))
+    c = validate(
+        to_hydra_config(
+            Config(
+                log_path=str(tmp_path),
+                max_completion_tokens=5,
+                overrides=["sampler.max_completion_tokens=3", "max_steps=2"],
+            )
+        )
+    )
     assert (c.sampler.max_completion_tokens, c.max_steps) == (3, 2)
     lora = validate(to_hydra_config(Config(log_path=str(tmp_path), lora_rank=8, lora_alpha=16))).model.lora
     assert (lora.rank, lora.alpha) == (8, 16.0)  # the cookbook's LoRA knobs map onto model.lora
@@ -138,8 +178,14 @@ def test_main_runs_evaluation_fn_and_dynamic_filter_fn(tmp_path):
             (c,) = await setup.sampler.sample_with_prompt_tokens(row["prompt_token_ids"], n=1, **setup.sample_kwargs)
             n = c.prompt_len
             reward = 1.0 if c.text[:1].isdigit() else 0.0
-            sample = RolloutSample(list(c.full_tokens), [0.0] * n + list(c.sampling_logprobs), [0] * n + [1] * (len(c.full_tokens) - n), reward)
+            sample = RolloutSample(
+                list(c.full_tokens),
+                [0.0] * n + list(c.sampling_logprobs),
+                [0] * n + [1] * (len(c.full_tokens) - n),
+                reward,
+            )
             return RolloutRun(segments=[sample], metadata={"evaluation": evaluation})
+
         return rollout_fn
 
     async def evaluation_fn(step, eval_rollout_fn):
@@ -152,10 +198,24 @@ def test_main_runs_evaluation_fn_and_dynamic_filter_fn(tmp_path):
         return True
 
     rows = [{"id": i, "prompt_token_ids": [10 + i % 50, 11]} for i in range(24)]
-    cfg = Config(log_path=str(tmp_path), learning_rate=1e-3, kl_beta=0.0, completions_per_prompt=2, prompt_groups_per_step=2,
-                 max_completion_tokens=2, max_rows=24, overrides=["max_steps=5"])
-    summary = main(cfg, rollout_fn_factory=make_rollout_fn, rows=rows, evaluation_fn=evaluation_fn, evaluation_interval=2,
-                   dynamic_filter_fn=keep)
+    cfg = Config(
+        log_path=str(tmp_path),
+        learning_rate=1e-3,
+        kl_beta=0.0,
+        completions_per_prompt=2,
+        prompt_groups_per_step=2,
+        max_completion_tokens=2,
+        max_rows=24,
+        overrides=["max_steps=5"],
+    )
+    summary = main(
+        cfg,
+        rollout_fn_factory=make_rollout_fn,
+        rows=rows,
+        evaluation_fn=evaluation_fn,
+        evaluation_interval=2,
+        dynamic_filter_fn=keep,
+    )
     assert summary["steps"] == 5
     assert evaluations == [(2, True), (4, True), (5, True)]  # every 2 steps and after the last
     assert len(seen_groups) >= 10 and all(len(r) == 2 for r in seen_groups)
@@ -176,7 +236,9 @@ def test_message_in_example_rollout_stops_each_turn_at_the_stop_string(tiny_mode
         monkeypatch.delitem(sys.modules, mod, raising=False)
     import rollout as message_in
 
-    setup = RolloutSetup(HFSampler(tiny_model, tokenizer), tokenizer, {"temperature": 1.0, "max_tokens": 12}, {"max_turns": 3})
+    setup = RolloutSetup(
+        HFSampler(tiny_model, tokenizer), tokenizer, {"temperature": 1.0, "max_tokens": 12}, {"max_turns": 3}
+    )
     rollout_fn = message_in.make_rollout_fn(setup)
     newline = tokenizer("\n", add_special_tokens=False)["input_ids"]
     stops = 0

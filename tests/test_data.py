@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from lit_grpo.callbacks.reward_filter import UniformRewardFilter, has_reward_variance
-from lit_grpo.rollouts.datamodule import RolloutStream
 from lit_grpo.rollouts import GroupSampler, RowCursor, SynchronousScheduler, collate_groups, rollout_metrics
+from lit_grpo.rollouts.datamodule import RolloutStream
 from lit_grpo.types import PromptGroup, RolloutSample
 
 
@@ -14,7 +14,11 @@ def _sample(tokens, mask, reward, logprobs=None):
 
 
 def test_collate_pads_right_and_keeps_lists_parallel():
-    g = PromptGroup(row={}, version=3, samples=[_sample([1, 2, 3], [0, 1, 1], 1.0, [0.0, -0.5, -0.25]), _sample([1, 2], [0, 1], 0.0)])
+    g = PromptGroup(
+        row={},
+        version=3,
+        samples=[_sample([1, 2, 3], [0, 1, 1], 1.0, [0.0, -0.5, -0.25]), _sample([1, 2], [0, 1], 0.0)],
+    )
     batch = collate_groups([g], [[0.7, -0.7]], pad_id=0)
     assert batch.tokens_BT.tolist() == [[1, 2, 3], [1, 2, 0]]
     assert batch.attention_mask_BT.tolist() == [[1, 1, 1], [1, 1, 0]]
@@ -119,10 +123,20 @@ def test_a_rank_cursor_resumes_where_it_stopped_and_refuses_another_rank():
 def test_rollout_metrics_pool_ranks_by_hand():
     from lit_grpo.types import RolloutRecord
 
-    a = RolloutRecord(rewards=[0.0, 1.0], completion_tokens=[2, 4], counts={"rollout/failures": 1}, version_offsets=[0],
-                      timings={"perf/sample_s": 1.0})
-    b = RolloutRecord(rewards=[1.0, 1.0, 1.0, 1.0], completion_tokens=[1, 1, 1, 1], counts={"rollout/failures": 2, "rollout/filtered_groups": 1},
-                      version_offsets=[1, 0], timings={"perf/sample_s": 2.0})
+    a = RolloutRecord(
+        rewards=[0.0, 1.0],
+        completion_tokens=[2, 4],
+        counts={"rollout/failures": 1},
+        version_offsets=[0],
+        timings={"perf/sample_s": 1.0},
+    )
+    b = RolloutRecord(
+        rewards=[1.0, 1.0, 1.0, 1.0],
+        completion_tokens=[1, 1, 1, 1],
+        counts={"rollout/failures": 2, "rollout/filtered_groups": 1},
+        version_offsets=[1, 0],
+        timings={"perf/sample_s": 2.0},
+    )
     m = rollout_metrics([a, b])
     assert m["reward/mean"] == pytest.approx(5 / 6)  # pooled samples, not the mean of rank means (0.75)
     assert m["reward/std"] == pytest.approx((5 / 6 * 1 / 6 * 6 / 5) ** 0.5)  # unbiased: Σ(r - m)² / (n - 1)
@@ -145,7 +159,11 @@ def test_reward_statistics_of_huge_rewards_stay_finite():
 
 
 def test_sampler_logprobs_where_nothing_is_trained_are_zeroed():
-    g = PromptGroup(row={}, version=0, samples=[_sample([1, 2, 3], [0, 1, 1], 1.0, [float("nan"), -0.5, -0.25]), _sample([1, 2], [0, 1], 0.0)])
+    g = PromptGroup(
+        row={},
+        version=0,
+        samples=[_sample([1, 2, 3], [0, 1, 1], 1.0, [float("nan"), -0.5, -0.25]), _sample([1, 2], [0, 1], 0.0)],
+    )
     batch = collate_groups([g], [[1.0, -1.0]], pad_id=0)
     assert batch.sampler_logprobs_BT.tolist() == [[0.0, -0.5, -0.25], [0.0, 0.0, 0.0]]
 

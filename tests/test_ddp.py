@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from test_checkpoint import assert_bit_identical, run_cli, tensors
 
 REPO = Path(__file__).resolve().parents[1]
@@ -34,9 +33,15 @@ def _metrics(run_dir: Path) -> list[dict[str, float]]:
 
 def test_ranks_sample_disjoint_rows_that_together_are_a_single_process_run_with_twice_the_groups(tmp_path):
     common = [
-        "callbacks=none", "max_steps=3", "synchronous_training=true", "data.completions_per_prompt=2",
-        "task.num_rows=64", "task.max_operand=300", "task.max_answer=600",  # distinct prompts
-        "rollout.factory=ddp_rollouts:make_recording_rollout_fn", "output_model_id=null",
+        "callbacks=none",
+        "max_steps=3",
+        "synchronous_training=true",
+        "data.completions_per_prompt=2",
+        "task.num_rows=64",
+        "task.max_operand=300",
+        "task.max_answer=600",  # distinct prompts
+        "rollout.factory=ddp_rollouts:make_recording_rollout_fn",
+        "output_model_id=null",
     ]
     two, one = tmp_path / "two", tmp_path / "one"
     for run_dir, extra in ((two, [*DDP, "data.prompt_groups_per_step=2"]), (one, ["data.prompt_groups_per_step=4"])):
@@ -59,8 +64,14 @@ def test_ranks_sample_disjoint_rows_that_together_are_a_single_process_run_with_
 def test_two_process_gradient_equals_one_process_gradient_on_the_union(sizes, tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), str(REPO)])}
     for devices in (1, 2):
-        proc = subprocess.run([sys.executable, str(TESTS / "ddp_grad_probe.py"), str(tmp_path), str(devices), sizes],
-                              cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+        proc = subprocess.run(
+            [sys.executable, str(TESTS / "ddp_grad_probe.py"), str(tmp_path), str(devices), sizes],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert proc.returncode == 0, proc.stderr[-3000:]
     single = torch.load(tmp_path / "grads_world1_rank0.pt")
     ranks = [torch.load(tmp_path / f"grads_world2_rank{r}.pt") for r in (0, 1)]
@@ -81,7 +92,9 @@ def test_a_killed_ddp_run_resumes_bit_identical(tmp_path):
     proc = run_cli(whole, *ddp)
     assert proc.returncode == 0, proc.stderr[-3000:]
     step4 = whole / "checkpoints" / "step_00000004"
-    assert {"__0_0.distcp", "__1_0.distcp", "trainer_state_rank0.pt", "trainer_state_rank1.pt"} <= {p.name for p in step4.iterdir()}
+    assert {"__0_0.distcp", "__1_0.distcp", "trainer_state_rank0.pt", "trainer_state_rank1.pt"} <= {
+        p.name for p in step4.iterdir()
+    }
 
     proc = run_cli(killed, *ddp, "+callbacks.kill={_target_:fault_injection.KillAfterStep,step:5}")
     assert proc.returncode == -9, proc.stderr[-3000:]

@@ -20,9 +20,20 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 @pytest.mark.parametrize("name", ["single_turn_token_in", "multi_turn_message_in"])
 def test_example_trains_one_step(name, tmp_path):
     proc = subprocess.run(
-        [sys.executable, "train.py", "trainer.fast_dev_run=true", "trainer.enable_progress_bar=false", f"output_dir={tmp_path}",
-         "~callbacks.reward_filter", "callbacks.sample_log.every_n_steps=1", "callbacks.sample_log.max_samples=1000"],
-        cwd=EXAMPLES / name, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "train.py",
+            "trainer.fast_dev_run=true",
+            "trainer.enable_progress_bar=false",
+            f"output_dir={tmp_path}",
+            "~callbacks.reward_filter",
+            "callbacks.sample_log.every_n_steps=1",
+            "callbacks.sample_log.max_samples=1000",
+        ],
+        cwd=EXAMPLES / name,
+        capture_output=True,
+        text=True,
+        timeout=300,
         env={**os.environ, "PYTHONPATH": str(EXAMPLES.parent)},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -52,7 +63,9 @@ def test_multi_turn_rollout_retries_with_masked_user_turns(tiny_model, tokenizer
         sys.modules.pop(mod, None)
     import rollout as multi_turn
 
-    setup = RolloutSetup(HFSampler(tiny_model, tokenizer), tokenizer, {"max_tokens": 2, "temperature": 1.0}, {"max_turns": 3})
+    setup = RolloutSetup(
+        HFSampler(tiny_model, tokenizer), tokenizer, {"max_tokens": 2, "temperature": 1.0}, {"max_turns": 3}
+    )
     rollout_fn = multi_turn.make_rollout_fn(setup)
     # An answer no two-token completion can match: every turn is wrong, so all three are taken.
     sample = asyncio.run(rollout_fn({"prompt": "1+1=", "answer": "123456"}))

@@ -17,27 +17,42 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import compose_config
 
 from lit_grpo.config import TrainConfig
 from lit_grpo.config.keys import unknown_keys, unknown_keys_message
-from lit_grpo.errors import EXIT_USER_ERROR, UserError, import_user_object, register_user_error, report, run_cli, run_hydra_cli
 from lit_grpo.config.sources import model_path_problem
+from lit_grpo.errors import (
+    EXIT_USER_ERROR,
+    UserError,
+    import_user_object,
+    register_user_error,
+    report,
+    run_cli,
+    run_hydra_cli,
+)
 from lit_grpo.run.preflight import output_dir_problem
-
-from conftest import compose_config
 
 REPO = Path(__file__).resolve().parents[1]
 SAMPLE = REPO / "tests" / "data" / "gsm8k_test_sample.jsonl"
 CLI_TIMEOUT_S = 240
 # The GSM8K experiment on CPU with a local file and no evaluation (README's CPU smoke test).
 GSM8K_ON_CPU = [
-    "+experiment=gsm8k", "model=tiny", "sampler=hf", "trainer=cpu", "model.max_position_embeddings=1024",
-    "data.eval_rows=0", "~callbacks.reward_filter", "trainer.fast_dev_run=true",
+    "+experiment=gsm8k",
+    "model=tiny",
+    "sampler=hf",
+    "trainer=cpu",
+    "model.max_position_embeddings=1024",
+    "data.eval_rows=0",
+    "~callbacks.reward_filter",
+    "trainer.fast_dev_run=true",
 ]
 IS_ROOT = hasattr(os, "geteuid") and os.geteuid() == 0
 
 
-def _cli(cwd: Path, *overrides: str, wrap: tuple[str, ...] = (), env: dict | None = None) -> tuple[subprocess.CompletedProcess, float]:
+def _cli(
+    cwd: Path, *overrides: str, wrap: tuple[str, ...] = (), env: dict | None = None
+) -> tuple[subprocess.CompletedProcess, float]:
     """`python -m lit_grpo.train <overrides>` (behind `wrap`, e.g. `unshare`), offline; and its seconds."""
     extra = env or {}
     env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", **extra}
@@ -46,7 +61,11 @@ def _cli(cwd: Path, *overrides: str, wrap: tuple[str, ...] = (), env: dict | Non
     start = time.perf_counter()
     proc = subprocess.run(
         [*wrap, sys.executable, "-m", "lit_grpo.train", *overrides],
-        cwd=cwd, env=env, capture_output=True, text=True, timeout=CLI_TIMEOUT_S,
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=CLI_TIMEOUT_S,
     )
     seconds = time.perf_counter() - start
     print(f"\n[{seconds:5.1f} s, exit {proc.returncode}] {' '.join(overrides)}\n{proc.stderr[-600:]}")
@@ -58,7 +77,7 @@ def _assert_user_error(proc: subprocess.CompletedProcess, *needles: str) -> str:
     assert proc.returncode == EXIT_USER_ERROR, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert "error: " in proc.stderr, proc.stderr[-3000:]
-    message = proc.stderr[proc.stderr.rindex("error: "):]
+    message = proc.stderr[proc.stderr.rindex("error: ") :]
     for needle in needles:
         assert needle in message, (needle, message)
     return message
@@ -84,7 +103,10 @@ def test_a_bad_value_names_its_field(tmp_path):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("override,needle", [("learning_rate=abc", "learning_rate"), ("learning_rte=1e-3", "learning_rte"), ("model=nope", "model")])
+@pytest.mark.parametrize(
+    "override,needle",
+    [("learning_rate=abc", "learning_rate"), ("learning_rte=1e-3", "learning_rte"), ("model=nope", "model")],
+)
 def test_a_config_hydra_cannot_compose_exits_2(tmp_path, override, needle):
     # Hydra prints its own message (no `error:` prefix); needs `run_hydra_cli(main)` in train.py's
     # `__main__` and the `RunDirCheck` callback, which turn Hydra's exit code 1 into 2.
@@ -105,7 +127,10 @@ def test_a_misspelt_plus_key_is_refused_with_the_closest_name(tmp_path):
 def test_a_missing_model_folder_is_named_before_the_hub_is_tried(tmp_path):
     missing = tmp_path / "models" / "no_such_model"
     proc, _ = _cli(
-        tmp_path, "model=hf", f"model.name_or_path={missing}", f"hydra.run.dir={tmp_path / 'run'}",
+        tmp_path,
+        "model=hf",
+        f"model.name_or_path={missing}",
+        f"hydra.run.dir={tmp_path / 'run'}",
         env={"HF_HUB_OFFLINE": "0", "HF_ENDPOINT": "http://127.0.0.1:9"},  # were the hub asked, it would say so
     )
     message = _assert_user_error(proc, f"model.name_or_path={missing}: no such folder", "config.json")
@@ -117,15 +142,25 @@ def test_a_missing_model_folder_is_named_before_the_hub_is_tried(tmp_path):
     "factory,module_text,needles",
     [
         ("no_such_rollouts:make_rollout_fn", None, ["rollout.factory", "no module 'no_such_rollouts'"]),
-        ("my_rollouts:make_rollout_fn", "import not_installed_pkg\n", ["rollout.factory", "imports 'not_installed_pkg' at ", "my_rollouts.py line 1", "not installed"]),
-        ("my_rollouts:make_rolout_fn", "def make_rollout_fn(setup):\n    pass\n", ["rollout.factory", "has no 'make_rolout_fn'", "did you mean 'make_rollout_fn'"]),
+        (
+            "my_rollouts:make_rollout_fn",
+            "import not_installed_pkg\n",
+            ["rollout.factory", "imports 'not_installed_pkg' at ", "my_rollouts.py line 1", "not installed"],
+        ),
+        (
+            "my_rollouts:make_rolout_fn",
+            "def make_rollout_fn(setup):\n    pass\n",
+            ["rollout.factory", "has no 'make_rolout_fn'", "did you mean 'make_rollout_fn'"],
+        ),
     ],
     ids=["no_module", "missing_dependency", "misspelt_function"],
 )
 def test_a_rollout_factory_that_cannot_be_imported(tmp_path, factory, module_text, needles):
     if module_text is not None:
         (tmp_path / "my_rollouts.py").write_text(module_text)
-    proc, _ = _cli(tmp_path, "+experiment=arithmetic", f"rollout.factory={factory}", f"hydra.run.dir={tmp_path / 'run'}")
+    proc, _ = _cli(
+        tmp_path, "+experiment=arithmetic", f"rollout.factory={factory}", f"hydra.run.dir={tmp_path / 'run'}"
+    )
     _assert_user_error(proc, *needles)
 
 
@@ -134,9 +169,15 @@ def test_a_rollout_factory_is_imported_before_the_run_is_built(tmp_path, monkeyp
     from lit_grpo.config import ConfigError
     from lit_grpo.train import train
 
-    monkeypatch.setattr(lit_grpo.build, "fit", lambda *args, **kwargs: pytest.fail("the run was built before the factory was imported"))
+    monkeypatch.setattr(
+        lit_grpo.build, "fit", lambda *args, **kwargs: pytest.fail("the run was built before the factory was imported")
+    )
     with pytest.raises(ConfigError, match=r"config field `rollout.factory`: .*no module 'no_such_rollouts'"):
-        train(compose_config("+experiment=arithmetic", "rollout.factory=no_such_rollouts:make_rollout_fn", output_dir=tmp_path))
+        train(
+            compose_config(
+                "+experiment=arithmetic", "rollout.factory=no_such_rollouts:make_rollout_fn", output_dir=tmp_path
+            )
+        )
 
 
 @pytest.mark.timeout(120)
@@ -144,8 +185,19 @@ def test_a_bad_config_is_refused_before_lightning_and_transformers_load(tmp_path
     # About 3 s instead of 8: `lit_grpo.train` (and the Hydra callbacks it loads) leave the heavy
     # imports to `lit_grpo.build`, imported once the inputs are known good.
     proc = subprocess.run(
-        [sys.executable, "-X", "importtime", "-m", "lit_grpo.train", "data.completions_per_prompt=1", f"hydra.run.dir={tmp_path / 'run'}"],
-        capture_output=True, text=True, timeout=100, cwd=tmp_path,
+        [
+            sys.executable,
+            "-X",
+            "importtime",
+            "-m",
+            "lit_grpo.train",
+            "data.completions_per_prompt=1",
+            f"hydra.run.dir={tmp_path / 'run'}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=100,
+        cwd=tmp_path,
     )
     assert proc.returncode == EXIT_USER_ERROR and "data.completions_per_prompt" in proc.stderr, proc.stderr[-2000:]
     imported = {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
@@ -191,7 +243,13 @@ def test_a_read_only_output_dir(tmp_path):
     locked = tmp_path / "locked"
     wrap = _read_only(locked)
     try:
-        proc, _ = _cli(tmp_path, "+experiment=arithmetic", f"hydra.run.dir={tmp_path / 'run'}", f"output_dir={locked / 'out'}", wrap=wrap)
+        proc, _ = _cli(
+            tmp_path,
+            "+experiment=arithmetic",
+            f"hydra.run.dir={tmp_path / 'run'}",
+            f"output_dir={locked / 'out'}",
+            wrap=wrap,
+        )
     finally:
         locked.chmod(0o700)
     _assert_user_error(proc, f"output_dir={locked / 'out'}", "cannot write there", "output_dir=/path/to/folder")
@@ -229,7 +287,9 @@ def test_a_full_disk(tmp_path, key, fill):
 @pytest.mark.timeout(300)
 def test_hydra_full_error_shows_the_traceback_too(tmp_path):
     # Needs `main()` to wrap `train` in `run_cli`.
-    proc, _ = _cli(tmp_path, "data.completions_per_prompt=1", f"hydra.run.dir={tmp_path / 'run'}", env={"HYDRA_FULL_ERROR": "1"})
+    proc, _ = _cli(
+        tmp_path, "data.completions_per_prompt=1", f"hydra.run.dir={tmp_path / 'run'}", env={"HYDRA_FULL_ERROR": "1"}
+    )
     assert proc.returncode == EXIT_USER_ERROR, proc.stderr[-3000:]
     assert "Traceback" in proc.stderr and "ConfigError" in proc.stderr
     assert proc.stderr.rstrip().splitlines()[-1].startswith("error: config field `data.completions_per_prompt`")
@@ -238,8 +298,15 @@ def test_hydra_full_error_shows_the_traceback_too(tmp_path):
 @pytest.mark.timeout(300)
 def test_a_bug_keeps_its_traceback(tmp_path):
     # Exit code 1 (Hydra's, for an exception in the job): `run_hydra_cli` leaves it alone once composed.
-    (tmp_path / "buggy_rollouts.py").write_text("def make_rollout_fn(setup):\n    raise RuntimeError('a bug in the factory')\n")
-    proc, _ = _cli(tmp_path, "+experiment=arithmetic", "rollout.factory=buggy_rollouts:make_rollout_fn", f"hydra.run.dir={tmp_path / 'run'}")
+    (tmp_path / "buggy_rollouts.py").write_text(
+        "def make_rollout_fn(setup):\n    raise RuntimeError('a bug in the factory')\n"
+    )
+    proc, _ = _cli(
+        tmp_path,
+        "+experiment=arithmetic",
+        "rollout.factory=buggy_rollouts:make_rollout_fn",
+        f"hydra.run.dir={tmp_path / 'run'}",
+    )
     assert proc.returncode == 1
     assert "Traceback" in proc.stderr and "a bug in the factory" in proc.stderr
 
@@ -275,7 +342,11 @@ def test_run_cli_reports_user_and_environment_errors_and_passes_bugs(monkeypatch
     assert code == 2 and "/runs/x/ckpt: no space left" in text and "free some space" in text
     code, text = _run(_raise, ModuleNotFoundError("No module named 'vllm'", name="vllm"))
     assert code == 2 and "'vllm' is not installed" in text and "pip install vllm" in text
-    for bug in (ValueError("a bug"), ModuleNotFoundError("No module named 'lit_grpo.nope'", name="lit_grpo.nope"), KeyError("k")):
+    for bug in (
+        ValueError("a bug"),
+        ModuleNotFoundError("No module named 'lit_grpo.nope'", name="lit_grpo.nope"),
+        KeyError("k"),
+    ):
         with pytest.raises(type(bug)):
             run_cli(_raise, bug)
 
@@ -335,8 +406,16 @@ def test_user_error_types_of_this_package():
         ({}, "nowhere_mod:f", ["no module 'nowhere_mod'"]),
         ({"m1.py": "import nowhere_pkg.sub\n"}, "m1:f", ["imports 'nowhere_pkg'", "not installed", "m1.py line 1"]),
         ({"m2.py": "def f(:\n"}, "m2:f", ["SyntaxError", "m2.py line 1"]),
-        ({"m3.py": "x = 1\ny = undefined_name\n"}, "m3:f", ["NameError", "undefined_name", "m3.py line 2", "HYDRA_FULL_ERROR=1"]),
-        ({"m4.py": "def make_rollout_fn(setup):\n    pass\n"}, "m4:make_rollout", ["has no 'make_rollout'", "did you mean 'make_rollout_fn'"]),
+        (
+            {"m3.py": "x = 1\ny = undefined_name\n"},
+            "m3:f",
+            ["NameError", "undefined_name", "m3.py line 2", "HYDRA_FULL_ERROR=1"],
+        ),
+        (
+            {"m4.py": "def make_rollout_fn(setup):\n    pass\n"},
+            "m4:make_rollout",
+            ["has no 'make_rollout'", "did you mean 'make_rollout_fn'"],
+        ),
         ({}, "just_a_module", ["must be 'module.path:name'"]),
     ],
     ids=["no_module", "missing_dependency", "syntax_error", "raises_at_import", "misspelt_attribute", "no_colon"],
@@ -371,16 +450,29 @@ def test_unknown_keys_name_the_closest_field(tmp_path):
 
 def test_open_groups_take_any_key(tmp_path):
     cfg = compose_config(
-        "+rollout.extras.anything=1", "+trainer.extra.gradient_clip_val=1.0", "+callbacks.mine={_target_:x.Y}",
-        "+logger.mine={_target_:x.Y}", "+policy_loss.params.scale=2", "+task.num_rowz=3", output_dir=tmp_path,
+        "+rollout.extras.anything=1",
+        "+trainer.extra.gradient_clip_val=1.0",
+        "+callbacks.mine={_target_:x.Y}",
+        "+logger.mine={_target_:x.Y}",
+        "+policy_loss.params.scale=2",
+        "+task.num_rowz=3",
+        output_dir=tmp_path,
     )
     assert unknown_keys(cfg, TrainConfig) == []  # task options and loss params are checked by their own owners
 
 
-@pytest.mark.parametrize("overrides", [
-    *[[f"+experiment={p.stem}"] for p in sorted((REPO / "conf" / "experiment").glob("*.yaml"))],
-    *[[f"{p.parent.name}={p.stem}"] for p in sorted((REPO / "conf").glob("*/*.yaml")) if p.parent.name != "experiment"],
-], ids=lambda o: o[0])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        *[[f"+experiment={p.stem}"] for p in sorted((REPO / "conf" / "experiment").glob("*.yaml"))],
+        *[
+            [f"{p.parent.name}={p.stem}"]
+            for p in sorted((REPO / "conf").glob("*/*.yaml"))
+            if p.parent.name != "experiment"
+        ],
+    ],
+    ids=lambda o: o[0],
+)
 def test_every_shipped_config_has_only_known_keys(tmp_path, overrides):
     assert unknown_keys(compose_config(*overrides, output_dir=tmp_path), TrainConfig) == []
 
@@ -390,16 +482,26 @@ def test_output_dir_problems(tmp_path):
     assert output_dir_problem(ok) is None and ok.is_dir() and list(ok.iterdir()) == []  # the probe file is gone
     free = shutil.disk_usage(tmp_path).free
     why = output_dir_problem(ok, min_free_bytes=free + 2**40)
-    assert why.startswith(f"output_dir={ok}: only ") and "MiB free on its disk" in why and "output_dir=/path/to/folder" in why
+    assert (
+        why.startswith(f"output_dir={ok}: only ")
+        and "MiB free on its disk" in why
+        and "output_dir=/path/to/folder" in why
+    )
     (tmp_path / "f").write_text("x")
     assert "is a file, not a folder" in output_dir_problem(tmp_path / "f", field="hydra.run.dir")
-    assert output_dir_problem(tmp_path / "f" / "run").startswith(f"output_dir={tmp_path / 'f' / 'run'}: cannot write there (Not a directory); ")
+    assert output_dir_problem(tmp_path / "f" / "run").startswith(
+        f"output_dir={tmp_path / 'f' / 'run'}: cannot write there (Not a directory); "
+    )
 
 
 def test_model_path_problems(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    assert model_path_problem("/no/such/folder").startswith("no such folder (a local path, so the hub was not tried); point")
-    assert "no such folder" in model_path_problem("./rel_model") and "no such folder" in model_path_problem("~/no_such_model_x")
+    assert model_path_problem("/no/such/folder").startswith(
+        "no such folder (a local path, so the hub was not tried); point"
+    )
+    assert "no such folder" in model_path_problem("./rel_model") and "no such folder" in model_path_problem(
+        "~/no_such_model_x"
+    )
     (tmp_path / "checkpoints").mkdir()
     assert "no such folder" in model_path_problem("checkpoints/run1")  # its parent is a folder here
     assert model_path_problem("Qwen/Qwen2.5-0.5B-Instruct") is None and model_path_problem("gpt2") is None  # hub names

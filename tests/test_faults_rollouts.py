@@ -20,21 +20,26 @@ import threading
 import time
 from pathlib import Path
 
-import pytest
-
 import hostile_rollouts
+import pytest
+from conftest import compose_config
+
 import lit_grpo.train
 from lit_grpo.rollouts import NoProgressError, RolloutCircuitOpen
 from lit_grpo.samplers.arguments import PromptTooLong, SamplerTimeout
 from lit_grpo.samplers.base import BatchingSampler
 from lit_grpo.types import Completion
 
-from conftest import compose_config
-
 REPO = Path(__file__).resolve().parents[1]
 SMALL = (
-    "+experiment=arithmetic", "max_steps=2", "data.prompt_groups_per_step=2", "data.completions_per_prompt=4",
-    "max_rows_without_progress=8", "rollout_timeout_s=1", "trainer.enable_progress_bar=false", "output_model_id=null",
+    "+experiment=arithmetic",
+    "max_steps=2",
+    "data.prompt_groups_per_step=2",
+    "data.completions_per_prompt=4",
+    "max_rows_without_progress=8",
+    "rollout_timeout_s=1",
+    "trainer.enable_progress_bar=false",
+    "output_model_id=null",
     "~callbacks.reward_curve",
 )
 
@@ -42,6 +47,7 @@ SMALL = (
 @pytest.fixture
 def run(monkeypatch, tmp_path):
     """`run(*overrides)`: train the small config with those overrides; returns (summary, seconds)."""
+
     def go(*overrides: str):
         start = time.perf_counter()
         summary = lit_grpo.train.train(compose_config(*SMALL, *overrides, output_dir=tmp_path))
@@ -92,7 +98,9 @@ def test_no_progress_stops_the_off_policy_scheduler_too(run):
 @pytest.mark.timeout(120)
 def test_every_group_uniform_with_the_filter_on_names_the_temperature(run):
     # Near-greedy sampling: the G completions of a prompt are identical, so are their rewards.
-    with pytest.raises(NoProgressError, match=r"(?s)8  filtered_groups:.*sampler\.temperature.*~callbacks\.reward_filter"):
+    with pytest.raises(
+        NoProgressError, match=r"(?s)8  filtered_groups:.*sampler\.temperature.*~callbacks\.reward_filter"
+    ):
         run("sampler.temperature=1e-6", "synchronous_training=true")
 
 
@@ -100,7 +108,9 @@ def test_every_group_uniform_with_the_filter_on_names_the_temperature(run):
 def test_prompts_longer_than_max_seq_len_are_never_sampled(run, monkeypatch):
     sent = []
     real_generate = BatchingSampler.generate
-    monkeypatch.setattr(BatchingSampler, "generate", lambda self, prompts, *a: sent.append(prompts) or real_generate(self, prompts, *a))
+    monkeypatch.setattr(
+        BatchingSampler, "generate", lambda self, prompts, *a: sent.append(prompts) or real_generate(self, prompts, *a)
+    )
     with pytest.raises(NoProgressError, match=r"(?s)8  prompt_too_long:.*data\.max_seq_len is 3"):
         run("data.max_seq_len=3")  # every arithmetic prompt ("3+4=") is 4 tokens
     assert sent == []
@@ -151,7 +161,11 @@ def _cli(tmp_path: Path, *overrides: str, timeout: float) -> tuple[subprocess.Co
     start = time.perf_counter()
     proc = subprocess.run(
         [sys.executable, str(REPO / "tests" / "hostile_rollouts.py"), *SMALL, *overrides, f"output_dir={tmp_path}"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout,
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
     return proc, time.perf_counter() - start
 
@@ -221,10 +235,14 @@ def test_engine_calls_run_on_the_loops_thread_or_the_worker(tokenizer, on_loop):
     sampler = _StuckSampler(tokenizer, seconds=0.0)
     sampler.engine_on_loop = on_loop
     threads = []
-    sampler.generate = lambda prompts, *a: threads.append(threading.get_ident()) or BatchingSampler.generate(sampler, prompts, *a)
+    sampler.generate = lambda prompts, *a: (
+        threads.append(threading.get_ident()) or BatchingSampler.generate(sampler, prompts, *a)
+    )
 
     async def two_requests():
-        got = await asyncio.gather(*(sampler.sample_with_prompt_tokens([1, 2, i], temperature=1.0, max_tokens=1) for i in (3, 4)))
+        got = await asyncio.gather(
+            *(sampler.sample_with_prompt_tokens([1, 2, i], temperature=1.0, max_tokens=1) for i in (3, 4))
+        )
         return got, threading.get_ident()
 
     (first, second), loop_thread = asyncio.run(two_requests())
@@ -262,8 +280,10 @@ def test_a_stop_raised_inside_an_engine_call_on_the_loop_is_not_logged_again_at_
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize("setting,synchronous,on_loop", [("auto", True, True), ("auto", False, False),
-                                                         ("worker", True, False), ("loop", False, True)])
+@pytest.mark.parametrize(
+    "setting,synchronous,on_loop",
+    [("auto", True, True), ("auto", False, False), ("worker", True, False), ("loop", False, True)],
+)
 def test_engine_thread_setting_resolves_by_the_training_mode(setting, synchronous, on_loop):
     from lit_grpo.config.groups import engine_on_loop
 
@@ -272,15 +292,17 @@ def test_engine_thread_setting_resolves_by_the_training_mode(setting, synchronou
 
 @pytest.mark.timeout(30)
 def test_the_default_rollout_never_sends_a_templated_prompt_that_is_too_long(tokenizer):
-    from lit_grpo.rollouts.rollout import make_rollout_fn
     from lit_grpo.rollouts import GroupSampler
+    from lit_grpo.rollouts.rollout import make_rollout_fn
     from lit_grpo.types import RolloutSetup
 
     sampler = _StuckSampler(tokenizer, seconds=0.0)
     sampler.max_seq_len = 32
     sent = []
     sampler.generate = lambda prompts, *a: sent.append(prompts) or BatchingSampler.generate(sampler, prompts, *a)
-    setup = RolloutSetup(sampler, tokenizer, {"temperature": 1.0, "max_tokens": 1}, {"reward_fn": lambda text, row: 1.0})
+    setup = RolloutSetup(
+        sampler, tokenizer, {"temperature": 1.0, "max_tokens": 1}, {"reward_fn": lambda text, row: 1.0}
+    )
     groups = GroupSampler(make_rollout_fn(setup), 2, max_seq_len=32, min_group_size=2, filters=[])
     long_row = {"messages": [{"role": "user", "content": "x" * 40}]}
     group = asyncio.run(groups.sample(long_row, version=0))

@@ -6,10 +6,9 @@ machine with `python -m pytest -q -rs tests/test_gpu.py`.
 
 import pytest
 import torch
+from conftest import compose_config
 
 from lit_grpo.maths.logprobs import selected_logprobs_and_entropy
-
-from conftest import compose_config
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -45,11 +44,18 @@ def test_chunked_logprobs_on_cuda_match_the_naive_formula(dtype):
 @needs_cuda
 @pytest.mark.timeout(600)
 def test_training_on_one_gpu_in_bf16_mixed_samples_there_and_reports_small_drift(tmp_path):
-    from lit_grpo.run.validate import validate
     from lit_grpo.build import fit
+    from lit_grpo.run.validate import validate
 
-    c = validate(compose_config("+experiment=arithmetic", "trainer=gpu", "max_steps=30", "trainer.enable_progress_bar=false",
-                                output_dir=tmp_path))
+    c = validate(
+        compose_config(
+            "+experiment=arithmetic",
+            "trainer=gpu",
+            "max_steps=30",
+            "trainer.enable_progress_bar=false",
+            output_dir=tmp_path,
+        )
+    )
     trainer, module = fit(c)
     assert next(trainer.datamodule.sampler.model.parameters()).device.type == "cuda"  # generates beside the trainer
     steps = module.step_sequence.history.steps
@@ -60,5 +66,7 @@ def test_training_on_one_gpu_in_bf16_mixed_samples_there_and_reports_small_drift
     assert all(0 <= v < 0.05 for v in k3), k3
     assert (tmp_path / "final_model" / "config.json").exists()
     step_s = sorted(float(s["perf/step_s"]) for s in steps[5:])
-    print(f"trainer=gpu: 30 steps, median step {step_s[len(step_s) // 2]:.4f} s, "
-          f"drift k3 median {sorted(k3)[len(k3) // 2]:.2e}, max {max(k3):.2e}")
+    print(
+        f"trainer=gpu: 30 steps, median step {step_s[len(step_s) // 2]:.4f} s, "
+        f"drift k3 median {sorted(k3)[len(k3) // 2]:.2e}, max {max(k3):.2e}"
+    )

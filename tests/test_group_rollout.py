@@ -7,8 +7,8 @@ import time
 import pytest
 import torch
 
-from lit_grpo.rollouts.rollout import GROUP_ATTRIBUTE, group_rollout_fn, make_rollout_fn
 from lit_grpo.rollouts import GroupSampler
+from lit_grpo.rollouts.rollout import GROUP_ATTRIBUTE, group_rollout_fn, make_rollout_fn
 from lit_grpo.samplers.hf import HFSampler
 from lit_grpo.types import Completion, RolloutSample, RolloutSetup
 
@@ -20,8 +20,13 @@ def _reward(text: str, row: dict) -> float:
 
 
 def _setup(sampler, tokenizer) -> RolloutSetup:
-    return RolloutSetup(sampler=sampler, tokenizer=tokenizer, sample_kwargs={"temperature": 1.0, "max_tokens": 3},
-                        extras={"reward_fn": _reward}, completions_per_prompt=G)
+    return RolloutSetup(
+        sampler=sampler,
+        tokenizer=tokenizer,
+        sample_kwargs={"temperature": 1.0, "max_tokens": 3},
+        extras={"reward_fn": _reward},
+        completions_per_prompt=G,
+    )
 
 
 class _ServerLikeSampler:
@@ -33,8 +38,16 @@ class _ServerLikeSampler:
         self.tokenizer = tokenizer
 
     async def sample_with_prompt_tokens(self, prompt, n=1, **kwargs):
-        return [Completion(full_tokens=list(prompt) + [5], prompt_len=len(prompt), sampling_logprobs=[-0.1],
-                           finish_reason="length", text="x") for _ in range(n)]
+        return [
+            Completion(
+                full_tokens=list(prompt) + [5],
+                prompt_len=len(prompt),
+                sampling_logprobs=[-0.1],
+                finish_reason="length",
+                text="x",
+            )
+            for _ in range(n)
+        ]
 
 
 def test_the_default_rollout_has_a_group_path_only_for_in_process_samplers(tokenizer, tiny_model):
@@ -162,4 +175,3 @@ def test_none_and_malformed_results_of_a_group_are_dropped_one_by_one():
     group = asyncio.run(_group_sampler(sample_group).sample({"id": 0}, version=0))
     assert group.rewards == [1.0, 0.0]
     assert group.dropped == {"rollout/dropped_none": 1, "rollout/dropped_empty_mask": 1}
-

@@ -11,35 +11,50 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import compose_config
 
-from lit_grpo.loop.evaluation import greedy_reward_sum
 from lit_grpo.config import DataConfig
+from lit_grpo.loop.evaluation import greedy_reward_sum
 from lit_grpo.run.validate import validate
 from lit_grpo.tasks.gsm8k_rows import RowError
 from lit_grpo.train import train
 from lit_grpo.types import Completion
 
-from conftest import compose_config
-
 REPO = Path(__file__).resolve().parents[1]
 SAMPLE = REPO / "tests" / "data" / "gsm8k_test_sample.jsonl"
 # The experiment on CPU: the tiny model and the transformers sampler, vendored rows, a short budget.
 ON_CPU = [
-    "+experiment=gsm8k", "model=tiny", "sampler=hf", "trainer=cpu", "model.max_position_embeddings=1024",
-    f"task.path={SAMPLE}", f"task.eval_path={SAMPLE}", "data.eval_rows=6",
-    "data.prompt_groups_per_step=2", "data.completions_per_prompt=4", "sampler.max_completion_tokens=24",
-    "micro_batch_size=0", "trainer.enable_progress_bar=false",
+    "+experiment=gsm8k",
+    "model=tiny",
+    "sampler=hf",
+    "trainer=cpu",
+    "model.max_position_embeddings=1024",
+    f"task.path={SAMPLE}",
+    f"task.eval_path={SAMPLE}",
+    "data.eval_rows=6",
+    "data.prompt_groups_per_step=2",
+    "data.completions_per_prompt=4",
+    "sampler.max_completion_tokens=24",
+    "micro_batch_size=0",
+    "trainer.enable_progress_bar=false",
     "~callbacks.reward_filter",  # a random-init model never solves GSM8K: every group is uniform (all 0)
 ]
 
 
 def test_the_experiment_composes_as_the_gpu_recipe(tmp_path):
     c = validate(compose_config("+experiment=gsm8k", output_dir=tmp_path))
-    assert (c.model.kind, c.model.name_or_path, c.sampler.kind, c.task["name"]) == ("hf", "Qwen/Qwen2.5-0.5B-Instruct", "vllm", "gsm8k")
+    assert (c.model.kind, c.model.name_or_path, c.sampler.kind, c.task["name"]) == (
+        "hf",
+        "Qwen/Qwen2.5-0.5B-Instruct",
+        "vllm",
+        "gsm8k",
+    )
     assert (c.task["dataset"], c.task["dataset_config"], c.trainer.accelerator) == ("openai/gsm8k", "main", "gpu")
     assert c.data.eval_rows > 0 and c.eval_interval > 0
     # Every field stays overridable from the command line.
-    c = validate(compose_config("+experiment=gsm8k", "data.completions_per_prompt=4", "learning_rate=3e-6", output_dir=tmp_path))
+    c = validate(
+        compose_config("+experiment=gsm8k", "data.completions_per_prompt=4", "learning_rate=3e-6", output_dir=tmp_path)
+    )
     assert (c.data.completions_per_prompt, c.learning_rate) == (4, 3e-6)
 
 
@@ -50,7 +65,16 @@ def test_fast_dev_run_on_cpu_with_real_gsm8k_rows(tmp_path):
 
 
 def test_evaluation_every_n_steps_is_logged(tmp_path):
-    summary = train(compose_config(*ON_CPU, "max_steps=4", "eval_interval=2", "dcp_save_interval=0", "output_model_id=null", output_dir=tmp_path))
+    summary = train(
+        compose_config(
+            *ON_CPU,
+            "max_steps=4",
+            "eval_interval=2",
+            "dcp_save_interval=0",
+            "output_model_id=null",
+            output_dir=tmp_path,
+        )
+    )
     rows = list(csv.DictReader((tmp_path / "metrics.csv").open()))
     evaluated = sorted(int(r["step"]) for r in rows if r.get("eval/accuracy"))
     assert evaluated == [1, 3]  # after rollout steps 2 and 4 (logged at 0-based steps)
@@ -65,7 +89,16 @@ class _ScriptedSampler:
 
     def generate(self, prompts, temperature, max_tokens):
         self.temperatures.append(temperature)
-        return [Completion(full_tokens=[*p, 1], prompt_len=len(p), sampling_logprobs=[0.0], finish_reason="stop", text=self.texts.pop(0)) for p in prompts]
+        return [
+            Completion(
+                full_tokens=[*p, 1],
+                prompt_len=len(p),
+                sampling_logprobs=[0.0],
+                finish_reason="stop",
+                text=self.texts.pop(0),
+            )
+            for p in prompts
+        ]
 
 
 def test_greedy_evaluation_scores_each_row_once_greedily(tokenizer):
@@ -73,7 +106,9 @@ def test_greedy_evaluation_scores_each_row_once_greedily(tokenizer):
 
     rows = [{"prompt_token_ids": [5, 6], "answer": a} for a in ("18", "3", "70000", "540")]
     sampler = _ScriptedSampler(["so #### 18", "The answer is 4.", "A: 70,000", "540 meters"])
-    accuracy = _greedy_accuracy(sampler, tokenizer, rows, lambda text, row: score(text, row["answer"]), max_tokens=8, batch_size=3)
+    accuracy = _greedy_accuracy(
+        sampler, tokenizer, rows, lambda text, row: score(text, row["answer"]), max_tokens=8, batch_size=3
+    )
     assert accuracy == pytest.approx(3 / 4)
     assert sampler.temperatures == [0.0, 0.0]  # greedy, in batches of at most 3
 
@@ -81,7 +116,9 @@ def test_greedy_evaluation_scores_each_row_once_greedily(tokenizer):
 def test_a_malformed_row_is_named_by_line_before_any_model_loads(tmp_path, monkeypatch):
     import lit_grpo.build
 
-    monkeypatch.setattr(lit_grpo.build, "load_policy", lambda *a, **k: pytest.fail("a model was loaded before the rows were checked"))
+    monkeypatch.setattr(
+        lit_grpo.build, "load_policy", lambda *a, **k: pytest.fail("a model was loaded before the rows were checked")
+    )
     bad = tmp_path / "train.jsonl"
     lines = SAMPLE.read_text().splitlines()[:3]
     lines.insert(1, json.dumps({"question": "How many?", "answer": "no number here"}))
@@ -92,8 +129,14 @@ def test_a_malformed_row_is_named_by_line_before_any_model_loads(tmp_path, monke
 
 def test_skip_mode_drops_the_bad_row_and_trains(tmp_path):
     bad = tmp_path / "train.jsonl"
-    bad.write_text(SAMPLE.read_text().splitlines()[0] + "\n{not json\n" + "\n".join(SAMPLE.read_text().splitlines()[1:4]) + "\n")
-    summary = train(compose_config(*ON_CPU, f"task.path={bad}", "task.on_error=skip", "trainer.fast_dev_run=true", output_dir=tmp_path / "run"))
+    bad.write_text(
+        SAMPLE.read_text().splitlines()[0] + "\n{not json\n" + "\n".join(SAMPLE.read_text().splitlines()[1:4]) + "\n"
+    )
+    summary = train(
+        compose_config(
+            *ON_CPU, f"task.path={bad}", "task.on_error=skip", "trainer.fast_dev_run=true", output_dir=tmp_path / "run"
+        )
+    )
     assert summary["steps"] == 1
 
 
@@ -101,7 +144,11 @@ def test_offline_the_cli_fails_fast_with_one_message(tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "empty_cache"), "PYTHONPATH": str(REPO)}
     proc = subprocess.run(
         [sys.executable, "-m", "lit_grpo.train", "+experiment=gsm8k", f"hydra.run.dir={tmp_path / 'run'}"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 2
     for needle in ("Qwen/Qwen2.5-0.5B-Instruct", "openai/gsm8k", "model.name_or_path=", "task.path="):
@@ -118,10 +165,17 @@ def _wandb_run_file(run_dir: Path) -> bytes:
 def test_wandb_offline_run_writes_its_metrics(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
-    summary = train(compose_config(
-        "+experiment=arithmetic", "max_steps=3", "logger=wandb", "logger.wandb.name=offline-test",
-        "callbacks.reward_histogram.every_n_steps=1", "trainer.enable_progress_bar=false", output_dir=tmp_path,
-    ))
+    summary = train(
+        compose_config(
+            "+experiment=arithmetic",
+            "max_steps=3",
+            "logger=wandb",
+            "logger.wandb.name=offline-test",
+            "callbacks.reward_histogram.every_n_steps=1",
+            "trainer.enable_progress_bar=false",
+            output_dir=tmp_path,
+        )
+    )
     import wandb
 
     assert wandb.run is None  # finished by `fit`: a next job in this process starts its own run
@@ -137,10 +191,16 @@ def test_wandb_offline_run_writes_its_metrics(tmp_path, monkeypatch):
 def test_tensorboard_gets_scalars_and_reward_histograms(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    train(compose_config(
-        "+experiment=arithmetic", "max_steps=3", "logger=tensorboard", "callbacks.reward_histogram.every_n_steps=1",
-        "trainer.enable_progress_bar=false", output_dir=tmp_path,
-    ))
+    train(
+        compose_config(
+            "+experiment=arithmetic",
+            "max_steps=3",
+            "logger=tensorboard",
+            "callbacks.reward_histogram.every_n_steps=1",
+            "trainer.enable_progress_bar=false",
+            output_dir=tmp_path,
+        )
+    )
     events = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"histograms": 0}).Reload()  # 0: keep all
     rewards = json.loads((tmp_path / "summary.json").read_text())["reward_curve"]
     assert [e.value for e in events.Scalars("reward/mean")] == pytest.approx(rewards)
@@ -159,7 +219,9 @@ def test_rows_through_hugging_face_datasets_match_the_jsonl_loader(tmp_path):
     lines = SAMPLE.read_text().splitlines()
     (folder / "train.jsonl").write_text("\n".join(lines[:30]) + "\n")
     (folder / "test.jsonl").write_text("\n".join(lines[30:]) + "\n")
-    c = TrainConfig(task={"name": "gsm8k", "dataset": str(folder), "dataset_config": None}, data=DataConfig(eval_rows=5))
+    c = TrainConfig(
+        task={"name": "gsm8k", "dataset": str(folder), "dataset_config": None}, data=DataConfig(eval_rows=5)
+    )
     assert build_rows(c) == load_jsonl_rows(folder / "train.jsonl")[0]
     assert build_eval_rows(c) == load_jsonl_rows(folder / "test.jsonl", max_rows=5)[0]
 
@@ -178,7 +240,10 @@ def test_cookbook_chat_rows_keep_their_id_and_solution_and_score_a_boxed_answer(
     from lit_grpo.tasks import build_rows, reward_fn
 
     raw = [json.loads(line) for line in SAMPLE.read_text().splitlines()[:3]]
-    records = [{"id": f"gsm8k-{i}", "messages": [{"role": "user", "content": r["question"]}], "answer": r["answer"]} for i, r in enumerate(raw)]
+    records = [
+        {"id": f"gsm8k-{i}", "messages": [{"role": "user", "content": r["question"]}], "answer": r["answer"]}
+        for i, r in enumerate(raw)
+    ]
     path = tmp_path / "cookbook.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     c = TrainConfig(task={"name": "gsm8k", "path": str(path)}, data=DataConfig(eval_rows=0))

@@ -104,7 +104,9 @@ def test_parse_reference_answer():
 
 def test_the_registered_reward_reads_the_row_as_stored():
     reward = get_reward("gsm8k")
-    solution = "Janet sells 16 - 3 - 4 = <<16-3-4=9>>9 duck eggs a day.\nShe makes 9 * 2 = $<<9*2=18>>18 every day.\n#### 18"
+    solution = (
+        "Janet sells 16 - 3 - 4 = <<16-3-4=9>>9 duck eggs a day.\nShe makes 9 * 2 = $<<9*2=18>>18 every day.\n#### 18"
+    )
     # The cookbook's chat row: the whole solution as `answer`; a correct \boxed{18} scores 1.
     row = {"id": "gsm-0", "messages": [{"role": "user", "content": "..."}], "answer": solution}
     assert reward("So she makes $\\boxed{18}$.", row) == 1.0
@@ -118,7 +120,10 @@ def test_the_registered_reward_reads_the_row_as_stored():
 
 def test_the_registered_reward_names_an_unusable_row():
     reward = get_reward("gsm8k")
-    with pytest.raises(RewardRowError, match=r"'gsm8k'.*no reference answer.*'answer' or 'ground_truth' or 'solution'.*fields: id, prompt"):
+    with pytest.raises(
+        RewardRowError,
+        match=r"'gsm8k'.*no reference answer.*'answer' or 'ground_truth' or 'solution'.*fields: id, prompt",
+    ):
         reward("18", {"id": 1, "prompt": "q"})
     with pytest.raises(RewardRowError, match=r"'answer' holds no number: 'eighteen'"):
         reward("18", {"answer": "eighteen"})
@@ -147,7 +152,13 @@ def test_agreement_with_labelled_model_solutions():
 
 @pytest.mark.parametrize(
     "template",
-    ["#### {n}", "So the total is $\\boxed{{{n}}}$.", "The answer is {n}.", "Final answer: **{n}**", "The answer is ${n}."],
+    [
+        "#### {n}",
+        "So the total is $\\boxed{{{n}}}$.",
+        "The answer is {n}.",
+        "Final answer: **{n}**",
+        "The answer is ${n}.",
+    ],
 )
 def test_agreement_when_the_final_line_is_rewritten(template):
     # The labelled solutions all end "A: N"; rewriting that line into the other marker formats and

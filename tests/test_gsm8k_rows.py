@@ -33,11 +33,20 @@ def test_vendored_sample_keeps_every_field_and_gains_only_messages():
 
 def test_chat_records_are_kept_exactly_as_stored():
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+3?"}]
-    for field, value in [("answer", "5"), ("ground_truth", "so #### 1,000"), ("solution", 2.50), ("answer", "\\boxed{5}")]:
+    for field, value in [
+        ("answer", "5"),
+        ("ground_truth", "so #### 1,000"),
+        ("solution", 2.50),
+        ("answer", "\\boxed{5}"),
+    ]:
         record = {"id": "c-1", "messages": messages, field: value, "meta": {"level": 2}}
         stored = json.loads(json.dumps(record))
         assert check_record(record, "x line 1") == stored  # nothing renamed, parsed, added or dropped
-    cookbook = {"id": "gsm-3", "messages": messages + [{"role": "assistant", "content": "5"}], "answer": "2+3=5\n#### 5"}
+    cookbook = {
+        "id": "gsm-3",
+        "messages": messages + [{"role": "assistant", "content": "5"}],
+        "answer": "2+3=5\n#### 5",
+    }
     assert check_record(json.loads(json.dumps(cookbook)), "x line 2") == cookbook
     prompt_row = {"prompt": "2+3=", "answer": "5"}  # another prompt field: no messages added
     assert check_record(dict(prompt_row), "x line 3") == prompt_row
@@ -112,14 +121,21 @@ def _with_bad_bytes(tmp_path: Path) -> Path:
     """Lines 1 and 4 are good; line 2 holds a Latin-1 byte (0xe9, "é"); line 3 a cut UTF-8 sequence."""
     good = json.dumps(GOOD).encode()
     path = tmp_path / "latin1.jsonl"
-    path.write_bytes(b"\n".join([good, b'{"question": "Caf\xe9?", "answer": "#### 1"}', b'{"question": "\xe2\x82", "answer": "1"}', good]) + b"\n")
+    path.write_bytes(
+        b"\n".join(
+            [good, b'{"question": "Caf\xe9?", "answer": "#### 1"}', b'{"question": "\xe2\x82", "answer": "1"}', good]
+        )
+        + b"\n"
+    )
     return path
 
 
 def test_a_non_utf8_line_is_a_row_error_naming_file_line_and_byte(tmp_path):
     from lit_grpo.errors import UserError
 
-    with pytest.raises(RowError, match=r"^latin1\.jsonl line 2: not UTF-8 text \(byte 0xe9 at byte 18 of the line\); re-save") as err:
+    with pytest.raises(
+        RowError, match=r"^latin1\.jsonl line 2: not UTF-8 text \(byte 0xe9 at byte 18 of the line\); re-save"
+    ) as err:
         load_jsonl_rows(_with_bad_bytes(tmp_path))
     assert isinstance(err.value, UserError)  # the CLI prints it and exits 2
     rows, problems = load_jsonl_rows(_with_bad_bytes(tmp_path), on_error="skip")

@@ -8,21 +8,26 @@ from collections import Counter
 import lightning as L
 import pytest
 import torch
+from conftest import compose_config
 
 import lit_grpo.rollouts.datamodule
-from lit_grpo.run.validate import validate
+from lit_grpo.build import build_run
 from lit_grpo.maths.health import drift_metrics, drift_tis_cap, rollout_health
 from lit_grpo.maths.losses import per_token_policy_loss
 from lit_grpo.models.load import load_tokenizer
 from lit_grpo.rollouts import make_batch, rollout_metrics
-from lit_grpo.build import build_run
+from lit_grpo.run.validate import validate
 from lit_grpo.train import train
 from lit_grpo.types import PromptGroup, RolloutSample
 
-from conftest import compose_config
-
 DRIFT_KEYS = ("train/drift/k1", "train/drift/k3", "train/drift/over_tis_cap_frac")
-NEW_KEYS = (*DRIFT_KEYS, "train/grad_norm_clipped", "train/tokens", "rollout/zero_spread_frac", "rollout/truncated_frac")
+NEW_KEYS = (
+    *DRIFT_KEYS,
+    "train/grad_norm_clipped",
+    "train/tokens",
+    "rollout/zero_spread_frac",
+    "rollout/truncated_frac",
+)
 
 
 # ------------------------------------------------------------------ pure maths
@@ -53,7 +58,10 @@ def test_drift_metrics_by_hand():
     assert all(v.item() == 0.0 for v in exact.values())
     # Float noise (r of 1e-8 .. 1e-6) never makes k3 negative: k3 is >= 0 on every token.
     tiny = torch.tensor([[1e-8, -1e-8, 3e-7, -1e-6]])
-    assert drift_metrics(tiny - 0.5, torch.full_like(tiny, -0.5), torch.ones_like(tiny), tis_cap=2.0)["drift/k3"].item() >= 0.0
+    assert (
+        drift_metrics(tiny - 0.5, torch.full_like(tiny, -0.5), torch.ones_like(tiny), tis_cap=2.0)["drift/k3"].item()
+        >= 0.0
+    )
 
 
 @pytest.mark.timeout(60)
@@ -63,8 +71,17 @@ def test_over_cap_fraction_is_token_level_tis_clip_frac():
     old = -torch.rand(4, 6, generator=g) * 3
     sampler = old + torch.randn(4, 6, generator=g)
     mask = (torch.rand(4, 6, generator=g) > 0.3).float()
-    _, metrics = per_token_policy_loss("grpo", logprobs=old.clone(), old_logprobs=old, sampler_logprobs=sampler,
-                                       advantages=torch.ones(4), mask=mask, tis_cap=1.5, tis_level="token", kl_beta=0.0)
+    _, metrics = per_token_policy_loss(
+        "grpo",
+        logprobs=old.clone(),
+        old_logprobs=old,
+        sampler_logprobs=sampler,
+        advantages=torch.ones(4),
+        mask=mask,
+        tis_cap=1.5,
+        tis_level="token",
+        kl_beta=0.0,
+    )
     drift = drift_metrics(old, sampler, mask, tis_cap=1.5)
     assert drift["drift/over_tis_cap_frac"].item() == pytest.approx(metrics["tis/clip_frac"].item())
     assert 0.0 < drift["drift/over_tis_cap_frac"].item() < 1.0
@@ -83,14 +100,21 @@ def test_drift_cap_is_the_losses_or_the_default():
 def test_rollout_health_by_hand():
     m = rollout_health([True, False, False, True], ["stop", "length", "length", "tool call", "stop"], [3, 8, 8, 2, 5])
     # 2 of 4 groups uniform; 2 of 5 sequences truncated; stop: (3 + 5) / 2, length: 8, "tool call" -> tool_call: 2
-    assert m == {"rollout/zero_spread_frac": 0.5, "rollout/truncated_frac": 0.4,
-                 "rollout/length_length": 8.0, "rollout/length_stop": 4.0, "rollout/length_tool_call": 2.0}
+    assert m == {
+        "rollout/zero_spread_frac": 0.5,
+        "rollout/truncated_frac": 0.4,
+        "rollout/length_length": 8.0,
+        "rollout/length_stop": 4.0,
+        "rollout/length_tool_call": 2.0,
+    }
     assert rollout_health([], [], []) == {"rollout/zero_spread_frac": 0.0, "rollout/truncated_frac": 0.0}
 
 
 def _sample(mask, reward, finish_reason="stop"):
     tokens = list(range(1, len(mask) + 1))
-    return RolloutSample(tokens=tokens, logprobs=[-0.5 * m for m in mask], loss_mask=mask, reward=reward, finish_reason=finish_reason)
+    return RolloutSample(
+        tokens=tokens, logprobs=[-0.5 * m for m in mask], loss_mask=mask, reward=reward, finish_reason=finish_reason
+    )
 
 
 @pytest.mark.timeout(60)
@@ -109,8 +133,12 @@ def test_make_batch_records_and_metrics_pool_two_ranks_by_hand():
     # Rank 1 trains on one group of two runs with equal rewards (no filter), the first a run of
     # two segments (each trains as a sequence; the group's statistics count runs):
     #   segments: length with 1 token, stop with 2; the second run: stop with 4 tokens.
-    d = PromptGroup(row={}, version=0, samples=[_sample([0, 1], 0.5, "length"), _sample([0, 1, 1], 0.5), _sample([1, 1, 1, 1], 0.5)],
-                    run_sizes=[2, 1])
+    d = PromptGroup(
+        row={},
+        version=0,
+        samples=[_sample([0, 1], 0.5, "length"), _sample([0, 1, 1], 0.5), _sample([1, 1, 1, 1], 0.5)],
+        run_sizes=[2, 1],
+    )
     batch1 = make_batch([d], [d], version=0, pad_id=0, counts=Counter(), timings={})
     assert batch1.record.zero_spread == [True]
     assert batch1.record.trained_tokens == [1, 2, 4]
@@ -128,8 +156,15 @@ def test_make_batch_records_and_metrics_pool_two_ranks_by_hand():
 
 
 def _fit(tmp_path, *overrides, callbacks=()):
-    c = validate(compose_config("+experiment=arithmetic", "trainer.fast_dev_run=1", "trainer.enable_progress_bar=false",
-                                *overrides, output_dir=tmp_path))
+    c = validate(
+        compose_config(
+            "+experiment=arithmetic",
+            "trainer.fast_dev_run=1",
+            "trainer.enable_progress_bar=false",
+            *overrides,
+            output_dir=tmp_path,
+        )
+    )
     trainer, module, datamodule = build_run(c, extra_callbacks=list(callbacks))
     trainer.fit(module, datamodule=datamodule)
     return module.step_sequence.history.steps
@@ -166,10 +201,13 @@ def test_grad_norm_clipped_and_tokens_by_hand(tmp_path):
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("loss, overrides, over_cap", [
-    ("grpo", ("policy_loss.tis_cap=10.0", "ppo_n_minibatches=2"), 0.0),  # old logprobs from their own forward
-    ("reinforce", (), 1.0),  # no TIS in the loss: the default cap (below e^2)
-])
+@pytest.mark.parametrize(
+    "loss, overrides, over_cap",
+    [
+        ("grpo", ("policy_loss.tis_cap=10.0", "ppo_n_minibatches=2"), 0.0),  # old logprobs from their own forward
+        ("reinforce", (), 1.0),  # no TIS in the loss: the default cap (below e^2)
+    ],
+)
 def test_drift_by_hand_in_the_training_loop(tmp_path, monkeypatch, loss, overrides, over_cap):
     # Shift every trained token's sampler logprob down by δ = 2: π_s = π_t - 2 (to float noise),
     # so r = π_t - π_s = 2 on every token: k1 = mean(π_s - π_t) = -2, k3 = e^2 - 1 - 2 = 4.389056,
@@ -191,7 +229,11 @@ def test_drift_by_hand_in_the_training_loop(tmp_path, monkeypatch, loss, overrid
 @pytest.mark.timeout(900)
 def test_health_metrics_in_a_two_step_run(tmp_path):
     # The real loop, uniform-reward filter on: every new key in every step of metrics.csv.
-    summary = train(compose_config("+experiment=arithmetic", "max_steps=2", "trainer.enable_progress_bar=false", output_dir=tmp_path))
+    summary = train(
+        compose_config(
+            "+experiment=arithmetic", "max_steps=2", "trainer.enable_progress_bar=false", output_dir=tmp_path
+        )
+    )
     assert summary["steps"] == 2
     with open(tmp_path / "metrics.csv") as f:
         rows = [{k: float(v) for k, v in row.items() if v != ""} for row in csv.DictReader(f)]
@@ -236,8 +278,14 @@ def test_two_ranks_log_the_metrics_of_one_process_on_the_union(tmp_path):
     tests = Path(__file__).resolve().parent
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests), str(tests.parent)])}
     for devices in (1, 2):
-        proc = subprocess.run([sys.executable, str(tests / "ddp_health_probe.py"), str(tmp_path), str(devices), "4,6"],
-                              cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+        proc = subprocess.run(
+            [sys.executable, str(tests / "ddp_health_probe.py"), str(tmp_path), str(devices), "4,6"],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert proc.returncode == 0, proc.stderr[-3000:]
     [one] = json.loads((tmp_path / "metrics_world1.json").read_text())
     [two] = json.loads((tmp_path / "metrics_world2.json").read_text())

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from lit_grpo.config import ConfigError, PolicyLossConfig, TrainConfig
+from lit_grpo.loop.module import align_to_predictions, token_logprobs
 from lit_grpo.maths.advantages import make_advantage
 from lit_grpo.maths.igpo import information_gains_from_logprobs, turn_advantages, turn_token_advantages
 from lit_grpo.maths.losses import policy_loss
-from lit_grpo.loop.module import align_to_predictions, token_logprobs
 from lit_grpo.rollouts.pipeline import checked_samples, make_batch, rollout_metrics
 from lit_grpo.samplers.hf import HFSampler
 from lit_grpo.types import PromptGroup, RolloutRun, RolloutSample
@@ -69,9 +69,11 @@ def test_config_validates_the_advantage_fields():
     c = TrainConfig(policy_loss=PolicyLossConfig(advantage="igpo", igpo_gamma=0.5))
     assert (c.advantage.name, c.advantage.params, c.policy_loss.advantage) == ("igpo", {"gamma": 0.5}, None)
     assert make_advantage(c.advantage.name, c.advantage.params).params["gamma"] == 0.5
-    for kwargs, field in [({"advantage": "turns"}, "policy_loss.advantage"),
-                          ({"advantage": "igpo", "igpo_gamma": 1.5}, "policy_loss.igpo_gamma"),
-                          ({"advantage": "igpo", "advantage_scale": "none"}, "policy_loss.advantage_scale")]:
+    for kwargs, field in [
+        ({"advantage": "turns"}, "policy_loss.advantage"),
+        ({"advantage": "igpo", "igpo_gamma": 1.5}, "policy_loss.igpo_gamma"),
+        ({"advantage": "igpo", "advantage_scale": "none"}, "policy_loss.advantage_scale"),
+    ]:
         with pytest.raises(ConfigError, match=field):
             PolicyLossConfig(**kwargs)
     with pytest.raises(ConfigError, match="policy_loss.igpo_gamma"):  # without advantage=igpo
@@ -107,7 +109,9 @@ def _turn_sample(reward, ig, spans, length):
     for start, end in spans:
         mask[start:end] = [1] * (end - start)
     logprobs = [-0.25 * m for m in mask]
-    return RolloutSample(list(range(1, length + 1)), logprobs, mask, reward, turn_spans=list(spans), turn_rewards=list(ig))
+    return RolloutSample(
+        list(range(1, length + 1)), logprobs, mask, reward, turn_spans=list(spans), turn_rewards=list(ig)
+    )
 
 
 @pytest.mark.timeout(60)
@@ -119,8 +123,15 @@ def test_turn_advantages_reach_the_loss_on_their_turns_tokens():
     samples, sizes, counts, _ = checked_samples([a, RolloutRun(segments=[b1, b2])], max_seq_len=64)
     assert not counts and sizes == [1, 2]
     group = PromptGroup(row={}, samples=samples, version=0, run_sizes=sizes)
-    batch = make_batch([group], [group], version=0, pad_id=0, counts=Counter(), timings={},
-                       advantage=make_advantage("igpo", {"gamma": 0.5}))
+    batch = make_batch(
+        [group],
+        [group],
+        version=0,
+        pad_id=0,
+        counts=Counter(),
+        timings={},
+        advantage=make_advantage("igpo", {"gamma": 0.5}),
+    )
     returns = turn_advantages([[2.0, 0.0], [1.0, 3.0]], [1.0, 0.0], gamma=0.5)
     assert batch.advantages_BT.shape == batch.tokens_BT.shape == (3, 9)
 
@@ -129,11 +140,21 @@ def test_turn_advantages_reach_the_loss_on_their_turns_tokens():
     mask_BT = align_to_predictions(batch.loss_mask_BT)
     sampler_BT = align_to_predictions(batch.sampler_logprobs_BT)
     logprobs_BT = sampler_BT.clone().requires_grad_(True)
-    loss, _ = policy_loss("importance_sampling", logprobs=logprobs_BT, old_logprobs=logprobs_BT.detach(), sampler_logprobs=sampler_BT,
-                          advantages=align_to_predictions(batch.advantages_BT), mask=mask_BT, normalization="sum", kl_beta=0.0)
+    loss, _ = policy_loss(
+        "importance_sampling",
+        logprobs=logprobs_BT,
+        old_logprobs=logprobs_BT.detach(),
+        sampler_logprobs=sampler_BT,
+        advantages=align_to_predictions(batch.advantages_BT),
+        mask=mask_BT,
+        normalization="sum",
+        kl_beta=0.0,
+    )
     loss.backward()
     expected = torch.zeros(3, 9)
-    for row, (spans, values) in enumerate([(a.turn_spans, returns[0]), (b1.turn_spans, returns[1][:1]), (b2.turn_spans, returns[1][1:])]):
+    for row, (spans, values) in enumerate(
+        [(a.turn_spans, returns[0]), (b1.turn_spans, returns[1][:1]), (b2.turn_spans, returns[1][1:])]
+    ):
         for (start, end), value in zip(spans, values):
             expected[row, start:end] = -value  # token j of the sample is prediction j - 1
     torch.testing.assert_close(logprobs_BT.grad, expected[:, 1:], atol=1e-6, rtol=1e-5)
@@ -144,7 +165,9 @@ def test_turn_advantages_reach_the_loss_on_their_turns_tokens():
     metrics = rollout_metrics([batch.record])
     assert metrics["igpo/turns"] == 2.0  # two turns each
     assert metrics["igpo/positive_ig_frac"] == pytest.approx((1 / 2 + 2 / 2) / 2)  # A: one of two > 0; B: both
-    assert metrics["igpo/ig_turn_0"] == pytest.approx((2.0 + 1.0) / 2) and metrics["igpo/ig_turn_1"] == pytest.approx((0.0 + 3.0) / 2)
+    assert metrics["igpo/ig_turn_0"] == pytest.approx((2.0 + 1.0) / 2) and metrics["igpo/ig_turn_1"] == pytest.approx(
+        (0.0 + 3.0) / 2
+    )
     assert metrics["reward/mean"] == pytest.approx(0.5)  # the outcome reward, per run
 
 

@@ -26,7 +26,12 @@ MODULES = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
 
 def _layer(module: str) -> int:
     """The index in LAYERS of the wing that holds `module` (the longest name that is it or its package)."""
-    holders = [(len(name), i) for i, wing in enumerate(LAYERS) for name in wing if module == name or module.startswith(name + ".")]
+    holders = [
+        (len(name), i)
+        for i, wing in enumerate(LAYERS)
+        for name in wing
+        if module == name or module.startswith(name + ".")
+    ]
     assert holders, f"{module} is in no layer of lit_grpo.LAYERS: add it there"
     return max(holders)[1]
 
@@ -80,7 +85,9 @@ def test_every_module_sits_in_a_layer():
 def test_imports_run_down_the_layers():
     upward = [
         f"{m} (layer {_layer(m)}) imports {t} (layer {_layer(t)})"
-        for m, targets in ANNOTATED.items() for t in targets if _layer(t) > _layer(m)
+        for m, targets in ANNOTATED.items()
+        for t in targets
+        if _layer(t) > _layer(m)
     ]
     assert not upward, "imports that run up the layers:\n" + "\n".join(sorted(upward))
 
@@ -117,7 +124,9 @@ def _cycles() -> list[list[str]]:
 
 
 def test_no_import_cycles():
-    assert not _cycles(), "import cycles (function-level imports included):\n" + "\n".join(" <-> ".join(c) for c in _cycles())
+    assert not _cycles(), "import cycles (function-level imports included):\n" + "\n".join(
+        " <-> ".join(c) for c in _cycles()
+    )
 
 
 def test_the_cycle_finder_finds_a_cycle(monkeypatch):
@@ -132,5 +141,9 @@ def test_the_root_reads_as_a_table_of_contents():
 
 
 def test_no_module_over_400_lines():
-    long = {m: n for m, p in MODULES.items() if (n := len(p.read_text(encoding="utf-8").splitlines())) > MODULE_LINES_AT_MOST}
+    long = {
+        m: n
+        for m, p in MODULES.items()
+        if (n := len(p.read_text(encoding="utf-8").splitlines())) > MODULE_LINES_AT_MOST
+    }
     assert not long, long

@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from lit_grpo.maths.logprobs import default_chunk_rows, selected_logprobs_and_entropy
 from lit_grpo.loop.module import token_logprobs
+from lit_grpo.maths.logprobs import default_chunk_rows, selected_logprobs_and_entropy
 
 FLOAT32 = {"atol": 1e-6, "rtol": 1e-6}
 
@@ -37,7 +37,9 @@ def _values_and_grad(fn, full_BTV, targets_BT, weights_BT, temperature):
 
 def chunked(chunk_rows):
     """`selected_logprobs_and_entropy` with a fixed chunk size, called like `naive`."""
-    return lambda logits_BTV, targets_BT, temperature: selected_logprobs_and_entropy(logits_BTV, targets_BT, temperature, chunk_rows)
+    return lambda logits_BTV, targets_BT, temperature: selected_logprobs_and_entropy(
+        logits_BTV, targets_BT, temperature, chunk_rows
+    )
 
 
 def _targets_and_weights(B, T, V, seed=1):

@@ -10,13 +10,14 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import compose_config
 
 from lit_grpo.callbacks.reward_filter import UniformRewardFilter, has_reward_variance
 from lit_grpo.config import ConfigError
 from lit_grpo.envs.lookup import make_rollout_fn
+from lit_grpo.loop.module import token_logprobs
 from lit_grpo.maths.advantages import make_advantage
 from lit_grpo.maths.igpo import IGPOSettings, has_turn_signal
-from lit_grpo.loop.module import token_logprobs
 from lit_grpo.rollouts.rollout import Trajectory
 from lit_grpo.samplers.hf import HFSampler
 from lit_grpo.tasks import get_task
@@ -24,12 +25,15 @@ from lit_grpo.tasks.lookup import KEYS, LookupOptions, answer_reward, make_row, 
 from lit_grpo.train import train
 from lit_grpo.types import Completion, PromptGroup, RolloutSample, RolloutSetup
 
-from conftest import compose_config
-
 
 def _completion(prompt, generated):
-    return Completion(full_tokens=list(prompt) + list(generated), prompt_len=len(prompt),
-                      sampling_logprobs=[-0.5] * len(generated), finish_reason="stop", text="")
+    return Completion(
+        full_tokens=list(prompt) + list(generated),
+        prompt_len=len(prompt),
+        sampling_logprobs=[-0.5] * len(generated),
+        finish_reason="stop",
+        text="",
+    )
 
 
 @pytest.mark.timeout(10)
@@ -72,7 +76,9 @@ def test_two_hops_point_through_another_key():
         row = make_row(rng, LookupOptions(num_keys=5, hops=2))
         pointer = row["table"][row["target"]]
         assert pointer in KEYS[:5] and pointer != row["target"]
-        assert row["answer"] == row["table"][pointer] == resolve(row["table"], row["target"]) and row["answer"].isdigit()
+        assert (
+            row["answer"] == row["table"][pointer] == resolve(row["table"], row["target"]) and row["answer"].isdigit()
+        )
         assert row["queries"] == 2
     assert make_row(rng, LookupOptions(queries=0))["prompt"].endswith(">")  # no query: answer at once
     for hops in (1, 2):  # the answer's lookup shown in the prompt: answered at once
@@ -88,8 +94,12 @@ def test_two_hops_point_through_another_key():
 
 def _rollouts(model, tokenizer, rows, score_turns=True, per_row=4):
     sampler = HFSampler(model, tokenizer)
-    setup = RolloutSetup(sampler, tokenizer, {"temperature": 1.0, "max_tokens": 8, "top_p": 1.0, "top_k": 0},
-                         {"reward_fn": answer_reward, "score_turns": score_turns})
+    setup = RolloutSetup(
+        sampler,
+        tokenizer,
+        {"temperature": 1.0, "max_tokens": 8, "top_p": 1.0, "top_k": 0},
+        {"reward_fn": answer_reward, "score_turns": score_turns},
+    )
     rollout_fn = make_rollout_fn(setup)
 
     async def run():
@@ -148,14 +158,18 @@ def test_rollout_turns_are_the_moves_and_their_information_gains(tiny_model, tok
 @pytest.mark.timeout(60)
 def test_without_scoring_the_sample_reports_no_turns(tiny_model, tokenizer, monkeypatch):
     monkeypatch.setattr(HFSampler, "score", lambda self, pairs: pytest.fail("scored with score_turns=false"))
-    samples = _rollouts(tiny_model, tokenizer, make_rows(LookupOptions(num_rows=2), seed=0), score_turns=False, per_row=2)
+    samples = _rollouts(
+        tiny_model, tokenizer, make_rows(LookupOptions(num_rows=2), seed=0), score_turns=False, per_row=2
+    )
     for s in samples:
         assert s.turn_spans is None and s.turn_rewards is None and sum(s.loss_mask) == 2
 
 
 def _group(outcomes, gains):
-    samples = [RolloutSample([1, 2, 3], [0.0, -0.1, -0.1], [0, 1, 1], r, turn_spans=[(1, 2), (2, 3)], turn_rewards=g)
-               for r, g in zip(outcomes, gains)]
+    samples = [
+        RolloutSample([1, 2, 3], [0.0, -0.1, -0.1], [0, 1, 1], r, turn_spans=[(1, 2), (2, 3)], turn_rewards=g)
+        for r, g in zip(outcomes, gains)
+    ]
     return PromptGroup(row={}, samples=samples, version=0)
 
 
@@ -165,28 +179,40 @@ def test_igpo_keeps_groups_of_equal_outcomes_whose_turns_differ():
     differing = _group([0.0, 0.0], [[0.3, 0.1], [-0.2, 0.1]])
     assert not has_reward_variance(differing) and has_turn_signal(differing.runs, settings)
     assert not has_turn_signal(_group([1.0, 1.0], [[0.2, 0.1], [0.2, 0.1]]).runs, settings)  # every run gained alike
-    assert not has_turn_signal(_group([1.0, 1.0], [[0.2, 0.1], [0.2 + 1e-8, 0.1]]).runs, settings)  # below eps: batching noise
+    assert not has_turn_signal(
+        _group([1.0, 1.0], [[0.2, 0.1], [0.2 + 1e-8, 0.1]]).runs, settings
+    )  # below eps: batching noise
     assert has_turn_signal(_group([1.0, 1.0], [[0.2, 0.1], [0.2 + 1e-3, 0.1]]).runs, settings)
     assert has_turn_signal(_group([1.0, 0.0], [[0.2, 0.1], [0.2, 0.1]]).runs, settings)  # outcomes differ
     # Only the last turns' gains differ and they are left out: every advantage is 0.
     last_only = _group([0.0, 0.0], [[0.2, 0.5], [0.2, -0.5]])
-    assert has_turn_signal(last_only.runs, settings) and not has_turn_signal(last_only.runs, IGPOSettings(skip_last_ig=True))
+    assert has_turn_signal(last_only.runs, settings) and not has_turn_signal(
+        last_only.runs, IGPOSettings(skip_last_ig=True)
+    )
     plain = PromptGroup(row={}, samples=[RolloutSample([1, 2], [0.0, -0.1], [0, 1], 0.0)] * 2, version=0)
     assert not has_turn_signal(plain.runs, settings)  # no turns reported: the outcome test
 
     def registered(advantage, predicate=None, keep_turn_signal=True):
         filters = []
-        datamodule = SimpleNamespace(stream=SimpleNamespace(advantage=advantage), group_filters=filters, add_group_filter=filters.append)
-        UniformRewardFilter(predicate, keep_turn_signal=keep_turn_signal).setup(SimpleNamespace(datamodule=datamodule), None, "fit")
+        datamodule = SimpleNamespace(
+            stream=SimpleNamespace(advantage=advantage), group_filters=filters, add_group_filter=filters.append
+        )
+        UniformRewardFilter(predicate, keep_turn_signal=keep_turn_signal).setup(
+            SimpleNamespace(datamodule=datamodule), None, "fit"
+        )
         (keep,) = filters
         return keep
 
     igpo = make_advantage("igpo")
-    assert registered(None) is has_reward_variance and registered(make_advantage("grpo")) is has_reward_variance  # as before
+    assert (
+        registered(None) is has_reward_variance and registered(make_advantage("grpo")) is has_reward_variance
+    )  # as before
     assert registered(igpo)(differing) and not registered(igpo)(_group([1.0, 1.0], [[0.2, 0.1]] * 2))
     assert igpo.group_signal(differing.runs) and not make_advantage("grpo").group_signal(differing.runs)
     assert registered(igpo, keep_turn_signal=False) is has_reward_variance  # the default: opt-in only
-    assert registered(igpo, "lit_grpo.callbacks.reward_filter.has_reward_variance") is has_reward_variance  # a user's choice stays
+    assert (
+        registered(igpo, "lit_grpo.callbacks.reward_filter.has_reward_variance") is has_reward_variance
+    )  # a user's choice stays
 
 
 def _metrics(folder):
@@ -197,17 +223,34 @@ def _metrics(folder):
 @pytest.mark.timeout(240)
 def test_the_experiment_trains_with_igpo_and_as_plain_grpo(tmp_path):
     quiet = ["trainer.enable_progress_bar=false", "output_model_id=null", "max_steps=2"]
-    summary = train(compose_config("+experiment=igpo_lookup", *quiet, "callbacks.reward_filter.keep_turn_signal=true",
-                                   output_dir=tmp_path / "igpo"))
+    summary = train(
+        compose_config(
+            "+experiment=igpo_lookup",
+            *quiet,
+            "callbacks.reward_filter.keep_turn_signal=true",
+            output_dir=tmp_path / "igpo",
+        )
+    )
     assert summary["steps"] == 2
     rows = _metrics(tmp_path / "igpo")
     assert len(rows) == 2
     for row in rows:
         assert 1.0 < float(row["igpo/turns"]) < 2.0  # rows that show the lookup are one turn, the others two
         assert row["igpo/ig_turn_1"] and 0 <= float(row["lookup/queried_target"]) <= 1
-        assert float(row["train/tokens"]) > 0 and float(row["train/grad_norm"]) > 0 and math.isfinite(float(row["train/loss"]))
-    summary = train(compose_config("+experiment=igpo_lookup", *quiet, "policy_loss.advantage=group", "policy_loss.igpo_skip_last_ig=null",
-                                   "rollout.extras.score_turns=false",
-                                   output_dir=tmp_path / "grpo"))
+        assert (
+            float(row["train/tokens"]) > 0
+            and float(row["train/grad_norm"]) > 0
+            and math.isfinite(float(row["train/loss"]))
+        )
+    summary = train(
+        compose_config(
+            "+experiment=igpo_lookup",
+            *quiet,
+            "policy_loss.advantage=group",
+            "policy_loss.igpo_skip_last_ig=null",
+            "rollout.extras.score_turns=false",
+            output_dir=tmp_path / "grpo",
+        )
+    )
     assert summary["steps"] == 2
     assert all(not row.get("igpo/turns") for row in _metrics(tmp_path / "grpo"))  # no turns reported, none scored

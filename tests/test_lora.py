@@ -10,20 +10,18 @@ import json
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from torch import nn
-
-from lit_grpo.config import ConfigError
-from lit_grpo.run.validate import validate
-from lit_grpo.config import LoraConfig
-from lit_grpo.models.lora import AdapterFreeView, apply_lora, base_name, is_lora
-from lit_grpo.models.load import load_policy, load_tokenizer
-from lit_grpo.loop.module import token_logprobs
-from lit_grpo.samplers.hf import HFSampler
-from lit_grpo.build import fit
-from lit_grpo.models.weights import full_named_tensors
-
 from conftest import compose_config
 from test_checkpoint import assert_bit_identical, csv_rewards, run_cli, tensors
+from torch import nn
+
+from lit_grpo.build import fit
+from lit_grpo.config import ConfigError, LoraConfig
+from lit_grpo.loop.module import token_logprobs
+from lit_grpo.models.load import load_policy, load_tokenizer
+from lit_grpo.models.lora import AdapterFreeView, apply_lora, base_name, is_lora
+from lit_grpo.models.weights import full_named_tensors
+from lit_grpo.run.validate import validate
+from lit_grpo.samplers.hf import HFSampler
 
 STEPS = 8
 LORA = ["+experiment=arithmetic", "model.lora.rank=4", "learning_rate=1e-2", "trainer.enable_progress_bar=false"]
@@ -54,8 +52,12 @@ def test_config_defaults_and_refusals_name_the_field():
     assert (lora.rank, lora.alpha, lora.dropout) == (0, None, 0.0) and "q_proj" in lora.target_modules
     c = validate(compose_config("+experiment=arithmetic", "model.lora.rank=8", "model.lora.target_modules=all-linear"))
     assert (c.model.lora.rank, c.model.lora.scale_alpha(), c.model.lora.target_modules) == (8, 16.0, "all-linear")
-    for bad, field in (({"dropout": 0.1}, "model.lora.dropout"), ({"rank": -1}, "model.lora.rank"),
-                       ({"alpha": 0.0}, "model.lora.alpha"), ({"target_modules": []}, "model.lora.target_modules")):
+    for bad, field in (
+        ({"dropout": 0.1}, "model.lora.dropout"),
+        ({"rank": -1}, "model.lora.rank"),
+        ({"alpha": 0.0}, "model.lora.alpha"),
+        ({"target_modules": []}, "model.lora.target_modules"),
+    ):
         with pytest.raises(ConfigError, match=f"`{field}`"):
             LoraConfig(**bad)
     with pytest.raises(ConfigError, match="`model.lora.dropout`.*logprobs"):
@@ -94,7 +96,9 @@ class Holder(nn.Module):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("targets", [["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], "all-linear"])
+@pytest.mark.parametrize(
+    "targets", [["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], "all-linear"]
+)
 def test_sync_stream_is_the_merged_base_model_and_the_hf_sampler_loads_it(tiny_model, tokenizer, targets):
     plain = copy.deepcopy(tiny_model)
     sampler = HFSampler(plain, tokenizer)
@@ -107,12 +111,18 @@ def test_sync_stream_is_the_merged_base_model_and_the_hf_sampler_loads_it(tiny_m
     assert max_diff(streamed, merged.state_dict()) <= 1e-6
     assert any(not torch.equal(streamed[k], plain.state_dict()[k]) for k in streamed)  # the adapters are in
 
-    sampler.update_weights(full_named_tensors(Holder(policy), prefix="policy."))  # refuses a sync that leaves a weight stale
+    sampler.update_weights(
+        full_named_tensors(Holder(policy), prefix="policy.")
+    )  # refuses a sync that leaves a weight stale
     assert max_diff(sampler.model.state_dict(), merged.state_dict()) <= 1e-6
     attention = torch.ones_like(TOKENS)
     with torch.no_grad():
-        torch.testing.assert_close(token_logprobs(sampler.model, TOKENS, attention, 1.0)[0],
-                                   token_logprobs(policy, TOKENS, attention, 1.0)[0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            token_logprobs(sampler.model, TOKENS, attention, 1.0)[0],
+            token_logprobs(policy, TOKENS, attention, 1.0)[0],
+            atol=1e-5,
+            rtol=1e-5,
+        )
     assert any("lora_A" in n for n, _ in policy.named_parameters())  # the live model was not merged
 
 
@@ -129,7 +139,9 @@ def test_export_of_gathered_lora_state_is_the_merged_model(tiny_model, tokenizer
     loaded = AutoModelForCausalLM.from_pretrained(out)
     assert not any("lora" in n for n in loaded.state_dict())
     with torch.no_grad():
-        torch.testing.assert_close(loaded(input_ids=TOKENS).logits, policy(input_ids=TOKENS).logits, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            loaded(input_ids=TOKENS).logits, policy(input_ids=TOKENS).logits, atol=1e-5, rtol=1e-5
+        )
 
 
 # ---------------------------------------------------------------------- a short LoRA run
@@ -186,8 +198,12 @@ def test_sampler_after_sync_holds_exactly_the_merged_weights(lora_run):
     assert max_diff(sampler.model.state_dict(), merged.state_dict()) <= 1e-6
     attention = torch.ones_like(TOKENS)
     with torch.no_grad():
-        torch.testing.assert_close(token_logprobs(sampler.model, TOKENS, attention, 1.0)[0],
-                                   token_logprobs(merged, TOKENS, attention, 1.0)[0], atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(
+            token_logprobs(sampler.model, TOKENS, attention, 1.0)[0],
+            token_logprobs(merged, TOKENS, attention, 1.0)[0],
+            atol=1e-6,
+            rtol=1e-6,
+        )
 
 
 @pytest.mark.slow
@@ -249,15 +265,25 @@ def test_vllm_sampler_loads_the_merged_lora_weights(tmp_path):
     from lit_grpo.samplers.vllm import VLLMSampler
 
     tokenizer = build_char_tokenizer("printable")
-    model = build_tiny_model(ModelConfig(num_heads=2), len(tokenizer), seed=0, tokenizer=tokenizer)  # vLLM's CPU attention: head size >= 32
-    sampler = VLLMSampler(str(save_pretrained(model, tokenizer, tmp_path / "base")), tokenizer, dtype="float32", max_model_len=256, enforce_eager=True)
+    model = build_tiny_model(
+        ModelConfig(num_heads=2), len(tokenizer), seed=0, tokenizer=tokenizer
+    )  # vLLM's CPU attention: head size >= 32
+    sampler = VLLMSampler(
+        str(save_pretrained(model, tokenizer, tmp_path / "base")),
+        tokenizer,
+        dtype="float32",
+        max_model_len=256,
+        enforce_eager=True,
+    )
     try:
         policy = lora_policy(model)  # wraps `model` in place: the engine already holds its base weights
         sampler.update_weights(full_named_tensors(Holder(policy), prefix="policy."))
         prompts = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in ["1+2=", "12+3=", "7*8="] * 4]
 
         async def sample():
-            return await asyncio.gather(*(sampler.sample_with_prompt_tokens(p, n=1, temperature=1.0, max_tokens=8) for p in prompts))
+            return await asyncio.gather(
+                *(sampler.sample_with_prompt_tokens(p, n=1, temperature=1.0, max_tokens=8) for p in prompts)
+            )
 
         completions = [c for group in asyncio.run(sample()) for c in group]
         merged = copy.deepcopy(policy).merge_and_unload()
@@ -266,9 +292,13 @@ def test_vllm_sampler_loads_the_merged_lora_weights(tmp_path):
             for c in completions:
                 tokens = torch.tensor([c.full_tokens])
                 sampled = torch.tensor(c.sampling_logprobs)
-                diffs.append((token_logprobs(merged, tokens, torch.ones_like(tokens), 1.0)[0][0, c.prompt_len - 1:] - sampled).abs())
+                diffs.append(
+                    (
+                        token_logprobs(merged, tokens, torch.ones_like(tokens), 1.0)[0][0, c.prompt_len - 1 :] - sampled
+                    ).abs()
+                )
                 with policy.disable_adapter():
-                    base = token_logprobs(policy, tokens, torch.ones_like(tokens), 1.0)[0][0, c.prompt_len - 1:]
+                    base = token_logprobs(policy, tokens, torch.ones_like(tokens), 1.0)[0][0, c.prompt_len - 1 :]
                 base_diffs.append((base - sampled).abs())
         assert torch.cat(diffs).mean() < 1e-3  # vLLM samples from the merged policy...
         assert torch.cat(base_diffs).mean() > 1e-2  # ...not from the base model it started with

@@ -457,8 +457,12 @@ def test_only_logprobs_carry_gradient(name):
     # old, sampler, ref and advantages built from π with a live graph must still act as constants.
     x = random_inputs(9)
     pi = x["pi"].clone().requires_grad_(True)
-    live = dict(old_logprobs=pi + (x["old"] - x["pi"]), sampler_logprobs=pi + (x["sampler"] - x["pi"]),
-                ref_logprobs=pi + (x["ref"] - x["pi"]), advantages=x["advantages"] + 0 * pi[:, 0])
+    live = dict(
+        old_logprobs=pi + (x["old"] - x["pi"]),
+        sampler_logprobs=pi + (x["sampler"] - x["pi"]),
+        ref_logprobs=pi + (x["ref"] - x["pi"]),
+        advantages=x["advantages"] + 0 * pi[:, 0],
+    )
     loss, _ = policy_loss(name, logprobs=pi, mask=x["mask"], kl_beta=0.05, **live)
     (grad,) = torch.autograd.grad(loss, pi)
     _, grad_detached, _ = grad_of(name, x, kl_beta=0.05)
@@ -613,7 +617,9 @@ def test_conf_files_match_registry():
     # user.yaml is the base for a loss of the user's own module (its name is given on the CLI).
     files = {path.stem: path for path in CONF_DIR.glob("*.yaml") if path.stem != "user"}
     # Every built-in loss (other tests register losses of their own, without a file).
-    assert set(files) == {n for n in available_policy_losses() if POLICY_LOSSES[n].fn.__module__.startswith("lit_grpo.")}
+    assert set(files) == {
+        n for n in available_policy_losses() if POLICY_LOSSES[n].fn.__module__.startswith("lit_grpo.")
+    }
     for name, path in files.items():
         cfg = OmegaConf.to_container(OmegaConf.load(path))
         assert cfg.pop("name") == name

@@ -1,16 +1,11 @@
 """Tokenizer and model loading: the tiny model offline, a local HF folder, and a clear error otherwise."""
 
-import os
-import subprocess
-import sys
-
 import pytest
+from conftest import compose_config
 
 from lit_grpo.config import ModelConfig
 from lit_grpo.models.load import build_char_tokenizer, load_policy, load_tokenizer, save_pretrained
 from lit_grpo.train import train
-
-from conftest import compose_config
 
 
 def test_char_tokenizer_round_trips_and_has_a_chat_template():
@@ -34,10 +29,16 @@ def test_tiny_model_is_seeded(tokenizer):
 
 def test_model_hf_loads_a_local_folder_and_trains(tmp_path, tiny_model, tokenizer):
     save_pretrained(tiny_model, tokenizer, tmp_path / "model")
-    summary = train(compose_config(
-        "+experiment=arithmetic", "model=hf", f"model.name_or_path={tmp_path / 'model'}", "model.dtype=float32",
-        "trainer.fast_dev_run=true", output_dir=tmp_path / "run",
-    ))
+    summary = train(
+        compose_config(
+            "+experiment=arithmetic",
+            "model=hf",
+            f"model.name_or_path={tmp_path / 'model'}",
+            "model.dtype=float32",
+            "trainer.fast_dev_run=true",
+            output_dir=tmp_path / "run",
+        )
+    )
     assert summary["steps"] == 1
 
 

@@ -5,18 +5,25 @@ import copy
 import lightning as L
 import pytest
 import torch
+from conftest import compose_config
 
-from lit_grpo.run.validate import validate
+from lit_grpo.build import build_run
 from lit_grpo.loop.module import token_logprobs
 from lit_grpo.maths.loss_terms import LOSS_NORMALIZATIONS
 from lit_grpo.maths.losses import policy_loss
-from lit_grpo.build import build_run
-
-from conftest import compose_config
+from lit_grpo.run.validate import validate
 
 
 def _build(tmp_path, *overrides):
-    c = validate(compose_config("+experiment=arithmetic", "trainer.fast_dev_run=1", "trainer.enable_progress_bar=false", *overrides, output_dir=tmp_path))
+    c = validate(
+        compose_config(
+            "+experiment=arithmetic",
+            "trainer.fast_dev_run=1",
+            "trainer.enable_progress_bar=false",
+            *overrides,
+            output_dir=tmp_path,
+        )
+    )
     return build_run(c)
 
 
@@ -78,8 +85,13 @@ def test_micro_batches_accumulate_to_the_whole_batch_step(tmp_path, normalizatio
     grads = []
     for micro in (0, 1, 3):
         trainer, module, datamodule = _build(
-            tmp_path / str(micro), f"micro_batch_size={micro}", "sampler.max_completion_tokens=3", "grad_clip_norm=0",
-            f"policy_loss.loss_normalization={normalization}", "data.prompt_groups_per_step=2", "data.completions_per_prompt=8",
+            tmp_path / str(micro),
+            f"micro_batch_size={micro}",
+            "sampler.max_completion_tokens=3",
+            "grad_clip_norm=0",
+            f"policy_loss.loss_normalization={normalization}",
+            "data.prompt_groups_per_step=2",
+            "data.completions_per_prompt=8",
         )
         assert module.config.policy_loss.loss_normalization == normalization
         capture = GradCapture()
@@ -119,7 +131,9 @@ def test_ppo_old_logprobs_are_the_policy_before_the_first_minibatch(tmp_path, mo
 
     monkeypatch.setattr(module_py, "policy_loss", recording_loss)
     monkeypatch.setattr(module_py, "token_logprobs", recording_logprobs)
-    trainer, module, datamodule = _build(tmp_path, "ppo_n_minibatches=2", "~callbacks.reward_filter", "policy_loss.kl_beta=0", "micro_batch_size=0")
+    trainer, module, datamodule = _build(
+        tmp_path, "ppo_n_minibatches=2", "~callbacks.reward_filter", "policy_loss.kl_beta=0", "micro_batch_size=0"
+    )
     initial = copy.deepcopy(module.policy)
     trainer.fit(module, datamodule=datamodule)
 

@@ -3,10 +3,9 @@
 import asyncio
 
 import pytest
-import torch
 
-from lit_grpo.rollouts import collate_groups
 from lit_grpo.loop.module import align_to_predictions, token_logprobs
+from lit_grpo.rollouts import collate_groups
 from lit_grpo.rollouts.rollout import Trajectory
 from lit_grpo.samplers.hf import HFSampler
 from lit_grpo.types import PromptGroup
@@ -14,7 +13,9 @@ from lit_grpo.types import PromptGroup
 
 def test_two_assistant_turns_with_a_user_turn_between(tiny_model, tokenizer):
     sampler = HFSampler(tiny_model, tokenizer)
-    enc = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def enc(text):
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
 
     async def rollout():
         traj = Trajectory(enc("<|user|>1+1=<|end|><|assistant|>"))

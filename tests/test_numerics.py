@@ -5,16 +5,23 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 import user_losses
-from lit_grpo.run.validate import validate
-from lit_grpo.loop.step_sequence import NonFiniteTraining
-from lit_grpo.build import build_run
-
 from conftest import compose_config
 
-RUN = ["+experiment=arithmetic", "policy_loss=user", "policy_loss.name=user_losses:nan_on_calls", "~callbacks.reward_filter",
-       "lr_decay=constant", "logger=none", "output_model_id=null", "trainer.enable_progress_bar=false"]
+from lit_grpo.build import build_run
+from lit_grpo.loop.step_sequence import NonFiniteTraining
+from lit_grpo.run.validate import validate
+
+RUN = [
+    "+experiment=arithmetic",
+    "policy_loss=user",
+    "policy_loss.name=user_losses:nan_on_calls",
+    "~callbacks.reward_filter",
+    "lr_decay=constant",
+    "logger=none",
+    "output_model_id=null",
+    "trainer.enable_progress_bar=false",
+]
 
 
 def _fit(tmp_path, *overrides):
@@ -41,7 +48,9 @@ def test_one_nonfinite_step_is_skipped_and_counted(tmp_path, monkeypatch):
 @pytest.mark.timeout(300)
 def test_nonfinite_steps_in_a_row_stop_the_run_and_leave_the_weights_alone(tmp_path, monkeypatch):
     monkeypatch.setattr(user_losses, "NAN_ON_CALLS", {-1})
-    c = validate(compose_config(*RUN, "max_steps=10", "max_nonfinite_steps=3", "dcp_save_interval=1", output_dir=tmp_path))
+    c = validate(
+        compose_config(*RUN, "max_steps=10", "max_nonfinite_steps=3", "dcp_save_interval=1", output_dir=tmp_path)
+    )
     trainer, module, datamodule = build_run(c)
     before = {k: v.detach().clone() for k, v in module.policy.state_dict().items()}
     with pytest.raises(NonFiniteTraining, match="3 optimizer steps in a row"):

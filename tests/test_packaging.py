@@ -90,7 +90,9 @@ def installed(tmp_path_factory) -> dict:
     # The dependencies (torch, lightning, ...) come from this interpreter's site-packages, added as a
     # plain path entry: its .pth files (the checkout's editable install among them) are not run, so
     # the only lit_grpo the venv can import is the wheel's. Installing them again would only time pip.
-    purelib = _run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], cwd=root).stdout.strip()
+    purelib = _run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], cwd=root
+    ).stdout.strip()
     Path(purelib, "_test_dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     _run([str(python), "-m", "pip", "install", "-q", "--no-deps", str(wheel)], cwd=root, timeout=900)
     _run([str(python), "-c", CHECK_REQUIREMENTS], cwd=root)
@@ -101,7 +103,9 @@ def installed(tmp_path_factory) -> dict:
 @pytest.mark.timeout(900)  # includes the module fixture: the wheel build and the venv
 def test_the_wheel_carries_every_config(installed):
     names = set(zipfile.ZipFile(installed["wheel"]).namelist())
-    shipped = sorted(p.relative_to(installed["src"]).as_posix() for p in (installed["src"] / "lit_grpo" / "conf").rglob("*.yaml"))
+    shipped = sorted(
+        p.relative_to(installed["src"]).as_posix() for p in (installed["src"] / "lit_grpo" / "conf").rglob("*.yaml")
+    )
     assert "lit_grpo/conf/train.yaml" in shipped and "lit_grpo/conf/experiment/arithmetic.yaml" in shipped
     assert [name for name in shipped if name not in names] == []
     (entry_points,) = [name for name in names if name.endswith(".dist-info/entry_points.txt")]
@@ -112,7 +116,9 @@ def test_the_wheel_carries_every_config(installed):
 @pytest.mark.timeout(600)
 def test_the_installed_command_trains_outside_the_checkout(installed, tmp_path):
     where = _run([str(installed["python"]), "-c", "import lit_grpo; print(lit_grpo.__file__)"], cwd=tmp_path).stdout
-    assert Path(where.strip()).resolve().is_relative_to((installed["root"] / "venv").resolve())  # the wheel's copy, not the checkout's
+    assert (
+        Path(where.strip()).resolve().is_relative_to((installed["root"] / "venv").resolve())
+    )  # the wheel's copy, not the checkout's
 
     _run([str(installed["command"]), "+experiment=arithmetic", "trainer.fast_dev_run=true"], cwd=tmp_path)
     assert json.loads((_run_folder(tmp_path) / "summary.json").read_text())["steps"] == 1
@@ -123,7 +129,10 @@ def test_the_installed_command_trains_outside_the_checkout(installed, tmp_path):
 def test_a_users_config_dir_adds_experiments(installed, tmp_path):
     (tmp_path / "my_conf" / "experiment").mkdir(parents=True)
     (tmp_path / "my_conf" / "experiment" / "mine.yaml").write_text(USER_EXPERIMENT)
-    proc = _run([str(installed["command"]), "--config-dir", "my_conf", "+experiment=mine", "trainer.enable_progress_bar=false"], cwd=tmp_path)
+    proc = _run(
+        [str(installed["command"]), "--config-dir", "my_conf", "+experiment=mine", "trainer.enable_progress_bar=false"],
+        cwd=tmp_path,
+    )
     run = _run_folder(tmp_path)
     assert json.loads((run / "summary.json").read_text())["steps"] == 2  # the user's max_steps
     config = (run / ".hydra" / "config.yaml").read_text()

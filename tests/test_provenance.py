@@ -9,13 +9,12 @@ import platform
 from pathlib import Path
 
 import pytest
+from conftest import compose_config
 
 from lit_grpo.config import UserInputs
 from lit_grpo.run.checkpoint import CheckpointStore
 from lit_grpo.run.provenance import PROVENANCE_FILE, git_commit, run_versions, version_changes
 from lit_grpo.train import train
-
-from conftest import compose_config
 
 RUN = ["+experiment=arithmetic", "trainer.enable_progress_bar=false", "lr_decay=constant"]
 
@@ -29,7 +28,9 @@ def test_versions_name_python_the_libraries_and_lit_grpo():
     assert "vllm" in run_versions("vllm") and "vllm" in run_versions("vllm_server")
     commit = git_commit()  # this checkout's HEAD (None outside a git checkout)
     assert commit is None or len(commit) == 40
-    assert version_changes({"torch": "1.0", "python": versions["python"], "gone": "x"}, versions) == [f"torch 1.0 -> {versions['torch']}"]
+    assert version_changes({"torch": "1.0", "python": versions["python"], "gone": "x"}, versions) == [
+        f"torch 1.0 -> {versions['torch']}"
+    ]
 
 
 @pytest.mark.timeout(300)
@@ -41,7 +42,7 @@ def test_the_run_folder_and_its_checkpoints_record_the_versions_and_the_config(t
     assert record["resumed_from"] is None
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["versions"] == record["versions"] and summary["stop_reason"] == "stopped: max_steps=2 reached"
-    (_, checkpoint), = CheckpointStore(tmp_path / "checkpoints").step_dirs()
+    ((_, checkpoint),) = CheckpointStore(tmp_path / "checkpoints").step_dirs()
     assert json.loads((checkpoint / "manifest.json").read_text())["versions"] == record["versions"]
 
 
@@ -59,7 +60,7 @@ def test_a_crashed_run_has_its_provenance(tmp_path):
 @pytest.mark.timeout(300)
 def test_a_resume_under_other_versions_names_them_once(tmp_path, caplog):
     train(compose_config(*RUN, "max_steps=2", "dcp_save_interval=2", output_dir=tmp_path))
-    (_, checkpoint), = CheckpointStore(tmp_path / "checkpoints").step_dirs()
+    ((_, checkpoint),) = CheckpointStore(tmp_path / "checkpoints").step_dirs()
     manifest_path = checkpoint / "manifest.json"
     manifest = json.loads(manifest_path.read_text())  # the manifest's `versions` are not hashed: it stays valid
     manifest["versions"]["torch"] = "1.13.0"

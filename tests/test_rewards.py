@@ -9,17 +9,24 @@ import math
 import sys
 
 import pytest
+from conftest import compose_config
 
 from lit_grpo.config import ConfigError, RewardConfig
-from lit_grpo.run.validate import check_reward, validate
-from lit_grpo.rollouts.datamodule import RolloutStream
-from lit_grpo.rewards import RewardRowError, WeightedReward, available_rewards, build_reward, get_reward, register_reward, reward_name
-from lit_grpo.rollouts.rollout import make_rollout_fn
+from lit_grpo.rewards import (
+    RewardRowError,
+    WeightedReward,
+    available_rewards,
+    build_reward,
+    get_reward,
+    register_reward,
+    reward_name,
+)
 from lit_grpo.rollouts import GroupSampler, RowCursor, SynchronousScheduler, rollout_metrics
+from lit_grpo.rollouts.datamodule import RolloutStream
+from lit_grpo.rollouts.rollout import make_rollout_fn
+from lit_grpo.run.validate import check_reward, validate
 from lit_grpo.tasks import reward_fn
 from lit_grpo.types import Completion, RolloutSetup
-
-from conftest import compose_config
 
 USER_REWARDS = '''
 def brevity(completion_text, row):
@@ -60,7 +67,9 @@ def test_the_built_ins_are_registered_and_the_tasks_use_them(tmp_path):
     arithmetic, exact = get_reward("arithmetic"), get_reward("exact_match")
     assert arithmetic("7 is it", {"answer": "7"}) == 1.0 and arithmetic("71", {"answer": "7"}) == 0.0
     assert exact(" 7\n", {"answer": 7}) == 1.0 and exact("7 is it", {"answer": "7"}) == 0.0
-    with pytest.raises(RewardRowError, match=r"'exact_match': the row has no reference answer \(field 'answer'\); its fields: prompt"):
+    with pytest.raises(
+        RewardRowError, match=r"'exact_match': the row has no reference answer \(field 'answer'\); its fields: prompt"
+    ):
         exact("7", {"prompt": "3+4="})
 
 
@@ -87,8 +96,14 @@ def test_config_errors_name_the_field(user_rewards, tmp_path):
         (["reward.fn=my_rewards:brevty"], r"reward\.fn.*has no 'brevty'; did you mean 'brevity'"),
         (["reward.fn=my_rewards:NOT_A_FUNCTION"], r"reward\.fn.*'my_rewards:NOT_A_FUNCTION' is a int, not a function"),
         (["reward.fn=my_rewards:needs_three"], r"reward\.fn.*must take \(completion_text, row\)"),
-        (["reward.fn=exact_matsh"], r"reward\.fn.*unknown reward 'exact_matsh'; registered: arithmetic, exact_match, gsm8k"),
-        (["reward.fn=[arithmetic,my_rewards:brevity]", "reward.weights=[1.0]"], r"reward\.weights.*1 weight for 2 reward components"),
+        (
+            ["reward.fn=exact_matsh"],
+            r"reward\.fn.*unknown reward 'exact_matsh'; registered: arithmetic, exact_match, gsm8k",
+        ),
+        (
+            ["reward.fn=[arithmetic,my_rewards:brevity]", "reward.weights=[1.0]"],
+            r"reward\.weights.*1 weight for 2 reward components",
+        ),
         (["reward.weights=[1.0,2.0]"], r"reward\.weights.*2 weights for 1 reward component"),  # the task's reward alone
         (["reward.fn=[arithmetic,exact_match]", "reward.weights=[1.0,nan]"], r"reward\.weights.*finite"),
         (["reward.fn=[]"], r"reward\.fn.*at least one"),
@@ -135,7 +150,15 @@ class _Scripted:
     async def sample_with_prompt_tokens(self, prompt, n=1, **kwargs):
         text = self.texts[self.i % len(self.texts)]
         self.i += 1
-        return [Completion(full_tokens=[*prompt, 20], prompt_len=len(prompt), sampling_logprobs=[-0.5], finish_reason="stop", text=text)]
+        return [
+            Completion(
+                full_tokens=[*prompt, 20],
+                prompt_len=len(prompt),
+                sampling_logprobs=[-0.5],
+                finish_reason="stop",
+                text=text,
+            )
+        ]
 
 
 def _rollout(tokenizer, reward, texts):
@@ -143,7 +166,9 @@ def _rollout(tokenizer, reward, texts):
 
 
 def test_the_default_rollout_puts_components_in_metrics_and_drops_all_none(tokenizer, user_rewards):
-    reward = build_reward(RewardConfig(fn=["exact_match", "my_rewards:only_tagged"], weights=[1.0, 0.5]), lambda: None, "x")
+    reward = build_reward(
+        RewardConfig(fn=["exact_match", "my_rewards:only_tagged"], weights=[1.0, 0.5]), lambda: None, "x"
+    )
     rollout = _rollout(tokenizer, reward, ["7"])
     sample = asyncio.run(rollout({"prompt": "3+4=", "answer": "7", "tag": True}))
     assert sample.reward == 1.5 and sample.metrics == {"reward/exact_match": 1.0, "reward/only_tagged": 1.0}
@@ -156,9 +181,18 @@ def test_the_default_rollout_puts_components_in_metrics_and_drops_all_none(token
 @pytest.mark.timeout(120)
 def test_a_step_logs_each_component_and_counts_the_dropped(tokenizer, user_rewards):
     reward = build_reward(RewardConfig(fn=["exact_match", "my_rewards:only_tagged"]), lambda: None, "x")
-    none_for_untagged = WeightedReward([("exact_match", lambda t, r: 1.0 if "tag" in r and t == r["answer"] else (0.0 if "tag" in r else None)),
-                                        ("only_tagged", get_reward("my_rewards:only_tagged"))], [1.0, 1.0])
-    rows = [{"prompt": "1+1=", "answer": "2", "tag": 1}, {"prompt": "2+2=", "answer": "4"}, {"prompt": "3+3=", "answer": "6", "tag": 1}]
+    none_for_untagged = WeightedReward(
+        [
+            ("exact_match", lambda t, r: 1.0 if "tag" in r and t == r["answer"] else (0.0 if "tag" in r else None)),
+            ("only_tagged", get_reward("my_rewards:only_tagged")),
+        ],
+        [1.0, 1.0],
+    )
+    rows = [
+        {"prompt": "1+1=", "answer": "2", "tag": 1},
+        {"prompt": "2+2=", "answer": "4"},
+        {"prompt": "3+3=", "answer": "6", "tag": 1},
+    ]
     for fn, dropped in ((reward, 0), (none_for_untagged, 3)):
         groups = GroupSampler(_rollout(tokenizer, fn, ["2", "x", "6"]), 3, max_seq_len=64, min_group_size=2, filters=[])
         scheduler = SynchronousScheduler(RowCursor(rows, 1, 0, shuffle=False), groups, 2, max_concurrency=256)
@@ -173,15 +207,25 @@ def test_a_step_logs_each_component_and_counts_the_dropped(tokenizer, user_rewar
 def test_a_weighted_run_logs_one_curve_per_component(tmp_path, user_rewards):
     from lit_grpo.train import train
 
-    summary = train(compose_config(
-        "+experiment=arithmetic", "max_steps=3", "lr_decay=constant", "reward.fn=[arithmetic,my_rewards:brevity]",
-        "reward.weights=[1.0,0.25]", "trainer.enable_progress_bar=false", "~callbacks.reward_filter", "output_model_id=null",
-        output_dir=tmp_path / "run",
-    ))
+    summary = train(
+        compose_config(
+            "+experiment=arithmetic",
+            "max_steps=3",
+            "lr_decay=constant",
+            "reward.fn=[arithmetic,my_rewards:brevity]",
+            "reward.weights=[1.0,0.25]",
+            "trainer.enable_progress_bar=false",
+            "~callbacks.reward_filter",
+            "output_model_id=null",
+            output_dir=tmp_path / "run",
+        )
+    )
     assert summary["steps"] == 3
     rows = list(csv.DictReader((tmp_path / "run" / "metrics.csv").open()))
     logged = [r for r in rows if r.get("reward/mean")]
     assert len(logged) == 3
     for r in logged:  # the sum's mean is the weighted sum of the components' means (every sample has both)
-        assert float(r["reward/mean"]) == pytest.approx(float(r["reward/arithmetic"]) + 0.25 * float(r["reward/brevity"]))
+        assert float(r["reward/mean"]) == pytest.approx(
+            float(r["reward/arithmetic"]) + 0.25 * float(r["reward/brevity"])
+        )
         assert float(r["reward/brevity"]) == 1.0  # one-token completions are short

@@ -7,11 +7,11 @@ import math
 import numpy as np
 import pytest
 
-from lit_grpo.rollouts.datamodule import RolloutStream
 from lit_grpo.rollouts import GroupSampler, RowCursor, SynchronousScheduler, rollout_metrics
-from lit_grpo.rollouts.rollout import load_rollout_factory
 from lit_grpo.rollouts.checks import CircuitBreaker, NoProgressError, ProgressGuard, RolloutCircuitOpen, sample_problem
+from lit_grpo.rollouts.datamodule import RolloutStream
 from lit_grpo.rollouts.deadlines import RolloutTimeout, call_rollout
+from lit_grpo.rollouts.rollout import load_rollout_factory
 from lit_grpo.types import RolloutSample
 
 GOOD = dict(tokens=[1, 2, 3], logprobs=[0.0, -0.1, -0.2], loss_mask=[0, 1, 1], reward=1.0)
@@ -71,8 +71,14 @@ def _stream(rows, rollout_fn, *, G, max_seq_len=64, P=2, max_steps=-1, **group_k
 def test_pipeline_drops_and_counts_bad_samples_and_small_groups():
     # Row 0: one good sample, two bad ones -> group of 1 < min_group_size, dropped.
     # Row 1: rewards 1, 0 plus a NaN reward -> a group of 2 that trains.
-    bad = {0: [GOOD, {**GOOD, "loss_mask": [0, 0, 0]}, {**GOOD, "tokens": [1] * 20, "logprobs": [0.0] * 20, "loss_mask": [1] * 20}],
-           1: [GOOD, {**GOOD, "reward": 0.0}, {**GOOD, "reward": math.nan}]}
+    bad = {
+        0: [
+            GOOD,
+            {**GOOD, "loss_mask": [0, 0, 0]},
+            {**GOOD, "tokens": [1] * 20, "logprobs": [0.0] * 20, "loss_mask": [1] * 20},
+        ],
+        1: [GOOD, {**GOOD, "reward": 0.0}, {**GOOD, "reward": math.nan}],
+    }
     calls = {0: 0, 1: 0}
 
     async def rollout_fn(row):
@@ -129,8 +135,15 @@ def test_rollout_factory_is_imported_from_the_working_directory(tmp_path, monkey
 
 def _call(rollout_fn, *, timeout_s=5.0, max_retries=2):
     events = []
-    result = asyncio.run(call_rollout(rollout_fn, {"id": 0}, timeout_s=timeout_s, max_retries=max_retries,
-                                      count=lambda key, err: events.append(key)))
+    result = asyncio.run(
+        call_rollout(
+            rollout_fn,
+            {"id": 0},
+            timeout_s=timeout_s,
+            max_retries=max_retries,
+            count=lambda key, err: events.append(key),
+        )
+    )
     return result, events
 
 
@@ -193,7 +206,9 @@ def test_a_none_is_counted_and_rows_that_give_nothing_stop_the_run():
     async def none(row):
         return None
 
-    with pytest.raises(NoProgressError, match=r"(?s)last 3 rows.*3  none: the rollout returned None.*12  rollout/dropped_none"):
+    with pytest.raises(
+        NoProgressError, match=r"(?s)last 3 rows.*3  none: the rollout returned None.*12  rollout/dropped_none"
+    ):
         next(iter(_stream([{"id": i} for i in range(10)], none, G=4, max_rows_without_progress=3)))
     # Fewer rows than the guard's bound: the rows run out before any step, which is no success either.
     with pytest.raises(NoProgressError, match=r"all 2 rows of this rank's share \(they ran out first\)"):
@@ -207,7 +222,11 @@ def test_a_prompt_that_fills_max_seq_len_is_never_sampled():
         calls.append(row["id"])
         return RolloutSample(**{**GOOD, "reward": float(len(calls) % 2)})
 
-    rows = [{"id": 0, "prompt_token_ids": [5] * 8}, {"id": 1, "prompt_token_ids": [5]}, {"id": 2, "prompt_token_ids": [5]}]
+    rows = [
+        {"id": 0, "prompt_token_ids": [5] * 8},
+        {"id": 1, "prompt_token_ids": [5]},
+        {"id": 2, "prompt_token_ids": [5]},
+    ]
     batch = next(iter(_stream(rows, rollout_fn, G=2, max_seq_len=8)))
     assert 0 not in calls and batch.num_sequences == 4
     assert rollout_metrics([batch.record])["rollout/dropped_prompt_too_long"] == 2

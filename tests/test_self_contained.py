@@ -49,7 +49,11 @@ def test_the_data_tests_pass_from_a_copy_with_nothing_beside_it(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(clone)}
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *DATA_TESTS],
-        cwd=clone, env=env, capture_output=True, text=True, timeout=280,
+        cwd=clone,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=280,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     assert re.search(r"\b\d+ passed\b", proc.stdout) and " failed" not in proc.stdout, proc.stdout[-1000:]

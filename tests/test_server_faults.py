@@ -18,12 +18,11 @@ import re
 from pathlib import Path
 
 import pytest
+from test_checkpoint import run_cli
 
 from lit_grpo.errors import EnvironmentFault
 from lit_grpo.samplers.server.requests import Replica
 from lit_grpo.samplers.server.weight_files import WeightSyncError, sync_replicas
-
-from test_checkpoint import run_cli
 
 URL = "http://127.0.0.1:9"
 FAST = ["max_steps=6", "dcp_save_interval=2", "lr_decay=constant", "~callbacks.reward_filter"]
@@ -73,8 +72,13 @@ def test_a_server_lost_while_sampling_names_the_server_and_the_step_to_resume_fr
     run_dir = tmp_path / "run"
     # 64 calls a step: call 200 is in the sampling of step 4, after step 3, which is off the
     # checkpoint interval (2) and saved all the same.
-    failed = run_cli(run_dir, *FAST, "rollout.factory=fault_injection:make_server_error_rollout_fn",
-                     "+rollout.extras.fail_at_call=200", f"+rollout.extras.url='{URL}'")
+    failed = run_cli(
+        run_dir,
+        *FAST,
+        "rollout.factory=fault_injection:make_server_error_rollout_fn",
+        "+rollout.extras.fail_at_call=200",
+        f"+rollout.extras.url='{URL}'",
+    )
     message = _one_message(failed)
     assert URL in message and "rollout function" not in message
     assert _stopped_and_resumable_at(message, run_dir) == 3
@@ -85,8 +89,12 @@ def test_a_server_lost_while_sampling_names_the_server_and_the_step_to_resume_fr
 
 @pytest.mark.timeout(300)
 def test_without_checkpoints_the_message_says_the_run_cannot_continue(tmp_path):
-    failed = run_cli(tmp_path / "run", "max_steps=6", "dcp_save_interval=0",
-                     f"+callbacks.fault={{_target_:fault_injection.FailSyncAtStep,step:2,url:'{URL}'}}")
+    failed = run_cli(
+        tmp_path / "run",
+        "max_steps=6",
+        "dcp_save_interval=0",
+        f"+callbacks.fault={{_target_:fault_injection.FailSyncAtStep,step:2,url:'{URL}'}}",
+    )
     message = _one_message(failed)
     assert "training stopped after step 2" in message and "checkpoints are off (dcp_save_interval=0)" in message
 
@@ -124,15 +132,25 @@ def model_dir(tmp_path_factory):
     from lit_grpo.models.load import build_char_tokenizer, build_tiny_model, save_pretrained
 
     tokenizer = build_char_tokenizer("arithmetic")
-    model = build_tiny_model(ModelConfig(num_heads=2, alphabet="arithmetic"), len(tokenizer), seed=0, tokenizer=tokenizer)
+    model = build_tiny_model(
+        ModelConfig(num_heads=2, alphabet="arithmetic"), len(tokenizer), seed=0, tokenizer=tokenizer
+    )
     return save_pretrained(model, tokenizer, tmp_path_factory.mktemp("served") / "model")
 
 
 def _start(model_dir: Path, count: int, log_dir: Path):
     from lit_grpo.samplers.server.pool import start_servers
 
-    return start_servers(model_dir, count, log_dir=log_dir, dtype="float32", max_model_len=256, kv_cache_memory_bytes="64M",
-                         extra_args=["--enforce-eager"], ready_timeout_s=240)
+    return start_servers(
+        model_dir,
+        count,
+        log_dir=log_dir,
+        dtype="float32",
+        max_model_len=256,
+        kv_cache_memory_bytes="64M",
+        extra_args=["--enforce-eager"],
+        ready_timeout_s=240,
+    )
 
 
 def _attached(pool) -> list[str]:
@@ -149,8 +167,12 @@ def test_real_servers_killed_in_a_sync_and_while_sampling(model_dir, tmp_path):
     try:
         pair = tmp_path / "pair"
         doomed = pool.servers[0]
-        run = run_cli(pair, *FAST, *_attached(pool),
-                      f"+callbacks.kill={{_target_:fault_injection.KillServerBeforeSync,step:2,pgid:{doomed.process.pid}}}")
+        run = run_cli(
+            pair,
+            *FAST,
+            *_attached(pool),
+            f"+callbacks.kill={{_target_:fault_injection.KillServerBeforeSync,step:2,pgid:{doomed.process.pid}}}",
+        )
         assert run.returncode == 0, run.stderr[-3000:]
         assert _steps(pair) == list(range(6))
         assert f"dropped vLLM server {doomed.url}" in (pair / "train.log").read_text()
@@ -158,8 +180,13 @@ def test_real_servers_killed_in_a_sync_and_while_sampling(model_dir, tmp_path):
         alone = tmp_path / "alone"
         survivor = pool.servers[1]
         single = ["sampler.server_urls=['" + survivor.url + "']"]
-        failed = run_cli(alone, *FAST, *_attached(pool), *single,
-                         f"+callbacks.kill={{_target_:fault_injection.KillServerBeforeSync,step:3,pgid:{survivor.process.pid}}}")
+        failed = run_cli(
+            alone,
+            *FAST,
+            *_attached(pool),
+            *single,
+            f"+callbacks.kill={{_target_:fault_injection.KillServerBeforeSync,step:3,pgid:{survivor.process.pid}}}",
+        )
         message = _one_message(failed)
         assert survivor.url in message and _stopped_and_resumable_at(message, alone) == 3
     finally:
@@ -171,8 +198,14 @@ def test_real_servers_killed_in_a_sync_and_while_sampling(model_dir, tmp_path):
         assert resumed.returncode == 0, resumed.stderr[-3000:]
         assert _steps(alone) == list(range(6))
         sampling = tmp_path / "sampling"
-        failed = run_cli(sampling, *FAST, *_attached(fresh), "rollout.factory=fault_injection:make_server_killing_rollout_fn",
-                         "+rollout.extras.kill_at_call=200", f"+rollout.extras.kill_pgid={fresh.servers[0].process.pid}")
+        failed = run_cli(
+            sampling,
+            *FAST,
+            *_attached(fresh),
+            "rollout.factory=fault_injection:make_server_killing_rollout_fn",
+            "+rollout.extras.kill_at_call=200",
+            f"+rollout.extras.kill_pgid={fresh.servers[0].process.pid}",
+        )
         message = _one_message(failed)
         assert fresh.urls[0] in message and _stopped_and_resumable_at(message, sampling) == 3
     finally:

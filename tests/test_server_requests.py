@@ -29,7 +29,9 @@ def test_concurrent_requests_for_one_key_go_out_as_one_and_are_dealt_in_order():
     async def run():
         c = Coalescer(window_s=0.005)
         return await asyncio.gather(
-            c.request("a", 1, 10.0, send), c.request("a", 2, 20.0, send), c.request("b", 1, None, send),
+            c.request("a", 1, 10.0, send),
+            c.request("a", 2, 20.0, send),
+            c.request("b", 1, None, send),
             c.request("a", 3, 5.0, send),
         )
 
@@ -80,7 +82,12 @@ def test_a_merged_request_nobody_waits_for_is_cancelled():
 
 
 def _choice(i, n_tokens=2):
-    return {"index": i, "text": "x", "token_ids": list(range(n_tokens)), "logprobs": {"token_logprobs": [-0.5] * n_tokens}}
+    return {
+        "index": i,
+        "text": "x",
+        "token_ids": list(range(n_tokens)),
+        "logprobs": {"token_logprobs": [-0.5] * n_tokens},
+    }
 
 
 def _router(handler, urls=("http://a", "http://b"), **kw):

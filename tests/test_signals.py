@@ -8,7 +8,6 @@ import json
 import time
 
 import pytest
-
 from test_checkpoint import assert_bit_identical, csv_rewards, run_cli, tensors, uninterrupted  # noqa: F401
 
 pytestmark = pytest.mark.timeout(600)
@@ -54,7 +53,11 @@ def test_sigterm_during_a_step_checkpoints_that_step_and_resumes_exactly(uninter
 def test_a_signal_during_a_hung_rollout_stops_within_seconds(mode, name, code, uninterrupted_no_filter, tmp_path):
     run_dir = tmp_path / "run"
     proc, seconds = _stop(
-        run_dir, mode, NO_FILTER, "rollout.factory=fault_injection:make_hanging_rollout_fn", "+rollout.extras.hang_at_call=200",
+        run_dir,
+        mode,
+        NO_FILTER,
+        "rollout.factory=fault_injection:make_hanging_rollout_fn",
+        "+rollout.extras.hang_at_call=200",
         f"+rollout.extras.signal={name}",
     )
     assert proc.returncode == code, proc.stderr[-3000:]
@@ -72,9 +75,14 @@ def test_a_signal_during_a_hung_rollout_stops_within_seconds(mode, name, code, u
 def test_a_signal_during_a_hung_engine_call_stops_within_seconds(engine_thread, tmp_path):
     # On the loop's thread the signal lands inside the engine call itself.
     run_dir = tmp_path / "run"
-    proc, seconds = _stop(run_dir, NO_FILTER, f"sampler.engine_thread={engine_thread}",
-                          "rollout.factory=fault_injection:make_hanging_engine_rollout_fn", "+rollout.extras.hang_at_generate=4",
-                          "+rollout.extras.signal=SIGINT")
+    proc, seconds = _stop(
+        run_dir,
+        NO_FILTER,
+        f"sampler.engine_thread={engine_thread}",
+        "rollout.factory=fault_injection:make_hanging_engine_rollout_fn",
+        "+rollout.extras.hang_at_generate=4",
+        "+rollout.extras.signal=SIGINT",
+    )
     assert proc.returncode == 130, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr and "never retrieved" not in proc.stderr, proc.stderr[-3000:]
     assert seconds < 60, seconds
@@ -86,6 +94,8 @@ def test_a_second_signal_exits_at_once(tmp_path):
     run_dir = tmp_path / "run"
     # The first SIGTERM comes at the end of step 2, whose end then lingers for 300 s; the second,
     # 1 s into it, must end the process at once.
-    proc, seconds = _stop(run_dir, "+callbacks.term={_target_:fault_injection.SignalAfterStep,step:2,linger_s:300,again_after_s:1}")
+    proc, seconds = _stop(
+        run_dir, "+callbacks.term={_target_:fault_injection.SignalAfterStep,step:2,linger_s:300,again_after_s:1}"
+    )
     assert proc.returncode == 143, proc.stderr[-3000:]
     assert seconds < 60 and "again: exiting now" in proc.stderr

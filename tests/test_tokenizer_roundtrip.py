@@ -13,14 +13,13 @@ import json
 
 import pytest
 import torch
+from conftest import compose_config
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lit_grpo.config import ModelConfig
-from lit_grpo.run.export import export_pretrained
 from lit_grpo.models.load import build_char_tokenizer, build_tiny_model, load_policy, load_tokenizer
+from lit_grpo.run.export import export_pretrained
 from lit_grpo.train import train
-
-from conftest import compose_config
 
 TEXTS = [
     "a b",
@@ -62,10 +61,12 @@ def assert_same_tokenizer(trained, loaded) -> None:
         assert loaded.decode(ids(loaded, text)) == trained.decode(ids(trained, text)), text
     assert trained.decode(ids(trained, "a b\n3+4=")) == "a b\n3+4="  # what is in the alphabet comes back whole
     assert chat_ids(loaded) == chat_ids(trained)
-    assert loaded.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False) == trained.apply_chat_template(
+    assert loaded.apply_chat_template(
         MESSAGES, add_generation_prompt=True, tokenize=False
+    ) == trained.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
+    assert loaded.decode(chat_ids(loaded), skip_special_tokens=True) == trained.decode(
+        chat_ids(trained), skip_special_tokens=True
     )
-    assert loaded.decode(chat_ids(loaded), skip_special_tokens=True) == trained.decode(chat_ids(trained), skip_special_tokens=True)
     for name in ("eos_token_id", "pad_token_id", "bos_token_id", "unk_token_id"):
         assert getattr(loaded, name) == getattr(trained, name), name
     assert loaded.all_special_tokens == trained.all_special_tokens and len(loaded) == len(trained)
@@ -83,7 +84,9 @@ def test_auto_model_gives_the_policys_logits_on_a_chat_prompt(exported):
     model, tokenizer = AutoModelForCausalLM.from_pretrained(folder), AutoTokenizer.from_pretrained(folder)
     tokens = torch.tensor([chat_ids(tokenizer) + ids(tokenizer, "42 ")])
     with torch.no_grad():
-        torch.testing.assert_close(model(input_ids=tokens).logits, policy(input_ids=tokens).logits, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            model(input_ids=tokens).logits, policy(input_ids=tokens).logits, atol=1e-5, rtol=1e-5
+        )
 
 
 @pytest.mark.timeout(300)
@@ -98,16 +101,23 @@ def test_model_kind_hf_loads_the_folder_with_its_chat_template_and_special_token
     loaded = load_policy(cfg, tokenizer, seed=0)
     tokens = torch.tensor([chat_ids(tokenizer)])
     with torch.no_grad():
-        torch.testing.assert_close(loaded(input_ids=tokens).logits, policy(input_ids=tokens).logits, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            loaded(input_ids=tokens).logits, policy(input_ids=tokens).logits, atol=1e-5, rtol=1e-5
+        )
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_training_runs_final_model_reloads_its_tokenizer(tmp_path):
-    summary = train(compose_config(
-        "+experiment=arithmetic", "model.alphabet=printable", "max_steps=1", "trainer.enable_progress_bar=false",
-        output_dir=tmp_path,
-    ))
+    summary = train(
+        compose_config(
+            "+experiment=arithmetic",
+            "model.alphabet=printable",
+            "max_steps=1",
+            "trainer.enable_progress_bar=false",
+            output_dir=tmp_path,
+        )
+    )
     assert summary["steps"] == 1
     folder = tmp_path / "final_model"
     assert json.loads((folder / "config.json").read_text())["model_type"] == "qwen2"

@@ -9,11 +9,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import compose_config
 
 from lit_grpo.train import train
 from lit_grpo.types import PromptGroup
-
-from conftest import compose_config
 
 REPO = Path(__file__).resolve().parents[1]
 KEPT: list[int] = []
@@ -37,10 +36,16 @@ def _exact_sum_reward(prompt: str, completion: str) -> float:
 def test_train_fast_dev_run(tmp_path, experiment, groups, group_size):
     # No filter, so the step trains on every sample it drew, and the sample log keeps them all:
     # the logged reward must be the mean of those samples' rewards, recomputed from their text.
-    summary = train(compose_config(
-        f"+experiment={experiment}", "trainer.fast_dev_run=true", "~callbacks.reward_filter",
-        "callbacks.sample_log.every_n_steps=1", "callbacks.sample_log.max_samples=1000", output_dir=tmp_path,
-    ))
+    summary = train(
+        compose_config(
+            f"+experiment={experiment}",
+            "trainer.fast_dev_run=true",
+            "~callbacks.reward_filter",
+            "callbacks.sample_log.every_n_steps=1",
+            "callbacks.sample_log.max_samples=1000",
+            output_dir=tmp_path,
+        )
+    )
     assert summary["steps"] == 1
     assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 1
 
@@ -67,8 +72,10 @@ def test_train_fast_dev_run(tmp_path, experiment, groups, group_size):
 def test_custom_filter_predicate_from_config(tmp_path):
     KEPT.clear()
     cfg = compose_config(
-        "+experiment=arithmetic", "trainer.fast_dev_run=true",
-        "callbacks.reward_filter.predicate=test_train.keep_everything", output_dir=tmp_path,
+        "+experiment=arithmetic",
+        "trainer.fast_dev_run=true",
+        "callbacks.reward_filter.predicate=test_train.keep_everything",
+        output_dir=tmp_path,
     )
     train(cfg)
     assert KEPT == [8] * 8  # exactly one step's P groups of G, none rejected, none resampled
@@ -77,8 +84,19 @@ def test_custom_filter_predicate_from_config(tmp_path):
 def test_cli_fast_dev_run_in_a_subprocess(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.run(
-        [sys.executable, "-m", "lit_grpo.train", "+experiment=arithmetic", "trainer.fast_dev_run=true", f"hydra.run.dir={tmp_path}"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "lit_grpo.train",
+            "+experiment=arithmetic",
+            "trainer.fast_dev_run=true",
+            f"hydra.run.dir={tmp_path}",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 1
@@ -87,7 +105,10 @@ def test_cli_fast_dev_run_in_a_subprocess(tmp_path):
 def test_cli_reports_a_bad_value_by_field(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "lit_grpo.train", "data.completions_per_prompt=1", f"hydra.run.dir={tmp_path}"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode != 0
     assert "data.completions_per_prompt" in proc.stderr
@@ -95,32 +116,70 @@ def test_cli_reports_a_bad_value_by_field(tmp_path):
 
 @pytest.mark.slow
 def test_a_short_run_raises_the_reward(tmp_path):
-    summary = train(compose_config("+experiment=arithmetic", "max_steps=200", "trainer.enable_progress_bar=false", output_dir=tmp_path))
+    summary = train(
+        compose_config(
+            "+experiment=arithmetic", "max_steps=200", "trainer.enable_progress_bar=false", output_dir=tmp_path
+        )
+    )
     assert summary["steps"] == 200
     assert summary["final_reward"] > summary["first_reward"] + 0.15, summary
     assert (tmp_path / "reward_curve.png").stat().st_size > 0
     header = (tmp_path / "metrics.csv").read_text().splitlines()[0].split(",")
-    for key in ["reward/mean", "reward/std", "reward/max", "train/loss", "train/lr", "train/ref_kl", "train/clip_frac",
-                "train/entropy", "rollout/completion_len_mean", "rollout/filtered_groups", "policy/version",
-                "perf/step_s", "perf/weight_sync_s", "perf/sample_tokens_per_s"]:
+    for key in [
+        "reward/mean",
+        "reward/std",
+        "reward/max",
+        "train/loss",
+        "train/lr",
+        "train/ref_kl",
+        "train/clip_frac",
+        "train/entropy",
+        "rollout/completion_len_mean",
+        "rollout/filtered_groups",
+        "policy/version",
+        "perf/step_s",
+        "perf/weight_sync_s",
+        "perf/sample_tokens_per_s",
+    ]:
         assert key in header, key
 
 
 def test_training_ends_cleanly_when_the_rows_run_out(tmp_path):
     # 16 rows, 8 per step, no filter: exactly two steps, and no hook runs for a third.
-    summary = train(compose_config(
-        "+experiment=arithmetic", "task.num_rows=16", "data.epochs=1", "max_steps=-1", "lr_decay=constant",
-        "~callbacks.reward_filter", "trainer.enable_progress_bar=false", output_dir=tmp_path,
-    ))
+    summary = train(
+        compose_config(
+            "+experiment=arithmetic",
+            "task.num_rows=16",
+            "data.epochs=1",
+            "max_steps=-1",
+            "lr_decay=constant",
+            "~callbacks.reward_filter",
+            "trainer.enable_progress_bar=false",
+            output_dir=tmp_path,
+        )
+    )
     assert summary["steps"] == 2
 
 
 def test_policy_loss_multirun_writes_a_sweep_summary(tmp_path):
     losses = "grpo,importance_sampling,reinforce,dapo,dro,gspo,cispo"
     proc = subprocess.run(
-        [sys.executable, "-m", "lit_grpo.train", "-m", "+experiment=arithmetic", f"policy_loss={losses}",
-         "trainer.fast_dev_run=true", "trainer.enable_progress_bar=false", f"hydra.sweep.dir={tmp_path}"],
-        cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "lit_grpo.train",
+            "-m",
+            "+experiment=arithmetic",
+            f"policy_loss={losses}",
+            "trainer.fast_dev_run=true",
+            "trainer.enable_progress_bar=false",
+            f"hydra.sweep.dir={tmp_path}",
+        ],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = (tmp_path / "sweep_summary.csv").read_text().splitlines()

@@ -12,16 +12,21 @@ import types
 from pathlib import Path
 
 import pytest
+from conftest import compose_config
 
 from lit_grpo.config import ConfigError
 from lit_grpo.errors import run_cli
 from lit_grpo.run.preflight import check_sources
 from lit_grpo.run.validate import validate
 from lit_grpo.samplers import vllm_boundary
-from lit_grpo.samplers.vllm_boundary import VLLM_APIS, VLLM_SUPPORTED, installed_vllm_version, version_problem, vllm_problem
+from lit_grpo.samplers.vllm_boundary import (
+    VLLM_APIS,
+    VLLM_SUPPORTED,
+    installed_vllm_version,
+    version_problem,
+    vllm_problem,
+)
 from lit_grpo.train import train
-
-from conftest import compose_config
 
 REPO = Path(__file__).resolve().parents[1]
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
@@ -36,10 +41,19 @@ def test_the_extra_pins_the_range_the_boundary_checks():
     assert extras["vllm"] == [f"vllm{VLLM_SUPPORTED}"]
 
 
-@pytest.mark.parametrize("version, inside", [
-    ("0.32.0", True), ("0.32.0+cpu", True), ("0.32.4", True), ("0.32.1rc1", True),
-    ("0.31.9", False), ("0.33.0", False), ("1.0.0", False), ("not-a-version", False),
-])
+@pytest.mark.parametrize(
+    "version, inside",
+    [
+        ("0.32.0", True),
+        ("0.32.0+cpu", True),
+        ("0.32.4", True),
+        ("0.32.1rc1", True),
+        ("0.31.9", False),
+        ("0.33.0", False),
+        ("1.0.0", False),
+        ("not-a-version", False),
+    ],
+)
 def test_the_range(version, inside):
     assert (version_problem(version) is None) == inside
 
@@ -90,7 +104,10 @@ def test_a_vllm_without_an_api_lit_grpo_calls_is_refused(tmp_path, monkeypatch):
         "the installed vLLM 0.32.0 lacks vllm.entrypoints.llm.LLM.collective_rpc, which lit_grpo calls (sampler=vllm); "
         f"install a supported vLLM: {vllm_boundary.INSTALL_HINT}"
     )
-    with pytest.raises(ConfigError, match=r"sampler=vllm: the installed vLLM 0\.32\.0 lacks vllm\.entrypoints\.llm\.LLM\.collective_rpc"):
+    with pytest.raises(
+        ConfigError,
+        match=r"sampler=vllm: the installed vLLM 0\.32\.0 lacks vllm\.entrypoints\.llm\.LLM\.collective_rpc",
+    ):
         check_sources(validate(vllm_run(tmp_path)))
 
 
@@ -98,7 +115,11 @@ def test_which_runs_are_checked(monkeypatch):
     monkeypatch.setattr(vllm_boundary, "installed_vllm_version", lambda: "0.40.0")
     assert vllm_problem("hf") is None
     assert vllm_problem("vllm_server") is None  # attached to servers elsewhere, weights by file: no vLLM here
-    for kind, transfer, starts in [("vllm", "reload", False), ("vllm_server", "reload", True), ("vllm_server", "gloo", False)]:
+    for kind, transfer, starts in [
+        ("vllm", "reload", False),
+        ("vllm_server", "reload", True),
+        ("vllm_server", "gloo", False),
+    ]:
         assert "vLLM 0.40.0 is installed" in vllm_problem(kind, transfer, starts)
     monkeypatch.setattr(vllm_boundary, "installed_vllm_version", lambda: None)
     assert vllm_problem("vllm") is None  # not installed: the sampler registry's `missing` says so

@@ -27,8 +27,8 @@ from torch.distributed.tensor import DTensor
 
 from lit_grpo.config import ModelConfig
 from lit_grpo.models.load import build_char_tokenizer, build_tiny_model
-from lit_grpo.samplers.hf import HFSampler
 from lit_grpo.models.weights import full_named_tensors
+from lit_grpo.samplers.hf import HFSampler
 
 REPO = Path(__file__).resolve().parents[1]
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=60)
@@ -128,7 +128,9 @@ def shard(policy: nn.Module, layout: str) -> tuple[nn.Module, str]:
     if layout == "fsdp1":  # as Lightning's FSDPStrategy: the whole module wrapped, orig params kept
         from torch.distributed.fsdp import FullyShardedDataParallel
 
-        return FullyShardedDataParallel(PolicyAndReference(policy), device_id=torch.device("cpu"), use_orig_params=True), "policy."
+        return FullyShardedDataParallel(
+            PolicyAndReference(policy), device_id=torch.device("cpu"), use_orig_params=True
+        ), "policy."
     if layout == "ddp":
         return nn.parallel.DistributedDataParallel(PolicyAndReference(policy)), "policy."
     raise ValueError(layout)
@@ -141,7 +143,9 @@ def check_layout(rank: int, store: str, layout: str) -> None:
         unsharded = copy.deepcopy(policy)
         root, prefix = shard(policy, layout)
         if layout != "ddp":
-            assert any(isinstance(p, DTensor) or getattr(p, "_fsdp_flattened", False) for p in root.parameters()), "not sharded"
+            assert any(isinstance(p, DTensor) or getattr(p, "_fsdp_flattened", False) for p in root.parameters()), (
+                "not sharded"
+            )
         with torch.no_grad():  # a stand-in for an optimizer step, on the shards and on the full copy
             for model in (policy, unsharded):
                 for i, p in enumerate(model.parameters()):
@@ -151,7 +155,9 @@ def check_layout(rank: int, store: str, layout: str) -> None:
         named = list(full_named_tensors(root, prefix=prefix))
         assert_same_state(dict(named), expected)  # names, order, values
         if layout == "ddp":  # no copies when nothing is sharded
-            assert all(t.data_ptr() == expected_p.data_ptr() for (_, t), expected_p in zip(named, policy.state_dict().values()))
+            assert all(
+                t.data_ptr() == expected_p.data_ptr() for (_, t), expected_p in zip(named, policy.state_dict().values())
+            )
         if layout == "fsdp1":
             with pytest.raises(ValueError, match="FullyShardedDataParallel wrapper"):
                 full_named_tensors(root.module.policy)
@@ -225,14 +231,31 @@ def lightning_run(layout: str, out_dir: Path) -> None:
         def save_gathered(self, where: str, step: int) -> None:
             named = [(n, t.clone()) for n, t in full_named_tensors(self.trainer.strategy.model, prefix="policy.")]
             param_types = sorted({type(p).__name__ for p in self.policy.parameters()})
-            torch.save({"named": named, "param_types": param_types, "strategy_model": type(self.trainer.strategy.model).__name__},
-                       out_dir / f"{where}{step}_rank{self.global_rank}.pt")
+            torch.save(
+                {
+                    "named": named,
+                    "param_types": param_types,
+                    "strategy_model": type(self.trainer.strategy.model).__name__,
+                },
+                out_dir / f"{where}{step}_rank{self.global_rank}.pt",
+            )
 
-    strategy = (ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1, timeout=COLLECTIVE_TIMEOUT)
-                if layout == "model_parallel" else CPUFSDPStrategy(timeout=COLLECTIVE_TIMEOUT))
+    strategy = (
+        ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1, timeout=COLLECTIVE_TIMEOUT)
+        if layout == "model_parallel"
+        else CPUFSDPStrategy(timeout=COLLECTIVE_TIMEOUT)
+    )
     tokens = torch.randint(8, 100, (8, 6), generator=torch.Generator().manual_seed(0))
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=2, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(Module(), DataLoader(TensorDataset(tokens), batch_size=2))
 
 
@@ -241,8 +264,15 @@ def lightning_run(layout: str, out_dir: Path) -> None:
 @pytest.mark.parametrize("layout", ["model_parallel", "fsdp1"])
 def test_lightning_strategy_gathers_identical_full_tensors_on_both_ranks(tmp_path, layout):
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, __file__, layout, str(tmp_path)], cwd=tmp_path, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, __file__, layout, str(tmp_path)],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         output, _ = proc.communicate(timeout=180)
     except subprocess.TimeoutExpired:

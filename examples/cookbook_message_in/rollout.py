@@ -10,7 +10,13 @@ from __future__ import annotations
 
 from reward import sum_reward
 
-from lit_grpo.cookbook import MessageTrajectoryAssembler, RolloutRun, RolloutSample, TITOTokenizer, build_deployment_sampler
+from lit_grpo.cookbook import (
+    MessageTrajectoryAssembler,
+    RolloutRun,
+    RolloutSample,
+    TITOTokenizer,
+    build_deployment_sampler,
+)
 
 RETRY_PROMPT = "Wrong. Try again."
 
@@ -27,17 +33,20 @@ def make_rollout_fn(setup):
             return None
         assembler = MessageTrajectoryAssembler(TITOTokenizer(tokenizer))
         reward, text, finish_reason = 0.0, "", "stop"
-        for turn in range(max_turns):
+        for _turn in range(max_turns):
             prompt = assembler.prepare_next_input(messages)
             (completion,) = await sampler.sample_with_prompt_tokens(prompt, n=1, **sample_kwargs)
-            output = list(completion.full_tokens[completion.prompt_len:])
+            output = list(completion.full_tokens[completion.prompt_len :])
             if not output:
                 return None
             text, finish_reason = completion.text, completion.finish_reason
             answer = {"role": "assistant", "content": text}
             assembler.add_assistant_response(
-                request_messages=messages, assistant_message=answer, prompt_token_ids=prompt,
-                completion_token_ids=output, completion_logprobs=list(completion.sampling_logprobs),
+                request_messages=messages,
+                assistant_message=answer,
+                prompt_token_ids=prompt,
+                completion_token_ids=output,
+                completion_logprobs=list(completion.sampling_logprobs),
                 finish_reason=finish_reason,
             )
             reward = sum_reward(text, sample_prompt["answer"])
@@ -45,6 +54,8 @@ def make_rollout_fn(setup):
                 break
             messages = messages + [answer, {"role": "user", "content": RETRY_PROMPT}]
         tokens, logprobs, loss_mask = assembler.trajectory.to_flat()
-        return RolloutRun(segments=[RolloutSample(tokens, logprobs, loss_mask, reward, finish_reason=finish_reason, text=text)])
+        return RolloutRun(
+            segments=[RolloutSample(tokens, logprobs, loss_mask, reward, finish_reason=finish_reason, text=text)]
+        )
 
     return rollout_fn

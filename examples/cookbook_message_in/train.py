@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Multi-turn message-in async RL (`rollout.py`), driven the cookbook's way: `Config` + `main`.
 
-    python train.py                     # the tiny CPU model, 96 rows of a+b=
-    python train.py --max-turns 3
+python train.py                     # the tiny CPU model, 96 rows of a+b=
+python train.py --max-turns 3
 """
 
 from __future__ import annotations
@@ -28,8 +28,14 @@ def parse_args() -> argparse.Namespace:
 
 if __name__ == "__main__":
     args = parse_args()
-    rows = [{"id": f"sum-{i}", "messages": [{"role": "user", "content": f"{i % 10}+{i // 10 % 10}="}], "answer": str(i % 10 + i // 10 % 10)}
-            for i in range(args.max_rows)]
+    rows = [
+        {
+            "id": f"sum-{i}",
+            "messages": [{"role": "user", "content": f"{i % 10}+{i // 10 % 10}="}],
+            "answer": str(i % 10 + i // 10 % 10),
+        }
+        for i in range(args.max_rows)
+    ]
     cfg = Config(
         log_path=args.log_path,
         base_model=args.base_model,
@@ -44,6 +50,11 @@ if __name__ == "__main__":
         wandb=WandBConfig(),
     )
     dynamic_filter_fn = (lambda pg: len(set(pg.rewards)) > 1) if args.filter_constant_reward else None
-    summary = main(cfg, rollout_fn_factory=make_rollout_fn, rows=rows, rollout_extras={"max_turns": args.max_turns},
-                   dynamic_filter_fn=dynamic_filter_fn)
+    summary = main(
+        cfg,
+        rollout_fn_factory=make_rollout_fn,
+        rows=rows,
+        rollout_extras={"max_turns": args.max_turns},
+        dynamic_filter_fn=dynamic_filter_fn,
+    )
     print(json.dumps(summary))

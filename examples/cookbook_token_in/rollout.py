@@ -38,6 +38,8 @@ def make_rollout_fn(setup):
         rewritten = tokenizer(f"draft {draft.text[:2]!r} final:", add_special_tokens=False)["input_ids"]
         (final,) = await sampler.sample_with_prompt_tokens(rewritten, n=1, **sample_kwargs)
         reward = 1.0 if final.text[:1].isdigit() else 0.0
-        return RolloutRun(segments=[_segment(draft, reward), _segment(final, reward)], run_id=f"{sample_prompt['id']}/{rollout_idx}")
+        return RolloutRun(
+            segments=[_segment(draft, reward), _segment(final, reward)], run_id=f"{sample_prompt['id']}/{rollout_idx}"
+        )
 
     return rollout_fn

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Async RL with the token-in rollout of `rollout.py`, driven the cookbook's way: `Config` + `main`.
 
-    python train.py                                # the tiny CPU model, 96 rows
-    python train.py --base-model /path/to/model    # a local Hugging Face model folder
+python train.py                                # the tiny CPU model, 96 rows
+python train.py --base-model /path/to/model    # a local Hugging Face model folder
 """
 
 from __future__ import annotations
@@ -38,6 +38,8 @@ if __name__ == "__main__":
         deployment=DeployConfig(tokenizer_model=args.base_model),
     )
     # Token ids of the tiny model's character vocabulary (ids 8 and up are characters).
-    rows = [{"id": f"tok-{i}", "prompt_token_ids": [8 + (i * 7 + k) % 60 for k in range(4)]} for i in range(args.max_rows)]
+    rows = [
+        {"id": f"tok-{i}", "prompt_token_ids": [8 + (i * 7 + k) % 60 for k in range(4)]} for i in range(args.max_rows)
+    ]
     summary = main(cfg, rollout_fn_factory=make_rollout_fn, rows=rows)
     print(json.dumps(summary))

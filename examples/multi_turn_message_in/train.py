@@ -15,14 +15,16 @@ HERE = Path(__file__).resolve().parent
 
 if __name__ == "__main__":
     sys.path.insert(0, str(HERE))  # so `rollout:make_rollout_fn` and `reward` import from this folder
-    cfg = compose_config([
-        "+experiment=arithmetic",
-        "model.alphabet=printable",
-        "sampler.max_completion_tokens=2",
-        "rollout.factory=rollout:make_rollout_fn",
-        "+rollout.extras.max_turns=3",
-        "data.max_seq_len=96",
-        f"output_dir={HERE / 'outputs'}",
-        *sys.argv[1:],
-    ])
+    cfg = compose_config(
+        [
+            "+experiment=arithmetic",
+            "model.alphabet=printable",
+            "sampler.max_completion_tokens=2",
+            "rollout.factory=rollout:make_rollout_fn",
+            "+rollout.extras.max_turns=3",
+            "data.max_seq_len=96",
+            f"output_dir={HERE / 'outputs'}",
+            *sys.argv[1:],
+        ]
+    )
     print(train(cfg))

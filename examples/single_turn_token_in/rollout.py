@@ -15,7 +15,9 @@ def make_rollout_fn(setup):
     score = setup.extras["reward_fn"]  # (completion_text, row) -> float, from the task config
 
     async def rollout_fn(row: dict) -> RolloutSample | None:
-        completions = await sampler.sample_with_prompt_tokens(row_prompt_tokens(row, setup.tokenizer), n=1, **sample_kwargs)
+        completions = await sampler.sample_with_prompt_tokens(
+            row_prompt_tokens(row, setup.tokenizer), n=1, **sample_kwargs
+        )
         if not completions:
             return None
         c = completions[0]

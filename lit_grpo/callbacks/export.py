@@ -9,8 +9,8 @@ from pathlib import Path
 import lightning as L
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from lit_grpo.run.export import export_pretrained
 from lit_grpo.loop.step_sequence import check_finite
+from lit_grpo.run.export import export_pretrained
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +32,9 @@ class HFExport(L.Callback):
         check_finite(pl_module.policy, f"export {self.out_dir}")
         full_state = None
         if trainer.world_size > 1:
-            full_state = get_model_state_dict(pl_module.policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+            full_state = get_model_state_dict(
+                pl_module.policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+            )
         if trainer.is_global_zero:
             export_pretrained(pl_module.policy, self.tokenizer, self.out_dir, state_dict=full_state)
             log.info("exported the trained policy to %s in %.2f s", self.out_dir, time.perf_counter() - start)

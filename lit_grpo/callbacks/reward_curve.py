@@ -18,4 +18,10 @@ class RewardCurve(L.Callback):
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         values = pl_module.step_sequence.history.series(self.metric)
         if values and not trainer.fast_dev_run and trainer.is_global_zero:
-            plot_curves({self.metric: values}, self.output_dir / "reward_curve.png", title="reward per step", ylabel=self.metric, window=self.window)
+            plot_curves(
+                {self.metric: values},
+                self.output_dir / "reward_curve.png",
+                title="reward per step",
+                ylabel=self.metric,
+                window=self.window,
+            )

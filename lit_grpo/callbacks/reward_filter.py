@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from collections.abc import Callable
+from typing import Optional
 
 import lightning as L
 
@@ -28,7 +29,9 @@ class UniformRewardFilter(L.Callback):
     alone, which normalization blows up to unit size however small they are.
     """
 
-    def __init__(self, predicate: Optional[Callable[[PromptGroup], bool] | str] = None, keep_turn_signal: bool = False) -> None:
+    def __init__(
+        self, predicate: Optional[Callable[[PromptGroup], bool] | str] = None, keep_turn_signal: bool = False
+    ) -> None:
         if isinstance(predicate, str):
             from hydra.utils import get_method
 
@@ -39,7 +42,12 @@ class UniformRewardFilter(L.Callback):
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         datamodule = trainer.datamodule
         advantage = getattr(getattr(datamodule, "stream", None), "advantage", None)
-        if self.keep_turn_signal and advantage is not None and advantage.has_own_signal and self.predicate is has_reward_variance:
+        if (
+            self.keep_turn_signal
+            and advantage is not None
+            and advantage.has_own_signal
+            and self.predicate is has_reward_variance
+        ):
             self.predicate = lambda group: advantage.group_signal(group.runs)  # made once: setup may run again
         if self.predicate not in datamodule.group_filters:
             datamodule.add_group_filter(self.predicate)

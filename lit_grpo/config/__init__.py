@@ -12,14 +12,46 @@ The dataclasses check bounds and types only and import nothing above them; every
 needs a registry (losses, samplers, rewards, tasks) runs in `lit_grpo.run.validate`.
 """
 
-from lit_grpo.config.checks import DEFINES_STATE, MAX_LEARNING_RATE, MAX_TEMPERATURE, ConfigError, require, require_finite
-from lit_grpo.config.groups import AdvantageConfig, DataConfig, PolicyLossConfig, RewardConfig, RolloutConfig, SamplerConfig, TrainerConfig
+from lit_grpo.config.checks import (
+    DEFINES_STATE,
+    MAX_LEARNING_RATE,
+    MAX_TEMPERATURE,
+    ConfigError,
+    require,
+    require_finite,
+)
+from lit_grpo.config.groups import (
+    AdvantageConfig,
+    DataConfig,
+    PolicyLossConfig,
+    RewardConfig,
+    RolloutConfig,
+    SamplerConfig,
+    TrainerConfig,
+)
 from lit_grpo.config.model import LORA_DEFAULT_TARGETS, LoraConfig, ModelConfig
 from lit_grpo.config.run import TrainConfig, ineffective_knobs, parse
 from lit_grpo.config.user_inputs import UserInputs
 
 __all__ = [
-    "AdvantageConfig", "DEFINES_STATE", "LORA_DEFAULT_TARGETS", "MAX_LEARNING_RATE", "MAX_TEMPERATURE", "ConfigError", "DataConfig",
-    "LoraConfig", "ModelConfig", "PolicyLossConfig", "RewardConfig", "RolloutConfig", "SamplerConfig", "TrainConfig",
-    "TrainerConfig", "UserInputs", "ineffective_knobs", "require", "parse", "require_finite",
+    "AdvantageConfig",
+    "DEFINES_STATE",
+    "LORA_DEFAULT_TARGETS",
+    "MAX_LEARNING_RATE",
+    "MAX_TEMPERATURE",
+    "ConfigError",
+    "DataConfig",
+    "LoraConfig",
+    "ModelConfig",
+    "PolicyLossConfig",
+    "RewardConfig",
+    "RolloutConfig",
+    "SamplerConfig",
+    "TrainConfig",
+    "TrainerConfig",
+    "UserInputs",
+    "ineffective_knobs",
+    "require",
+    "parse",
+    "require_finite",
 ]

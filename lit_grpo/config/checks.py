@@ -21,7 +21,9 @@ def require(ok: bool, field_name: str, message: str) -> None:
 
 def require_finite(value: Any, field_name: str) -> None:
     """Raise `ConfigError` unless `value` is a finite number (NaN and ±inf pass the usual `> 0` checks badly)."""
-    require(isinstance(value, (int, float)) and math.isfinite(value), field_name, f"must be a finite number, got {value!r}")
+    require(
+        isinstance(value, (int, float)) and math.isfinite(value), field_name, f"must be a finite number, got {value!r}"
+    )
 
 
 MAX_TEMPERATURE = 100.0

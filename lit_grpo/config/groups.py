@@ -102,11 +102,18 @@ class SamplerConfig:
 
     def __post_init__(self) -> None:  # `kind` is checked against the sampler registry in lit_grpo.run.validate
         require_finite(self.temperature, "sampler.temperature")
-        require(0 < self.temperature <= MAX_TEMPERATURE, "sampler.temperature", f"must be in (0, {MAX_TEMPERATURE:g}], got {self.temperature}")
+        require(
+            0 < self.temperature <= MAX_TEMPERATURE,
+            "sampler.temperature",
+            f"must be in (0, {MAX_TEMPERATURE:g}], got {self.temperature}",
+        )
         require(self.max_completion_tokens > 0, "sampler.max_completion_tokens", "must be > 0")
         require(self.max_batch_size > 0, "sampler.max_batch_size", "must be > 0")
-        require(self.engine_thread in ENGINE_THREADS, "sampler.engine_thread",
-                f"must be one of {', '.join(ENGINE_THREADS)}, got {self.engine_thread!r}")
+        require(
+            self.engine_thread in ENGINE_THREADS,
+            "sampler.engine_thread",
+            f"must be one of {', '.join(ENGINE_THREADS)}, got {self.engine_thread!r}",
+        )
         require(0 < self.gpu_memory_utilization <= 1, "sampler.gpu_memory_utilization", "must be in (0, 1]")
         require(self.tensor_parallel_size >= 1, "sampler.tensor_parallel_size", "must be >= 1")
         _check_server_fields(self)
@@ -115,24 +122,39 @@ class SamplerConfig:
 def _check_server_fields(cfg: SamplerConfig) -> None:
     """The `vllm_server` fields of `SamplerConfig`."""
     require(cfg.num_servers is None or cfg.num_servers >= 0, "sampler.num_servers", "must be >= 0 or null")
-    require(all(isinstance(u, str) and u.startswith(("http://", "https://")) for u in cfg.server_urls),
-            "sampler.server_urls", f"must be http(s):// URLs, got {list(cfg.server_urls)!r}")
+    require(
+        all(isinstance(u, str) and u.startswith(("http://", "https://")) for u in cfg.server_urls),
+        "sampler.server_urls",
+        f"must be http(s):// URLs, got {list(cfg.server_urls)!r}",
+    )
     if cfg.kind == "vllm_server":
-        require(bool(cfg.server_urls) != (cfg.servers_to_start > 0), "sampler.server_urls",
-                "sampler=vllm_server needs exactly one of sampler.server_urls (attach to running servers) and "
-                f"sampler.num_servers (start local ones), got server_urls={list(cfg.server_urls)!r}, num_servers={cfg.num_servers}")
+        require(
+            bool(cfg.server_urls) != (cfg.servers_to_start > 0),
+            "sampler.server_urls",
+            "sampler=vllm_server needs exactly one of sampler.server_urls (attach to running servers) and "
+            f"sampler.num_servers (start local ones), got server_urls={list(cfg.server_urls)!r}, num_servers={cfg.num_servers}",
+        )
     require(cfg.max_in_flight_per_server > 0, "sampler.max_in_flight_per_server", "must be > 0")
     require_finite(cfg.request_timeout_s, "sampler.request_timeout_s")
     require(cfg.request_timeout_s > 0, "sampler.request_timeout_s", "must be > 0")
     require(cfg.max_retries >= 0, "sampler.max_retries", "must be >= 0")
     require_finite(cfg.server_startup_timeout_s, "sampler.server_startup_timeout_s")
     require(cfg.server_startup_timeout_s > 0, "sampler.server_startup_timeout_s", "must be > 0")
-    require(cfg.weight_sync_dir is None or bool(cfg.weight_sync_dir.strip()), "sampler.weight_sync_dir",
-            "must be null or a non-empty path")
-    require(cfg.weight_transfer in ("reload", "gloo", "nccl"), "sampler.weight_transfer",
-            f"must be reload, gloo (CPU) or nccl (GPU), got {cfg.weight_transfer!r}")
-    require(cfg.weight_transfer == "reload" or cfg.kind == "vllm_server", "sampler.weight_transfer",
-            f"{cfg.weight_transfer} streams weights to vLLM servers: only sampler=vllm_server takes it, not {cfg.kind}")
+    require(
+        cfg.weight_sync_dir is None or bool(cfg.weight_sync_dir.strip()),
+        "sampler.weight_sync_dir",
+        "must be null or a non-empty path",
+    )
+    require(
+        cfg.weight_transfer in ("reload", "gloo", "nccl"),
+        "sampler.weight_transfer",
+        f"must be reload, gloo (CPU) or nccl (GPU), got {cfg.weight_transfer!r}",
+    )
+    require(
+        cfg.weight_transfer == "reload" or cfg.kind == "vllm_server",
+        "sampler.weight_transfer",
+        f"{cfg.weight_transfer} streams weights to vLLM servers: only sampler=vllm_server takes it, not {cfg.kind}",
+    )
 
 
 @dataclass
@@ -187,7 +209,11 @@ class DataConfig:
             "data.eval_path",
             f"is needed with data.path={self.path} when data.eval_rows > 0 (held-out rows of your own), or set data.eval_rows=0",
         )
-        require(self.completions_per_prompt >= 2, "data.completions_per_prompt", "must be >= 2 (advantages are relative within a group)")
+        require(
+            self.completions_per_prompt >= 2,
+            "data.completions_per_prompt",
+            "must be >= 2 (advantages are relative within a group)",
+        )
         require(self.prompt_groups_per_step >= 1, "data.prompt_groups_per_step", "must be >= 1")
         require(self.max_rows >= 0, "data.max_rows", "must be >= 0 (0 means all rows)")
         require(self.epochs >= 1, "data.epochs", "must be >= 1")
@@ -232,9 +258,15 @@ class RewardConfig:
 
     def __post_init__(self) -> None:  # the names are checked against the reward registry in lit_grpo.run.validate
         specs = self.specs()
-        require(self.fn is None or bool(specs), "reward.fn", "must name at least one reward, or be null (the task's reward)")
+        require(
+            self.fn is None or bool(specs), "reward.fn", "must name at least one reward, or be null (the task's reward)"
+        )
         for spec in specs:
-            require(isinstance(spec, str) and bool(spec.strip()), "reward.fn", f"must be reward names or 'module:function', got {spec!r}")
+            require(
+                isinstance(spec, str) and bool(spec.strip()),
+                "reward.fn",
+                f"must be reward names or 'module:function', got {spec!r}",
+            )
 
 
 @dataclass
@@ -253,7 +285,9 @@ class AdvantageConfig:
     skip_last_ig, eps); unset or null ones take the registered default."""
 
     def __post_init__(self) -> None:
-        require(isinstance(self.name, str) and bool(self.name.strip()), "advantage.name", "must name a registered advantage")
+        require(
+            isinstance(self.name, str) and bool(self.name.strip()), "advantage.name", "must name a registered advantage"
+        )
         self.params = {k: v for k, v in self.params.items() if v is not None}  # null: unset (an experiment's undo)
 
 
@@ -262,7 +296,7 @@ LEGACY_ADVANTAGE_FIELDS = ("advantage", "advantage_scale", "igpo_gamma", "igpo_s
 _LEGACY_SCALES = {"std": "grpo", "none": "dr_grpo"}
 
 
-def adopt_legacy_advantage(p: "PolicyLossConfig", a: AdvantageConfig) -> AdvantageConfig:
+def adopt_legacy_advantage(p: PolicyLossConfig, a: AdvantageConfig) -> AdvantageConfig:
     """The advantage that `policy_loss`'s deprecated knobs ask for (they win over `a`, as they did:
     `policy_loss.advantage=igpo` is `advantage=igpo`, `advantage_scale=none` is `advantage=dr_grpo`,
     `igpo_gamma`/`igpo_skip_last_ig` are igpo's `gamma`/`skip_last_ig`); `a` when none is set.
@@ -274,15 +308,22 @@ def adopt_legacy_advantage(p: "PolicyLossConfig", a: AdvantageConfig) -> Advanta
     params = {k: legacy[f"igpo_{k}"] for k in ("gamma", "skip_last_ig") if f"igpo_{k}" in legacy}
     for key in params:
         require(kind == "igpo", f"policy_loss.igpo_{key}", f"applies to advantage=igpo only (it is {a.name!r})")
-    require(kind != "igpo" or p.advantage_scale in (None, "std"), "policy_loss.advantage_scale",
-            f"igpo z-normalizes its IG and outcome rewards itself; leave it at std (got {p.advantage_scale!r})")
+    require(
+        kind != "igpo" or p.advantage_scale in (None, "std"),
+        "policy_loss.advantage_scale",
+        f"igpo z-normalizes its IG and outcome rewards itself; leave it at std (got {p.advantage_scale!r})",
+    )
     name = "igpo" if kind == "igpo" else _LEGACY_SCALES[p.advantage_scale or "std"]
     new = AdvantageConfig(name, {**a.params, **params} if name == a.name else params)
     for key in LEGACY_ADVANTAGE_FIELDS:
         setattr(p, key, None)
     set_ = " ".join(f"policy_loss.{k}={v}" for k, v in legacy.items())
-    log.warning("deprecated: %s is read as advantage=%s%s; use the `advantage` group", set_, new.name,
-                "".join(f" advantage.params.{k}={v}" for k, v in params.items()))
+    log.warning(
+        "deprecated: %s is read as advantage=%s%s; use the `advantage` group",
+        set_,
+        new.name,
+        "".join(f" advantage.params.{k}={v}" for k, v in params.items()),
+    )
     return new
 
 
@@ -334,7 +375,9 @@ class PolicyLossConfig:
     """Any other hyper-parameter of the registered loss, by the name it was registered with
     (`register_policy_loss("mine", scale=1.0)`: `+policy_loss.params.scale=3.0`)."""
 
-    def __post_init__(self) -> None:  # names and hyper-parameters are checked against the loss registry in lit_grpo.run.validate
+    def __post_init__(
+        self,
+    ) -> None:  # names and hyper-parameters are checked against the loss registry in lit_grpo.run.validate
         require_finite(self.kl_beta, "policy_loss.kl_beta")
         require(self.kl_beta >= 0, "policy_loss.kl_beta", f"must be >= 0, got {self.kl_beta}")
         for key in ("eps_clip", "eps_clip_high", "eps_clip_c", "dro_beta", "tis_cap"):
@@ -343,19 +386,33 @@ class PolicyLossConfig:
         self._check_advantage()
 
     def _check_advantage(self) -> None:  # the deprecated knobs, read by `adopt_legacy_advantage`
-        require(self.advantage in (None, *ADVANTAGE_KINDS), "policy_loss.advantage",
-                f"must be one of {', '.join(ADVANTAGE_KINDS)}, got {self.advantage!r}")
-        require(self.advantage_scale in (None, *_LEGACY_SCALES), "policy_loss.advantage_scale",
-                f"must be one of {', '.join(_LEGACY_SCALES)}, got {self.advantage_scale!r}")
+        require(
+            self.advantage in (None, *ADVANTAGE_KINDS),
+            "policy_loss.advantage",
+            f"must be one of {', '.join(ADVANTAGE_KINDS)}, got {self.advantage!r}",
+        )
+        require(
+            self.advantage_scale in (None, *_LEGACY_SCALES),
+            "policy_loss.advantage_scale",
+            f"must be one of {', '.join(_LEGACY_SCALES)}, got {self.advantage_scale!r}",
+        )
         for key in ("igpo_gamma", "igpo_skip_last_ig"):
-            require(getattr(self, key) is None or self.advantage != "group", f"policy_loss.{key}",
-                    f"applies to policy_loss.advantage=igpo only (it is {self.advantage!r})")
+            require(
+                getattr(self, key) is None or self.advantage != "group",
+                f"policy_loss.{key}",
+                f"applies to policy_loss.advantage=igpo only (it is {self.advantage!r})",
+            )
         if self.igpo_gamma is not None:
             require_finite(self.igpo_gamma, "policy_loss.igpo_gamma")
-            require(0.0 <= self.igpo_gamma <= 1.0, "policy_loss.igpo_gamma", f"must be in [0, 1], got {self.igpo_gamma}")
+            require(
+                0.0 <= self.igpo_gamma <= 1.0, "policy_loss.igpo_gamma", f"must be in [0, 1], got {self.igpo_gamma}"
+            )
         if self.advantage == "igpo":  # igpo z-normalizes its rewards itself: another scale would be a silent no-op
-            require(self.advantage_scale in (None, "std"), "policy_loss.advantage_scale",
-                    f"igpo z-normalizes its IG and outcome rewards itself; leave it at std (got {self.advantage_scale!r})")
+            require(
+                self.advantage_scale in (None, "std"),
+                "policy_loss.advantage_scale",
+                f"igpo z-normalizes its IG and outcome rewards itself; leave it at std (got {self.advantage_scale!r})",
+            )
 
     def hyperparams(self) -> dict[str, Any]:
         """The hyper-parameters to call the loss with: the named ones that are set, `params`, kl_beta."""

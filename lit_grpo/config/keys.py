@@ -13,7 +13,8 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import typing
-from typing import Any, Mapping, Union
+from collections.abc import Mapping
+from typing import Any, Union
 
 from omegaconf import DictConfig, OmegaConf
 

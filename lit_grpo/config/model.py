@@ -7,7 +7,6 @@ from typing import Any, Optional
 
 from lit_grpo.config.checks import require, require_finite
 
-
 LORA_DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 """The attention and MLP projections of Qwen2/Llama-style models."""
 
@@ -28,16 +27,31 @@ class LoraConfig:
     """Must be 0: dropout in the adapters would make the trainer's logprobs differ from the sampler's."""
 
     def __post_init__(self) -> None:
-        require(isinstance(self.rank, int) and self.rank >= 0, "model.lora.rank", f"must be an integer >= 0 (0: off), got {self.rank!r}")
+        require(
+            isinstance(self.rank, int) and self.rank >= 0,
+            "model.lora.rank",
+            f"must be an integer >= 0 (0: off), got {self.rank!r}",
+        )
         if self.alpha is not None:
             require_finite(self.alpha, "model.lora.alpha")
             require(self.alpha > 0, "model.lora.alpha", f"must be > 0 (or null: 2·rank), got {self.alpha}")
         targets = self.target_modules
         ok = targets == "all-linear" or (
-            isinstance(targets, (list, tuple)) and bool(targets) and all(isinstance(t, str) and t.strip() for t in targets))
-        require(ok, "model.lora.target_modules", f"must be a non-empty list of module names or 'all-linear', got {targets!r}")
-        require(self.dropout == 0, "model.lora.dropout", f"must be 0, got {self.dropout}: dropout would make the trainer's "
-                "logprobs differ from the sampler's (the policy runs without dropout)")
+            isinstance(targets, (list, tuple))
+            and bool(targets)
+            and all(isinstance(t, str) and t.strip() for t in targets)
+        )
+        require(
+            ok,
+            "model.lora.target_modules",
+            f"must be a non-empty list of module names or 'all-linear', got {targets!r}",
+        )
+        require(
+            self.dropout == 0,
+            "model.lora.dropout",
+            f"must be 0, got {self.dropout}: dropout would make the trainer's "
+            "logprobs differ from the sampler's (the policy runs without dropout)",
+        )
 
     def scale_alpha(self) -> float:
         """alpha, with null meaning 2·rank."""
@@ -83,9 +97,16 @@ class ModelConfig:
             "is required when model.kind=hf (a hub name or a local folder)",
         )
         require(self.dtype in ("float32", "bfloat16", "float16"), "model.dtype", f"unknown dtype {self.dtype!r}")
-        require(self.alphabet in ("printable", "arithmetic", "lookup"), "model.alphabet",
-                "must be 'printable', 'arithmetic' or 'lookup'")
+        require(
+            self.alphabet in ("printable", "arithmetic", "lookup"),
+            "model.alphabet",
+            "must be 'printable', 'arithmetic' or 'lookup'",
+        )
         for name in ("hidden_size", "num_layers", "num_heads", "intermediate_size", "max_position_embeddings"):
             require(getattr(self, name) > 0, f"model.{name}", "must be > 0")
         require(self.hidden_size % self.num_heads == 0, "model.hidden_size", "must be divisible by model.num_heads")
-        require(self.init_std is None or 0 < self.init_std < 1, "model.init_std", f"must be null or in (0, 1), got {self.init_std}")
+        require(
+            self.init_std is None or 0 < self.init_std < 1,
+            "model.init_std",
+            f"must be null or in (0, 1), got {self.init_std}",
+        )

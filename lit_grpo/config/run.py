@@ -21,12 +21,18 @@ from omegaconf import DictConfig, OmegaConf
 
 from lit_grpo.config.checks import DEFINES_STATE, MAX_LEARNING_RATE, ConfigError, require, require_finite
 from lit_grpo.config.groups import (
-    AdvantageConfig, DataConfig, PolicyLossConfig, RewardConfig, RolloutConfig, SamplerConfig, TrainerConfig, adopt_legacy_advantage,
+    AdvantageConfig,
+    DataConfig,
+    PolicyLossConfig,
+    RewardConfig,
+    RolloutConfig,
+    SamplerConfig,
+    TrainerConfig,
+    adopt_legacy_advantage,
 )
-from lit_grpo.config.model import ModelConfig
 from lit_grpo.config.keys import unknown_keys, unknown_keys_message
+from lit_grpo.config.model import ModelConfig
 from lit_grpo.config.sources import source_kind
-
 
 
 @dataclass
@@ -119,34 +125,59 @@ class TrainConfig:
     def __post_init__(self) -> None:
         self.advantage = adopt_legacy_advantage(self.policy_loss, self.advantage)
         require(self.max_steps == -1 or self.max_steps > 0, "max_steps", "must be -1 (until data is exhausted) or > 0")
-        for name in ("learning_rate", "adam_beta1", "adam_beta2", "adam_eps", "weight_decay", "grad_clip_norm", "rollout_timeout_s"):
+        for name in (
+            "learning_rate",
+            "adam_beta1",
+            "adam_beta2",
+            "adam_eps",
+            "weight_decay",
+            "grad_clip_norm",
+            "rollout_timeout_s",
+        ):
             require_finite(getattr(self, name), name)
-        require(0 < self.learning_rate <= MAX_LEARNING_RATE, "learning_rate",
-                f"must be in (0, {MAX_LEARNING_RATE:g}], got {self.learning_rate}")
+        require(
+            0 < self.learning_rate <= MAX_LEARNING_RATE,
+            "learning_rate",
+            f"must be in (0, {MAX_LEARNING_RATE:g}], got {self.learning_rate}",
+        )
         require(0 <= self.adam_beta1 < 1, "adam_beta1", "must be in [0, 1)")
         require(0 <= self.adam_beta2 < 1, "adam_beta2", "must be in [0, 1)")
         require(self.adam_eps > 0, "adam_eps", "must be > 0")
         require(self.weight_decay >= 0, "weight_decay", "must be >= 0")
         require(self.grad_clip_norm >= 0, "grad_clip_norm", "must be >= 0 (0: off)")
         require(self.rollout_timeout_s > 0, "rollout_timeout_s", f"must be > 0 seconds, got {self.rollout_timeout_s}")
-        require(0 <= self.rollout_max_retries <= 10, "rollout_max_retries", f"must be in [0, 10], got {self.rollout_max_retries}")
+        require(
+            0 <= self.rollout_max_retries <= 10,
+            "rollout_max_retries",
+            f"must be in [0, 10], got {self.rollout_max_retries}",
+        )
         require(self.max_rows_without_progress >= 1, "max_rows_without_progress", "must be >= 1")
         require(self.max_nonfinite_steps >= 1, "max_nonfinite_steps", "must be >= 1")
         require(self.warmup_steps >= 0, "warmup_steps", "must be >= 0")
         require(self.lr_decay in ("constant", "linear", "cosine"), "lr_decay", "must be constant, linear or cosine")
-        require(self.lr_decay == "constant" or self.max_steps > 0, "lr_decay", f"{self.lr_decay!r} decay needs max_steps > 0")
+        require(
+            self.lr_decay == "constant" or self.max_steps > 0,
+            "lr_decay",
+            f"{self.lr_decay!r} decay needs max_steps > 0",
+        )
         require(self.weight_sync_interval >= 0, "weight_sync_interval", "must be >= 0 (0: never sync)")
         require(self.dcp_save_interval >= 0, "dcp_save_interval", "must be >= 0 (0: off)")
         require(self.dcp_keep_last >= 1, "dcp_keep_last", "must be >= 1")
         require(self.eval_interval >= 0, "eval_interval", "must be >= 0 (0: evaluate at the end only)")
         require(
-            self.dcp_save_interval == 0 or self.weight_sync_interval == 0 or self.dcp_save_interval % self.weight_sync_interval == 0,
+            self.dcp_save_interval == 0
+            or self.weight_sync_interval == 0
+            or self.dcp_save_interval % self.weight_sync_interval == 0,
             "dcp_save_interval",
             f"must be a multiple of weight_sync_interval ({self.weight_sync_interval}) so a checkpoint is taken when the "
             "sampler holds the saved policy (an exact resume needs both)",
         )
         require(self.resume is None or bool(self.resume.strip()), "resume", "must be null, 'auto' or a checkpoint path")
-        require(self.output_model_id is None or bool(self.output_model_id.strip()), "output_model_id", "must be null or a folder name")
+        require(
+            self.output_model_id is None or bool(self.output_model_id.strip()),
+            "output_model_id",
+            "must be null or a folder name",
+        )
         require(self.max_head_offpolicy_versions >= 0, "max_head_offpolicy_versions", "must be >= 0 (0: on-policy)")
         require(
             self.synchronous_training or self.weight_sync_interval <= self.max_head_offpolicy_versions + 1,
@@ -170,7 +201,11 @@ class TrainConfig:
         )
         if self.sampler.kind == "vllm" and self.model.kind == "tiny":
             head_dim = self.model.hidden_size // self.model.num_heads
-            require(head_dim >= 32, "model.num_heads", f"vLLM's CPU attention needs a head size >= 32, got {head_dim}; try model.num_heads={max(self.model.hidden_size // 32, 1)}")
+            require(
+                head_dim >= 32,
+                "model.num_heads",
+                f"vLLM's CPU attention needs a head size >= 32, got {head_dim}; try model.num_heads={max(self.model.hidden_size // 32, 1)}",
+            )
 
 
 def ineffective_knobs(c: TrainConfig) -> list[str]:
@@ -185,14 +220,18 @@ def ineffective_knobs(c: TrainConfig) -> list[str]:
             "every rollout is drained before each step, so none is ever off-policy"
         )
     if c.eval_interval > 0 and c.data.eval_rows == 0:
-        knobs.append(f"eval_interval={c.eval_interval} has no effect with data.eval_rows=0: there is nothing to evaluate")
+        knobs.append(
+            f"eval_interval={c.eval_interval} has no effect with data.eval_rows=0: there is nothing to evaluate"
+        )
     if c.data.eval_path and c.data.eval_rows == 0:
         knobs.append(f"data.eval_path={c.data.eval_path} has no effect with data.eval_rows=0: nothing is evaluated")
     data_defaults = {f.name: f.default for f in fields(DataConfig)}
     if not any(p and source_kind(p) == "dataset" for p in (c.data.path, c.data.eval_path)):
         for name in ("split", "eval_split", "dataset_config"):
             if getattr(c.data, name) != data_defaults[name]:
-                knobs.append(f"data.{name}={getattr(c.data, name)} has no effect: neither data.path nor data.eval_path is a dataset")
+                knobs.append(
+                    f"data.{name}={getattr(c.data, name)} has no effect: neither data.path nor data.eval_path is a dataset"
+                )
     default_keep = TrainConfig.__dataclass_fields__["dcp_keep_last"].default
     if c.dcp_save_interval == 0 and c.dcp_keep_last != default_keep:
         knobs.append(f"dcp_keep_last={c.dcp_keep_last} has no effect with dcp_save_interval=0: no checkpoint is saved")

@@ -3,8 +3,9 @@ file cannot hold (`lit_grpo.cookbook.main` passes them; the CLI passes none)."""
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Optional
+from typing import Any, Optional
 
 
 @dataclass

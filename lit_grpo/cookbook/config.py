@@ -163,7 +163,9 @@ def ignored_settings(cfg: Config) -> list[str]:
     for name in IGNORED_FIELDS:
         value, default = getattr(cfg, name), getattr(defaults, name)
         if dataclasses.is_dataclass(value):
-            names += [f"{name}.{k}" for k, v in dataclasses.asdict(value).items() if v != dataclasses.asdict(default)[k]]
+            names += [
+                f"{name}.{k}" for k, v in dataclasses.asdict(value).items() if v != dataclasses.asdict(default)[k]
+            ]
         elif value != default:
             names.append(name)
     names += [f"deployment.{k}" for k in _DEPLOYMENT_IGNORED if getattr(cfg.deployment, k) is not None]
@@ -175,8 +177,12 @@ def _model_overrides(cfg: Config) -> tuple[list[str], dict[str, Any]]:
         return ["model=tiny"], {}
     tokenizer = cfg.deployment.tokenizer_model
     if tokenizer and tokenizer != cfg.base_model:
-        log.warning("deployment.tokenizer_model=%r differs from base_model=%r: lit_grpo samples with the policy "
-                    "itself, so the tokenizer is base_model's", tokenizer, cfg.base_model)
+        log.warning(
+            "deployment.tokenizer_model=%r differs from base_model=%r: lit_grpo samples with the policy "
+            "itself, so the tokenizer is base_model's",
+            tokenizer,
+            cfg.base_model,
+        )
     return ["model=hf"], {"model.name_or_path": cfg.base_model, "model.dtype": "float32"}
 
 
@@ -208,8 +214,10 @@ def to_hydra_config(cfg: Config) -> DictConfig:
     if not isinstance(cfg, Config):
         raise ConfigError(f"main() takes a lit_grpo.cookbook.Config, got {type(cfg).__name__}")
     if cfg.warm_start_from_adapter:
-        raise ConfigError("config field `warm_start_from_adapter`: starting from a saved adapter is not supported; "
-                          "set lora_rank for fresh adapters, or merge the adapter into base_model first")
+        raise ConfigError(
+            "config field `warm_start_from_adapter`: starting from a saved adapter is not supported; "
+            "set lora_rank for fresh adapters, or merge the adapter into base_model first"
+        )
     if ignored := ignored_settings(cfg):
         log.warning("hosted-service settings have no meaning for a local run and are ignored: %s", ", ".join(ignored))
     sync = cfg.weight_sync or WeightSyncConfig(cfg.weight_sync_interval, cfg.dcp_save_interval)
@@ -225,28 +233,30 @@ def to_hydra_config(cfg: Config) -> DictConfig:
     overrides = [str(o) for o in cfg.overrides]
     composed = compose_config(groups + overrides)  # the user's overrides win over the fields below
     overridden = {o.split("=", 1)[0].lstrip("+~") for o in overrides}
-    values.update({
-        "output_dir": cfg.log_path,
-        "seed": cfg.seed,
-        "learning_rate": cfg.learning_rate,
-        "grad_clip_norm": cfg.grad_clip_norm,
-        "weight_sync_interval": sync.weight_sync_interval,
-        "dcp_save_interval": sync.dcp_save_interval,
-        "synchronous_training": cfg.synchronous_training,
-        "max_head_offpolicy_versions": cfg.max_head_offpolicy_versions,
-        "output_model_id": cfg.output_model_id or "final_model",
-        "resume": cfg.init_from_checkpoint,
-        "data.completions_per_prompt": cfg.completions_per_prompt,
-        "data.prompt_groups_per_step": cfg.prompt_groups_per_step,
-        "data.epochs": cfg.epochs,
-        "data.shuffle": cfg.shuffle,
-        "data.max_rows": cfg.max_rows,
-        # lit_grpo needs two samples for a group-relative advantage; the cookbook's 1 keeps lone samples (advantage 0).
-        "data.min_group_size": max(2, min(cfg.min_group_size, cfg.completions_per_prompt)),
-        "sampler.max_completion_tokens": cfg.max_completion_tokens,
-        "sampler.temperature": cfg.temperature,
-        "policy_loss.kl_beta": cfg.kl_beta,
-    })
+    values.update(
+        {
+            "output_dir": cfg.log_path,
+            "seed": cfg.seed,
+            "learning_rate": cfg.learning_rate,
+            "grad_clip_norm": cfg.grad_clip_norm,
+            "weight_sync_interval": sync.weight_sync_interval,
+            "dcp_save_interval": sync.dcp_save_interval,
+            "synchronous_training": cfg.synchronous_training,
+            "max_head_offpolicy_versions": cfg.max_head_offpolicy_versions,
+            "output_model_id": cfg.output_model_id or "final_model",
+            "resume": cfg.init_from_checkpoint,
+            "data.completions_per_prompt": cfg.completions_per_prompt,
+            "data.prompt_groups_per_step": cfg.prompt_groups_per_step,
+            "data.epochs": cfg.epochs,
+            "data.shuffle": cfg.shuffle,
+            "data.max_rows": cfg.max_rows,
+            # lit_grpo needs two samples for a group-relative advantage; the cookbook's 1 keeps lone samples (advantage 0).
+            "data.min_group_size": max(2, min(cfg.min_group_size, cfg.completions_per_prompt)),
+            "sampler.max_completion_tokens": cfg.max_completion_tokens,
+            "sampler.temperature": cfg.temperature,
+            "policy_loss.kl_beta": cfg.kl_beta,
+        }
+    )
     if not builtin:
         values["policy_loss.name"] = cfg.policy_loss
     values["data.max_seq_len"] = cfg.max_seq_len or context_length(cfg.base_model, composed)
@@ -260,10 +270,15 @@ def to_hydra_config(cfg: Config) -> DictConfig:
     if cfg.reward:
         values["reward.fn"] = cfg.reward
     if use_wandb:
-        values.update({"logger.wandb.project": cfg.wandb.project or "lit_grpo", "logger.wandb.entity": cfg.wandb.entity,
-                       "logger.wandb.name": cfg.wandb.run_name,
-                       # without an API key, offline (a local run folder `wandb sync` uploads), as the cookbook does
-                       "logger.wandb.offline": not os.environ.get("WANDB_API_KEY")})
+        values.update(
+            {
+                "logger.wandb.project": cfg.wandb.project or "lit_grpo",
+                "logger.wandb.entity": cfg.wandb.entity,
+                "logger.wandb.name": cfg.wandb.run_name,
+                # without an API key, offline (a local run folder `wandb sync` uploads), as the cookbook does
+                "logger.wandb.offline": not os.environ.get("WANDB_API_KEY"),
+            }
+        )
     _set_loss_knobs(composed, values, cfg)
     with open_dict(composed):
         composed.callbacks.pop("reward_filter", None)  # the cookbook filters groups only through dynamic_filter_fn

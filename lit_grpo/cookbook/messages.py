@@ -50,10 +50,14 @@ class TokenTrajectory(Trajectory):
             raise ValueError(f"{len(output_tokens)} output tokens but {len(output_logprobs)} logprobs")
         prior = self.tokens
         if list(input_tokens[: len(prior)]) != prior:
-            at = next((i for i, (a, b) in enumerate(zip(prior, input_tokens)) if a != b), min(len(prior), len(input_tokens)))
-            raise PrefixMismatch(f"the call's prompt ({len(input_tokens)} tokens) leaves the trajectory ({len(prior)} tokens) "
-                                 f"at token {at}: build the next prompt with prepare_next_input, not by re-rendering")
-        self.add_environment(list(input_tokens[len(prior):]))
+            at = next(
+                (i for i, (a, b) in enumerate(zip(prior, input_tokens)) if a != b), min(len(prior), len(input_tokens))
+            )
+            raise PrefixMismatch(
+                f"the call's prompt ({len(input_tokens)} tokens) leaves the trajectory ({len(prior)} tokens) "
+                f"at token {at}: build the next prompt with prepare_next_input, not by re-rendering"
+            )
+        self.add_environment(list(input_tokens[len(prior) :]))
         self.tokens += list(output_tokens)
         self.logprobs += [float(lp) for lp in output_logprobs]
         self.loss_mask += [1] * len(output_tokens)
@@ -66,8 +70,13 @@ class TokenTrajectory(Trajectory):
 class TITOTokenizer:
     """Renders a first prompt, and tokenizes the messages appended after an assistant turn."""
 
-    def __init__(self, tokenizer: Any, *, chat_template_kwargs: Optional[dict] = None,
-                 allowed_append_roles: Optional[list[str]] = None) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        *,
+        chat_template_kwargs: Optional[dict] = None,
+        allowed_append_roles: Optional[list[str]] = None,
+    ) -> None:
         self.tokenizer = tokenizer
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
         self.allowed_append_roles = list(allowed_append_roles or DEFAULT_APPEND_ROLES)
@@ -76,7 +85,9 @@ class TITOTokenizer:
         return dict(self.chat_template_kwargs, **({"tools": tools} if tools else {}))
 
     def render(self, messages: list[dict], *, add_generation_prompt: bool, tools: Optional[list] = None) -> str:
-        return render_chat(self.tokenizer, messages, add_generation_prompt=add_generation_prompt, **self._template_kwargs(tools))
+        return render_chat(
+            self.tokenizer, messages, add_generation_prompt=add_generation_prompt, **self._template_kwargs(tools)
+        )
 
     def encode(self, text: str) -> list[int]:
         """Token ids of rendered text: the template already holds the special tokens it wants."""
@@ -86,21 +97,31 @@ class TITOTokenizer:
         """The first prompt: the whole conversation, ending with the assistant cue."""
         return chat_prompt_tokens(self.tokenizer, messages, **self._template_kwargs(tools))
 
-    def tokenize_appended(self, old_messages: list[dict], new_messages: list[dict], *, tools: Optional[list] = None) -> list[int]:
+    def tokenize_appended(
+        self, old_messages: list[dict], new_messages: list[dict], *, tools: Optional[list] = None
+    ) -> list[int]:
         """Tokens of `new_messages` beyond `old_messages` (which end with an assistant turn), then
         the assistant cue. `MessageTrajectoryError` unless the new list only appends allowed roles."""
         check_appended(old_messages, new_messages, self.allowed_append_roles)
-        appended = new_messages[len(old_messages):]
+        appended = new_messages[len(old_messages) :]
         base = self._base_for(appended)
         before = self.render(base, add_generation_prompt=False, tools=tools)
         after = self.render(base + appended, add_generation_prompt=True, tools=tools)
         if not after.startswith(before):
-            raise MessageTrajectoryError("the chat template renders earlier turns differently once messages are "
-                                         "appended; these messages cannot be tokenized on their own")
-        return self.encode(after[len(before):])
+            raise MessageTrajectoryError(
+                "the chat template renders earlier turns differently once messages are "
+                "appended; these messages cannot be tokenized on their own"
+            )
+        return self.encode(after[len(before) :])
 
-    def merge_tokens(self, *, old_messages: list[dict], new_messages: list[dict], pretokenized_token_ids: list[int],
-                     tools: Optional[list] = None) -> list[int]:
+    def merge_tokens(
+        self,
+        *,
+        old_messages: list[dict],
+        new_messages: list[dict],
+        pretokenized_token_ids: list[int],
+        tools: Optional[list] = None,
+    ) -> list[int]:
         """The next prompt: the tokens so far (sampled tokens kept as sampled) + the appended messages."""
         return list(pretokenized_token_ids) + self.tokenize_appended(old_messages, new_messages, tools=tools)
 
@@ -110,8 +131,14 @@ class TITOTokenizer:
         tools = [m for m in appended if m.get("role") == "tool"]
         if not tools:
             return list(_AFTER_ASSISTANT)
-        calls = [{"id": m.get("tool_call_id") or f"call_{i}", "type": "function",
-                  "function": {"name": m.get("name") or "tool", "arguments": "{}"}} for i, m in enumerate(tools)]
+        calls = [
+            {
+                "id": m.get("tool_call_id") or f"call_{i}",
+                "type": "function",
+                "function": {"name": m.get("name") or "tool", "arguments": "{}"},
+            }
+            for i, m in enumerate(tools)
+        ]
         return [_AFTER_ASSISTANT[0], {"role": "assistant", "content": "", "tool_calls": calls}]
 
 
@@ -119,11 +146,15 @@ def check_appended(old: list[dict], new: list[dict], allowed_roles: list[str]) -
     """`MessageTrajectoryError` unless `new` is `old` plus messages of the allowed roles."""
     if list(new[: len(old)]) != list(old):
         at = next((i for i, (a, b) in enumerate(zip(old, new)) if a != b), len(new))
-        raise MessageTrajectoryError(f"message {at} differs from the conversation so far: a trajectory only grows at its end")
-    for i, message in enumerate(new[len(old):], start=len(old)):
+        raise MessageTrajectoryError(
+            f"message {at} differs from the conversation so far: a trajectory only grows at its end"
+        )
+    for i, message in enumerate(new[len(old) :], start=len(old)):
         if message.get("role") not in allowed_roles:
-            raise MessageTrajectoryError(f"message {i} has role {message.get('role')!r}; only {allowed_roles} may be "
-                                         "appended (assistant turns come from the sampler)")
+            raise MessageTrajectoryError(
+                f"message {i} has role {message.get('role')!r}; only {allowed_roles} may be "
+                "appended (assistant turns come from the sampler)"
+            )
 
 
 class MessageTrajectoryAssembler:
@@ -143,12 +174,23 @@ class MessageTrajectoryAssembler:
         """The prompt tokens for the next sampler call on `request_messages`."""
         if not self.messages:
             return self.tito_tokenizer.render_initial_prompt(request_messages, tools=tools)
-        return self.tito_tokenizer.merge_tokens(old_messages=self.messages, new_messages=request_messages,
-                                                pretokenized_token_ids=self.trajectory.tokens, tools=tools)
+        return self.tito_tokenizer.merge_tokens(
+            old_messages=self.messages,
+            new_messages=request_messages,
+            pretokenized_token_ids=self.trajectory.tokens,
+            tools=tools,
+        )
 
-    def add_assistant_response(self, *, request_messages: list[dict], assistant_message: dict, prompt_token_ids: list[int],
-                               completion_token_ids: list[int], completion_logprobs: list[float],
-                               finish_reason: str = "stop") -> None:
+    def add_assistant_response(
+        self,
+        *,
+        request_messages: list[dict],
+        assistant_message: dict,
+        prompt_token_ids: list[int],
+        completion_token_ids: list[int],
+        completion_logprobs: list[float],
+        finish_reason: str = "stop",
+    ) -> None:
         """Record one sampled turn: the prompt it was sampled from and the tokens it produced."""
         self.trajectory.add_call(prompt_token_ids, completion_token_ids, completion_logprobs)
         self.messages = list(request_messages) + [assistant_message]

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import logging
 import sys
-from typing import Any, Awaitable, Callable, Optional
+from collections.abc import Awaitable, Callable
+from typing import Any, Optional
 
-from lit_grpo.config import ConfigError
+from lit_grpo.config import ConfigError, UserInputs
 from lit_grpo.cookbook.config import Config, to_hydra_config
 from lit_grpo.loop.signals import StopRequested
 from lit_grpo.types import PromptGroup, RolloutSetup
-from lit_grpo.config import UserInputs
 
 log = logging.getLogger(__name__)
 
@@ -27,8 +27,10 @@ def build_deployment_sampler(setup: RolloutSetup) -> Any:
     """The sampler a rollout should call: lit_grpo's in-process one, handed over in `setup.sampler`
     (the cookbook builds a client of a hosted deployment here)."""
     if setup.sampler is None:
-        raise RuntimeError("setup.sampler is None: lit_grpo builds the sampler from the config (sampler=hf or vllm) "
-                           "and hands it over in RolloutSetup; there is no hosted deployment to connect to")
+        raise RuntimeError(
+            "setup.sampler is None: lit_grpo builds the sampler from the config (sampler=hf or vllm) "
+            "and hands it over in RolloutSetup; there is no hosted deployment to connect to"
+        )
     return setup.sampler
 
 
@@ -59,13 +61,20 @@ def main(
     if rows is None and not config.dataset:
         raise ConfigError("main() needs rows: pass rows=[...] or set Config.dataset to a file or dataset")
     if rollout_fn_factory is None and reward_fn is None and not config.reward:
-        raise ConfigError("nothing scores the samples: pass rollout_fn_factory= (its rollouts set the reward), "
-                          "reward_fn=, or Config.reward (a registered reward such as 'gsm8k', or 'module:function')")
+        raise ConfigError(
+            "nothing scores the samples: pass rollout_fn_factory= (its rollouts set the reward), "
+            "reward_fn=, or Config.reward (a registered reward such as 'gsm8k', or 'module:function')"
+        )
     if evaluation_interval < 1:
         raise ConfigError(f"evaluation_interval must be >= 1, got {evaluation_interval}")
     inputs = UserInputs(
-        rows=rows, rollout_factory=rollout_fn_factory, rollout_extras=dict(rollout_extras or {}), reward_fn=reward_fn,
-        group_filter=dynamic_filter_fn, evaluation_fn=evaluation_fn, evaluation_interval=evaluation_interval,
+        rows=rows,
+        rollout_factory=rollout_fn_factory,
+        rollout_extras=dict(rollout_extras or {}),
+        reward_fn=reward_fn,
+        group_filter=dynamic_filter_fn,
+        evaluation_fn=evaluation_fn,
+        evaluation_interval=evaluation_interval,
     )
     try:
         return train(to_hydra_config(config), inputs)

@@ -68,7 +68,9 @@ def make_rollout_fn(setup: RolloutSetup) -> RolloutFn:
             answer, cue = list(encode(row["answer"])), list(encode(ANSWER_CUE))
             prefixes = [traj.tokens[:end] + cue for end in history_ends] + [traj.tokens + cue]
             gains = information_gains_from_logprobs(await sampler.score([(p, answer) for p in prefixes]))
-        sample = traj.to_sample(reward, text=tokenizer.decode(traj.tokens[history_ends[0]:], skip_special_tokens=True), turn_rewards=gains)
+        sample = traj.to_sample(
+            reward, text=tokenizer.decode(traj.tokens[history_ends[0] :], skip_special_tokens=True), turn_rewards=gains
+        )
         sample.metrics.update(parts)
         if queries:  # was the first query a key, the target (the informative move)?
             sample.metrics["lookup/queried_key"] = float(moves[0] in row["table"])

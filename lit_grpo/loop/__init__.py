@@ -1,11 +1,11 @@
 """The training loop: the Lightning module and everything that happens at the end of its step.
 
-    module.py          GRPOModule: policy, frozen reference, one step that reads like the maths
-    step_sequence.py   after each step, in a fixed order: weight sync, checkpoint, evaluation, metrics
-    metrics.py         a step's metrics merged over ranks, the history, the loggers
-    evaluation.py      greedy accuracy on held-out rows
-    rollout_evaluation.py  the cookbook's `evaluation_fn` hook
-    optim.py           AdamW and the learning-rate schedule
-    signals.py         SIGTERM / SIGINT stop a run within seconds
-    distributed.py     the few collectives the loop needs, no-ops in one process
+module.py          GRPOModule: policy, frozen reference, one step that reads like the maths
+step_sequence.py   after each step, in a fixed order: weight sync, checkpoint, evaluation, metrics
+metrics.py         a step's metrics merged over ranks, the history, the loggers
+evaluation.py      greedy accuracy on held-out rows
+rollout_evaluation.py  the cookbook's `evaluation_fn` hook
+optim.py           AdamW and the learning-rate schedule
+signals.py         SIGTERM / SIGINT stop a run within seconds
+distributed.py     the few collectives the loop needs, no-ops in one process
 """

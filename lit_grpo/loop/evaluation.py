@@ -16,7 +16,8 @@ import asyncio
 import logging
 import math
 import time
-from typing import Any, Awaitable, Callable, Mapping, Optional, Protocol
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, Optional, Protocol
 
 import torch
 
@@ -46,8 +47,15 @@ class Evaluator(Protocol):
     def load_state_dict(self, state: dict) -> None: ...
 
 
-def greedy_reward_sum(sampler, tokenizer, rows: list[dict], reward_fn, max_tokens: int, batch_size: int,
-                      prompt_field: Optional[str] = None) -> tuple[float, int]:
+def greedy_reward_sum(
+    sampler,
+    tokenizer,
+    rows: list[dict],
+    reward_fn,
+    max_tokens: int,
+    batch_size: int,
+    prompt_field: Optional[str] = None,
+) -> tuple[float, int]:
     """Sum of the rewards of one greedy completion per row, and how many rows were scored (a
     reward of None, not applicable to its row, counts in neither). Prompts are made as the
     default rollout makes them (`row_prompt_tokens`)."""
@@ -65,10 +73,25 @@ def greedy_reward_sum(sampler, tokenizer, rows: list[dict], reward_fn, max_token
 class GreedyEvaluator:
     """Scores the sampler on held-out rows with greedy decoding: `eval/accuracy`, every `interval` steps."""
 
-    def __init__(self, sampler, tokenizer, rows: list[dict], reward_fn: Callable[[str, dict], Optional[float]], *,
-                 interval: int = 0, max_tokens: int = 256, batch_size: int = 64, prompt_field: Optional[str] = None) -> None:
+    def __init__(
+        self,
+        sampler,
+        tokenizer,
+        rows: list[dict],
+        reward_fn: Callable[[str, dict], Optional[float]],
+        *,
+        interval: int = 0,
+        max_tokens: int = 256,
+        batch_size: int = 64,
+        prompt_field: Optional[str] = None,
+    ) -> None:
         self.sampler, self.tokenizer, self.rows, self.reward_fn = sampler, tokenizer, rows, reward_fn
-        self.interval, self.max_tokens, self.batch_size, self.prompt_field = interval, max_tokens, batch_size, prompt_field
+        self.interval, self.max_tokens, self.batch_size, self.prompt_field = (
+            interval,
+            max_tokens,
+            batch_size,
+            prompt_field,
+        )
         self.last_metrics: dict[str, float] = {}
         self.last_step: Optional[int] = None
 
@@ -82,14 +105,30 @@ class GreedyEvaluator:
             return {}
         start = time.perf_counter()
         share = self.rows[rank::world_size]
-        total, scored = greedy_reward_sum(
-            self.sampler, self.tokenizer, share, self.reward_fn, self.max_tokens, self.batch_size, self.prompt_field,
-        ) if share else (0.0, 0)
+        total, scored = (
+            greedy_reward_sum(
+                self.sampler,
+                self.tokenizer,
+                share,
+                self.reward_fn,
+                self.max_tokens,
+                self.batch_size,
+                self.prompt_field,
+            )
+            if share
+            else (0.0, 0)
+        )
         total, scored = all_reduce(torch.tensor([total, scored], dtype=torch.float64)).tolist()
         accuracy = total / scored if scored else float("nan")
         self.last_metrics = {"eval/accuracy": accuracy}
-        log.info("step %d: eval/accuracy %.4f on %d held-out rows (%d scored; the reward applies to those) (%.1f s)",
-                 step, accuracy, len(self.rows), int(scored), time.perf_counter() - start)
+        log.info(
+            "step %d: eval/accuracy %.4f on %d held-out rows (%d scored; the reward applies to those) (%.1f s)",
+            step,
+            accuracy,
+            len(self.rows),
+            int(scored),
+            time.perf_counter() - start,
+        )
         return dict(self.last_metrics)
 
     def state_dict(self) -> dict:
@@ -105,8 +144,14 @@ class GreedyEvaluator:
 class RolloutEvaluator:
     """Awaits the user's `evaluation_fn` when due and turns its result into metrics."""
 
-    def __init__(self, evaluation_fn: Callable[[int, Callable[..., Awaitable[Any]]], Awaitable[Optional[dict]]],
-                 rollout_fn: Callable[..., Awaitable[Any]], *, interval: int = 1, timeout_s: float = 3600.0) -> None:
+    def __init__(
+        self,
+        evaluation_fn: Callable[[int, Callable[..., Awaitable[Any]]], Awaitable[Optional[dict]]],
+        rollout_fn: Callable[..., Awaitable[Any]],
+        *,
+        interval: int = 1,
+        timeout_s: float = 3600.0,
+    ) -> None:
         if interval < 1:
             raise ValueError(f"evaluation_interval must be >= 1, got {interval}")
         self.evaluation_fn, self.interval, self.timeout_s = evaluation_fn, interval, timeout_s
@@ -126,10 +171,16 @@ class RolloutEvaluator:
         try:
             result = asyncio.run(asyncio.wait_for(self.evaluation_fn(step, self.eval_rollout_fn), self.timeout_s))
         except TimeoutError:
-            log.warning("step %d: evaluation_fn did not return within %g s; it was cancelled and training goes on", step, self.timeout_s)
+            log.warning(
+                "step %d: evaluation_fn did not return within %g s; it was cancelled and training goes on",
+                step,
+                self.timeout_s,
+            )
             return {"eval/timeouts": 1.0}
         if result is not None and not isinstance(result, Mapping):
-            raise TypeError(f"evaluation_fn returned a {type(result).__name__}; it must return a dict of metrics or None")
+            raise TypeError(
+                f"evaluation_fn returned a {type(result).__name__}; it must return a dict of metrics or None"
+            )
         metrics = {"eval/wall_time": time.perf_counter() - start}
         for key, value in (result or {}).items():
             if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):

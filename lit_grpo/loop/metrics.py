@@ -38,7 +38,9 @@ class MetricHistory:
         self.steps = [dict(s) for s in state["steps"]]
 
 
-def merge_step_metrics(record: RolloutRecord, train_metrics: dict[str, torch.Tensor], timings: dict[str, float]) -> dict[str, float]:
+def merge_step_metrics(
+    record: RolloutRecord, train_metrics: dict[str, torch.Tensor], timings: dict[str, float]
+) -> dict[str, float]:
     """One step's metrics over every rank (a collective: every rank calls it once per step).
 
     `train_metrics` are this rank's shares of the global values (summed over ranks); records are

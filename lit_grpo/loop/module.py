@@ -20,9 +20,10 @@ from __future__ import annotations
 import contextlib
 import copy
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Iterator, Optional
+from typing import Optional
 
 import lightning as L
 import torch
@@ -30,16 +31,16 @@ from lightning.pytorch.plugins.precision import Precision
 from transformers import PreTrainedModel
 
 from lit_grpo.config import TrainConfig
+from lit_grpo.errors import EnvironmentFault
 from lit_grpo.loop.distributed import all_reduce
-from lit_grpo.errors import EnvironmentFault, UserError
-from lit_grpo.maths.health import drift_per_token, drift_tis_cap
-from lit_grpo.maths.logprobs import token_logprobs
-from lit_grpo.models.lora import AdapterFreeView, is_lora, with_lora
-from lit_grpo.maths.loss_terms import masked_means
-from lit_grpo.maths.losses import policy_loss
 from lit_grpo.loop.optim import adamw, lr_multiplier
 from lit_grpo.loop.signals import StopRequested
 from lit_grpo.loop.step_sequence import NonFiniteTraining, StepSequence
+from lit_grpo.maths.health import drift_per_token, drift_tis_cap
+from lit_grpo.maths.logprobs import token_logprobs
+from lit_grpo.maths.loss_terms import masked_means
+from lit_grpo.maths.losses import policy_loss
+from lit_grpo.models.lora import AdapterFreeView, is_lora, with_lora
 from lit_grpo.types import PromptGroup, RolloutBatch, RolloutRecord
 
 
@@ -87,10 +88,14 @@ class GRPOModule(L.LightningModule):
     """Policy + (only when kl_beta > 0) a frozen reference; the loss comes from `lit_grpo.maths.losses`.
     With `model.lora.rank > 0` the policy is wrapped with LoRA adapters here (`lit_grpo.models.lora`)."""
 
-    def __init__(self, policy: PreTrainedModel, config: TrainConfig, step_sequence: Optional[StepSequence] = None) -> None:
+    def __init__(
+        self, policy: PreTrainedModel, config: TrainConfig, step_sequence: Optional[StepSequence] = None
+    ) -> None:
         super().__init__()
         self.automatic_optimization = False
-        self.policy = with_lora(policy, config.model.lora, config.seed)  # only the adapters train when model.lora.rank > 0
+        self.policy = with_lora(
+            policy, config.model.lora, config.seed
+        )  # only the adapters train when model.lora.rank > 0
         self.config = config
         self.loss_hyperparams = config.policy_loss.hyperparams()
         self.drift_tis_cap = drift_tis_cap(config.policy_loss.name, self.loss_hyperparams)
@@ -98,7 +103,11 @@ class GRPOModule(L.LightningModule):
         self.reference: Optional[PreTrainedModel] = None
         if self.loss_hyperparams.get("kl_beta", 0.0) > 0:
             # LoRA: the base model is the policy with its adapters off, no second copy.
-            self.reference = AdapterFreeView(self.policy) if is_lora(self.policy) else copy.deepcopy(policy).requires_grad_(False).eval()
+            self.reference = (
+                AdapterFreeView(self.policy)
+                if is_lora(self.policy)
+                else copy.deepcopy(policy).requires_grad_(False).eval()
+            )
         self.step_sequence = step_sequence
         """Weight sync and version, checkpoint, evaluation, metrics: run after each step (see `on_train_batch_end`)."""
         self.rollout_step = 0
@@ -108,7 +117,7 @@ class GRPOModule(L.LightningModule):
         self.nonfinite_in_a_row = 0
         """Optimizer steps in a row whose loss or gradient norm was non-finite (their updates were skipped)."""
 
-    def train(self, mode: bool = True) -> "GRPOModule":
+    def train(self, mode: bool = True) -> GRPOModule:
         # Dropout stays off in both models: the trainer's logprobs must match the sampler's.
         super().train(mode)
         self.policy.eval()
@@ -119,9 +128,15 @@ class GRPOModule(L.LightningModule):
     def configure_optimizers(self):
         c = self.config
         optimizer = adamw(
-            [p for p in self.policy.parameters() if p.requires_grad], lr=c.learning_rate, betas=(c.adam_beta1, c.adam_beta2), eps=c.adam_eps, weight_decay=c.weight_decay
+            [p for p in self.policy.parameters() if p.requires_grad],
+            lr=c.learning_rate,
+            betas=(c.adam_beta1, c.adam_beta2),
+            eps=c.adam_eps,
+            weight_decay=c.weight_decay,
         )
-        multiplier = partial(lr_multiplier, warmup_steps=c.warmup_steps, decay=c.lr_decay, total_steps=c.max_steps * c.ppo_n_minibatches)
+        multiplier = partial(
+            lr_multiplier, warmup_steps=c.warmup_steps, decay=c.lr_decay, total_steps=c.max_steps * c.ppo_n_minibatches
+        )
         schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, multiplier)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
@@ -138,7 +153,11 @@ class GRPOModule(L.LightningModule):
         sampler_logprobs_BT = align_to_predictions(batch.sampler_logprobs_BT)
         # Per-token advantages (IGPO's turn credit) shift exactly like the loss mask; else one per sequence.
         advantages = batch.advantages_B if batch.advantages_BT is None else align_to_predictions(batch.advantages_BT)
-        ref_logprobs_BT = self._no_grad_logprobs(self.reference, tokens, attention, temperature) if self.reference is not None else None
+        ref_logprobs_BT = (
+            self._no_grad_logprobs(self.reference, tokens, attention, temperature)
+            if self.reference is not None
+            else None
+        )
         t_ref = time.perf_counter()
         # `old` is the policy before this batch's first update; with one minibatch it equals the
         # current policy, so the training forward itself provides it (no extra forward).
@@ -147,21 +166,28 @@ class GRPOModule(L.LightningModule):
 
         k = min(K, fewest_sequences)  # every rank makes the same number of optimizer steps, even with a short batch
         per_minibatch = [
-            self._optimizer_step(batch, rows, mask_BT, sampler_logprobs_BT, ref_logprobs_BT, old_logprobs_BT, advantages)
+            self._optimizer_step(
+                batch, rows, mask_BT, sampler_logprobs_BT, ref_logprobs_BT, old_logprobs_BT, advantages
+            )
             for rows in even_slices(batch.num_sequences, k)
         ]
         if len(per_minibatch) == 1:
             metrics = per_minibatch[0]
         else:
             metrics = {key: sum(m[key] for m in per_minibatch) / len(per_minibatch) for key in per_minibatch[0]}
-            metrics["train/skipped_nonfinite"] = metrics["train/skipped_nonfinite"] * len(per_minibatch)  # a count, not a mean
+            metrics["train/skipped_nonfinite"] = metrics["train/skipped_nonfinite"] * len(
+                per_minibatch
+            )  # a count, not a mean
         metrics["train/tokens"] = mask_BT.sum()  # this rank's loss-masked tokens: summed over ranks, the step's
         t_train = time.perf_counter()
 
         self.rollout_step += 1
         self.last_step = StepResult(
-            record=batch.record, rewards_B=batch.rewards_B.detach().cpu(), advantages_B=batch.advantages_B.detach().cpu(),
-            groups=batch.groups, train_metrics=metrics,
+            record=batch.record,
+            rewards_B=batch.rewards_B.detach().cpu(),
+            advantages_B=batch.advantages_B.detach().cpu(),
+            groups=batch.groups,
+            train_metrics=metrics,
             timings={"perf/ref_s": t_ref - t0, "perf/train_s": t_train - t_ref, "train_tokens": float(attention.sum())},
         )
         return {"loss": metrics["train/loss"]}
@@ -172,7 +198,9 @@ class GRPOModule(L.LightningModule):
         collective calls). One collective answers both."""
         stopped = False
         try:
-            with self.step_sequence.stop.interruptible() if self.step_sequence is not None else contextlib.nullcontext():
+            with (
+                self.step_sequence.stop.interruptible() if self.step_sequence is not None else contextlib.nullcontext()
+            ):
                 item = next(dataloader_iter, None)
         except StopRequested:  # a stop signal while waiting for rollouts (a stall, a hung rollout)
             item, stopped = None, True
@@ -192,8 +220,9 @@ class GRPOModule(L.LightningModule):
             return None, 0
         return self.trainer.strategy.batch_to_device(batch), fewest
 
-    def _optimizer_step(self, batch, rows: slice, mask_BT, sampler_logprobs_BT, ref_logprobs_BT, old_logprobs_BT,
-                        advantages) -> dict[str, torch.Tensor]:
+    def _optimizer_step(
+        self, batch, rows: slice, mask_BT, sampler_logprobs_BT, ref_logprobs_BT, old_logprobs_BT, advantages
+    ) -> dict[str, torch.Tensor]:
         """One optimizer step over `rows`, accumulating gradients over micro-batches. `advantages`:
         [B] per sequence, or [B, T-1] per token (aligned with the predictions, like `mask_BT`)."""
         optimizer = self.optimizers()
@@ -205,11 +234,15 @@ class GRPOModule(L.LightningModule):
         num_tokens = num_tokens.clamp_min(1.0)
         micros = micro_slices(rows.stop - rows.start, self.config.micro_batch_size)
         keys: list[str] = []
-        weighted_K: Optional[torch.Tensor] = None  # the metrics as one vector: one op per micro-batch, not one per metric
+        weighted_K: Optional[torch.Tensor] = (
+            None  # the metrics as one vector: one op per micro-batch, not one per metric
+        )
         loss_sum = torch.zeros((), device=mask_BT.device)
         for i, micro in enumerate(micros):
             idx = slice(rows.start + micro.start, rows.start + micro.stop)
-            logprobs_BT, entropy_BT = token_logprobs(self.policy, batch.tokens_BT[idx], batch.attention_mask_BT[idx], self.config.sampler.temperature)
+            logprobs_BT, entropy_BT = token_logprobs(
+                self.policy, batch.tokens_BT[idx], batch.attention_mask_BT[idx], self.config.sampler.temperature
+            )
             # The trainer's logprobs before this step's update: what the ratio and the drift compare against.
             trainer_old_BT = old_logprobs_BT[idx] if old_logprobs_BT is not None else logprobs_BT.detach()
             micro_mask_BT, micro_sampler_BT = mask_BT[idx], sampler_logprobs_BT[idx]
@@ -233,7 +266,10 @@ class GRPOModule(L.LightningModule):
             # Metrics are token means per micro-batch; weighted by tokens over the global count
             # they add up (over micro-batches and ranks) to the step's token means.
             weight = micro_mask_BT.sum() / num_tokens
-            health = {"entropy": entropy_BT, **drift_per_token(trainer_old_BT, micro_sampler_BT, micro_mask_BT, tis_cap=self.drift_tis_cap)}
+            health = {
+                "entropy": entropy_BT,
+                **drift_per_token(trainer_old_BT, micro_sampler_BT, micro_mask_BT, tis_cap=self.drift_tis_cap),
+            }
             metrics = {**metrics, **masked_means(health, micro_mask_BT)}
             keys = keys or [f"train/{key}" for key in metrics]
             values_K = torch.stack([value.detach().float() for value in metrics.values()]) * weight
@@ -296,8 +332,13 @@ class GRPOModule(L.LightningModule):
         return block() if block is not None else contextlib.nullcontext()
 
     @torch.no_grad()
-    def _no_grad_logprobs(self, model: PreTrainedModel, tokens_BT: torch.Tensor, attention_BT: torch.Tensor, temperature: float) -> torch.Tensor:
-        parts = [token_logprobs(model, tokens_BT[s], attention_BT[s], temperature)[0] for s in micro_slices(tokens_BT.shape[0], self.config.micro_batch_size)]
+    def _no_grad_logprobs(
+        self, model: PreTrainedModel, tokens_BT: torch.Tensor, attention_BT: torch.Tensor, temperature: float
+    ) -> torch.Tensor:
+        parts = [
+            token_logprobs(model, tokens_BT[s], attention_BT[s], temperature)[0]
+            for s in micro_slices(tokens_BT.shape[0], self.config.micro_batch_size)
+        ]
         return torch.cat(parts)
 
     # ------------------------------------------------------------------ hooks that run the step sequence
@@ -317,7 +358,15 @@ class GRPOModule(L.LightningModule):
         # Only the progress bar goes through `self.log` (about half a millisecond per key per step):
         # with none shown, nothing reads it.
         if self.trainer.progress_bar_callback is not None:
-            self.log("reward", metrics.get("reward/mean", 0.0), prog_bar=True, on_step=True, on_epoch=False, logger=False, batch_size=1)
+            self.log(
+                "reward",
+                metrics.get("reward/mean", 0.0),
+                prog_bar=True,
+                on_step=True,
+                on_epoch=False,
+                logger=False,
+                batch_size=1,
+            )
 
     def on_train_end(self) -> None:
         if self.step_sequence is not None:

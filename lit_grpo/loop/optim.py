@@ -10,7 +10,7 @@ torch's default implementation, which supports them everywhere.
 from __future__ import annotations
 
 import math
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 
@@ -26,11 +26,19 @@ def can_fuse(params: list[torch.Tensor]) -> bool:
     )
 
 
-def adamw(params: Iterable[torch.Tensor], *, lr: float, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-          weight_decay: float = 0.01) -> torch.optim.AdamW:
+def adamw(
+    params: Iterable[torch.Tensor],
+    *,
+    lr: float,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 0.01,
+) -> torch.optim.AdamW:
     """AdamW over `params`, fused where `can_fuse` allows (the same update, to float rounding)."""
     params = list(params)
-    return torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=can_fuse(params) or None)
+    return torch.optim.AdamW(
+        params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=can_fuse(params) or None
+    )
 
 
 def lr_multiplier(step: int, *, warmup_steps: int, decay: str, total_steps: int) -> float:

@@ -16,7 +16,8 @@ import os
 import signal
 import sys
 import threading
-from typing import Iterator, Optional
+from collections.abc import Iterator
+from typing import Optional
 
 log = logging.getLogger(__name__)
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -48,7 +49,7 @@ class StopSignals:
     def exit_code(self) -> int:
         return 128 + self.signum if self.signum is not None else 0
 
-    def __enter__(self) -> "StopSignals":
+    def __enter__(self) -> StopSignals:
         if threading.current_thread() is threading.main_thread():
             for signum in STOP_SIGNALS:
                 self._previous[signum] = signal.signal(signum, self._handle)
@@ -64,7 +65,11 @@ class StopSignals:
             print(f"\n{signal.Signals(signum).name} again: exiting now", file=sys.stderr, flush=True)
             os._exit(128 + signum)
         self.signum = signum
-        print(f"\n{signal.Signals(signum).name}: stopping after the current step (send it again to exit at once)", file=sys.stderr, flush=True)
+        print(
+            f"\n{signal.Signals(signum).name}: stopping after the current step (send it again to exit at once)",
+            file=sys.stderr,
+            flush=True,
+        )
         if self._waiting:
             raise StopRequested(signum)
 

@@ -38,16 +38,16 @@ import torch
 from lightning.pytorch.loggers import CSVLogger
 
 from lit_grpo.errors import EnvironmentFault, UserError
+from lit_grpo.loop.distributed import all_reduce
 from lit_grpo.loop.evaluation import Evaluator
 from lit_grpo.loop.metrics import MetricHistory, merge_step_metrics
-from lit_grpo.loop.distributed import all_reduce
-from lit_grpo.run.state import RunCheckpointer, capture_rng, restore_rng
 from lit_grpo.loop.signals import StopSignals
 from lit_grpo.models.weights import PolicyWeights, first_nonfinite
+from lit_grpo.run.state import RunCheckpointer, capture_rng, restore_rng
 
 if TYPE_CHECKING:
-    from lit_grpo.rollouts.datamodule import RolloutDataModule
     from lit_grpo.loop.module import GRPOModule, StepResult
+    from lit_grpo.rollouts.datamodule import RolloutDataModule
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ class StepSequence:
 
     def __init__(
         self,
-        datamodule: "RolloutDataModule",
+        datamodule: RolloutDataModule,
         *,
         weight_sync_interval: int = 1,
         checkpointer: Optional[RunCheckpointer] = None,
@@ -96,7 +96,7 @@ class StepSequence:
 
     # ------------------------------------------------------------------ the sequence
 
-    def finish_step(self, trainer: L.Trainer, module: "GRPOModule", result: "StepResult") -> dict[str, float]:
+    def finish_step(self, trainer: L.Trainer, module: GRPOModule, result: StepResult) -> dict[str, float]:
         """Run the end of step `module.rollout_step`; returns its metrics (every rank gets them)."""
         step = module.rollout_step
         metrics = merge_step_metrics(result.record, result.train_metrics, result.timings)
@@ -112,15 +112,20 @@ class StepSequence:
             if self.checkpointer is not None and not trainer.fast_dev_run:
                 self._save(trainer, module, step)
             raise self.stopped_by(fault, trainer, module) from None
-        if self.checkpointer is not None and (self.checkpointer.due(trainer, step) or self.stopping and not trainer.fast_dev_run):
+        if self.checkpointer is not None and (
+            self.checkpointer.due(trainer, step) or self.stopping and not trainer.fast_dev_run
+        ):
             metrics["perf/checkpoint_s"] = self._save(trainer, module, step)
         for evaluator in self.evaluators:
             if evaluator.due(step) and not self.stopping:
                 metrics.update(evaluator.evaluate(step, trainer.global_rank, trainer.world_size))
 
         now = time.perf_counter()
-        metrics["perf/step_s"] = now - self._last_end if self._last_end is not None else sum(
-            metrics.get(k, 0.0) for k in ("perf/sample_s", "perf/ref_s", "perf/train_s"))
+        metrics["perf/step_s"] = (
+            now - self._last_end
+            if self._last_end is not None
+            else sum(metrics.get(k, 0.0) for k in ("perf/sample_s", "perf/ref_s", "perf/train_s"))
+        )
         self._last_end = now
         if step % self.log_every_n_steps == 0 or self.stopping:
             for logger in trainer.loggers:
@@ -135,21 +140,26 @@ class StepSequence:
         """Whether any rank received a stop signal (a collective, so that every rank stops at this step)."""
         return bool(all_reduce(torch.tensor(float(self.stop.requested)), "max"))
 
-    def stop_between_steps(self, trainer: L.Trainer, module: "GRPOModule") -> None:
+    def stop_between_steps(self, trainer: L.Trainer, module: GRPOModule) -> None:
         """A stop signal came while waiting for rollouts (on some rank): checkpoint the last finished
         step as it was at its end, if it is not saved yet, and end training (every rank calls it)."""
         self.stopping = True
         trainer.should_stop = True
         self._save_end_of_last_step(trainer, module)
 
-    def _save_end_of_last_step(self, trainer: L.Trainer, module: "GRPOModule") -> None:
+    def _save_end_of_last_step(self, trainer: L.Trainer, module: GRPOModule) -> None:
         step = module.rollout_step
-        if self.checkpointer is None or self._end_of_last_step is None or self.checkpointer.last_saved_step == step or trainer.fast_dev_run:
+        if (
+            self.checkpointer is None
+            or self._end_of_last_step is None
+            or self.checkpointer.last_saved_step == step
+            or trainer.fast_dev_run
+        ):
             return
         data_state, rng = self._end_of_last_step
         self._save(trainer, module, step, data_state=data_state, rng=rng)
 
-    def stop_on_fault(self, fault: EnvironmentFault, trainer: L.Trainer, module: "GRPOModule") -> EnvironmentFault:
+    def stop_on_fault(self, fault: EnvironmentFault, trainer: L.Trainer, module: GRPOModule) -> EnvironmentFault:
         """Something outside the run failed while waiting for rollouts (a vLLM server died): save
         the last finished step as it was at its end, and return the error to raise, which says
         where `resume=auto` continues."""
@@ -158,7 +168,7 @@ class StepSequence:
         self._save_end_of_last_step(trainer, module)
         return self.stopped_by(fault, trainer, module)
 
-    def stopped_by(self, fault: EnvironmentFault, trainer: L.Trainer, module: "GRPOModule") -> EnvironmentFault:
+    def stopped_by(self, fault: EnvironmentFault, trainer: L.Trainer, module: GRPOModule) -> EnvironmentFault:
         """`fault`'s message and what to do next: the step `resume=auto` continues from, if one was saved."""
         step = module.rollout_step
         restart = "Start the server again (or point sampler.server_urls at a live one)"
@@ -170,11 +180,13 @@ class StepSequence:
         elif step == 0:
             what = f"No step had finished. {restart} and run again."
         else:
-            what = (f"Step {step} had finished, but checkpoints are off (dcp_save_interval=0), so the run cannot continue: "
-                    f"{restart} and run again (set dcp_save_interval=N to make a run resumable after a fault).")
+            what = (
+                f"Step {step} had finished, but checkpoints are off (dcp_save_interval=0), so the run cannot continue: "
+                f"{restart} and run again (set dcp_save_interval=N to make a run resumable after a fault)."
+            )
         return EnvironmentFault(f"{str(fault).rstrip('.')}; training stopped after step {step}. {what}")
 
-    def sync(self, module: "GRPOModule", step: int) -> dict[str, float]:
+    def sync(self, module: GRPOModule, step: int) -> dict[str, float]:
         """Phase 1: the weights into the sampler if a sync is due, and the version advance."""
         if self.weight_sync_interval > 0 and step % self.weight_sync_interval:
             return {}
@@ -184,7 +196,7 @@ class StepSequence:
         self.datamodule.advance_version()
         return {"perf/weight_sync_s": time.perf_counter() - start} if self.weight_sync_interval > 0 else {}
 
-    def sync_sampler(self, module: "GRPOModule") -> None:
+    def sync_sampler(self, module: GRPOModule) -> None:
         """The policy's full weights into this rank's sampler: gathered tensor by tensor when the
         policy is sharded (a collective, in the same order on every rank). Through the strategy's
         model, because a sharding strategy may wrap the whole module, not the policy alone."""
@@ -194,23 +206,37 @@ class StepSequence:
         with torch.no_grad():
             self.datamodule.push_weights(self._policy_weights.named_tensors())
 
-    def _save(self, trainer: L.Trainer, module: "GRPOModule", step: int, *, data_state: Optional[dict] = None, rng: Optional[dict] = None) -> float:
+    def _save(
+        self,
+        trainer: L.Trainer,
+        module: GRPOModule,
+        step: int,
+        *,
+        data_state: Optional[dict] = None,
+        rng: Optional[dict] = None,
+    ) -> float:
         start = time.perf_counter()
         check_finite(module.policy, f"checkpoint step {step}")
         holds_policy = self.weight_sync_interval > 0 and step % self.weight_sync_interval == 0
-        self.checkpointer.save(trainer, module, step, {
-            "sampler_holds_policy": holds_policy,
-            "datamodule": data_state if data_state is not None else self.datamodule.state_dict(),
-            "sequence": self.state_dict(),
-            "callbacks": {cb.state_key: cb.state_dict() for cb in trainer.callbacks if cb.state_dict()},
-        }, rng=rng)
+        self.checkpointer.save(
+            trainer,
+            module,
+            step,
+            {
+                "sampler_holds_policy": holds_policy,
+                "datamodule": data_state if data_state is not None else self.datamodule.state_dict(),
+                "sequence": self.state_dict(),
+                "callbacks": {cb.state_key: cb.state_dict() for cb in trainer.callbacks if cb.state_dict()},
+            },
+            rng=rng,
+        )
         for logger in trainer.loggers:  # what the loggers hold is on disk too
             logger.save()
         return time.perf_counter() - start
 
     # ------------------------------------------------------------------ start, resume, end
 
-    def on_train_start(self, trainer: L.Trainer, module: "GRPOModule") -> None:
+    def on_train_start(self, trainer: L.Trainer, module: GRPOModule) -> None:
         self._last_end = time.perf_counter()
         if self.resume_from is None:
             return
@@ -223,7 +249,9 @@ class StepSequence:
                 cb.load_state_dict(state["callbacks"][cb.state_key])
         if self.weight_sync_interval > 0:  # interval 0: the base weights the fresh sampler has are right
             if not state["sampler_holds_policy"]:
-                log.warning("the checkpoint was taken between weight syncs; the sampler restarts from the saved policy (not an exact resume)")
+                log.warning(
+                    "the checkpoint was taken between weight syncs; the sampler restarts from the saved policy (not an exact resume)"
+                )
             self.sync_sampler(module)
         self._rng_to_restore = state["rng"]
         self._replay_history_into_csv(trainer)
@@ -236,7 +264,7 @@ class StepSequence:
             restore_rng(self._rng_to_restore)
             self._rng_to_restore = None
 
-    def on_train_end(self, trainer: L.Trainer, module: "GRPOModule") -> None:
+    def on_train_end(self, trainer: L.Trainer, module: GRPOModule) -> None:
         """A last checkpoint and a last evaluation, unless the last step just had them."""
         step = module.rollout_step
         if self.checkpointer is not None and self.checkpointer.due_at_end(trainer, step):

@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import inspect
 import math
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Optional
 
 import torch
 
@@ -33,9 +34,20 @@ from lit_grpo.registry import lookup
 from lit_grpo.types import RolloutSample
 
 __all__ = [
-    "ADVANTAGES", "ADVANTAGE_SCALES", "Advantage", "AdvantageSpec", "advantage_defaults", "advantage_param_problems",
-    "available_advantages", "check_advantage_params", "compute", "get_advantage", "group_advantages", "make_advantage",
-    "ragged_group_advantages", "register_advantage",
+    "ADVANTAGES",
+    "ADVANTAGE_SCALES",
+    "Advantage",
+    "AdvantageSpec",
+    "advantage_defaults",
+    "advantage_param_problems",
+    "available_advantages",
+    "check_advantage_params",
+    "compute",
+    "get_advantage",
+    "group_advantages",
+    "make_advantage",
+    "ragged_group_advantages",
+    "register_advantage",
 ]
 
 _STD_FLOOR = 1e-8
@@ -111,8 +123,14 @@ class AdvantageSpec:
 ADVANTAGES: dict[str, AdvantageSpec] = {}
 
 
-def register_advantage(name: str, *, per_token: bool = False, group_signal: Optional[Callable[..., bool]] = None,
-                       checks: Optional[Mapping[str, ParamCheck]] = None, **defaults: Any) -> Callable:
+def register_advantage(
+    name: str,
+    *,
+    per_token: bool = False,
+    group_signal: Optional[Callable[..., bool]] = None,
+    checks: Optional[Mapping[str, ParamCheck]] = None,
+    **defaults: Any,
+) -> Callable:
     """Decorator registering an advantage estimator under `name` with its default hyper-parameters
     (each a keyword argument of the function: checked now, so a typo fails at import)."""
     if name in ADVANTAGES:
@@ -159,7 +177,9 @@ def advantage_param_problems(name: str, params: Mapping[str, Any]) -> list[tuple
         default = spec.defaults[key]
         if isinstance(default, bool) and not isinstance(value, bool):
             problems.append((key, f"must be true or false, got {value!r}"))
-        elif isinstance(default, float) and (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)):
+        elif isinstance(default, float) and (
+            isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+        ):
             problems.append((key, f"must be a finite number, got {value!r}"))
         elif key in spec.checks and (why := spec.checks[key](value)):
             problems.append((key, why))
@@ -189,7 +209,9 @@ class Advantage:
         out = self.spec.fn(torch.tensor([float(r) for r in rewards], dtype=torch.float64), **self.params)
         out = torch.as_tensor(out).to(torch.float32)
         if tuple(out.shape) != (len(rewards),):
-            raise ValueError(f"advantage {self.spec.name!r} returned shape {tuple(out.shape)} for {len(rewards)} rewards")
+            raise ValueError(
+                f"advantage {self.spec.name!r} returned shape {tuple(out.shape)} for {len(rewards)} rewards"
+            )
         return out.tolist()
 
     def token_advantages(self, runs: Runs) -> list[list[float]]:
@@ -255,9 +277,15 @@ def _igpo_signal(runs: Runs, *, gamma: float, skip_last_ig: bool, eps: float) ->
     return has_turn_signal(runs, _igpo_settings(gamma, skip_last_ig, eps))
 
 
-@register_advantage("igpo", per_token=True, group_signal=_igpo_signal,
-                    checks={"gamma": lambda g: None if 0.0 <= g <= 1.0 else f"must be in [0, 1], got {g}", "eps": _positive},
-                    gamma=DEFAULT_GAMMA, skip_last_ig=False, eps=1e-6)
+@register_advantage(
+    "igpo",
+    per_token=True,
+    group_signal=_igpo_signal,
+    checks={"gamma": lambda g: None if 0.0 <= g <= 1.0 else f"must be in [0, 1], got {g}", "eps": _positive},
+    gamma=DEFAULT_GAMMA,
+    skip_last_ig=False,
+    eps=1e-6,
+)
 def igpo_advantages(runs: Runs, *, gamma: float, skip_last_ig: bool, eps: float) -> list[list[float]]:
     """IGPO's turn credit (`lit_grpo.maths.igpo.group_token_advantages`): the group's information
     gains (each segment's `turn_rewards`) and its outcomes (the runs' rewards) z-normalized apart

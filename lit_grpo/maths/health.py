@@ -13,7 +13,8 @@ are equal and every drift metric is 0 (up to float noise).
 from __future__ import annotations
 
 import re
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -34,8 +35,9 @@ def drift_tis_cap(loss_name: str, hyperparams: Mapping[str, Any]) -> float:
     return float(policy_loss_defaults(loss_name).get("tis_cap", _TIS_DEFAULTS["tis_cap"]))
 
 
-def drift_metrics(trainer_logprobs_BT: torch.Tensor, sampler_logprobs_BT: torch.Tensor, mask_BT: torch.Tensor,
-                  *, tis_cap: float) -> dict[str, torch.Tensor]:
+def drift_metrics(
+    trainer_logprobs_BT: torch.Tensor, sampler_logprobs_BT: torch.Tensor, mask_BT: torch.Tensor, *, tis_cap: float
+) -> dict[str, torch.Tensor]:
     """Token means, over the tokens where `mask` is 1, of the trainer–sampler drift:
 
     - `drift/k1` = mean(π_sampler − π_trainer): the naive (k1) estimate of KL(sampler ‖ trainer)
@@ -50,11 +52,14 @@ def drift_metrics(trainer_logprobs_BT: torch.Tensor, sampler_logprobs_BT: torch.
     Every value is 0 when no token is masked in. Detached scalars.
     Shapes: [B, T], [B, T], [B, T] -> dict of [].
     """
-    return masked_means(drift_per_token(trainer_logprobs_BT, sampler_logprobs_BT, mask_BT, tis_cap=tis_cap), mask_BT.float())
+    return masked_means(
+        drift_per_token(trainer_logprobs_BT, sampler_logprobs_BT, mask_BT, tis_cap=tis_cap), mask_BT.float()
+    )
 
 
-def drift_per_token(trainer_logprobs_BT: torch.Tensor, sampler_logprobs_BT: torch.Tensor, mask_BT: torch.Tensor,
-                    *, tis_cap: float) -> dict[str, torch.Tensor]:
+def drift_per_token(
+    trainer_logprobs_BT: torch.Tensor, sampler_logprobs_BT: torch.Tensor, mask_BT: torch.Tensor, *, tis_cap: float
+) -> dict[str, torch.Tensor]:
     """The per-token terms whose masked means are `drift_metrics` (for a caller that reduces them
     with other metrics in one `masked_means`); 0 on masked-out positions except the cap flag,
     which the mask removes. Shapes: [B, T] each -> dict of [B, T]."""

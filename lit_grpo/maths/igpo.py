@@ -15,8 +15,9 @@ advantage of that turn's tokens (`turn_token_advantages`, `group_token_advantage
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Optional, Sequence
+from typing import Optional
 
 from lit_grpo.types import RolloutSample
 
@@ -76,8 +77,14 @@ def zscores(values: Sequence[float], eps: float) -> list[float]:
     return [(v - mean) / (std + eps) for v in values]
 
 
-def turn_advantages(ig_rewards_per_rollout: list[list[float]], outcome_rewards: list[float], gamma: float = DEFAULT_GAMMA,
-                    eps: float = 1e-6, skip_last_ig: bool = False, outcome_per_turn: bool = False) -> list[list[float]]:
+def turn_advantages(
+    ig_rewards_per_rollout: list[list[float]],
+    outcome_rewards: list[float],
+    gamma: float = DEFAULT_GAMMA,
+    eps: float = 1e-6,
+    skip_last_ig: bool = False,
+    outcome_per_turn: bool = False,
+) -> list[list[float]]:
     """Per-turn advantages of one prompt group's G rollouts (rollout i has T_i >= 1 turns).
 
         zIG   = zscores of every IG_{i,t} of the group, all turns of all rollouts flattened
@@ -92,26 +99,38 @@ def turn_advantages(ig_rewards_per_rollout: list[list[float]], outcome_rewards: 
     is a 0 inside the IG pool. Shapes: [G][T_i], [G] -> [G][T_i].
     """
     if len(ig_rewards_per_rollout) != len(outcome_rewards):
-        raise ValueError(f"{len(ig_rewards_per_rollout)} rollouts of IG rewards but {len(outcome_rewards)} outcome rewards")
+        raise ValueError(
+            f"{len(ig_rewards_per_rollout)} rollouts of IG rewards but {len(outcome_rewards)} outcome rewards"
+        )
     if any(len(ig) == 0 for ig in ig_rewards_per_rollout):
         raise ValueError("every rollout needs at least one turn")
     if outcome_per_turn:
         return _cookbook_turn_advantages(ig_rewards_per_rollout, outcome_rewards, gamma, eps, skip_last_ig)
-    scored = [(i, t) for i, ig in enumerate(ig_rewards_per_rollout) for t in range(len(ig))
-              if not (skip_last_ig and t == len(ig) - 1)]
+    scored = [
+        (i, t)
+        for i, ig in enumerate(ig_rewards_per_rollout)
+        for t in range(len(ig))
+        if not (skip_last_ig and t == len(ig) - 1)
+    ]
     z_ig = dict(zip(scored, zscores([ig_rewards_per_rollout[i][t] for i, t in scored], eps)))
     z_out = zscores([float(r) for r in outcome_rewards], eps)
-    combined = [[z_ig.get((i, t), 0.0) + (z_out[i] if t == len(ig) - 1 else 0.0) for t in range(len(ig))]
-                for i, ig in enumerate(ig_rewards_per_rollout)]
+    combined = [
+        [z_ig.get((i, t), 0.0) + (z_out[i] if t == len(ig) - 1 else 0.0) for t in range(len(ig))]
+        for i, ig in enumerate(ig_rewards_per_rollout)
+    ]
     return [discounted_returns(c, gamma) for c in combined]
 
 
-def _cookbook_turn_advantages(ig_rewards: list[list[float]], outcome_rewards: list[float], gamma: float, eps: float,
-                              skip_last_ig: bool) -> list[list[float]]:
+def _cookbook_turn_advantages(
+    ig_rewards: list[list[float]], outcome_rewards: list[float], gamma: float, eps: float, skip_last_ig: bool
+) -> list[list[float]]:
     """The cookbook's normalization (see `turn_advantages`, `outcome_per_turn`)."""
     ig = [[0.0 if skip_last_ig and t == len(row) - 1 else v for t, v in enumerate(row)] for row in ig_rewards]
     outcome = [[0.0] * (len(row) - 1) + [float(r)] for row, r in zip(ig, outcome_rewards)]
-    z_ig, z_out = iter(zscores([v for row in ig for v in row], eps)), iter(zscores([v for row in outcome for v in row], eps))
+    z_ig, z_out = (
+        iter(zscores([v for row in ig for v in row], eps)),
+        iter(zscores([v for row in outcome for v in row], eps)),
+    )
     return [discounted_returns([next(z_ig) + next(z_out) for _ in row], gamma) for row in ig]
 
 
@@ -125,7 +144,9 @@ def discounted_returns(rewards: Sequence[float], gamma: float) -> list[float]:
     return returns[::-1]
 
 
-def turn_token_advantages(turn_values: Sequence[float], turn_spans: Sequence[tuple[int, int]], num_tokens: int) -> list[float]:
+def turn_token_advantages(
+    turn_values: Sequence[float], turn_spans: Sequence[tuple[int, int]], num_tokens: int
+) -> list[float]:
     """One value per token: turn k's value on tokens [start_k, end_k) of its span, 0 elsewhere
     (prompt, tool replies: masked out of the loss anyway). Shapes: [K], [K] spans -> [num_tokens]."""
     if len(turn_values) != len(turn_spans):
@@ -141,7 +162,9 @@ def run_turn_rewards(run: Sequence[RolloutSample]) -> list[float]:
     return [float(r) for s in run for r in s.turn_rewards]
 
 
-def group_token_advantages(runs: list[list[RolloutSample]], settings: Optional[IGPOSettings] = None) -> list[list[float]]:
+def group_token_advantages(
+    runs: list[list[RolloutSample]], settings: Optional[IGPOSettings] = None
+) -> list[list[float]]:
     """Per-token advantages of one group's samples (run after run, segment after segment), from
     each segment's `turn_spans` and `turn_rewards` (the IG of each turn) and the run's reward
     (the outcome). A run's turns are its segments' turns in order: returns are discounted across
@@ -150,8 +173,10 @@ def group_token_advantages(runs: list[list[RolloutSample]], settings: Optional[I
     for run in runs:
         for s in run:
             if s.turn_spans is None or s.turn_rewards is None:
-                raise ValueError("advantage=igpo needs every RolloutSample to report its turns "
-                                 "(turn_spans, and turn_rewards: each turn's information gain)")
+                raise ValueError(
+                    "advantage=igpo needs every RolloutSample to report its turns "
+                    "(turn_spans, and turn_rewards: each turn's information gain)"
+                )
     ig = [run_turn_rewards(run) for run in runs]
     returns = turn_advantages(ig, [run[0].reward for run in runs], settings.gamma, settings.eps, settings.skip_last_ig)
     per_sample: list[list[float]] = []
@@ -177,7 +202,9 @@ def has_turn_signal(runs: Sequence[Sequence[RolloutSample]], settings: Optional[
     if any(s.turn_rewards is None for run in runs for s in run):
         return False
     gains = [run_turn_rewards(run)[: -1 if settings.skip_last_ig else None] for run in runs]
-    return any(len(g) != len(gains[0]) or any(abs(a - b) > settings.eps for a, b in zip(g, gains[0])) for g in gains[1:])
+    return any(
+        len(g) != len(gains[0]) or any(abs(a - b) > settings.eps for a, b in zip(g, gains[0])) for g in gains[1:]
+    )
 
 
 def turn_metric_values(runs: Iterable[list[RolloutSample]]) -> dict[str, list[float]]:
@@ -193,7 +220,9 @@ def turn_metric_values(runs: Iterable[list[RolloutSample]]) -> dict[str, list[fl
     """
     values: dict[str, list[float]] = {}
     for run in runs:
-        if run[0].turn_rewards is None or any(s.turn_rewards is None for s in run):  # the first alone: no generator per run
+        if run[0].turn_rewards is None or any(
+            s.turn_rewards is None for s in run
+        ):  # the first alone: no generator per run
             continue
         gains = run_turn_rewards(run)
         values.setdefault("igpo/turns", []).append(float(len(gains)))

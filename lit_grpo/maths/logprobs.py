@@ -17,7 +17,8 @@ one in the backward. The entropy is detached (it is a metric, never differentiat
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterator
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -51,7 +52,9 @@ def _row_spans(start: int, stop: int, seq_len: int) -> Iterator[tuple[int, int, 
         row += n
 
 
-def _load_scaled_chunk(logits_BTV: torch.Tensor, start: int, stop: int, temperature: float, out_CV: torch.Tensor) -> torch.Tensor:
+def _load_scaled_chunk(
+    logits_BTV: torch.Tensor, start: int, stop: int, temperature: float, out_CV: torch.Tensor
+) -> torch.Tensor:
     """`logits.float() / temperature` for flattened rows `[start, stop)`, written into `out_CV`.
 
     Shapes: logits `[B, T, V]`, out `[chunk_rows, V]` float32 -> a `[stop - start, V]` view of out.
@@ -71,7 +74,6 @@ def _store_chunk(chunk_CV: torch.Tensor, grad_BTV: torch.Tensor, start: int, sto
     grad_BTV.view(-1, grad_BTV.shape[-1])[start:stop].copy_(chunk_CV[: stop - start])
 
 
-
 def _chunk_forward(scaled_CV: torch.Tensor, targets_C: torch.Tensor, work_CV: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Selected logprob, entropy, max and log-sum-exp (of the max-shifted row) of each row of a chunk.
 
@@ -89,8 +91,14 @@ def _chunk_forward(scaled_CV: torch.Tensor, targets_C: torch.Tensor, work_CV: to
     return selected_C, entropy_C, row_max_C1[:, 0], log_sum_exp_C1[:, 0]
 
 
-def _chunk_grad(scaled_CV: torch.Tensor, targets_C: torch.Tensor, row_max_C: torch.Tensor, log_sum_exp_C: torch.Tensor,
-               grad_C: torch.Tensor, temperature: float) -> torch.Tensor:
+def _chunk_grad(
+    scaled_CV: torch.Tensor,
+    targets_C: torch.Tensor,
+    row_max_C: torch.Tensor,
+    log_sum_exp_C: torch.Tensor,
+    grad_C: torch.Tensor,
+    temperature: float,
+) -> torch.Tensor:
     """Gradient of `sum(grad * selected logprob)` with respect to a chunk of (unscaled) logits.
 
     `(g * onehot(target) - g * softmax) / temperature`, computed in place in `scaled_CV`, with the
@@ -119,7 +127,9 @@ class _SelectedLogprobs(torch.autograd.Function):
             stop = min(start + chunk_rows, n_rows)
             rows = slice(start, stop)
             chunk_CV = _load_scaled_chunk(logits_BTV, start, stop, temperature, scaled_CV)
-            selected_C, entropy_C, row_max_N[rows], log_sum_exp_N[rows] = _chunk_forward(chunk_CV, targets_N[rows], work_CV[: stop - start])
+            selected_C, entropy_C, row_max_N[rows], log_sum_exp_N[rows] = _chunk_forward(
+                chunk_CV, targets_N[rows], work_CV[: stop - start]
+            )
             selected_BT.view(n_rows)[rows], entropy_BT.view(n_rows)[rows] = selected_C, entropy_C
         ctx.save_for_backward(logits_BTV, targets_N, row_max_N, log_sum_exp_N)
         ctx.temperature, ctx.chunk_rows = temperature, chunk_rows
@@ -142,13 +152,16 @@ class _SelectedLogprobs(torch.autograd.Function):
             stop = min(start + chunk_rows, n_rows)
             rows = slice(start, stop)
             chunk_CV = _load_scaled_chunk(logits_BTV, start, stop, ctx.temperature, scaled_CV)
-            grad_CV = _chunk_grad(chunk_CV, targets_N[rows], row_max_N[rows], log_sum_exp_N[rows], grad_N[rows], ctx.temperature)
+            grad_CV = _chunk_grad(
+                chunk_CV, targets_N[rows], row_max_N[rows], log_sum_exp_N[rows], grad_N[rows], ctx.temperature
+            )
             _store_chunk(grad_CV, grad_logits_BTV, start, stop)
         return grad_logits_BTV, None, None, None
 
 
-def selected_logprobs_and_entropy(logits_BTV: torch.Tensor, targets_BT: torch.Tensor, temperature: float = 1.0,
-                                  chunk_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def selected_logprobs_and_entropy(
+    logits_BTV: torch.Tensor, targets_BT: torch.Tensor, temperature: float = 1.0, chunk_rows: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Logprob of each target token and the entropy of each position's tempered distribution.
 
     Equals `log_softmax(logits.float() / temperature, -1).gather(-1, targets[..., None])[..., 0]`
@@ -162,14 +175,18 @@ def selected_logprobs_and_entropy(logits_BTV: torch.Tensor, targets_BT: torch.Te
     (`[B, T]` float32, `[B, T]` float32).
     """
     if logits_BTV.dim() != 3 or targets_BT.shape != logits_BTV.shape[:2]:
-        raise ValueError(f"logits [B, T, V] and targets [B, T] expected, got {tuple(logits_BTV.shape)} and {tuple(targets_BT.shape)}")
+        raise ValueError(
+            f"logits [B, T, V] and targets [B, T] expected, got {tuple(logits_BTV.shape)} and {tuple(targets_BT.shape)}"
+        )
     rows = chunk_rows if chunk_rows is not None else default_chunk_rows(logits_BTV.shape[-1])
     if rows < 1:
         raise ValueError(f"chunk_rows must be positive, got {rows}")
     return _SelectedLogprobs.apply(logits_BTV, targets_BT.long(), float(temperature), rows)
 
 
-def token_logprobs(model: "PreTrainedModel", tokens_BT: torch.Tensor, attention_mask_BT: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+def token_logprobs(
+    model: PreTrainedModel, tokens_BT: torch.Tensor, attention_mask_BT: torch.Tensor, temperature: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Next-token logprobs of each token and the policy's entropy at each position.
 
     A forward over T tokens predicts T-1 of them: position t of the output scores token t+1.

@@ -6,7 +6,7 @@ registered variants from them; the formulas are tabled in docs/guides/policy-los
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -20,8 +20,9 @@ registers the loss) first, so a user's loss is usable from the config alone.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import torch
 
@@ -114,7 +115,8 @@ def register_policy_loss(
             if missing:
                 raise TypeError(f"policy loss {name!r}: {fn.__name__} must accept keyword(s) {', '.join(missing)}")
         takes_sampler = "sampler_logprobs" in params and params["sampler_logprobs"].kind in (
-            inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD
+            inspect.Parameter.KEYWORD_ONLY,
+            inspect.Parameter.POSITIONAL_OR_KEYWORD,
         )
         POLICY_LOSSES[name] = PolicyLossSpec(
             name=name, fn=fn, defaults=defaults, uses_tis=uses_tis, takes_sampler_logprobs=takes_sampler
@@ -213,7 +215,10 @@ def per_token_policy_loss(
         tensors["sampler_logprobs"] = sampler_BT
 
     loss_BT, variant_metrics = spec.fn(**tensors, **params)
-    metrics = {"clip_frac": torch.zeros((), dtype=logprobs.dtype, device=logprobs.device), **masked_means(per_token, mask_BT)}
+    metrics = {
+        "clip_frac": torch.zeros((), dtype=logprobs.dtype, device=logprobs.device),
+        **masked_means(per_token, mask_BT),
+    }
     metrics.update(variant_metrics)
     if kl_beta > 0:
         kl_BT = k3(torch.where(keep_BT, ref_logprobs.detach(), 0.0), logprobs)

@@ -13,7 +13,13 @@ import string
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    PreTrainedTokenizerFast,
+)
 
 from lit_grpo.config import ModelConfig
 from lit_grpo.errors import UserError
@@ -64,7 +70,9 @@ def build_char_tokenizer(alphabet: str = "printable") -> PreTrainedTokenizerFast
     return tokenizer
 
 
-def build_tiny_model(cfg: ModelConfig, vocab_size: int, seed: int, tokenizer: PreTrainedTokenizerBase) -> PreTrainedModel:
+def build_tiny_model(
+    cfg: ModelConfig, vocab_size: int, seed: int, tokenizer: PreTrainedTokenizerBase
+) -> PreTrainedModel:
     """A random-init Qwen2 causal LM sized by `cfg`, initialised from `seed`."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -149,7 +157,13 @@ def build_policy_skeleton(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, 
     return AutoModelForCausalLM.from_config(config, dtype=DTYPES[cfg.dtype], trust_remote_code=cfg.trust_remote_code)
 
 
-def save_pretrained(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out_dir: str | os.PathLike, *, state_dict: dict | None = None) -> Path:
+def save_pretrained(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    out_dir: str | os.PathLike,
+    *,
+    state_dict: dict | None = None,
+) -> Path:
     """Write model (safetensors) + config + tokenizer so `from_pretrained(out_dir)` loads them;
     `state_dict` (e.g. gathered from shards) replaces the model's own tensors."""
     from transformers.utils import logging as hf_logging

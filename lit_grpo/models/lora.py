@@ -16,13 +16,12 @@ peft is imported only when LoRA is on (it is an optional dependency).
 from __future__ import annotations
 
 import sys
-from typing import Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
 
-from lit_grpo.config import ConfigError
-from lit_grpo.config import LoraConfig
+from lit_grpo.config import ConfigError, LoraConfig
 
 ADAPTER = "default"  # peft's name for the one adapter get_peft_model adds
 PEFT_PREFIX = "base_model.model."  # what PeftModel puts before the base model's names
@@ -37,21 +36,29 @@ def apply_lora(policy: nn.Module, cfg: LoraConfig, seed: int) -> nn.Module:
     when no layer matches, or a matched layer is not a linear one (only those merge by name here).
     """
     try:
-        from peft import LoraConfig as PeftLoraConfig, get_peft_model
-        from peft.tuners.lora import Linear as LoraLinear, LoraLayer
+        from peft import LoraConfig as PeftLoraConfig
+        from peft import get_peft_model
+        from peft.tuners.lora import Linear as LoraLinear
+        from peft.tuners.lora import LoraLayer
     except ImportError as err:
         raise ImportError(f"model.lora.rank > 0 needs peft: pip install peft ({err})") from None
     targets = cfg.target_modules if isinstance(cfg.target_modules, str) else list(cfg.target_modules)
-    peft_cfg = PeftLoraConfig(r=cfg.rank, lora_alpha=cfg.scale_alpha(), lora_dropout=0.0, target_modules=targets, bias="none")
+    peft_cfg = PeftLoraConfig(
+        r=cfg.rank, lora_alpha=cfg.scale_alpha(), lora_dropout=0.0, target_modules=targets, bias="none"
+    )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         try:
             model = get_peft_model(policy, peft_cfg)
         except ValueError as err:  # no target module found in the model
             raise ConfigError(f"config field `model.lora.target_modules`: {err}") from None
-    others = sorted({type(m).__name__ for m in model.modules() if isinstance(m, LoraLayer) and not isinstance(m, LoraLinear)})
+    others = sorted(
+        {type(m).__name__ for m in model.modules() if isinstance(m, LoraLayer) and not isinstance(m, LoraLinear)}
+    )
     if others:
-        raise ConfigError(f"config field `model.lora.target_modules`: adapters on linear layers only, these are {', '.join(others)}")
+        raise ConfigError(
+            f"config field `model.lora.target_modules`: adapters on linear layers only, these are {', '.join(others)}"
+        )
     return model
 
 
@@ -74,7 +81,7 @@ class AdapterFreeView:
         with self._policy.disable_adapter():
             return self._policy(*args, **kwargs)
 
-    def eval(self) -> "AdapterFreeView":
+    def eval(self) -> AdapterFreeView:
         return self  # the policy's own mode applies (GRPOModule keeps it in eval)
 
 
@@ -83,7 +90,7 @@ def _clean(name: str) -> str:
     for part in _WRAPPER_PARTS:
         name = name.replace(part, "")
     while name.startswith("module."):
-        name = name[len("module."):]
+        name = name[len("module.") :]
     return name
 
 
@@ -98,18 +105,23 @@ def lora_layers(model: nn.Module, prefix: str = "") -> dict[str, tuple[float, bo
     for name, module in model.named_modules():
         name = _clean(name)
         if isinstance(module, LoraLayer) and name.startswith(prefix) and ADAPTER in module.scaling:
-            layers[name[len(prefix):]] = (float(module.scaling[ADAPTER]), bool(getattr(module, "fan_in_fan_out", False)))
+            layers[name[len(prefix) :]] = (
+                float(module.scaling[ADAPTER]),
+                bool(getattr(module, "fan_in_fan_out", False)),
+            )
     return layers
 
 
 def base_name(name: str) -> str:
     """A peft state-dict name as the base model's: `base_model.model.x.q_proj.base_layer.weight` -> `x.q_proj.weight`."""
     if name.startswith(PEFT_PREFIX):
-        name = name[len(PEFT_PREFIX):]
+        name = name[len(PEFT_PREFIX) :]
     return name.replace(".base_layer.", ".")
 
 
-def merged_weight(weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scaling: float, fan_in_fan_out: bool) -> torch.Tensor:
+def merged_weight(
+    weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scaling: float, fan_in_fan_out: bool
+) -> torch.Tensor:
     """W + scale·B·A as peft's merge computes it (`get_delta_weight`, float32 on CPU for half dtypes)."""
     half_on_cpu = lora_b.device.type == "cpu" and lora_b.dtype in (torch.float16, torch.bfloat16)
     a, b = (lora_a.float(), lora_b.float()) if half_on_cpu else (lora_a, lora_b)
@@ -118,7 +130,9 @@ def merged_weight(weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tens
     return weight + delta.to(device=weight.device, dtype=weight.dtype)
 
 
-def merged_lora_tensors(named: Iterable[tuple[str, torch.Tensor]], layers: dict[str, tuple[float, bool]]) -> Iterator[tuple[str, torch.Tensor]]:
+def merged_lora_tensors(
+    named: Iterable[tuple[str, torch.Tensor]], layers: dict[str, tuple[float, bool]]
+) -> Iterator[tuple[str, torch.Tensor]]:
     """The base model's `(name, tensor)` pairs from a peft model's: adapted weights merged, names un-wrapped.
 
     `layers` is `lora_layers(...)` with the same naming as `named`. A layer's base weight is held
@@ -128,7 +142,9 @@ def merged_lora_tensors(named: Iterable[tuple[str, torch.Tensor]], layers: dict[
     suffixes = {f".lora_A.{ADAPTER}.weight": "A", f".lora_B.{ADAPTER}.weight": "B", ".base_layer.weight": "W"}
     pending: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in named:
-        part = next(((name[: -len(s)], p) for s, p in suffixes.items() if name.endswith(s) and name[: -len(s)] in layers), None)
+        part = next(
+            ((name[: -len(s)], p) for s, p in suffixes.items() if name.endswith(s) and name[: -len(s)] in layers), None
+        )
         if part is None:
             if ".lora_" not in name:  # adapters of another name or kind are not part of the base model
                 yield base_name(name), tensor

@@ -27,7 +27,8 @@ exchange for a rule that needs no rank to agree with another about which tensors
 
 from __future__ import annotations
 
-from typing import Iterator, Optional
+from collections.abc import Iterator
+from typing import Optional
 
 import torch
 from torch import nn

@@ -7,7 +7,15 @@ Built-ins: `arithmetic` (the demo's leading-number match), `gsm8k` (final-number
 
 from lit_grpo.rewards import arithmetic, exact_match, gsm8k  # noqa: F401  (registers the built-ins)
 from lit_grpo.rewards.combine import WeightedReward, build_reward, score_with_parts
-from lit_grpo.rewards.registry import REWARDS, RewardFn, RewardRowError, available_rewards, get_reward, register_reward, reward_name
+from lit_grpo.rewards.registry import (
+    REWARDS,
+    RewardFn,
+    RewardRowError,
+    available_rewards,
+    get_reward,
+    register_reward,
+    reward_name,
+)
 
 __all__ = [
     "REWARDS", "RewardFn", "RewardRowError", "WeightedReward", "available_rewards", "build_reward", "get_reward",

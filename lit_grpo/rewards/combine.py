@@ -8,7 +8,8 @@ beside `reward/mean` of the sum.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Callable, Optional
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Optional
 
 from lit_grpo.rewards.registry import RewardFn, get_reward, reward_name
 
@@ -40,7 +41,9 @@ class WeightedReward:
             try:
                 value = float(value)
             except (TypeError, ValueError):  # a bug in the reward: stops the run with this message
-                raise TypeError(f"reward {name!r} returned {type(value).__name__} {str(value)[:40]!r}, not a number or None") from None
+                raise TypeError(
+                    f"reward {name!r} returned {type(value).__name__} {str(value)[:40]!r}, not a number or None"
+                ) from None
             parts[f"reward/{name}"] = value
             total += weight * value
         if not parts:
@@ -66,14 +69,16 @@ def component_names(specs: list[str]) -> list[str]:
     return [reward_name(s) for s in specs]
 
 
-def build_reward(cfg: "RewardConfig", task_reward: Callable[[], RewardFn], task_name: str) -> RewardFn:
+def build_reward(cfg: RewardConfig, task_reward: Callable[[], RewardFn], task_name: str) -> RewardFn:
     """The run's reward: the task's (`task_reward()`) when `reward.fn` and `reward.weights` are
     null, else a `WeightedReward` of `reward.fn`'s components (the task's alone when only the
     weights are set)."""
     specs = cfg.specs()
     if not specs and cfg.weights is None:
         return task_reward()
-    components = [(n, get_reward(s)) for n, s in zip(component_names(specs), specs)] if specs else [(task_name, task_reward())]
+    components = (
+        [(n, get_reward(s)) for n, s in zip(component_names(specs), specs)] if specs else [(task_name, task_reward())]
+    )
     weights = cfg.weights if cfg.weights is not None else [1.0] * len(components)
     return WeightedReward(components, weights)
 

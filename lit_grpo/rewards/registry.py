@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import inspect
 import sys
-from typing import Callable, Optional
+from collections.abc import Callable
+from typing import Optional
 
 from lit_grpo.config import ConfigError
 from lit_grpo.errors import UserError, import_user_object
@@ -56,8 +57,10 @@ def get_reward(spec: str, field: str = "reward.fn") -> RewardFn:
     names = available_rewards()
     if ":" not in spec:
         if spec not in REWARDS:
-            raise ConfigError(f"config field `{field}`: unknown reward {spec!r}; registered: {', '.join(names)}, "
-                              "or 'module:function' for one of your own")
+            raise ConfigError(
+                f"config field `{field}`: unknown reward {spec!r}; registered: {', '.join(names)}, "
+                "or 'module:function' for one of your own"
+            )
         return REWARDS[spec]
     module_name, _, attr = spec.rpartition(":")
     try:

@@ -1,12 +1,12 @@
 """Rows to training batches: the row cursor, the pure pipeline, the group sampler and the two schedulers.
 
-    cursor.py      RowCursor: this rank's disjoint, seeded, resumable share of the rows
-    pipeline.py    pure functions: checks, group verdicts, advantages and padding, rollout metrics
-    groups.py      GroupSampler: the G rollout calls of a row, the circuit breaker, drop counts
-    schedulers.py  the Scheduler interface and SynchronousScheduler
-    offpolicy.py   OffPolicyScheduler: the off-policy gate, sampling on a background loop
-    checks.py      what makes a sample malformed; the circuit breaker; the no-progress guard
-    deadlines.py   each rollout call's deadline and retries; a blocked event loop detected and named
+cursor.py      RowCursor: this rank's disjoint, seeded, resumable share of the rows
+pipeline.py    pure functions: checks, group verdicts, advantages and padding, rollout metrics
+groups.py      GroupSampler: the G rollout calls of a row, the circuit breaker, drop counts
+schedulers.py  the Scheduler interface and SynchronousScheduler
+offpolicy.py   OffPolicyScheduler: the off-policy gate, sampling on a background loop
+checks.py      what makes a sample malformed; the circuit breaker; the no-progress guard
+deadlines.py   each rollout call's deadline and retries; a blocked event loop detected and named
 """
 
 from lit_grpo.rollouts.checks import NoProgressError, RolloutCircuitOpen
@@ -18,7 +18,18 @@ from lit_grpo.rollouts.pipeline import GroupFilter, collate_groups, make_batch, 
 from lit_grpo.rollouts.schedulers import Scheduler, StepGroups, SynchronousScheduler
 
 __all__ = [
-    "GroupFilter", "GroupSampler", "NoProgressError", "OffPolicyScheduler", "RolloutCircuitOpen", "RolloutStalled",
-    "RolloutTimeout", "RowCursor", "Scheduler", "StepGroups", "SynchronousScheduler", "collate_groups", "make_batch",
+    "GroupFilter",
+    "GroupSampler",
+    "NoProgressError",
+    "OffPolicyScheduler",
+    "RolloutCircuitOpen",
+    "RolloutStalled",
+    "RolloutTimeout",
+    "RowCursor",
+    "Scheduler",
+    "StepGroups",
+    "SynchronousScheduler",
+    "collate_groups",
+    "make_batch",
     "rollout_metrics",
 ]

@@ -25,51 +25,80 @@ LOGPROB_TOLERANCE = 1e-4
 
 # reason -> (what happened, what to check when it is why no group was accepted)
 DROP_REASONS: dict[str, tuple[str, str]] = {
-    "none": ("the rollout returned None",
-             "the rollout function returns None for every sample: check when it gives up (an empty completion, "
-             "a reward it could not compute, a parse failure)"),
-    "not_a_sample": ("not a RolloutSample",
-                     "a rollout function must return lit_grpo.types.RolloutSample(tokens, logprobs, loss_mask, reward), "
-                     "a RolloutRun(segments=[RolloutSample, ...]) or None"),
+    "none": (
+        "the rollout returned None",
+        "the rollout function returns None for every sample: check when it gives up (an empty completion, "
+        "a reward it could not compute, a parse failure)",
+    ),
+    "not_a_sample": (
+        "not a RolloutSample",
+        "a rollout function must return lit_grpo.types.RolloutSample(tokens, logprobs, loss_mask, reward), "
+        "a RolloutRun(segments=[RolloutSample, ...]) or None",
+    ),
     "empty_run": ("a RolloutRun with no segments", "RolloutRun.segments is a non-empty list of RolloutSample"),
-    "segment_rewards_differ": ("the segments of one RolloutRun carry different rewards",
-                               "a run has one trajectory-level reward: put the same reward on every segment"),
-    "not_a_list": ("tokens, logprobs or loss_mask is not a list",
-                   "RolloutSample.tokens, .logprobs and .loss_mask are lists with one entry per token"),
-    "length_mismatch": ("tokens, logprobs and loss_mask differ in length",
-                        "tokens, logprobs and loss_mask are parallel lists: one entry per token, 0.0 logprob and "
-                        "mask 0 on tokens that were not generated (lit_grpo.rollouts.rollout.Trajectory builds them)"),
-    "bad_mask": ("loss_mask holds values other than 0 and 1",
-                 "loss_mask is 1 on tokens the policy generated and is trained on, 0 elsewhere"),
+    "segment_rewards_differ": (
+        "the segments of one RolloutRun carry different rewards",
+        "a run has one trajectory-level reward: put the same reward on every segment",
+    ),
+    "not_a_list": (
+        "tokens, logprobs or loss_mask is not a list",
+        "RolloutSample.tokens, .logprobs and .loss_mask are lists with one entry per token",
+    ),
+    "length_mismatch": (
+        "tokens, logprobs and loss_mask differ in length",
+        "tokens, logprobs and loss_mask are parallel lists: one entry per token, 0.0 logprob and "
+        "mask 0 on tokens that were not generated (lit_grpo.rollouts.rollout.Trajectory builds them)",
+    ),
+    "bad_mask": (
+        "loss_mask holds values other than 0 and 1",
+        "loss_mask is 1 on tokens the policy generated and is trained on, 0 elsewhere",
+    ),
     "empty_mask": ("loss_mask trains on no token", "at least one token of a sample must have loss_mask 1"),
-    "bad_token": ("token ids that are not ints in [0, vocab)",
-                  "token ids must come from the policy's tokenizer (ints in [0, len(tokenizer)))"),
-    "bad_logprob": ("sampler logprobs that are not numbers, positive or non-finite on trained tokens",
-                    "logprobs are the sampler's log-probabilities of the generated tokens (finite, <= 0): take "
-                    "them from the Completion (sampling_logprobs), 0.0 on tokens that were not generated"),
-    "nonnumeric_reward": ("a reward that is not a number",
-                          "the reward must be a float (not a string, None or a bool): check the reward function"),
+    "bad_token": (
+        "token ids that are not ints in [0, vocab)",
+        "token ids must come from the policy's tokenizer (ints in [0, len(tokenizer)))",
+    ),
+    "bad_logprob": (
+        "sampler logprobs that are not numbers, positive or non-finite on trained tokens",
+        "logprobs are the sampler's log-probabilities of the generated tokens (finite, <= 0): take "
+        "them from the Completion (sampling_logprobs), 0.0 on tokens that were not generated",
+    ),
+    "nonnumeric_reward": (
+        "a reward that is not a number",
+        "the reward must be a float (not a string, None or a bool): check the reward function",
+    ),
     "nonfinite_reward": ("a NaN or infinite reward", "the reward must be finite: check the reward function"),
     "bad_metrics": ("metrics is not a dict", "RolloutSample.metrics maps a metric name to a float (or is left empty)"),
-    "bad_turns": ("turn_spans or turn_rewards malformed",
-                  "turn_spans are in-order, non-overlapping [start, end) ranges into tokens, one per assistant "
-                  "turn, and turn_rewards holds one finite number per span (both None when turns are not reported)"),
-    "too_long": ("prompt + completion longer than data.max_seq_len",
-                 "samples are longer than data.max_seq_len: raise it, or lower sampler.max_completion_tokens"),
-    "prompt_too_long": ("the prompt alone fills data.max_seq_len (never sampled)",
-                        "the prompts are at least data.max_seq_len tokens long: raise data.max_seq_len or drop "
-                        "the long rows"),
+    "bad_turns": (
+        "turn_spans or turn_rewards malformed",
+        "turn_spans are in-order, non-overlapping [start, end) ranges into tokens, one per assistant "
+        "turn, and turn_rewards holds one finite number per span (both None when turns are not reported)",
+    ),
+    "too_long": (
+        "prompt + completion longer than data.max_seq_len",
+        "samples are longer than data.max_seq_len: raise it, or lower sampler.max_completion_tokens",
+    ),
+    "prompt_too_long": (
+        "the prompt alone fills data.max_seq_len (never sampled)",
+        "the prompts are at least data.max_seq_len tokens long: raise data.max_seq_len or drop the long rows",
+    ),
 }
 GROUP_REASONS: dict[str, tuple[str, str]] = {
-    "failures": ("the rollout function raised",
-                         "the rollout function keeps raising: see the warning that names its error"),
-    "filtered_groups": ("a group filter rejected the group (the uniform-reward filter: all G rewards equal)",
-                                "every group's rewards are all equal, so no group carries a learning signal: a "
-                                "near-zero sampler.temperature makes the G samples identical; a task too hard "
-                                "(all 0) or too easy (all 1) does the same. Raise the temperature, change the "
-                                "task, or drop the filter (~callbacks.reward_filter) to train on them anyway"),
-    "small_group": ("fewer than data.min_group_size samples were left",
-                                    "too few samples of each row came back: see the drop reasons above"),
+    "failures": (
+        "the rollout function raised",
+        "the rollout function keeps raising: see the warning that names its error",
+    ),
+    "filtered_groups": (
+        "a group filter rejected the group (the uniform-reward filter: all G rewards equal)",
+        "every group's rewards are all equal, so no group carries a learning signal: a "
+        "near-zero sampler.temperature makes the G samples identical; a task too hard "
+        "(all 0) or too easy (all 1) does the same. Raise the temperature, change the "
+        "task, or drop the filter (~callbacks.reward_filter) to train on them anyway",
+    ),
+    "small_group": (
+        "fewer than data.min_group_size samples were left",
+        "too few samples of each row came back: see the drop reasons above",
+    ),
 }
 
 REASONS = {**DROP_REASONS, **GROUP_REASONS}
@@ -113,7 +142,9 @@ def check_sample(sample: object, max_seq_len: int, vocab_size: Optional[int] = N
     """`(reason, detail)` when `sample` cannot be trained on, else None. `reason` is a key of
     DROP_REASONS; `detail` shows what was wrong, for the warning."""
     if not isinstance(sample, RolloutSample):
-        shown = f"a {type(sample).__name__}" + (f" with keys {sorted(map(str, sample))[:6]}" if isinstance(sample, dict) else "")
+        shown = f"a {type(sample).__name__}" + (
+            f" with keys {sorted(map(str, sample))[:6]}" if isinstance(sample, dict) else ""
+        )
         return "not_a_sample", f"got {shown}"
     lists = {"tokens": sample.tokens, "logprobs": sample.logprobs, "loss_mask": sample.loss_mask}
     for name, value in lists.items():
@@ -161,8 +192,12 @@ def _turn_problem(sample: RolloutSample) -> Optional[str]:
         return f"{'no' if spans is None else len(spans)} turn_spans for {'no' if rewards is None else len(rewards)} turn_rewards"
     end = 0
     for span in spans:
-        if not (isinstance(span, (list, tuple)) and len(span) == 2 and all(_is_int(i) for i in span)
-                and end <= span[0] <= span[1] <= len(sample.tokens)):
+        if not (
+            isinstance(span, (list, tuple))
+            and len(span) == 2
+            and all(_is_int(i) for i in span)
+            and end <= span[0] <= span[1] <= len(sample.tokens)
+        ):
             return f"turn span {span!r} (after {end}, within {len(sample.tokens)} tokens)"
         end = span[1]
     if not all(_is_real(r) and math.isfinite(r) for r in rewards):
@@ -194,9 +229,14 @@ class CircuitBreaker:
         self.recent.append(failed)
         self.consecutive = self.consecutive + 1 if failed else 0
         rate = sum(self.recent) / len(self.recent)
-        if self.consecutive >= self.max_consecutive or (len(self.recent) == self.recent.maxlen and rate >= self.max_failure_rate):
-            hint = ("raise rollout_timeout_s if the rollouts are slow but sound" if isinstance(error, TimeoutError)
-                    else "fix the rollout function (or its environment) and resume")
+        if self.consecutive >= self.max_consecutive or (
+            len(self.recent) == self.recent.maxlen and rate >= self.max_failure_rate
+        ):
+            hint = (
+                "raise rollout_timeout_s if the rollouts are slow but sound"
+                if isinstance(error, TimeoutError)
+                else "fix the rollout function (or its environment) and resume"
+            )
             raise RolloutCircuitOpen(
                 f"rollout_fn failed {self.consecutive} times in a row and {sum(self.recent)} of the last "
                 f"{len(self.recent)} calls; last error: {error!r}. Training stops: {hint}."
@@ -238,7 +278,9 @@ class ProgressGuard:
             main = drops.most_common(1)[0][0]
         self.row_reasons[short_reason(main)] += 1
         if self.rows >= self.max_rows:
-            raise NoProgressError(self.message(f"the last {self.rows} rows sampled (max_rows_without_progress={self.max_rows})"))
+            raise NoProgressError(
+                self.message(f"the last {self.rows} rows sampled (max_rows_without_progress={self.max_rows})")
+            )
 
     def message(self, where: str) -> str:
         def describe(reason: str) -> str:

@@ -15,9 +15,12 @@ from __future__ import annotations
 
 import functools
 import inspect
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any, Optional
 
-CONTEXT_KEYWORDS = frozenset({"cursor_index", "row_index", "epoch", "rollout_idx", "sample_index", "end_of_epoch", "evaluation"})
+CONTEXT_KEYWORDS = frozenset(
+    {"cursor_index", "row_index", "epoch", "rollout_idx", "sample_index", "end_of_epoch", "evaluation"}
+)
 
 
 def declared_context(rollout_fn: Callable[..., Any]) -> frozenset[str]:
@@ -38,7 +41,9 @@ class RolloutCalls:
         self.rollout_fn = rollout_fn
         self.names = declared_context(rollout_fn)
 
-    def bound(self, call_index: int, context: Optional[dict] = None, *, evaluation: bool = False) -> Callable[[dict], Any]:
+    def bound(
+        self, call_index: int, context: Optional[dict] = None, *, evaluation: bool = False
+    ) -> Callable[[dict], Any]:
         """The callable for call `call_index` of a row with `context` (`epoch`, `row_index`, ...)."""
         if not self.names:
             return self.rollout_fn

@@ -21,7 +21,9 @@ Position = tuple[int, int]
 class RowCursor:
     """Rows in a seeded order per epoch, this rank's share; `(epoch, index)` is where to resume."""
 
-    def __init__(self, rows: list[dict], epochs: int, seed: int, shuffle: bool, *, rank: int = 0, world_size: int = 1) -> None:
+    def __init__(
+        self, rows: list[dict], epochs: int, seed: int, shuffle: bool, *, rank: int = 0, world_size: int = 1
+    ) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in a world of {world_size}")
         if len(rows) < world_size:
@@ -84,16 +86,29 @@ class RowCursor:
     def state_dict(self, unfinished: list[Position] = ()) -> dict:
         """The position to resume from; `unfinished` positions are served again first."""
         return {
-            "epoch": self.epoch, "index": self.index, "replay": sorted([*self.replay, *unfinished]),
-            "num_rows": len(self.rows), "seed": self.seed, "shuffle": self.shuffle,
-            "rank": self.rank, "world_size": self.world_size,
+            "epoch": self.epoch,
+            "index": self.index,
+            "replay": sorted([*self.replay, *unfinished]),
+            "num_rows": len(self.rows),
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "rank": self.rank,
+            "world_size": self.world_size,
         }
 
     def load_state_dict(self, state: dict) -> None:
-        mine = {"num_rows": len(self.rows), "seed": self.seed, "shuffle": self.shuffle, "rank": self.rank, "world_size": self.world_size}
+        mine = {
+            "num_rows": len(self.rows),
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "rank": self.rank,
+            "world_size": self.world_size,
+        }
         for key, value in mine.items():
             if state.get(key, value) != value:
-                raise ValueError(f"the checkpoint's data cursor was saved with {key}={state[key]!r}, this run has {value!r}")
+                raise ValueError(
+                    f"the checkpoint's data cursor was saved with {key}={state[key]!r}, this run has {value!r}"
+                )
         self.epoch, self.index = state["epoch"], state["index"]
         self._order = self._order_of(self.epoch)
         self.replay = [tuple(p) for p in state["replay"]]

@@ -10,7 +10,8 @@ the policy version through `sync_weights`.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Iterator, Optional
+from collections.abc import Callable, Iterator
+from typing import Any, Optional
 
 import lightning as L
 from torch.utils.data import DataLoader, IterableDataset
@@ -18,9 +19,17 @@ from torch.utils.data import DataLoader, IterableDataset
 from lit_grpo.config import TrainConfig
 from lit_grpo.config.groups import engine_on_loop
 from lit_grpo.maths.advantages import Advantage
-from lit_grpo.rollouts.rollout import RolloutFn
-from lit_grpo.rollouts import GroupFilter, GroupSampler, OffPolicyScheduler, RowCursor, Scheduler, SynchronousScheduler, make_batch
+from lit_grpo.rollouts import (
+    GroupFilter,
+    GroupSampler,
+    OffPolicyScheduler,
+    RowCursor,
+    Scheduler,
+    SynchronousScheduler,
+    make_batch,
+)
 from lit_grpo.rollouts.checks import NoProgressError
+from lit_grpo.rollouts.rollout import RolloutFn
 from lit_grpo.types import RolloutBatch
 
 log = logging.getLogger(__name__)
@@ -29,8 +38,15 @@ log = logging.getLogger(__name__)
 class RolloutStream(IterableDataset):
     """Yields one `RolloutBatch` per step until `max_steps` or the rows run out."""
 
-    def __init__(self, scheduler: Scheduler, groups: GroupSampler, *, max_steps: int, pad_id: int,
-                 advantage: Optional[Advantage] = None) -> None:
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        groups: GroupSampler,
+        *,
+        max_steps: int,
+        pad_id: int,
+        advantage: Optional[Advantage] = None,
+    ) -> None:
         self.scheduler, self.groups = scheduler, groups
         self.max_steps, self.pad_id = max_steps, pad_id
         self.advantage = advantage
@@ -48,8 +64,13 @@ class RolloutStream(IterableDataset):
                 self._rows_ran_out()
                 return
             batch = make_batch(
-                step.accepted, step.sampled, version=self.scheduler.version,
-                pad_id=self.pad_id, counts=self.groups.take_counts(), timings=step.timings, advantage=self.advantage,
+                step.accepted,
+                step.sampled,
+                version=self.scheduler.version,
+                pad_id=self.pad_id,
+                counts=self.groups.take_counts(),
+                timings=step.timings,
+                advantage=self.advantage,
             )
             if self.rest_between_steps is not None:
                 self.rest_between_steps()
@@ -63,8 +84,12 @@ class RolloutStream(IterableDataset):
             raise NoProgressError(guard.message(f"all {guard.rows} rows of this rank's share (they ran out first)"))
         if self.max_steps > 0 and not self.rows_exhausted:
             self.rows_exhausted = True
-            log.warning("the rows ran out after %d of max_steps=%d steps (data.epochs, data.max_rows or the task's rows "
-                        "bound them): the run ends early", self.steps_done, self.max_steps)
+            log.warning(
+                "the rows ran out after %d of max_steps=%d steps (data.epochs, data.max_rows or the task's rows "
+                "bound them): the run ends early",
+                self.steps_done,
+                self.max_steps,
+            )
         elif self.max_steps < 0:
             log.info("the rows are used up after %d steps", self.steps_done)
 
@@ -73,8 +98,18 @@ class RolloutDataModule(L.LightningDataModule):
     """Streams rollouts of this rank's rows from an in-process sampler. Rows reach the rollout
     function as they were given (never tokenized or copied here: the rollout makes the prompt)."""
 
-    def __init__(self, c: TrainConfig, *, rows: list[dict], tokenizer, sampler, rollout_fn: RolloutFn,
-                 advantage: Optional[Advantage] = None, rank: int = 0, world_size: int = 1) -> None:
+    def __init__(
+        self,
+        c: TrainConfig,
+        *,
+        rows: list[dict],
+        tokenizer,
+        sampler,
+        rollout_fn: RolloutFn,
+        advantage: Optional[Advantage] = None,
+        rank: int = 0,
+        world_size: int = 1,
+    ) -> None:
         """This rank's share of `rows` (`c.data`: G, P, epochs, shuffle, lengths), scheduled as
         `c.synchronous_training` and `c.max_head_offpolicy_versions` say, each rollout call under
         `c.rollout_timeout_s`, `c.rollout_max_retries` and `c.max_rows_without_progress`."""
@@ -83,23 +118,36 @@ class RolloutDataModule(L.LightningDataModule):
         self.tokenizer, self.sampler = tokenizer, sampler
         self.cursor = RowCursor(rows, data.epochs, c.seed, data.shuffle, rank=rank, world_size=world_size)
         self.groups = GroupSampler(
-            rollout_fn, data.completions_per_prompt, max_seq_len=data.max_seq_len, min_group_size=data.min_group_size,
-            filters=[], vocab_size=len(tokenizer), rollout_timeout_s=c.rollout_timeout_s, max_retries=c.rollout_max_retries,
+            rollout_fn,
+            data.completions_per_prompt,
+            max_seq_len=data.max_seq_len,
+            min_group_size=data.min_group_size,
+            filters=[],
+            vocab_size=len(tokenizer),
+            rollout_timeout_s=c.rollout_timeout_s,
+            max_retries=c.rollout_max_retries,
             max_rows_without_progress=c.max_rows_without_progress,
         )
         # The sampler's calls get the same bounds as the rollouts.
-        sampler.bound_calls(c.rollout_timeout_s, data.max_seq_len, engine_on_loop(c.sampler.engine_thread, c.synchronous_training))
+        sampler.bound_calls(
+            c.rollout_timeout_s, data.max_seq_len, engine_on_loop(c.sampler.engine_thread, c.synchronous_training)
+        )
         self.scheduler: Scheduler
         if c.synchronous_training:
-            self.scheduler = SynchronousScheduler(self.cursor, self.groups, data.prompt_groups_per_step,
-                                                  max_concurrency=c.max_concurrency_rollout_sample)
+            self.scheduler = SynchronousScheduler(
+                self.cursor, self.groups, data.prompt_groups_per_step, max_concurrency=c.max_concurrency_rollout_sample
+            )
         else:
             self.scheduler = OffPolicyScheduler(
-                self.cursor, self.groups, data.prompt_groups_per_step,
-                max_head_offpolicy_versions=c.max_head_offpolicy_versions, max_concurrency=c.max_concurrency_rollout_sample,
+                self.cursor,
+                self.groups,
+                data.prompt_groups_per_step,
+                max_head_offpolicy_versions=c.max_head_offpolicy_versions,
+                max_concurrency=c.max_concurrency_rollout_sample,
             )
-        self.stream = RolloutStream(self.scheduler, self.groups, max_steps=c.max_steps,
-                                    pad_id=tokenizer.pad_token_id, advantage=advantage)
+        self.stream = RolloutStream(
+            self.scheduler, self.groups, max_steps=c.max_steps, pad_id=tokenizer.pad_token_id, advantage=advantage
+        )
         if c.synchronous_training:
             self.stream.rest_between_steps = sampler.sleep  # it wakes itself for the next sync or sample
 

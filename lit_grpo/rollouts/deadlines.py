@@ -26,13 +26,25 @@ import sys
 import threading
 import time
 import traceback
-from typing import Any, Awaitable, Callable, Iterator, Optional
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any, Optional
+
+from lit_grpo.errors import EnvironmentFault, UserError
+from lit_grpo.samplers.worker import THREAD_PREFIX, join_thread
 
 log = logging.getLogger(__name__)
 
 BUG_ERRORS: tuple[type[BaseException], ...] = (
-    TypeError, AttributeError, LookupError, NameError, ZeroDivisionError, AssertionError, ImportError, SyntaxError,
-    NotImplementedError, RecursionError,
+    TypeError,
+    AttributeError,
+    LookupError,
+    NameError,
+    ZeroDivisionError,
+    AssertionError,
+    ImportError,
+    SyntaxError,
+    NotImplementedError,
+    RecursionError,
 )
 """Errors that are bugs in the rollout's code (KeyError and IndexError are LookupErrors): retrying
 cannot help and counting them would hide them, so training stops at once with the traceback."""
@@ -43,9 +55,6 @@ RETRY_BACKOFF_S = 0.5
 MAX_BACKOFF_S = 8.0
 STALL_EXIT_CODE = 70
 """Exit status when a blocked rollout cannot be interrupted (see `LoopWatchdog`)."""
-
-from lit_grpo.errors import EnvironmentFault, UserError
-from lit_grpo.samplers.worker import THREAD_PREFIX, join_thread
 
 
 class RolloutTimeout(TimeoutError):
@@ -84,8 +93,14 @@ def _expired(err: TimeoutError) -> bool:
     return type(err) is TimeoutError and isinstance(err.__cause__, asyncio.CancelledError)
 
 
-async def call_rollout(rollout_fn: Callable[[dict], Awaitable[Any]], row: dict, *, timeout_s: float, max_retries: int,
-                       count: Callable[[str, BaseException], None]) -> Any:
+async def call_rollout(
+    rollout_fn: Callable[[dict], Awaitable[Any]],
+    row: dict,
+    *,
+    timeout_s: float,
+    max_retries: int,
+    count: Callable[[str, BaseException], None],
+) -> Any:
     """`rollout_fn(row)`'s result, or the exception that ended the call (returned, not raised).
 
     Each attempt is cancelled after `timeout_s` (a `RolloutTimeout`). Transient errors are
@@ -97,8 +112,10 @@ async def call_rollout(rollout_fn: Callable[[dict], Awaitable[Any]], row: dict, 
         try:
             awaitable = rollout_fn(row)
             if not inspect.isawaitable(awaitable):
-                raise TypeError(f"the rollout function {function_name(rollout_fn)} returned {type(awaitable).__name__}, "
-                                "not an awaitable: it must be `async def rollout_fn(row)`")
+                raise TypeError(
+                    f"the rollout function {function_name(rollout_fn)} returned {type(awaitable).__name__}, "
+                    "not an awaitable: it must be `async def rollout_fn(row)`"
+                )
             try:
                 # In the calling task (no task and no waiter per call: a rollout of a tiny model takes
                 # ~1 ms, and those cost a tenth of it); the timeout cancels the rollout where it awaits.
@@ -108,15 +125,19 @@ async def call_rollout(rollout_fn: Callable[[dict], Awaitable[Any]], row: dict, 
                 if isinstance(err, RolloutTimeout) or not _expired(err):
                     raise
                 count("rollout/timeouts", None)
-                raise RolloutTimeout(f"the rollout function {function_name(rollout_fn)} did not return within "
-                                     f"rollout_timeout_s={timeout_s:g} s; it was cancelled") from None
+                raise RolloutTimeout(
+                    f"the rollout function {function_name(rollout_fn)} did not return within "
+                    f"rollout_timeout_s={timeout_s:g} s; it was cancelled"
+                ) from None
         except Exception as err:
             kind = classify(err)
             if kind == "fault":
                 raise
             if kind == "bug":
-                err.add_note(f"raised by the rollout function {function_name(rollout_fn)}: a bug in the rollout stops "
-                             "training at once (not retried, not counted)")
+                err.add_note(
+                    f"raised by the rollout function {function_name(rollout_fn)}: a bug in the rollout stops "
+                    "training at once (not retried, not counted)"
+                )
                 raise
             if kind == "transient" and attempt < max_retries:
                 count("rollout/retries", err)
@@ -164,7 +185,9 @@ def stall_report(stale_s: float, deadline_s: float, thread_id: Optional[int], ro
     """Why and where the rollout event loop is stuck: the rollout function and the thread's stack."""
     frame = sys._current_frames().get(thread_id) if thread_id is not None else None
     frames = traceback.extract_stack(frame) if frame is not None else []
-    frames = [f for f in frames if os.sep + "asyncio" + os.sep not in f.filename] or frames  # the loop's own frames say nothing
+    frames = [
+        f for f in frames if os.sep + "asyncio" + os.sep not in f.filename
+    ] or frames  # the loop's own frames say nothing
     stack = traceback.format_list(frames[-4:]) if frames else ["  (no stack: the thread is gone)\n"]
     return (
         f"the rollout event loop has not run for {stale_s:.1f} s (rollout_timeout_s={deadline_s:g}): a rollout blocks "
@@ -193,7 +216,9 @@ class LoopWatchdog:
 
     SIGNAL = signal.SIGUSR2
 
-    def __init__(self, heartbeat: Heartbeat, deadline_s: float, describe: Callable[[float, int], str], *, grace_s: float = 30.0) -> None:
+    def __init__(
+        self, heartbeat: Heartbeat, deadline_s: float, describe: Callable[[float, int], str], *, grace_s: float = 30.0
+    ) -> None:
         self.heartbeat, self.deadline_s, self.describe, self.grace_s = heartbeat, deadline_s, describe, grace_s
         self.report: Optional[str] = None
         """The description of the last stall, once the watchdog fired."""
@@ -212,8 +237,11 @@ class LoopWatchdog:
             self._previous_handler = signal.signal(self.SIGNAL, self._on_signal)
             self._can_interrupt = True
         else:
-            log.warning("the rollout event loop runs off the main thread: a rollout that blocks it cannot be "
-                        "interrupted, and the process will exit %s s after rollout_timeout_s instead", self.grace_s)
+            log.warning(
+                "the rollout event loop runs off the main thread: a rollout that blocks it cannot be "
+                "interrupted, and the process will exit %s s after rollout_timeout_s instead",
+                self.grace_s,
+            )
         self._thread = threading.Thread(target=self._watch, name=THREAD_PREFIX + "rollout-watchdog", daemon=True)
         self._thread.start()
 
@@ -255,8 +283,13 @@ class LoopWatchdog:
             while self._armed.is_set() and time.monotonic() < give_up and not self._stop.is_set():
                 self._stop.wait(self.heartbeat.period_s)
             if self._armed.is_set() and not self._stop.is_set():
-                log.critical("the blocked rollout could not be interrupted within %s s; exiting with status %d so the run "
-                             "does not hang. %s", self.grace_s, STALL_EXIT_CODE, self.report)
+                log.critical(
+                    "the blocked rollout could not be interrupted within %s s; exiting with status %d so the run "
+                    "does not hang. %s",
+                    self.grace_s,
+                    STALL_EXIT_CODE,
+                    self.report,
+                )
                 logging.shutdown()
                 os._exit(STALL_EXIT_CODE)
 

@@ -14,11 +14,11 @@ import threading
 from collections import Counter
 from typing import Optional
 
-from lit_grpo.rollouts.rollout import RolloutFn, group_rollout_fn
 from lit_grpo.rollouts.checks import CircuitBreaker, ProgressGuard, short_reason
 from lit_grpo.rollouts.context import RolloutCalls
 from lit_grpo.rollouts.deadlines import call_rollout, function_name, gather_or_cancel
 from lit_grpo.rollouts.pipeline import GroupFilter, checked_samples, error_key, group_verdict
+from lit_grpo.rollouts.rollout import RolloutFn, group_rollout_fn
 from lit_grpo.tasks.rows import row_label
 from lit_grpo.types import PromptGroup
 
@@ -35,16 +35,27 @@ class GroupSampler:
     rows in a row without an accepted group raise `NoProgressError`.
     """
 
-    def __init__(self, rollout_fn: RolloutFn, completions_per_prompt: int, *, max_seq_len: int, min_group_size: int,
-                 filters: list[GroupFilter], vocab_size: Optional[int] = None, rollout_timeout_s: float = 300.0,
-                 max_retries: int = 2, max_rows_without_progress: int = 1000) -> None:
+    def __init__(
+        self,
+        rollout_fn: RolloutFn,
+        completions_per_prompt: int,
+        *,
+        max_seq_len: int,
+        min_group_size: int,
+        filters: list[GroupFilter],
+        vocab_size: Optional[int] = None,
+        rollout_timeout_s: float = 300.0,
+        max_retries: int = 2,
+        max_rows_without_progress: int = 1000,
+    ) -> None:
         self.rollout_fn, self.G = rollout_fn, completions_per_prompt
         self.calls = RolloutCalls(rollout_fn)
         self.group_fn = group_rollout_fn(rollout_fn)
         """The rollout's `sample_group(row, n)` (one call per row), or None: G calls of `rollout_fn`."""
         if self.group_fn is not None:
-            self._group_call = functools.update_wrapper(functools.partial(self.group_fn, n=completions_per_prompt),
-                                                        self.group_fn)  # error messages name the function
+            self._group_call = functools.update_wrapper(
+                functools.partial(self.group_fn, n=completions_per_prompt), self.group_fn
+            )  # error messages name the function
         self.max_seq_len, self.min_group_size, self.vocab_size = max_seq_len, min_group_size, vocab_size
         self.timeout_s, self.max_retries = rollout_timeout_s, max_retries
         self.filters = filters
@@ -65,13 +76,30 @@ class GroupSampler:
         prompt = row.get("prompt_token_ids")
         if prompt is not None and len(prompt) >= self.max_seq_len:  # no room left for one generated token
             counts = Counter({"rollout/dropped_prompt_too_long": self.G})
-            self._note(row, counts, {"rollout/dropped_prompt_too_long": f"a prompt of {len(prompt)} tokens, data.max_seq_len={self.max_seq_len}"})
+            self._note(
+                row,
+                counts,
+                {
+                    "rollout/dropped_prompt_too_long": f"a prompt of {len(prompt)} tokens, data.max_seq_len={self.max_seq_len}"
+                },
+            )
             return PromptGroup(row=row, samples=[], version=version, dropped=counts)
-        results = await (self._call_group(row) if self.group_fn is not None else gather_or_cancel(*(
-            call_rollout(self.calls.bound(i, context), row, timeout_s=self.timeout_s, max_retries=self.max_retries,
-                         count=self._count_event)
-            for i in range(self.G)
-        )))
+        results = await (
+            self._call_group(row)
+            if self.group_fn is not None
+            else gather_or_cancel(
+                *(
+                    call_rollout(
+                        self.calls.bound(i, context),
+                        row,
+                        timeout_s=self.timeout_s,
+                        max_retries=self.max_retries,
+                        count=self._count_event,
+                    )
+                    for i in range(self.G)
+                )
+            )
+        )
         samples, run_sizes, counts, details = checked_samples(results, self.max_seq_len, self.vocab_size)
         self._note(row, counts, details)
         for result in results:
@@ -82,17 +110,21 @@ class GroupSampler:
     async def _call_group(self, row: dict) -> list[object]:
         """The G results of one `sample_group(row, G)` call, under one deadline and retry budget: an
         error that ends it is every sample's result, and a retry or timeout counts G times."""
+
         def count_for_each(key: str, error: Optional[BaseException]) -> None:
             self._count_event(key, error, times=self.G)
 
-        results = await call_rollout(self._group_call, row, timeout_s=self.timeout_s, max_retries=self.max_retries,
-                                     count=count_for_each)
+        results = await call_rollout(
+            self._group_call, row, timeout_s=self.timeout_s, max_retries=self.max_retries, count=count_for_each
+        )
         if isinstance(results, BaseException):
             return [results] * self.G
         if not isinstance(results, (list, tuple)) or len(results) != self.G:
             got = f"a list of {len(results)}" if isinstance(results, (list, tuple)) else f"a {type(results).__name__}"
-            raise TypeError(f"{function_name(self.group_fn)} returned {got} for a group of {self.G}: "
-                            "sample_group(row, n) returns a list of n results")
+            raise TypeError(
+                f"{function_name(self.group_fn)} returned {got} for a group of {self.G}: "
+                "sample_group(row, n) returns a list of n results"
+            )
         return list(results)
 
     def accept(self, group: PromptGroup) -> bool:
@@ -135,5 +167,6 @@ class GroupSampler:
             if key not in self._warned:
                 self._warned.add(key)
                 detail = f": {details[key]}" if details.get(key) else ""
-                log.warning("row %s: a rollout sample was dropped (%s, counted in that metric)%s", row_label(row), key, detail)
-
+                log.warning(
+                    "row %s: a rollout sample was dropped (%s, counted in that metric)%s", row_label(row), key, detail
+                )

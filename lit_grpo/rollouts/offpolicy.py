@@ -35,15 +35,21 @@ from lit_grpo.rollouts.schedulers import StepGroups
 from lit_grpo.samplers.worker import THREAD_PREFIX, join_thread
 from lit_grpo.types import PromptGroup
 
-
 _DONE = None  # queue sentinel: no more groups will come (rows used up, or an error)
 
 
 class OffPolicyScheduler:
     """Samples on its own thread and event loop, bounded by the off-policy gate and `max_concurrency`."""
 
-    def __init__(self, cursor: RowCursor, groups: GroupSampler, prompt_groups_per_step: int, *,
-                 max_head_offpolicy_versions: int, max_concurrency: int) -> None:
+    def __init__(
+        self,
+        cursor: RowCursor,
+        groups: GroupSampler,
+        prompt_groups_per_step: int,
+        *,
+        max_head_offpolicy_versions: int,
+        max_concurrency: int,
+    ) -> None:
         self.cursor, self.groups, self.P = cursor, groups, prompt_groups_per_step
         self.G = groups.G
         self.B = self.P * self.G
@@ -60,7 +66,9 @@ class OffPolicyScheduler:
         self.max_oversample = 4
         self._loop = asyncio.new_event_loop()
         self._unfinished: set[Position] = set()  # rows sampling or queued, not yet trained
-        self._lock = threading.Lock()  # the cursor, `_unfinished` and `version` change together, for a consistent snapshot
+        self._lock = (
+            threading.Lock()
+        )  # the cursor, `_unfinished` and `version` change together, for a consistent snapshot
         self._ready: queue.Queue[Optional[tuple[Position, PromptGroup]]] = queue.Queue()
         self._rejected: deque[PromptGroup] = deque()
         self._error: Optional[BaseException] = None
@@ -220,8 +228,11 @@ class OffPolicyScheduler:
         with self._lock:
             gate_wait_s, self._gate_wait_s = self._gate_wait_s, 0.0
         timings = {
-            "perf/sample_s": now - train_window[0], "perf/trainer_wait_s": now - waited_from, "perf/sampler_wait_s": gate_wait_s,
-            "perf/overlap_ratio": self._overlap(*train_window), "async/in_flight": float(self.running),
+            "perf/sample_s": now - train_window[0],
+            "perf/trainer_wait_s": now - waited_from,
+            "perf/sampler_wait_s": gate_wait_s,
+            "perf/overlap_ratio": self._overlap(*train_window),
+            "async/in_flight": float(self.running),
         }
         return StepGroups(accepted, accepted + rejected, timings)
 
@@ -250,8 +261,12 @@ class OffPolicyScheduler:
         """Version, gate counter and data position between two steps. Rows sampling or queued
         (not yet trained) are saved as unfinished: a resumed run samples them again first."""
         with self._lock:
-            return {"version": self.version, "trained_samples": self.trained_samples, "accept_rate": self.accept_rate,
-                    "cursor": self.cursor.state_dict(unfinished=sorted(self._unfinished))}
+            return {
+                "version": self.version,
+                "trained_samples": self.trained_samples,
+                "accept_rate": self.accept_rate,
+                "cursor": self.cursor.state_dict(unfinished=sorted(self._unfinished)),
+            }
 
     def load_state_dict(self, state: dict) -> None:
         """Before the first step: the gate resumes as if every trained sample had just been accepted."""
@@ -266,7 +281,9 @@ class OffPolicyScheduler:
         """Fraction of [start, end] (the trainer's last step) during which some rollout ran."""
         if end <= start:
             return 0.0
-        intervals = sorted((max(a, start), min(b, end)) for a, b in list(self.rollout_intervals) if b > start and a < end)
+        intervals = sorted(
+            (max(a, start), min(b, end)) for a, b in list(self.rollout_intervals) if b > start and a < end
+        )
         covered, reach = 0.0, start
         for a, b in intervals:
             if b > reach:

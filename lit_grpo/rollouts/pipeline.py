@@ -16,7 +16,8 @@ from __future__ import annotations
 import math
 from array import array
 from collections import Counter
-from typing import Callable, Iterable, Optional
+from collections.abc import Callable, Iterable
+from typing import Optional
 
 import torch
 
@@ -40,7 +41,9 @@ def error_key(err: BaseException) -> str:
     return "rollout/dropped_prompt_too_long" if isinstance(err, PromptTooLong) else "rollout/failures"
 
 
-def check_result(result: object, max_seq_len: int, vocab_size: Optional[int] = None) -> tuple[list[RolloutSample], Optional[tuple[str, str]]]:
+def check_result(
+    result: object, max_seq_len: int, vocab_size: Optional[int] = None
+) -> tuple[list[RolloutSample], Optional[tuple[str, str]]]:
     """The trainable segments of one rollout call's result (a `RolloutSample`, or a `RolloutRun`
     of segments), or why it is dropped: `(metric key, detail)`. A run is kept whole or dropped
     whole: one malformed segment, or segments with different rewards, drop it."""
@@ -62,8 +65,9 @@ def check_result(result: object, max_seq_len: int, vocab_size: Optional[int] = N
     return list(segments), None
 
 
-def checked_samples(results: Iterable[object], max_seq_len: int,
-                    vocab_size: Optional[int] = None) -> tuple[list[RolloutSample], list[int], Counter, dict[str, str]]:
+def checked_samples(
+    results: Iterable[object], max_seq_len: int, vocab_size: Optional[int] = None
+) -> tuple[list[RolloutSample], list[int], Counter, dict[str, str]]:
     """The segments of G rollout calls that can train, the number of segments of each kept run,
     the count of each reason the other calls were dropped (`rollout/failures` for an exception,
     `rollout/dropped_none` for a None, `rollout/dropped_<reason>` for a malformed sample), and per
@@ -94,8 +98,12 @@ def group_verdict(group: PromptGroup, min_group_size: int, filters: Iterable[Gro
     return None
 
 
-def collate_groups(groups: list[PromptGroup], advantages: list[list[float]], pad_id: int,
-                   token_advantages: Optional[list[list[float]]] = None) -> RolloutBatch:
+def collate_groups(
+    groups: list[PromptGroup],
+    advantages: list[list[float]],
+    pad_id: int,
+    token_advantages: Optional[list[list[float]]] = None,
+) -> RolloutBatch:
     """Right-pad the groups' samples into one batch; sequence i of group p gets advantages[p][i].
     `token_advantages`: one list per sample (all groups' samples in order), one value per token,
     padded with 0 into `advantages_BT` (then `advantages` is ignored: `advantages_B` is the mean
@@ -131,8 +139,16 @@ def collate_groups(groups: list[PromptGroup], advantages: list[list[float]], pad
     )
 
 
-def make_batch(accepted: list[PromptGroup], sampled: list[PromptGroup], *, version: int, pad_id: int, counts: Counter,
-               timings: dict[str, float], advantage: Optional[Advantage] = None) -> RolloutBatch:
+def make_batch(
+    accepted: list[PromptGroup],
+    sampled: list[PromptGroup],
+    *,
+    version: int,
+    pad_id: int,
+    counts: Counter,
+    timings: dict[str, float],
+    advantage: Optional[Advantage] = None,
+) -> RolloutBatch:
     """The step's batch of `accepted` groups, with its `RolloutRecord` (over every `sampled` group)
     attached. `version` is the trainer's policy version now. Needs at least one accepted group.
     `advantage` (`advantage=<name>`, `lit_grpo.maths.advantages`; None: grpo) computes each group's
@@ -150,8 +166,10 @@ def make_batch(accepted: list[PromptGroup], sampled: list[PromptGroup], *, versi
         counts=Counter(counts),
         version_offsets=[version - g.version for g in accepted],
         timings=dict(timings),
-        sample_metrics={**sample_metric_values(s for g in sampled for s in g.samples),
-                        **turn_metric_values(run for g in sampled for run in g.runs)},
+        sample_metrics={
+            **sample_metric_values(s for g in sampled for s in g.samples),
+            **turn_metric_values(run for g in sampled for run in g.runs),
+        },
         zero_spread=[len(set(g.rewards)) == 1 for g in sampled if len(g.rewards) >= 2],
         finish_reasons=[str(s.finish_reason) for g in accepted for s in g.samples],
         trained_tokens=[sum(s.loss_mask) for g in accepted for s in g.samples],
@@ -212,11 +230,13 @@ def rollout_metrics(records: list[RolloutRecord]) -> dict[str, float]:
         metrics[key] = math.fsum(pooled) / len(pooled)
     for key in {k for rec in records for k in rec.timings}:  # the step waits for the slowest rank
         metrics[key] = max(rec.timings[key] for rec in records if key in rec.timings)
-    metrics.update(rollout_health(
-        [z for rec in records for z in rec.zero_spread],
-        [r for rec in records for r in rec.finish_reasons],
-        [n for rec in records for n in rec.trained_tokens],
-    ))
+    metrics.update(
+        rollout_health(
+            [z for rec in records for z in rec.zero_spread],
+            [r for rec in records for r in rec.finish_reasons],
+            [n for rec in records for n in rec.trained_tokens],
+        )
+    )
     sample_s = metrics.get("perf/sample_s", 0.0)
     metrics["perf/sample_tokens_per_s"] = sum(lengths) / max(sample_s, 1e-9)
     return metrics

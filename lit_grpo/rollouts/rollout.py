@@ -12,10 +12,11 @@ engine, and the sample is counted as `rollout/dropped_prompt_too_long`.
 from __future__ import annotations
 
 import functools
-from typing import Awaitable, Callable, Optional
+from collections.abc import Awaitable, Callable
+from typing import Optional
 
-from lit_grpo.tasks.rows import RowPromptError, bad_prompt_message, prompt_field_of
 from lit_grpo.samplers.arguments import chat_prompt_tokens
+from lit_grpo.tasks.rows import RowPromptError, bad_prompt_message, prompt_field_of
 from lit_grpo.types import Completion, RolloutSample, RolloutSetup
 
 RolloutFn = Callable[[dict], Awaitable[Optional[RolloutSample]]]
@@ -67,8 +68,13 @@ def _prompt_messages(messages: list[dict]) -> list[dict]:
     return messages[:end]
 
 
-def row_prompt_tokens(row: dict, tokenizer, prompt_field: Optional[str] = None, *,
-                      text_tokens: Optional[Callable[[str], list[int]]] = None) -> list[int]:
+def row_prompt_tokens(
+    row: dict,
+    tokenizer,
+    prompt_field: Optional[str] = None,
+    *,
+    text_tokens: Optional[Callable[[str], list[int]]] = None,
+) -> list[int]:
     """A row's prompt as token ids, from `prompt_field` or the first of `prompt_token_ids`,
     `messages`, `prompt` the row has (`lit_grpo.tasks.rows.prompt_field_of`), by the field's value:
     token ids as they are; chat messages (minus assistant turns at the end) through the chat
@@ -94,7 +100,9 @@ failure or a timeout counts for each of its G samples). The default rollout has 
 in-process samplers, whose batched engine call fails or returns as a whole anyway."""
 
 
-def group_rollout_fn(rollout_fn: RolloutFn) -> Optional[Callable[[dict, int], Awaitable[list[Optional[RolloutSample]]]]]:
+def group_rollout_fn(
+    rollout_fn: RolloutFn,
+) -> Optional[Callable[[dict, int], Awaitable[list[Optional[RolloutSample]]]]]:
     """The rollout function's `sample_group`, if it has one (see GROUP_ATTRIBUTE)."""
     return getattr(rollout_fn, GROUP_ATTRIBUTE, None)
 
@@ -110,7 +118,9 @@ def make_rollout_fn(setup: RolloutSetup) -> RolloutFn:
     reward_fn = setup.extras["reward_fn"]
     prompt_field = setup.extras.get("prompt_field")
     # The G calls of a row tokenize the same text: once is enough (~40 µs a call on the demo's tokenizer).
-    cached_text_tokens = functools.lru_cache(maxsize=PROMPT_CACHE_SIZE)(lambda text: tuple(text_prompt_tokens(tokenizer, text)))
+    cached_text_tokens = functools.lru_cache(maxsize=PROMPT_CACHE_SIZE)(
+        lambda text: tuple(text_prompt_tokens(tokenizer, text))
+    )
 
     def scored(c: Completion, row: dict) -> Optional[RolloutSample]:
         reward, parts = score_with_parts(reward_fn, c.text, row)
@@ -163,15 +173,18 @@ class Trajectory:
     def add_completion(self, c: Completion) -> None:
         """A sampled turn whose prompt was exactly this trajectory so far."""
         if list(c.full_tokens[: c.prompt_len]) != self.tokens:
-            raise ValueError("the completion's prompt is not this trajectory: sample with prompt_token_ids=trajectory.tokens")
+            raise ValueError(
+                "the completion's prompt is not this trajectory: sample with prompt_token_ids=trajectory.tokens"
+            )
         generated = list(c.full_tokens[c.prompt_len :])
         self.turn_spans.append((len(self.tokens), len(self.tokens) + len(generated)))
         self.tokens += generated
         self.logprobs += list(c.sampling_logprobs)
         self.loss_mask += [1] * len(generated)
 
-    def to_sample(self, reward: float, finish_reason: str = "stop", text: str = "",
-                  turn_rewards: Optional[list[float]] = None) -> RolloutSample:
+    def to_sample(
+        self, reward: float, finish_reason: str = "stop", text: str = "", turn_rewards: Optional[list[float]] = None
+    ) -> RolloutSample:
         """The flattened sample. With `turn_rewards` (one per sampled turn, e.g. each turn's
         information gain for `advantage=igpo`) it reports its turns: `turn_spans` and
         `turn_rewards`; without, neither (the checks drop a sample with spans but no rewards)."""
@@ -180,5 +193,13 @@ class Trajectory:
             if len(turn_rewards) != len(self.turn_spans):
                 raise ValueError(f"{len(turn_rewards)} turn_rewards for {len(self.turn_spans)} sampled turns")
             spans, turn_rewards = list(self.turn_spans), [float(r) for r in turn_rewards]
-        return RolloutSample(list(self.tokens), list(self.logprobs), list(self.loss_mask), float(reward), finish_reason, text,
-                             turn_spans=spans, turn_rewards=turn_rewards)
+        return RolloutSample(
+            list(self.tokens),
+            list(self.logprobs),
+            list(self.loss_mask),
+            float(reward),
+            finish_reason,
+            text,
+            turn_spans=spans,
+            turn_rewards=turn_rewards,
+        )

@@ -60,7 +60,9 @@ class Scheduler(Protocol):
 class SynchronousScheduler:
     """Samples a step's groups concurrently on the trainer's thread until P pass every check."""
 
-    def __init__(self, cursor: RowCursor, groups: GroupSampler, prompt_groups_per_step: int, *, max_concurrency: int) -> None:
+    def __init__(
+        self, cursor: RowCursor, groups: GroupSampler, prompt_groups_per_step: int, *, max_concurrency: int
+    ) -> None:
         self.cursor, self.groups, self.P = cursor, groups, prompt_groups_per_step
         self.max_rows_in_flight = max(max_concurrency // groups.G, 1)
         self.version = 0
@@ -71,7 +73,8 @@ class SynchronousScheduler:
         self._loop = asyncio.new_event_loop()  # one loop for the whole run: no per-step set-up
         self.heartbeat = Heartbeat(heartbeat_period(groups.timeout_s))
         self.watchdog = LoopWatchdog(
-            self.heartbeat, groups.timeout_s,
+            self.heartbeat,
+            groups.timeout_s,
             lambda stale, thread_id: stall_report(stale, groups.timeout_s, thread_id, groups.rollout_fn),
         )
 
@@ -84,12 +87,15 @@ class SynchronousScheduler:
 
     async def _sample_rows(self, rows: list[tuple[Position, dict]]) -> list[PromptGroup]:
         try:
-            return await gather_or_cancel(*(self.groups.sample(r, self.version, self.cursor.context(p)) for p, r in rows))
+            return await gather_or_cancel(
+                *(self.groups.sample(r, self.version, self.cursor.context(p)) for p, r in rows)
+            )
         finally:
             await asyncio.sleep(0)  # let cancelled rollouts (timed out) finish now, not at the next step
 
     def _run(self, awaitable):
         """Run `awaitable` on the loop, on this thread, with the heartbeat beating and the watchdog armed."""
+
         async def beating():
             beat = asyncio.ensure_future(self.heartbeat.run())
             try:
@@ -117,13 +123,20 @@ class SynchronousScheduler:
         self.trained_samples += self.groups.G * len(accepted)
         seconds = time.perf_counter() - start
         # The trainer waits for all of the sampling, and nothing overlaps.
-        return StepGroups(accepted, sampled, {"perf/sample_s": seconds, "perf/trainer_wait_s": seconds, "perf/overlap_ratio": 0.0})
+        return StepGroups(
+            accepted, sampled, {"perf/sample_s": seconds, "perf/trainer_wait_s": seconds, "perf/overlap_ratio": 0.0}
+        )
 
     def advance_version(self) -> None:
         self.version += 1
 
     def state_dict(self) -> dict:
-        return {"version": self.version, "trained_samples": self.trained_samples, "accept_rate": self.accept_rate, "cursor": self.cursor.state_dict()}
+        return {
+            "version": self.version,
+            "trained_samples": self.trained_samples,
+            "accept_rate": self.accept_rate,
+            "cursor": self.cursor.state_dict(),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.version, self.trained_samples = state["version"], state["trained_samples"]

@@ -111,7 +111,9 @@ def read_manifest(folder: Path) -> tuple[Optional[dict], Optional[str]]:
     except (OSError, ValueError) as err:
         return None, f"unreadable manifest.json ({err})"
     if not isinstance(manifest, dict):
-        kind = {list: "array", str: "string", bool: "boolean", int: "number", float: "number"}.get(type(manifest), "null")
+        kind = {list: "array", str: "string", bool: "boolean", int: "number", float: "number"}.get(
+            type(manifest), "null"
+        )
         return None, f"manifest.json holds a JSON {kind}, not an object"
     if not isinstance(manifest.get("files"), dict):
         return None, "manifest.json has no `files` object"
@@ -142,7 +144,11 @@ def verify(folder: Path) -> Optional[str]:
     for name, expected in files.items():
         if Path(name).is_absolute() or ".." in Path(name).parts:
             return f"the manifest lists {name!r}, outside the checkpoint"
-        if not (isinstance(expected, dict) and isinstance(expected.get("bytes"), int) and isinstance(expected.get("sha256"), str)):
+        if not (
+            isinstance(expected, dict)
+            and isinstance(expected.get("bytes"), int)
+            and isinstance(expected.get("sha256"), str)
+        ):
             return f"the manifest's entry for {name} is not {{bytes, sha256}}"
         path = folder / name
         if not path.is_file():
@@ -187,7 +193,9 @@ class CheckpointStore:
             else:  # not provably ours: kept under a name no resume or prune looks at
                 aside = self.root / f"{final.name}.displaced-{time.strftime('%Y%m%d-%H%M%S')}"
                 final.rename(aside)
-                log.warning("checkpoint folder %s was not written by this run (%s); moved to %s", final, self.run_id, aside)
+                log.warning(
+                    "checkpoint folder %s was not written by this run (%s); moved to %s", final, self.run_id, aside
+                )
         staging.rename(final)
         _fsync_dir(self.root)
         self.mark_verified(final)  # its manifest was just computed from these files
@@ -212,7 +220,9 @@ class CheckpointStore:
             problem = verify(folder)
             if problem is not None and folder not in self._reported:
                 self._reported.add(folder)
-                log.warning("checkpoint %s of this run does not verify (%s); pruning leaves it in place", folder, problem)
+                log.warning(
+                    "checkpoint %s of this run does not verify (%s); pruning leaves it in place", folder, problem
+                )
             self._verified[key] = problem is None
         return self._verified[key]
 
@@ -264,7 +274,9 @@ def locate_checkpoint(path: str | os.PathLike) -> Path:
     """
     path = Path(path)
     if not path.exists():
-        raise FileNotFoundError(f"{path} does not exist (give a checkpoint folder, a run's checkpoints/ folder or its run folder)")
+        raise FileNotFoundError(
+            f"{path} does not exist (give a checkpoint folder, a run's checkpoints/ folder or its run folder)"
+        )
     if (path / MANIFEST).exists() or STEP_DIR.match(path.name):
         problem = verify(path)
         if problem is not None:
@@ -310,7 +322,9 @@ def check_resumable(checkpoint: Path, c: TrainConfig) -> None:
     differing = sorted(k for k in saved.keys() | now.keys() if saved.get(k, "<unset>") != now.get(k, "<unset>"))
     refused = [k for k in differing if _state_defining(k)]
     if refused:
-        details = "; ".join(f"{k}: {saved.get(k, '<unset>')!r} in the checkpoint, {now.get(k, '<unset>')!r} now" for k in refused)
+        details = "; ".join(
+            f"{k}: {saved.get(k, '<unset>')!r} in the checkpoint, {now.get(k, '<unset>')!r} now" for k in refused
+        )
         raise ConfigError(
             f"cannot resume from {checkpoint}: these fields change what its state means: {details}. "
             "Resume with the checkpoint's values, or start a new run in another folder "

@@ -20,17 +20,21 @@ import torch.distributed.checkpoint as dcp
 from omegaconf import OmegaConf
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from lit_grpo.run.checkpoint import CONFIG_FILE, locate_checkpoint
 from lit_grpo.config import TrainConfig
-from lit_grpo.run.validate import validate
-from lit_grpo.models.lora import is_lora, lora_layers, merged_lora_tensors, with_lora
 from lit_grpo.models.load import build_policy_skeleton, load_tokenizer, save_pretrained
+from lit_grpo.models.lora import is_lora, lora_layers, merged_lora_tensors, with_lora
+from lit_grpo.run.checkpoint import CONFIG_FILE, locate_checkpoint
+from lit_grpo.run.validate import validate
 
 log = logging.getLogger(__name__)
 
 
 def export_pretrained(
-    policy: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out_dir: str | Path, *, state_dict: Optional[dict] = None
+    policy: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    out_dir: str | Path,
+    *,
+    state_dict: Optional[dict] = None,
 ) -> Path:
     """Write `policy` (or `state_dict` into its architecture) and `tokenizer` to `out_dir`, atomically.
 
@@ -64,7 +68,9 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path) -> Path:
     path = locate_checkpoint(checkpoint)
     c = load_run_config(path)
     tokenizer = load_tokenizer(c.model)
-    policy = with_lora(build_policy_skeleton(c.model, tokenizer, c.seed), c.model.lora, c.seed)  # the names it was saved under
+    policy = with_lora(
+        build_policy_skeleton(c.model, tokenizer, c.seed), c.model.lora, c.seed
+    )  # the names it was saved under
     state = policy.state_dict()
     dcp.load({"policy": state}, checkpoint_id=path)  # only the policy's tensors are read
     policy.load_state_dict(state)
@@ -74,7 +80,9 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path) -> Path:
 
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m lit_grpo.export", description=__doc__.splitlines()[0])
-    parser.add_argument("checkpoint", help="a checkpoint folder (checkpoints/step_N), a run's checkpoints/ folder, or its run folder")
+    parser.add_argument(
+        "checkpoint", help="a checkpoint folder (checkpoints/step_N), a run's checkpoints/ folder, or its run folder"
+    )
     parser.add_argument("out_dir", help="where the Hugging Face model folder is written")
     parser.add_argument("--force", action="store_true", help="replace out_dir if it exists")
     args = parser.parse_args(argv)

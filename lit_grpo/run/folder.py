@@ -32,8 +32,8 @@ import time
 from pathlib import Path
 from typing import IO, Optional
 
-from lit_grpo.run.checkpoint import CheckpointStore, locate_checkpoint, read_manifest, run_id_of, verify
 from lit_grpo.config import ConfigError
+from lit_grpo.run.checkpoint import CheckpointStore, locate_checkpoint, read_manifest, run_id_of, verify
 
 log = logging.getLogger(__name__)
 LOCK_FILE = ".lit_grpo.lock"
@@ -71,7 +71,7 @@ class OutputDirLock:
             self._file.close()
             self._file = None
 
-    def __enter__(self) -> "OutputDirLock":
+    def __enter__(self) -> OutputDirLock:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -110,7 +110,10 @@ def claim_output_dir(output_dir: str | os.PathLike) -> OutputDirLock:
         return OutputDirLock(path, None)
     file.seek(0)
     file.truncate()
-    file.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}) + "\n")
+    file.write(
+        json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%d %H:%M:%S")})
+        + "\n"
+    )
     file.flush()
     return OutputDirLock(path, file)
 
@@ -196,7 +199,11 @@ def _newest_to_resume(root: Path) -> Optional[Path]:
             run_id = run_id_of(path)
             others = [p for p in folders if run_id_of(p) not in (run_id, None)]
             if others:
-                log.warning("resume=auto: %s also holds other runs' checkpoints (%s); they are left in place", root, _describe(others))
+                log.warning(
+                    "resume=auto: %s also holds other runs' checkpoints (%s); they are left in place",
+                    root,
+                    _describe(others),
+                )
             return path
         log.warning("checkpoint %s is incomplete or corrupt (%s); trying the previous one", path, problem)
         problems.append(f"{path.name}: {problem}")
@@ -247,5 +254,7 @@ def set_aside_metrics(output_dir: str | os.PathLike, resume_from: Optional[Path]
     while target.exists():
         target, n = out / f"metrics.{stamp}-{n}.csv", n + 1
     metrics.rename(target)
-    log.warning("%s held an earlier run's metrics; moved to %s (this run writes a new %s)", out, target.name, METRICS_FILE)
+    log.warning(
+        "%s held an earlier run's metrics; moved to %s (this run writes a new %s)", out, target.name, METRICS_FILE
+    )
     return target

@@ -42,10 +42,20 @@ def _require(module: str, extra: str, what: str) -> None:
     try:
         importlib.import_module(module)
     except ImportError:
-        raise ImportError(f"logger={what} needs the `{extra}` extra: pip install 'lit_grpo[{extra}]' (or pick logger=csv)") from None
+        raise ImportError(
+            f"logger={what} needs the `{extra}` extra: pip install 'lit_grpo[{extra}]' (or pick logger=csv)"
+        ) from None
 
 
-def wandb(*, project: str, save_dir: str, entity: str | None = None, name: str | None = None, offline: bool = False, **kwargs: Any):
+def wandb(
+    *,
+    project: str,
+    save_dir: str,
+    entity: str | None = None,
+    name: str | None = None,
+    offline: bool = False,
+    **kwargs: Any,
+):
     """`WandbLogger`; with `offline=True` (or WANDB_MODE=offline) it needs no account and writes
     `<save_dir>/wandb/offline-run-*` for `wandb sync` later."""
     _require("wandb", "wandb", "wandb")

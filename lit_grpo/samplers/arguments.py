@@ -4,13 +4,13 @@ abandoned (`PromptTooLong`, `SamplerTimeout`). Shared by every sampler, in-proce
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 from transformers import PreTrainedTokenizerBase
 
 from lit_grpo.samplers.stops import normalize_stop
-
 
 SAMPLE_KWARGS = ("temperature", "max_tokens", "top_p", "top_k", "stop", "logprobs", "max_seq_len", "http_timeout")
 """The sampling keywords a rollout may pass (the hosted cookbook's sampler takes the same)."""
@@ -57,11 +57,15 @@ def check_sample_kwargs(kwargs: dict[str, Any]) -> SampleArgs:
         raise ValueError(f"temperature must be >= 0 (0: greedy) and max_tokens > 0, got {temperature}, {max_tokens}")
     logprobs = kwargs.get("logprobs")
     if not (logprobs is None or logprobs is True or (type(logprobs) is int and logprobs == 1)):
-        raise ValueError(f"logprobs={logprobs!r} cannot be honoured: samplers always return the logprob of each sampled "
-                         "token (training needs them) and never top-k alternatives; pass logprobs=True (or 1, or leave it out)")
+        raise ValueError(
+            f"logprobs={logprobs!r} cannot be honoured: samplers always return the logprob of each sampled "
+            "token (training needs them) and never top-k alternatives; pass logprobs=True (or 1, or leave it out)"
+        )
     max_seq_len = kwargs.get("max_seq_len")
     if max_seq_len is not None and (type(max_seq_len) is not int or max_seq_len <= 0):
-        raise ValueError(f"max_seq_len must be a positive int (prompt + completion tokens) or None, got {max_seq_len!r}")
+        raise ValueError(
+            f"max_seq_len must be a positive int (prompt + completion tokens) or None, got {max_seq_len!r}"
+        )
     http_timeout = kwargs.get("http_timeout")
     if http_timeout is not None:
         if isinstance(http_timeout, bool) or not isinstance(http_timeout, (int, float)) or not http_timeout > 0:
@@ -70,11 +74,18 @@ def check_sample_kwargs(kwargs: dict[str, Any]) -> SampleArgs:
     return SampleArgs(temperature, max_tokens, normalize_stop(kwargs.get("stop")), max_seq_len, http_timeout)
 
 
-def render_chat(tokenizer: PreTrainedTokenizerBase, messages: list[dict], *, add_generation_prompt: bool = True,
-                **template_kwargs: Any) -> str:
+def render_chat(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: list[dict],
+    *,
+    add_generation_prompt: bool = True,
+    **template_kwargs: Any,
+) -> str:
     """`messages` as text through the policy's chat template (the one place lit_grpo renders one);
     `template_kwargs` reach the template (`tools`, `enable_thinking`, ...)."""
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt, **template_kwargs)
+    return tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=add_generation_prompt, **template_kwargs
+    )
 
 
 def chat_prompt_tokens(tokenizer: PreTrainedTokenizerBase, messages: list[dict], **template_kwargs: Any) -> list[int]:

@@ -6,8 +6,9 @@ from __future__ import annotations
 import asyncio
 import threading
 from abc import ABC, abstractmethod
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Optional
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -108,7 +109,9 @@ class BatchingSampler(ABC):
         self._score_queues: dict[asyncio.AbstractEventLoop, list[tuple[list[ScorePair], asyncio.Future]]] = {}
         self._score_tasks: set[asyncio.Task] = set()
 
-    async def sample_with_prompt_tokens(self, prompt_token_ids: list[int], n: int = 1, **kwargs: Any) -> list[Completion]:
+    async def sample_with_prompt_tokens(
+        self, prompt_token_ids: list[int], n: int = 1, **kwargs: Any
+    ) -> list[Completion]:
         """`n` completions of a tokenized prompt; `kwargs` are the sampling arguments of
         `check_sample_kwargs` (temperature, max_tokens, top_p, top_k, stop, logprobs, max_seq_len,
         http_timeout). `http_timeout` is a deadline on the wait for this request only: the
@@ -117,15 +120,21 @@ class BatchingSampler(ABC):
         args = check_sample_kwargs(kwargs)
         prompt_len = len(prompt_token_ids)
         if self.max_seq_len is not None and prompt_len >= self.max_seq_len:
-            raise PromptTooLong(f"a prompt of {prompt_len} tokens leaves no room for a completion within "
-                                f"data.max_seq_len={self.max_seq_len}; it was not sampled")
+            raise PromptTooLong(
+                f"a prompt of {prompt_len} tokens leaves no room for a completion within "
+                f"data.max_seq_len={self.max_seq_len}; it was not sampled"
+            )
         # Generating past data.max_seq_len would only make a sample that is dropped as too long:
         # the completion stops there instead (finish_reason "length").
-        max_tokens = args.max_tokens if self.max_seq_len is None else min(args.max_tokens, self.max_seq_len - prompt_len)
+        max_tokens = (
+            args.max_tokens if self.max_seq_len is None else min(args.max_tokens, self.max_seq_len - prompt_len)
+        )
         if args.max_seq_len is not None:
             if prompt_len >= args.max_seq_len:
-                raise PromptTooLong(f"a prompt of {prompt_len} tokens leaves no room for a completion within "
-                                    f"the request's max_seq_len={args.max_seq_len}; it was not sampled")
+                raise PromptTooLong(
+                    f"a prompt of {prompt_len} tokens leaves no room for a completion within "
+                    f"the request's max_seq_len={args.max_seq_len}; it was not sampled"
+                )
             max_tokens = min(max_tokens, args.max_seq_len - prompt_len)
         loop = asyncio.get_running_loop()
         future = loop.create_future()
@@ -140,9 +149,11 @@ class BatchingSampler(ABC):
             if not future.done():  # timed out, or this caller was cancelled: the flush skips what is still queued
                 future.cancel()
         if not done:
-            raise SamplerTimeout(f"no completion within http_timeout={args.http_timeout:g} s: the request's batched "
-                                 "generate call is still running or queued (an in-process engine call cannot be "
-                                 "cancelled; this request was dropped, the others of its call are unaffected)")
+            raise SamplerTimeout(
+                f"no completion within http_timeout={args.http_timeout:g} s: the request's batched "
+                "generate call is still running or queued (an in-process engine call cannot be "
+                "cancelled; this request was dropped, the others of its call are unaffected)"
+            )
         return future.result()
 
     async def sample_with_tokens(self, messages: list[dict], n: int = 1, **kwargs: Any) -> list[Completion]:
@@ -176,8 +187,16 @@ class BatchingSampler(ABC):
         done, _ = await asyncio.wait({call}, timeout=self.call_timeout_s)
         if not done:
             call.add_done_callback(lambda f: f.cancelled() or f.exception())  # its late outcome is nobody's to log
-        error = None if done and call.exception() is None else (call.exception() or SamplerTimeout(
-            f"the sampler's batched score of {len(flat)} pairs did not return within {self.call_timeout_s} s (rollout_timeout_s)"))
+        error = (
+            None
+            if done and call.exception() is None
+            else (
+                call.exception()
+                or SamplerTimeout(
+                    f"the sampler's batched score of {len(flat)} pairs did not return within {self.call_timeout_s} s (rollout_timeout_s)"
+                )
+            )
+        )
         offset = 0
         for pairs, f in waiting:
             if f.done():
@@ -204,18 +223,20 @@ class BatchingSampler(ABC):
         """Set `call_timeout_s`, `max_seq_len` and `engine_on_loop` (see their docstrings)."""
         self.call_timeout_s, self.max_seq_len, self.engine_on_loop = timeout_s, max_seq_len, engine_on_loop
 
-    def to_device(self, device: torch.device) -> None:
+    def to_device(self, device: torch.device) -> None:  # noqa: B027 (a default, not abstract)
         """Nothing to move by default: an engine that runs on the trainer's device overrides it."""
 
-    def sleep(self) -> None:
+    def sleep(self) -> None:  # noqa: B027 (a default, not abstract)
         """Nothing to free by default: an engine that can release its memory between steps overrides it."""
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load the weights between two generate calls; waiting for a running call is bounded by
         `call_timeout_s` (a stuck engine would otherwise hold the sync, and training, forever)."""
         if not self._weights_lock.acquire(timeout=-1 if self.call_timeout_s is None else self.call_timeout_s):
-            raise SamplerTimeout(f"the weight sync waited {self.call_timeout_s:g} s (rollout_timeout_s) for the sampler's "
-                                 "running generate call to end: the engine looks stuck")
+            raise SamplerTimeout(
+                f"the weight sync waited {self.call_timeout_s:g} s (rollout_timeout_s) for the sampler's "
+                "running generate call to end: the engine looks stuck"
+            )
         try:
             self._load(named_tensors)
         finally:
@@ -240,7 +261,9 @@ class BatchingSampler(ABC):
                 self._queue = [r for r in self._queue if id(r) not in taken]
                 prompts = [r.prompt for r in batch for _ in range(r.n)]
                 try:
-                    completions = await self._bounded(self._engine_call(loop, self._generate_all, prompts, head), len(prompts))
+                    completions = await self._bounded(
+                        self._engine_call(loop, self._generate_all, prompts, head), len(prompts)
+                    )
                 except Exception as err:  # every waiting rollout sees the failure
                     for r in batch:
                         if not r.future.done():
@@ -272,7 +295,9 @@ class BatchingSampler(ABC):
         extra = (head.stop,) if head.stop else ()
         out: list[Completion] = []
         for start in range(0, len(prompts), self.max_batch_size):
-            out += self.generate(prompts[start : start + self.max_batch_size], head.temperature, head.max_tokens, *extra)
+            out += self.generate(
+                prompts[start : start + self.max_batch_size], head.temperature, head.max_tokens, *extra
+            )
         return out
 
     def _engine_call(self, loop: asyncio.AbstractEventLoop, fn, *args: Any) -> asyncio.Future:
@@ -300,11 +325,15 @@ class BatchingSampler(ABC):
         done, _ = await asyncio.wait({call}, timeout=self.call_timeout_s)
         if not done:
             call.add_done_callback(lambda f: f.cancelled() or f.exception())  # its late outcome is nobody's to log
-            raise SamplerTimeout(f"the sampler's batched generate of {num_prompts} prompts did not return within "
-                                 f"{self.call_timeout_s:g} s (rollout_timeout_s): the engine looks stuck")
+            raise SamplerTimeout(
+                f"the sampler's batched generate of {num_prompts} prompts did not return within "
+                f"{self.call_timeout_s:g} s (rollout_timeout_s): the engine looks stuck"
+            )
         return call.result()
 
-    def generate(self, prompts: list[list[int]], temperature: float, max_tokens: int, stop: tuple[str, ...] = ()) -> list[Completion]:
+    def generate(
+        self, prompts: list[list[int]], temperature: float, max_tokens: int, stop: tuple[str, ...] = ()
+    ) -> list[Completion]:
         """One batched call. Returns one `Completion` per prompt."""
         with self._weights_lock:
             if stop:
@@ -312,7 +341,9 @@ class BatchingSampler(ABC):
             return self._generate(prompts, temperature, max_tokens)
 
     @abstractmethod
-    def _generate(self, prompts: list[list[int]], temperature: float, max_tokens: int, stop: tuple[str, ...] = ()) -> list[Completion]:
+    def _generate(
+        self, prompts: list[list[int]], temperature: float, max_tokens: int, stop: tuple[str, ...] = ()
+    ) -> list[Completion]:
         """Sample one completion per prompt (the engine's batched call), each ended at the first of
         the `stop` strings it completes (see `lit_grpo.samplers.stops`). `stop` is passed only
         when set: an engine that cannot honour stop strings may leave it out of its signature."""
@@ -322,8 +353,14 @@ class BatchingSampler(ABC):
         """Load the policy's weights into the engine."""
 
     def completion(
-        self, prompt: list[int], generated: list[int], logprobs: list[float], text: str, *,
-        inference_logprobs: Optional[list[float]] = None, stop_reason: Optional[str] = None,
+        self,
+        prompt: list[int],
+        generated: list[int],
+        logprobs: list[float],
+        text: str,
+        *,
+        inference_logprobs: Optional[list[float]] = None,
+        stop_reason: Optional[str] = None,
     ) -> Completion:
         """A `Completion` of `generated`, cut after the first eos. `stop_reason`: the stop string
         `generated` already ends at (its completing token included) and `text` is already cut before."""

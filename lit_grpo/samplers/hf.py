@@ -10,10 +10,17 @@ stopped returns before `max_tokens`.
 from __future__ import annotations
 
 import copy
-from typing import Iterable, Optional, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Optional
 
 import torch
-from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase, StoppingCriteria, StoppingCriteriaList
+from transformers import (
+    GenerationConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    StoppingCriteria,
+    StoppingCriteriaList,
+)
 
 from lit_grpo.maths.logprobs import token_logprobs
 from lit_grpo.samplers.base import BatchingSampler, normalize_weight_name
@@ -24,7 +31,9 @@ from lit_grpo.types import Completion
 class HFSampler(BatchingSampler):
     """Implements the `Sampler` protocol with `model.generate` on a private copy of the policy."""
 
-    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *, max_batch_size: int = 256) -> None:
+    def __init__(
+        self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *, max_batch_size: int = 256
+    ) -> None:
         super().__init__(tokenizer, max_batch_size=max_batch_size)
         self.model = copy.deepcopy(model).eval().requires_grad_(False)
         # The model's own tensors by state-dict name (tied weights under every name, as engines such
@@ -62,7 +71,9 @@ class HFSampler(BatchingSampler):
         return [state[key] for key in keys]
 
     @torch.inference_mode()
-    def _generate(self, prompts: list[list[int]], temperature: float, max_tokens: int, stop: tuple[str, ...] = ()) -> list[Completion]:
+    def _generate(
+        self, prompts: list[list[int]], temperature: float, max_tokens: int, stop: tuple[str, ...] = ()
+    ) -> list[Completion]:
         device = next(self.model.parameters()).device
         pad_id, eos_id = self.tokenizer.pad_token_id, self.eos_token_id
         width = max(len(p) for p in prompts)
@@ -72,15 +83,25 @@ class HFSampler(BatchingSampler):
             input_ids[i, width - len(p) :] = torch.tensor(p)
             attention[i, width - len(p) :] = 1
         # Temperature 0 is greedy decoding (evaluation); its logprobs are reported at temperature 1.
-        sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature > 0 else {"do_sample": False}
+        sampling = (
+            {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
+            if temperature > 0
+            else {"do_sample": False}
+        )
         gen_config = GenerationConfig(
-            **sampling, max_new_tokens=max_tokens, eos_token_id=eos_id, pad_token_id=pad_id,
-            output_logits=True, return_dict_in_generate=True,
+            **sampling,
+            max_new_tokens=max_tokens,
+            eos_token_id=eos_id,
+            pad_token_id=pad_id,
+            output_logits=True,
+            return_dict_in_generate=True,
         )
         temperature = temperature or 1.0
         ends = _StopStrings(self.tokenizer, stop, width) if stop else None
         out = self.model.generate(
-            input_ids=input_ids.to(device), attention_mask=attention.to(device), generation_config=gen_config,
+            input_ids=input_ids.to(device),
+            attention_mask=attention.to(device),
+            generation_config=gen_config,
             stopping_criteria=StoppingCriteriaList([ends]) if ends else None,
         )
         new_tokens_NS = out.sequences[:, width:].cpu()
@@ -95,7 +116,9 @@ class HFSampler(BatchingSampler):
             match = find_stop(row, stop, self._decode, text) if stop else None
             if match is not None:
                 row, text = row[: match.num_tokens], match.text
-            completions.append(self.completion(p, row, lp, text, inference_logprobs=raw, stop_reason=match.stop if match else None))
+            completions.append(
+                self.completion(p, row, lp, text, inference_logprobs=raw, stop_reason=match.stop if match else None)
+            )
         return completions
 
     def _decode(self, token_ids: list[int]) -> str:
@@ -114,10 +137,15 @@ class HFSampler(BatchingSampler):
             input_ids[i, : len(row)] = torch.tensor(row)
             attention[i, : len(row)] = 1
         logprobs_BT, _ = token_logprobs(self.model, input_ids.to(device), attention.to(device), 1.0)
-        return [logprobs_BT[i, len(prompt) - 1 : len(prompt) + len(target) - 1].tolist() for i, (prompt, target) in enumerate(pairs)]
+        return [
+            logprobs_BT[i, len(prompt) - 1 : len(prompt) + len(target) - 1].tolist()
+            for i, (prompt, target) in enumerate(pairs)
+        ]
 
 
-def _token_logprobs(logits_S: Sequence[torch.Tensor], tokens_NS: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _token_logprobs(
+    logits_S: Sequence[torch.Tensor], tokens_NS: torch.Tensor, temperature: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Logprobs of the generated tokens: (log_softmax(logits / temperature), log_softmax(logits)),
     each [N, S], from generate's per-step raw logits ([N, V] each; one step at a time, so memory
     stays at one step's logits)."""
@@ -126,7 +154,11 @@ def _token_logprobs(logits_S: Sequence[torch.Tensor], tokens_NS: torch.Tensor, t
         logits_NV = logits_NV.float()
         tokens_N1 = tokens_NS[:, step, None].to(logits_NV.device)
         raw.append(torch.log_softmax(logits_NV, dim=-1).gather(-1, tokens_N1)[:, 0])
-        sampling.append(raw[-1] if temperature == 1.0 else torch.log_softmax(logits_NV / temperature, dim=-1).gather(-1, tokens_N1)[:, 0])
+        sampling.append(
+            raw[-1]
+            if temperature == 1.0
+            else torch.log_softmax(logits_NV / temperature, dim=-1).gather(-1, tokens_N1)[:, 0]
+        )
     return torch.stack(sampling, dim=1).cpu(), torch.stack(raw, dim=1).cpu()
 
 
@@ -151,7 +183,10 @@ class _StopStrings(StoppingCriteria):
         running = [i for i in running if i not in self._eos_rows]
         texts = self.tokenizer.batch_decode([recent[i] for i in running], skip_special_tokens=True)
         for i, text in zip(running, texts):
-            if first_stop(text, self.stop) is not None and first_stop(self._decode_row(input_ids, i), self.stop) is not None:
+            if (
+                first_stop(text, self.stop) is not None
+                and first_stop(self._decode_row(input_ids, i), self.stop) is not None
+            ):
                 self.ended[i] = generated
         done = torch.zeros(input_ids.shape[0], dtype=torch.bool)
         done[list(self.ended)] = True

@@ -10,8 +10,9 @@ rule (`vllm.v1.engine.detokenizer.check_stop_strings`), so both samplers return 
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Iterable, Optional
+from collections.abc import Iterable
+from typing import Any, Optional
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -65,12 +66,20 @@ class VLLMSampler(BatchingSampler):
         vllm = import_vllm()
         self.on_cuda = torch.cuda.is_available()
         kwargs: dict[str, Any] = dict(
-            model=model, tokenizer=model, dtype=dtype, max_model_len=max_model_len, enforce_eager=enforce_eager,
-            seed=seed, logprobs_mode="processed_logprobs",
+            model=model,
+            tokenizer=model,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            enforce_eager=enforce_eager,
+            seed=seed,
+            logprobs_mode="processed_logprobs",
         )
         if self.on_cuda:
-            kwargs.update(gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=tensor_parallel_size,
-                          enable_sleep_mode=sleep_between_phases)
+            kwargs.update(
+                gpu_memory_utilization=gpu_memory_utilization,
+                tensor_parallel_size=tensor_parallel_size,
+                enable_sleep_mode=sleep_between_phases,
+            )
         else:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
             if tensor_parallel_size != 1 or sleep_between_phases:
@@ -83,10 +92,13 @@ class VLLMSampler(BatchingSampler):
 
         self._TokensPrompt = TokensPrompt
 
-    def _generate(self, prompts: list[list[int]], temperature: float, max_tokens: int, stop: tuple[str, ...] = ()) -> list[Completion]:
+    def _generate(
+        self, prompts: list[list[int]], temperature: float, max_tokens: int, stop: tuple[str, ...] = ()
+    ) -> list[Completion]:
         self.wake_up()
-        params = self._SamplingParams(temperature=temperature, top_p=1.0, top_k=0, max_tokens=max_tokens, logprobs=0,
-                                      stop=list(stop) or None)
+        params = self._SamplingParams(
+            temperature=temperature, top_p=1.0, top_k=0, max_tokens=max_tokens, logprobs=0, stop=list(stop) or None
+        )
         raw_known = temperature in (0.0, 1.0)  # processed logprobs == raw ones there (see the module docstring)
         outputs = self.llm.generate([self._TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
         completions = []
@@ -97,8 +109,16 @@ class VLLMSampler(BatchingSampler):
             logprobs = [step[tok].logprob for step, tok in zip(c.logprobs, tokens)]
             # A stop string: `stop_reason` is that str (an int would be a stop token id; none are set here).
             stop_reason = c.stop_reason if isinstance(c.stop_reason, str) else None
-            completions.append(self.completion(prompt, tokens, logprobs, c.text, stop_reason=stop_reason,
-                                               inference_logprobs=logprobs if raw_known else None))
+            completions.append(
+                self.completion(
+                    prompt,
+                    tokens,
+                    logprobs,
+                    c.text,
+                    stop_reason=stop_reason,
+                    inference_logprobs=logprobs if raw_known else None,
+                )
+            )
         return completions
 
     def _score(self, pairs: list[tuple[list[int], list[int]]]) -> list[list[float]]:
@@ -110,7 +130,7 @@ class VLLMSampler(BatchingSampler):
         rows = [p + t for p, t in pairs]
         outputs = self.llm.generate([self._TokensPrompt(prompt_token_ids=r) for r in rows], params, use_tqdm=False)
         scores = []
-        for (prompt, target), row, out in zip(pairs, rows, outputs):
+        for (prompt, _target), row, out in zip(pairs, rows, outputs):
             # Entry j scores token j given tokens < j (entry 0, with nothing before it, is None).
             per_position = out.prompt_logprobs
             scores.append([per_position[j][row[j]].logprob for j in range(len(prompt), len(row))])
@@ -124,7 +144,9 @@ class VLLMSampler(BatchingSampler):
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
             self.llm.reset_prefix_cache()
         except Exception as err:  # never train against stale weights silently
-            raise RuntimeError(f"vLLM weight sync failed ({type(err).__name__}: {err}); the sampler would be stale") from err
+            raise RuntimeError(
+                f"vLLM weight sync failed ({type(err).__name__}: {err}); the sampler would be stale"
+            ) from err
 
     def sleep(self) -> None:
         """Free the engine's GPU memory while the trainer steps (CUDA with sleep mode only)."""

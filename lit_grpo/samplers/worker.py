@@ -12,8 +12,9 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from collections.abc import Callable
 from concurrent.futures import Executor, Future
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 log = logging.getLogger(__name__)
 THREAD_PREFIX = "lit_grpo-"
@@ -32,7 +33,9 @@ def join_thread(thread: Optional[threading.Thread], timeout_s: float, what: str)
         return True
     thread.join(timeout_s)
     if thread.is_alive():
-        log.warning("%s (thread %s) did not end within %g s of the run's end; it is abandoned", what, thread.name, timeout_s)
+        log.warning(
+            "%s (thread %s) did not end within %g s of the run's end; it is abandoned", what, thread.name, timeout_s
+        )
         return False
     return True
 

@@ -11,12 +11,10 @@ the first two only when `data.path` / `data.eval_path` give no rows of the user'
 from __future__ import annotations
 
 import dataclasses
-
 from typing import Optional
 
 from lit_grpo.config import TrainConfig
 from lit_grpo.tasks import arithmetic, gsm8k, lookup  # noqa: F401  (registers the built-in tasks)
-from lit_grpo.tasks.rows import DEFAULT_ROLLOUT, RowError, check_prompts, load_rows
 from lit_grpo.tasks.registry import (
     TASKS,
     RewardFn,
@@ -27,6 +25,7 @@ from lit_grpo.tasks.registry import (
     task_options,
     task_spec,
 )
+from lit_grpo.tasks.rows import DEFAULT_ROLLOUT, RowError, check_prompts, load_rows
 
 __all__ = [
     "TASKS", "RewardFn", "TaskSpec", "available_tasks", "build_eval_rows", "build_rows", "check_task",
@@ -117,7 +116,12 @@ def evaluation_rows(c: TrainConfig, eval_rows: Optional[list[dict]] = None) -> l
     if c.data.eval_rows == 0:
         return []
     if c.data.eval_path:
-        rows = load_rows(c.data.eval_path, split=c.data.eval_split, dataset_config=c.data.dataset_config,
-                         max_rows=c.data.eval_rows, field="data.eval_path")
+        rows = load_rows(
+            c.data.eval_path,
+            split=c.data.eval_split,
+            dataset_config=c.data.dataset_config,
+            max_rows=c.data.eval_rows,
+            field="data.eval_path",
+        )
         return _checked(c, rows, f"data.eval_path={c.data.eval_path}")
     return _checked(c, build_eval_rows(c), f"task {c.task.get('name')!r} (held-out rows)")

@@ -38,7 +38,11 @@ class ArithmeticOptions:
         require(self.num_rows >= 1, "task.num_rows", "must be >= 1")
         require(self.max_operand >= 1, "task.max_operand", "must be >= 1")
         require(self.max_answer >= 0, "task.max_answer", "must be >= 0")
-        require(bool(self.operators) and set(self.operators) <= set(_APPLY), "task.operators", f"must be a non-empty subset of {''.join(_APPLY)!r}")
+        require(
+            bool(self.operators) and set(self.operators) <= set(_APPLY),
+            "task.operators",
+            f"must be a non-empty subset of {''.join(_APPLY)!r}",
+        )
 
 
 def all_problems(opts: ArithmeticOptions) -> list[tuple[int, str, int]]:

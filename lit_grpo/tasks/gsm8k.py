@@ -41,7 +41,11 @@ class GSM8KOptions:
     """A malformed row: `raise` (stop, naming the line) or `skip` (warn, naming the line)."""
 
     def __post_init__(self) -> None:
-        require(self.on_error in ON_ERROR_MODES, "task.on_error", f"must be one of {', '.join(ON_ERROR_MODES)}, got {self.on_error!r}")
+        require(
+            self.on_error in ON_ERROR_MODES,
+            "task.on_error",
+            f"must be one of {', '.join(ON_ERROR_MODES)}, got {self.on_error!r}",
+        )
 
 
 def load_split(opts: GSM8KOptions, *, held_out: bool, limit: int) -> list[dict]:
@@ -61,7 +65,9 @@ def hub_records(name: str, config: str | None, split: str):
     try:
         import datasets
     except ImportError:
-        raise MissingExtraError(f"loading {name!r} from the Hugging Face hub needs the `datasets` extra: {DATASETS_HINT}") from None
+        raise MissingExtraError(
+            f"loading {name!r} from the Hugging Face hub needs the `datasets` extra: {DATASETS_HINT}"
+        ) from None
     return datasets.load_dataset(name, config, split=split)
 
 
@@ -105,5 +111,11 @@ def sources(opts: GSM8KOptions, data: DataConfig) -> list[str]:
 
 
 register_task(
-    "gsm8k", options=GSM8KOptions, rows=train_rows, eval_rows=held_out_rows, reward=reward, check=check, sources=sources,
+    "gsm8k",
+    options=GSM8KOptions,
+    rows=train_rows,
+    eval_rows=held_out_rows,
+    reward=reward,
+    check=check,
+    sources=sources,
 )

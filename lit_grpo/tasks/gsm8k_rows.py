@@ -17,8 +17,8 @@ line that is not UTF-8 text is such a record too (each line is decoded on its ow
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Callable, Iterable
 
 from lit_grpo.rewards.gsm8k import ANSWER_FIELDS, parse_reference_answer
 from lit_grpo.tasks.rows import PROMPT_FIELDS, MissingFileError, RowError, jsonl_records
@@ -56,9 +56,7 @@ def _check_messages(messages: object, where: str) -> None:
         raise RowError(f"{where}: field 'messages' must be a non-empty list, got {messages!r:.80}")
     for i, m in enumerate(messages):
         if not (isinstance(m, dict) and all(isinstance(m.get(k), str) for k in ("role", "content"))):
-            raise RowError(
-                f"{where}: messages[{i}] must be a dict with string 'role' and 'content', got {m!r:.80}"
-            )
+            raise RowError(f"{where}: messages[{i}] must be a dict with string 'role' and 'content', got {m!r:.80}")
     if not any(m["role"] == "user" for m in messages):
         raise RowError(f"{where}: field 'messages' has no 'user' message")
 
@@ -85,7 +83,9 @@ def check_record(record: object, where: str) -> dict:
     return record
 
 
-def collect_rows(records: Iterable[tuple[str, Callable[[], object]]], *, source: str, on_error: str = "raise", max_rows: int = 0) -> tuple[list[dict], list[str]]:
+def collect_rows(
+    records: Iterable[tuple[str, Callable[[], object]]], *, source: str, on_error: str = "raise", max_rows: int = 0
+) -> tuple[list[dict], list[str]]:
     """Rows of `(where, read_record)` pairs and the problems of those skipped.
 
     `on_error="raise"` raises RowError at the first bad record; `"skip"` logs a warning per bad

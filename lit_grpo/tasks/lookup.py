@@ -85,7 +85,10 @@ def make_row(rng: random.Random, opts: LookupOptions) -> dict:
     answer, queries = resolve(table, target), opts.num_queries
     prompt = f"{target}{QUERY_CUE if queries else ANSWER_CUE}"
     if rng.random() < opts.shown_frac:  # the last lookup shown: the answer is one copy away
-        prompt, queries = f"{target}={table[target]}{ANSWER_CUE}" if opts.hops == 1 else f"{table[target]}={answer}{ANSWER_CUE}", 0
+        prompt, queries = (
+            f"{target}={table[target]}{ANSWER_CUE}" if opts.hops == 1 else f"{table[target]}={answer}{ANSWER_CUE}",
+            0,
+        )
     return {"prompt": prompt, "table": table, "target": target, "answer": answer, "queries": queries}
 
 

@@ -15,8 +15,9 @@ A user's task registered in `my_pkg/my_tasks.py` is chosen with `task.name=my_pk
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Optional
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -51,8 +52,13 @@ TASKS: dict[str, TaskSpec] = {}
 
 
 def register_task(
-    name: str, *, options: type, rows: Callable[..., list[dict]], eval_rows: Callable[..., list[dict]],
-    reward: Callable[[Any], RewardFn], check: Optional[Callable[[Any, DataConfig], None]] = None,
+    name: str,
+    *,
+    options: type,
+    rows: Callable[..., list[dict]],
+    eval_rows: Callable[..., list[dict]],
+    reward: Callable[[Any], RewardFn],
+    check: Optional[Callable[[Any, DataConfig], None]] = None,
     sources: Optional[Callable[[Any, DataConfig], list[str]]] = None,
 ) -> TaskSpec:
     """Register task `name` (see `TaskSpec` for each argument); `options` must be a dataclass
@@ -104,7 +110,9 @@ def task_options(task: Mapping[str, Any]) -> Any:
     valid = [f.name for f in dataclasses.fields(spec.options)]
     for key in given:
         if key not in valid:
-            raise ConfigError(f"config field `task.{key}`: task {spec.name!r} has no such option; valid: {', '.join(valid)}")
+            raise ConfigError(
+                f"config field `task.{key}`: task {spec.name!r} has no such option; valid: {', '.join(valid)}"
+            )
     try:
         merged = OmegaConf.merge(OmegaConf.structured(spec.options), OmegaConf.create(given))
         return OmegaConf.to_object(merged)

@@ -21,8 +21,9 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Optional
 
 from lit_grpo.config.sources import hub_problem, source_kind
 from lit_grpo.errors import MissingExtraError, UserError
@@ -105,7 +106,9 @@ def load_json(path: str | os.PathLike, *, max_rows: int = 0) -> list[dict]:
     try:
         records = json.loads(raw.decode("utf-8-sig"))
     except UnicodeDecodeError as e:
-        raise RowError(f"{path.name}: not UTF-8 text (byte 0x{raw[e.start]:02x} at byte {e.start + 1}); re-save the file as UTF-8") from None
+        raise RowError(
+            f"{path.name}: not UTF-8 text (byte 0x{raw[e.start]:02x} at byte {e.start + 1}); re-save the file as UTF-8"
+        ) from None
     except json.JSONDecodeError as e:
         raise RowError(f"{path.name}: invalid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
     records = records[:max_rows] if max_rows else records
@@ -145,7 +148,14 @@ def load_dataset_rows(name: str, config: Optional[str], split: str, *, max_rows:
 # --------------------------------------------------------------------------- any source
 
 
-def load_rows(source: str, *, split: str = "train", dataset_config: Optional[str] = None, max_rows: int = 0, field: str = "data.path") -> list[dict]:
+def load_rows(
+    source: str,
+    *,
+    split: str = "train",
+    dataset_config: Optional[str] = None,
+    max_rows: int = 0,
+    field: str = "data.path",
+) -> list[dict]:
     """The rows of `source` (see the module docstring), at most `max_rows` (0: all), as stored.
     `MissingFileError` naming `field` when a file is not there; `RowError` when none is read."""
     kind = source_kind(source)
@@ -166,7 +176,11 @@ def load_rows(source: str, *, split: str = "train", dataset_config: Optional[str
 
 
 def missing_file_message(source: str) -> str:
-    relative = "" if Path(source).expanduser().is_absolute() else f" (a relative path is read from the working directory {os.getcwd()})"
+    relative = (
+        ""
+        if Path(source).expanduser().is_absolute()
+        else f" (a relative path is read from the working directory {os.getcwd()})"
+    )
     return f"no file {source}{relative}"
 
 
@@ -203,8 +217,10 @@ def row_label(row: Any) -> str:
     return text if len(text) <= 100 else text[:97] + "..."
 
 
-_PROMPT_FIX = ("Set data.prompt_field to the field that holds the prompt (text, chat messages or token ids), "
-               "e.g. data.prompt_field=question, or give your own rollout (rollout.factory)")
+_PROMPT_FIX = (
+    "Set data.prompt_field to the field that holds the prompt (text, chat messages or token ids), "
+    "e.g. data.prompt_field=question, or give your own rollout (rollout.factory)"
+)
 
 
 def no_prompt_message(row: Any, prompt_field: Optional[str]) -> str:
@@ -222,8 +238,10 @@ def no_prompt_message(row: Any, prompt_field: Optional[str]) -> str:
 def bad_prompt_message(row: dict, field: str) -> str:
     """A row whose prompt field holds a value the default rollout cannot sample from, and the fix."""
     value = row[field]
-    return (f"row {row_label(row)}: its prompt field {field!r} holds {type(value).__name__} {repr(value)[:60]}; the default "
-            f"rollout takes text, a non-empty list of chat messages or a list of token ids. {_PROMPT_FIX}")
+    return (
+        f"row {row_label(row)}: its prompt field {field!r} holds {type(value).__name__} {repr(value)[:60]}; the default "
+        f"rollout takes text, a non-empty list of chat messages or a list of token ids. {_PROMPT_FIX}"
+    )
 
 
 def prompt_field_of(row: dict, prompt_field: Optional[str] = None) -> str:

@@ -1,11 +1,11 @@
 """The vLLM server wing: `sampler=vllm_server` and the servers it talks to.
 
-    sampler.py          VLLMServerSampler: completions and scores over HTTP from server replicas
-    requests.py         routing, bounded concurrency, retries and failover across replicas
-    scores.py           scoring target tokens on a server
-    weight_files.py     weight syncs through a safetensors file the servers reload
-    weight_transfer.py  weight syncs through vLLM's weight-transfer API (gloo on CPU, nccl on GPU)
-    pool.py             local servers as subprocesses, each in its own process group
-    serve.py            `python -m lit_grpo.serve`: a vLLM OpenAI server set up for lit_grpo
-    vllm_plugin/        the vLLM plugin (the `lit_grpo_gloo` weight-transfer backend)
+sampler.py          VLLMServerSampler: completions and scores over HTTP from server replicas
+requests.py         routing, bounded concurrency, retries and failover across replicas
+scores.py           scoring target tokens on a server
+weight_files.py     weight syncs through a safetensors file the servers reload
+weight_transfer.py  weight syncs through vLLM's weight-transfer API (gloo on CPU, nccl on GPU)
+pool.py             local servers as subprocesses, each in its own process group
+serve.py            `python -m lit_grpo.serve`: a vLLM OpenAI server set up for lit_grpo
+vllm_plugin/        the vLLM plugin (the `lit_grpo_gloo` weight-transfer backend)
 """

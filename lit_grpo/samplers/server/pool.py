@@ -19,9 +19,10 @@ import sys
 import time
 import urllib.request
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Optional
 
 log = logging.getLogger(__name__)
 
@@ -102,14 +103,18 @@ class ServerPool:
         while waiting:
             for server in list(waiting):
                 if server.process.poll() is not None:
-                    raise RuntimeError(f"vLLM server {server.url} exited with status {server.process.returncode} before it "
-                                       f"was ready; its log ({server.log_path}) ends with:\n{server.log_tail()}")
+                    raise RuntimeError(
+                        f"vLLM server {server.url} exited with status {server.process.returncode} before it "
+                        f"was ready; its log ({server.log_path}) ends with:\n{server.log_tail()}"
+                    )
                 if healthy(server.url):
                     waiting.remove(server)
             if waiting and time.monotonic() > deadline:
                 names = ", ".join(s.url for s in waiting)
-                raise RuntimeError(f"vLLM server(s) {names} not ready within {timeout_s:g} s; the log of "
-                                   f"{waiting[0].url} ({waiting[0].log_path}) ends with:\n{waiting[0].log_tail()}")
+                raise RuntimeError(
+                    f"vLLM server(s) {names} not ready within {timeout_s:g} s; the log of "
+                    f"{waiting[0].url} ({waiting[0].log_path}) ends with:\n{waiting[0].log_tail()}"
+                )
             if waiting:
                 time.sleep(0.5)
 
@@ -122,14 +127,14 @@ class ServerPool:
             server.stop(grace_s)
         _POOLS.discard(self)
 
-    def __enter__(self) -> "ServerPool":
+    def __enter__(self) -> ServerPool:
         return self
 
     def __exit__(self, *exc) -> None:
         self.stop()
 
 
-_POOLS: "weakref.WeakSet[ServerPool]" = weakref.WeakSet()
+_POOLS: weakref.WeakSet[ServerPool] = weakref.WeakSet()
 
 
 @atexit.register
@@ -152,11 +157,21 @@ def default_cpu_cores(n: int) -> list[Optional[int]]:
 
 
 def start_servers(
-    model_dir: str | os.PathLike, n: int, *, log_dir: str | os.PathLike, host: str = "127.0.0.1",
-    ports: Optional[Sequence[int]] = None, cpu_cores: Optional[Sequence[Optional[int]]] = None,
-    dtype: str = "auto", max_model_len: Optional[int] = None, kv_cache_memory_bytes: Optional[str | int] = None,
-    seed: int = 0, extra_args: Sequence[str] = (), env: Optional[dict[str, str]] = None,
-    ready_timeout_s: Optional[float] = 600.0, weight_transfer: str = "reload",
+    model_dir: str | os.PathLike,
+    n: int,
+    *,
+    log_dir: str | os.PathLike,
+    host: str = "127.0.0.1",
+    ports: Optional[Sequence[int]] = None,
+    cpu_cores: Optional[Sequence[Optional[int]]] = None,
+    dtype: str = "auto",
+    max_model_len: Optional[int] = None,
+    kv_cache_memory_bytes: Optional[str | int] = None,
+    seed: int = 0,
+    extra_args: Sequence[str] = (),
+    env: Optional[dict[str, str]] = None,
+    ready_timeout_s: Optional[float] = 600.0,
+    weight_transfer: str = "reload",
 ) -> ServerPool:
     """Start `n` servers of `model_dir` on free ports (or `ports`), each in its own process group,
     logging to `log_dir/server_<i>.log`; wait for them unless `ready_timeout_s` is None. On CUDA
@@ -173,8 +188,23 @@ def start_servers(
     _POOLS.add(pool)
     try:
         for i in range(n):
-            cmd = [sys.executable, "-m", "lit_grpo.serve", "--model", str(model_dir), "--host", host, "--port", str(ports[i]),
-                   "--dtype", dtype, "--seed", str(seed + i), "--exit-with-parent", str(os.getpid())]
+            cmd = [
+                sys.executable,
+                "-m",
+                "lit_grpo.serve",
+                "--model",
+                str(model_dir),
+                "--host",
+                host,
+                "--port",
+                str(ports[i]),
+                "--dtype",
+                dtype,
+                "--seed",
+                str(seed + i),
+                "--exit-with-parent",
+                str(os.getpid()),
+            ]
             if cores[i] is not None:
                 cmd += ["--cpu-core", str(cores[i])]
             if kv_cache_memory_bytes is not None:
@@ -189,8 +219,14 @@ def start_servers(
                 child_env["CUDA_VISIBLE_DEVICES"] = str(i)
             log_path = log_dir / f"server_{i}.log"
             with open(log_path, "wb") as out:
-                process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                           env=child_env, start_new_session=True)
+                process = subprocess.Popen(
+                    cmd,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    env=child_env,
+                    start_new_session=True,
+                )
             pool.servers.append(ServerProcess(f"http://{host}:{ports[i]}", process, log_path, cores[i]))
             log.info("started vLLM server %s (pid %d, log %s)", pool.servers[-1].url, process.pid, log_path)
         if ready_timeout_s is not None:

@@ -10,8 +10,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable, Hashable
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Hashable, Optional
+from typing import Any, Optional
 
 from lit_grpo.samplers.arguments import SamplerTimeout
 from lit_grpo.samplers.server.weight_files import ServerError
@@ -60,8 +61,17 @@ class ReplicaRouter:
     answers errors or times out past its retries, the request fails with a `ServerError` naming it.
     """
 
-    def __init__(self, urls: list[str], client: Any, httpx: Any, *, max_in_flight: int, request_timeout_s: float,
-                 max_retries: int, retry_backoff_s: float) -> None:
+    def __init__(
+        self,
+        urls: list[str],
+        client: Any,
+        httpx: Any,
+        *,
+        max_in_flight: int,
+        request_timeout_s: float,
+        max_retries: int,
+        retry_backoff_s: float,
+    ) -> None:
         self.replicas = [Replica(u.rstrip("/")) for u in urls]
         self.client, self.httpx = client, httpx
         self.max_in_flight, self.request_timeout_s = max_in_flight, request_timeout_s
@@ -81,9 +91,13 @@ class ReplicaRouter:
         except self.httpx.TimeoutException:
             raise ServerError(f"vLLM server {r.url}: {method} {path} did not answer within {timeout:g} s") from None
         except self.httpx.TransportError as err:
-            raise ServerError(f"vLLM server {r.url}: {method} {path} failed ({type(err).__name__}: {err or 'no detail'})") from None
+            raise ServerError(
+                f"vLLM server {r.url}: {method} {path} failed ({type(err).__name__}: {err or 'no detail'})"
+            ) from None
         if response.status_code >= 300:
-            raise ServerError(f"vLLM server {r.url}: {method} {path} answered {response.status_code}: {response.text[:500]}")
+            raise ServerError(
+                f"vLLM server {r.url}: {method} {path} answered {response.status_code}: {response.text[:500]}"
+            )
         return response.json() if response.content else None
 
     async def complete(self, body: dict, n: int, deadline: Optional[float]) -> tuple[Replica, list[dict]]:
@@ -103,17 +117,23 @@ class ReplicaRouter:
                     try:
                         choices = await self._post(replica, {**body, "model": replica.model, "n": n}, timeout)
                         if len(choices) != n:
-                            raise ServerError(f"vLLM server {replica.url} answered {len(choices)} choices, asked for {n}")
+                            raise ServerError(
+                                f"vLLM server {replica.url} answered {len(choices)} choices, asked for {n}"
+                            )
                         replica.completed += n
                         return replica, sorted(choices, key=lambda c: c.get("index", 0))
                     except TransientError as err:
                         failures += 1
                         if deadline is not None and time.monotonic() >= deadline:
-                            raise SamplerTimeout(f"no completion within http_timeout; the last try failed: {err}") from None
+                            raise SamplerTimeout(
+                                f"no completion within http_timeout; the last try failed: {err}"
+                            ) from None
                         if failures > self.max_retries:
                             if not err.unreachable:
-                                raise ServerError(f"vLLM server {replica.url} failed a completion request {failures} "
-                                                  f"times; last: {err}") from None
+                                raise ServerError(
+                                    f"vLLM server {replica.url} failed a completion request {failures} "
+                                    f"times; last: {err}"
+                                ) from None
                             await self._drop(replica, f"unreachable after {failures} tries: {err}")
                             break
                         backoff = min(self.retry_backoff_s * 2 ** (failures - 1), MAX_BACKOFF_S)
@@ -129,11 +149,15 @@ class ReplicaRouter:
         except self.httpx.TimeoutException:
             raise TransientError(f"{r.url}: no answer within {timeout:g} s", unreachable=False) from None
         except self.httpx.TransportError as err:  # refused, reset, closed mid-answer
-            raise TransientError(f"{r.url}: {type(err).__name__}: {err or 'connection failed'}", unreachable=True) from None
+            raise TransientError(
+                f"{r.url}: {type(err).__name__}: {err or 'connection failed'}", unreachable=True
+            ) from None
         if response.status_code >= 500 or response.status_code == 429:
             raise TransientError(f"{r.url} answered {response.status_code}: {response.text[:300]}", unreachable=False)
         if response.status_code >= 300:  # a request the server will never accept: no retry
-            raise ServerError(f"vLLM server {r.url} refused a completion request ({response.status_code}): {response.text[:500]}")
+            raise ServerError(
+                f"vLLM server {r.url} refused a completion request ({response.status_code}): {response.text[:500]}"
+            )
         return list(response.json()["choices"])
 
     async def _acquire(self, n: int) -> Replica:
@@ -161,8 +185,12 @@ class ReplicaRouter:
             if r.down is None:
                 r.down = why
                 self.failovers.append(f"{r.url}: {why}")
-                log.warning("vLLM server %s is gone (%s): dropped; %d server(s) left serve its requests",
-                            r.url, why, len(self.live()))
+                log.warning(
+                    "vLLM server %s is gone (%s): dropped; %d server(s) left serve its requests",
+                    r.url,
+                    why,
+                    len(self.live()),
+                )
             self._slots.notify_all()
 
 
@@ -188,8 +216,9 @@ class Coalescer:
         self.window_s, self.max_n = window_s, max_n
         self._open: dict[Hashable, _Waiting] = {}
 
-    async def request(self, key: Hashable, n: int, deadline: Optional[float],
-                      send: Callable[[int, Optional[float]], Awaitable[list]]) -> list:
+    async def request(
+        self, key: Hashable, n: int, deadline: Optional[float], send: Callable[[int, Optional[float]], Awaitable[list]]
+    ) -> list:
         """`n` results for `key`, from a merged `send`."""
         waiting = self._open.get(key)
         if waiting is None or sum(k for k, _ in waiting.waiters) + n > self.max_n:
@@ -204,7 +233,9 @@ class Coalescer:
         future.add_done_callback(lambda _: self._maybe_cancel(waiting))
         return await future
 
-    async def _send(self, key: Hashable, waiting: _Waiting, send: Callable[[int, Optional[float]], Awaitable[list]]) -> None:
+    async def _send(
+        self, key: Hashable, waiting: _Waiting, send: Callable[[int, Optional[float]], Awaitable[list]]
+    ) -> None:
         await asyncio.sleep(self.window_s)
         if self._open.get(key) is waiting:
             del self._open[key]

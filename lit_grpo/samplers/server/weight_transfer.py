@@ -26,15 +26,16 @@ from __future__ import annotations
 
 import logging
 import socket
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Iterable, Iterator, Optional
+from typing import Any, Optional
 from urllib.parse import urlparse
 
 import torch
 
 from lit_grpo.samplers.base import strip_wrapper_prefixes
-from lit_grpo.samplers.server.weight_files import WeightSyncError
 from lit_grpo.samplers.server.serve import WEIGHT_TRANSFER_BACKENDS
+from lit_grpo.samplers.server.weight_files import WeightSyncError
 
 log = logging.getLogger(__name__)
 
@@ -77,13 +78,19 @@ class FanOutClient:
                 except Exception as err:  # noqa: BLE001 (named in the error)
                     failed[url] = _describe(err)
         if failed:
-            raise WeightSyncError(f"weight transfer: {what} failed on " + "; ".join(f"{u} ({why})" for u, why in failed.items()),
-                                  servers=list(failed))
+            raise WeightSyncError(
+                f"weight transfer: {what} failed on " + "; ".join(f"{u} ({why})" for u, why in failed.items()),
+                servers=list(failed),
+            )
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        self._each("/init_weight_transfer_engine (a server must run `lit_grpo.samplers.server.serve --weight-transfer` with this "
-                   "transport)", lambda i, c: c.init_weight_transfer_engine(
-            {**init_info, "rank_offset": init_info["rank_offset"] + self.shifts[i]}))
+        self._each(
+            "/init_weight_transfer_engine (a server must run `lit_grpo.samplers.server.serve --weight-transfer` with this "
+            "transport)",
+            lambda i, c: c.init_weight_transfer_engine(
+                {**init_info, "rank_offset": init_info["rank_offset"] + self.shifts[i]}
+            ),
+        )
 
     def start_weight_update(self) -> None:
         self._each("/start_weight_update", lambda i, c: c.start_weight_update())
@@ -127,8 +134,9 @@ class WeightTransport:
     """One sampler's transfer group and trainer engine (see the module docstring). `send` is
     blocking (call it off the event loop); `close` tears the group down."""
 
-    def __init__(self, transport: str, *, timeout_s: float, address: Optional[str] = None,
-                 buffer_size_bytes: int = 64 << 20) -> None:
+    def __init__(
+        self, transport: str, *, timeout_s: float, address: Optional[str] = None, buffer_size_bytes: int = 64 << 20
+    ) -> None:
         if transport not in BACKENDS:
             raise ValueError(f"weight_transfer must be one of {TRANSPORTS}, got {transport!r}")
         self.transport, self.timeout_s, self.address = transport, timeout_s, address
@@ -154,8 +162,9 @@ class WeightTransport:
             self._drop()
             if isinstance(err, WeightSyncError):
                 raise
-            raise WeightSyncError(f"weight transfer ({self.transport}) to {', '.join(urls)} failed: {_describe(err)}",
-                                  servers=list(urls)) from err
+            raise WeightSyncError(
+                f"weight transfer ({self.transport}) to {', '.join(urls)} failed: {_describe(err)}", servers=list(urls)
+            ) from err
         finally:
             if self._source is not None:
                 self._source.tensors = []
@@ -181,14 +190,18 @@ class WeightTransport:
                 answer.raise_for_status()
                 workers.append(int(answer.json()["world_size"]))
             except Exception as err:  # noqa: BLE001
-                raise WeightSyncError(f"vLLM server {url}: /get_world_size failed ({_describe(err)})", servers=[url]) from None
+                raise WeightSyncError(
+                    f"vLLM server {url}: /get_world_size failed ({_describe(err)})", servers=[url]
+                ) from None
         address = self.address or address_towards(urls[0])
         port = free_port(address)
         rendezvous = dict(master_address=address, master_port=port, world_size=1 + sum(workers), rank=0)
         if self.transport == "gloo":
             from lit_grpo.samplers.server.vllm_plugin.gloo import GlooTrainerInitInfo
 
-            info: Any = GlooTrainerInitInfo(**rendezvous, timeout_s=self.timeout_s, buffer_size_bytes=self.buffer_size_bytes)
+            info: Any = GlooTrainerInitInfo(
+                **rendezvous, timeout_s=self.timeout_s, buffer_size_bytes=self.buffer_size_bytes
+            )
             device = torch.device("cpu")
         else:  # untested here: needs CUDA on the trainer and the servers
             from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo

@@ -18,7 +18,9 @@ def register() -> None:
     """Register `lit_grpo_gloo` with vLLM's weight-transfer factories (idempotent)."""
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
 
-    for factory, cls in ((WeightTransferEngineFactory, "GlooWeightTransferEngine"),
-                         (WeightTransferTrainerFactory, "GlooTrainerWeightTransferEngine")):
+    for factory, cls in (
+        (WeightTransferEngineFactory, "GlooWeightTransferEngine"),
+        (WeightTransferTrainerFactory, "GlooTrainerWeightTransferEngine"),
+    ):
         if GLOO_BACKEND not in factory._registry:
             factory.register_engine(GLOO_BACKEND, "lit_grpo.samplers.server.vllm_plugin.gloo", cls)

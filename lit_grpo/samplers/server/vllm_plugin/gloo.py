@@ -21,10 +21,11 @@ Imported by vLLM's factories only when the backend is selected (see `lit_grpo.sa
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from datetime import timedelta
-from typing import Any, ClassVar, Iterator, Self
+from typing import Any, ClassVar, Self
 
 import torch
 from vllm.distributed.weight_transfer.base import (
@@ -79,7 +80,8 @@ def open_group(master_address: str, master_port: int, rank: int, world_size: int
     from vllm.distributed.utils import stateless_init_torch_distributed_process_group
 
     return stateless_init_torch_distributed_process_group(
-        master_address, master_port, rank, world_size, backend="gloo", timeout=timedelta(seconds=timeout_s))
+        master_address, master_port, rank, world_size, backend="gloo", timeout=timedelta(seconds=timeout_s)
+    )
 
 
 def close_group(group: Any) -> None:
@@ -111,8 +113,10 @@ class GlooWeightTransferUpdateInfo(WeightTransferUpdateInfo):
 
     def __post_init__(self) -> None:
         if not len(self.names) == len(self.dtype_names) == len(self.shapes):
-            raise ValueError(f"names, dtype_names and shapes differ in length: {len(self.names)}, "
-                             f"{len(self.dtype_names)}, {len(self.shapes)}")
+            raise ValueError(
+                f"names, dtype_names and shapes differ in length: {len(self.names)}, "
+                f"{len(self.dtype_names)}, {len(self.shapes)}"
+            )
 
 
 class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, GlooWeightTransferUpdateInfo]):
@@ -134,8 +138,9 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         pc = self.parallel_config
         rank = init_info.rank_offset + pc.data_parallel_index * pc.world_size + pc.rank
         self.buffer_size_bytes = init_info.buffer_size_bytes
-        self.group = open_group(init_info.master_address, init_info.master_port, rank, init_info.world_size,
-                                init_info.timeout_s)
+        self.group = open_group(
+            init_info.master_address, init_info.master_port, rank, init_info.world_size, init_info.timeout_s
+        )
 
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
@@ -155,14 +160,18 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
 
     def receive_weights(self, update_info: GlooWeightTransferUpdateInfo) -> None:
         if self.group is None:
-            raise RuntimeError("lit_grpo_gloo weight transfer is not initialized: call /init_weight_transfer_engine first")
+            raise RuntimeError(
+                "lit_grpo_gloo weight transfer is not initialized: call /init_weight_transfer_engine first"
+            )
         dtypes = [getattr(torch, d) for d in update_info.dtype_names]
         nbytes = [_nbytes(d, s) for d, s in zip(dtypes, update_info.shapes)]
         for chunk in chunk_plan(nbytes, self.buffer_size_bytes):
             buffer = torch.empty(_buffer_size(chunk, nbytes), dtype=torch.uint8)
             self.group.broadcast(buffer, 0).wait()
-            weights = [(update_info.names[i], buffer[o:o + nbytes[i]].view(dtypes[i]).view(update_info.shapes[i]))
-                       for i, o in chunk]
+            weights = [
+                (update_info.names[i], buffer[o : o + nbytes[i]].view(dtypes[i]).view(update_info.shapes[i]))
+                for i, o in chunk
+            ]
             self.model.load_weights([(n, w.to(self.device)) for n, w in weights])
 
     def shutdown(self) -> None:
@@ -191,31 +200,46 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
 
     init_info_cls = GlooTrainerInitInfo
 
-    def __init__(self, *, client: VLLMWeightSyncClient, source: WeightSource, is_sender: bool = True,
-                 buffer_size_bytes: int = DEFAULT_BUFFER_SIZE_BYTES, timeout_s: float = 300.0) -> None:
+    def __init__(
+        self,
+        *,
+        client: VLLMWeightSyncClient,
+        source: WeightSource,
+        is_sender: bool = True,
+        buffer_size_bytes: int = DEFAULT_BUFFER_SIZE_BYTES,
+        timeout_s: float = 300.0,
+    ) -> None:
         super().__init__(client=client, source=source, is_sender=is_sender)
         self.buffer_size_bytes = buffer_size_bytes
         self.timeout_s = timeout_s
         self.group: Any = None
 
     @classmethod
-    def trainer_init(cls, init_info: GlooTrainerInitInfo, *, client: VLLMWeightSyncClient,
-                     source: WeightSource | None = None) -> Self:
+    def trainer_init(
+        cls, init_info: GlooTrainerInitInfo, *, client: VLLMWeightSyncClient, source: WeightSource | None = None
+    ) -> Self:
         if source is None:
             raise ValueError("lit_grpo_gloo weight transfer needs a WeightSource")
         if not init_info.is_sender:
             raise ValueError("lit_grpo_gloo has a single trainer rank, the sender (rank 0)")
-        engine = cls(client=client, source=source, buffer_size_bytes=init_info.buffer_size_bytes,
-                     timeout_s=init_info.timeout_s)
+        engine = cls(
+            client=client, source=source, buffer_size_bytes=init_info.buffer_size_bytes, timeout_s=init_info.timeout_s
+        )
         worker_info = GlooWeightTransferInitInfo(
-            master_address=init_info.master_address, master_port=init_info.master_port, rank_offset=1,
-            world_size=init_info.world_size, timeout_s=init_info.timeout_s, buffer_size_bytes=init_info.buffer_size_bytes)
+            master_address=init_info.master_address,
+            master_port=init_info.master_port,
+            rank_offset=1,
+            world_size=init_info.world_size,
+            timeout_s=init_info.timeout_s,
+            buffer_size_bytes=init_info.buffer_size_bytes,
+        )
         # The workers block in the rendezvous inside init_weight_transfer_engine: run it beside ours.
         with ThreadPoolExecutor(max_workers=1) as pool:
             future = pool.submit(client.init_weight_transfer_engine, asdict(worker_info))
             try:
-                engine.group = open_group(init_info.master_address, init_info.master_port, 0, init_info.world_size,
-                                          init_info.timeout_s)
+                engine.group = open_group(
+                    init_info.master_address, init_info.master_port, 0, init_info.world_size, init_info.timeout_s
+                )
             finally:
                 future.result()  # the server's error first: it says more than a rendezvous timeout
         return engine
@@ -224,8 +248,10 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         assert self.source is not None and self.group is not None, "trainer_init() first"
         meta = self.source.metadata()
         update_info = GlooWeightTransferUpdateInfo(
-            names=[m.name for m in meta], dtype_names=[str(m.dtype).split(".")[-1] for m in meta],
-            shapes=[list(m.shape) for m in meta])
+            names=[m.name for m in meta],
+            dtype_names=[str(m.dtype).split(".")[-1] for m in meta],
+            shapes=[list(m.shape) for m in meta],
+        )
         self.client.start_weight_update()
         pool = ThreadPoolExecutor(max_workers=1)
         try:
@@ -243,7 +269,9 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
             buffer = torch.empty(_buffer_size(chunk, nbytes), dtype=torch.uint8)
             for i, offset in chunk:
                 tensor = next(tensors)
-                buffer[offset:offset + nbytes[i]].copy_(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8))
+                buffer[offset : offset + nbytes[i]].copy_(
+                    tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+                )
             self.group.broadcast(buffer, 0).wait()
         for extra, _ in tensors:
             raise ValueError(f"the WeightSource yielded more tensors than its metadata declared, first {extra!r}")
