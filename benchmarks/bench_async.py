@@ -137,7 +137,8 @@ def scheduler_only_step_s(
 
 def print_scheduler_only(latency: float, train_s: float, steps: int) -> None:
     print(
-        f"\nschedulers alone: rollouts wait {latency * 1000:.0f} ms, a training step sleeps {train_s * 1000:.0f} ms, {steps} steps"
+        f"\nschedulers alone: rollouts wait {latency * 1000:.0f} ms, "
+        f"a training step sleeps {train_s * 1000:.0f} ms, {steps} steps"
     )
     print(f"{'mode':<11}{'kept':>6}{'step_s':>8}{'ratio':>7}{'bound':>8}")
     for accept in (1.0, 0.5):
@@ -193,8 +194,10 @@ def main() -> None:
         med = {key: statistics.median(r[name][key] for r in rounds) for key in rounds[0][name]}
         ratio = statistics.median(ratios[name])
         print(
-            f"{name:<11}{med['step_s']:>8.3f}{ratio:>6.2f}x{1 / ratio:>8.2f}x{med['samples_per_s']:>10.0f}{med['wall_s']:>8.1f}"
-            f"{med['first_reward']:>10.2f} → {med['final_reward']:.2f}{med['offset_mean']:>10.2f} / {med['offset_max']:.0f}"
+            f"{name:<11}{med['step_s']:>8.3f}{ratio:>6.2f}x{1 / ratio:>8.2f}x"
+            f"{med['samples_per_s']:>10.0f}{med['wall_s']:>8.1f}"
+            f"{med['first_reward']:>10.2f} → {med['final_reward']:.2f}"
+            f"{med['offset_mean']:>10.2f} / {med['offset_max']:.0f}"
             f"{med['trainer_wait_s']:>8.3f}{med['overlap']:>8.2f}"
         )
     if len(rounds) > 1:

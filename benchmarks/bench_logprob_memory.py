@@ -172,7 +172,8 @@ def print_table(rows: list[dict], args: argparse.Namespace) -> None:
     chunk = args.chunk_rows or default_chunk_rows(args.vocab)
     print(
         f"B={args.batch} T={args.tokens} V={args.vocab:,} temperature={args.temperature} device={rows[0]['device']} "
-        f"chunk={chunk} rows ({chunk * args.vocab * 4 / MB:.1f} MB float32); logits are a leaf tensor of the dtype shown"
+        f"chunk={chunk} rows ({chunk * args.vocab * 4 / MB:.1f} MB float32); "
+        "logits are a leaf tensor of the dtype shown"
     )
     print("peak_extra_MB counts the logits' gradient (train mode); extra_no_grad_MB does not")
     header = " ".join(name.ljust(w) if i < 3 else name.rjust(w) for i, (name, w) in enumerate(COLUMNS))

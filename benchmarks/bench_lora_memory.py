@@ -126,8 +126,10 @@ def main(argv: list[str] | None = None) -> None:
         print(" | ".join(f"{row[k]:.1f}" if isinstance(row[k], float) else str(row[k]) for k in keys))
     full, lora = rows
     print(
-        f"LoRA rank {args.rank}: trainer tensors {lora['trainer_MB']:.0f} MB vs {full['trainer_MB']:.0f} MB full fine-tuning "
-        f"({lora['trainer_MB'] / full['trainer_MB']:.0%}); peak RSS {lora['peak_rss_MB']:.0f} MB vs {full['peak_rss_MB']:.0f} MB"
+        f"LoRA rank {args.rank}: trainer tensors {lora['trainer_MB']:.0f} MB vs "
+        f"{full['trainer_MB']:.0f} MB full fine-tuning "
+        f"({lora['trainer_MB'] / full['trainer_MB']:.0%}); peak RSS {lora['peak_rss_MB']:.0f} MB vs "
+        f"{full['peak_rss_MB']:.0f} MB"
     )
 
 

@@ -95,7 +95,8 @@ def main() -> None:
             results[name] = medians(run(name, SAMPLERS[name] + args.overrides, args.steps, Path(tmp)), args.warmup)
             print(f"{name}: done", file=sys.stderr, flush=True)
     print(
-        f"lit_grpo bench_samplers: arithmetic demo (num_heads=2, float32), {args.steps} steps, medians after {args.warmup}"
+        "lit_grpo bench_samplers: arithmetic demo (num_heads=2, float32), "
+        f"{args.steps} steps, medians after {args.warmup}"
     )
     print(f"{'sampler':<10}{'step s':>9}{'samples/s':>11}{'sample s':>10}{'train s':>9}{'sync s':>9}")
     for name, r in results.items():

@@ -70,12 +70,22 @@ def register_user_error(*types: type[BaseException]) -> None:
 
 # errno -> what it means for the path and what to do; the path is prepended.
 _ENVIRONMENT_ERRNOS = {
-    errno.EACCES: "permission denied; give this user access to it, or point the run at a folder it can write (hydra.run.dir=/path/to/runs)",
-    errno.EPERM: "operation not permitted; give this user access to it, or point the run at a folder it can write (hydra.run.dir=/path/to/runs)",
+    errno.EACCES: (
+        "permission denied; give this user access to it, or point the run at a folder it can write "
+        "(hydra.run.dir=/path/to/runs)"
+    ),
+    errno.EPERM: (
+        "operation not permitted; give this user access to it, or point the run at a folder it can write "
+        "(hydra.run.dir=/path/to/runs)"
+    ),
     errno.EROFS: "read-only file system; point the run at a writable disk (hydra.run.dir=/path/to/runs)",
     errno.ENOTDIR: "a part of this path is a file, not a folder; fix the path (or move that file away)",
-    errno.ENOSPC: "no space left on the device; free some space, or point the run at another disk (hydra.run.dir=/path/to/runs)",
-    errno.EDQUOT: "disk quota exceeded; free some space, or point the run at another disk (hydra.run.dir=/path/to/runs)",
+    errno.ENOSPC: (
+        "no space left on the device; free some space, or point the run at another disk (hydra.run.dir=/path/to/runs)"
+    ),
+    errno.EDQUOT: (
+        "disk quota exceeded; free some space, or point the run at another disk (hydra.run.dir=/path/to/runs)"
+    ),
 }
 
 
@@ -196,11 +206,13 @@ def import_user_module(module_name: str, prefix: str):
             ) from None
         raise UserError(
             f"{prefix}: module {module_name!r} imports {missing!r}{_user_frame(err, _module_file(module_name))}, "
-            f"which is not installed in this environment ({sys.executable}); install it (e.g. pip install {missing.split('.')[0]})"
+            f"which is not installed in this environment ({sys.executable}); "
+            f"install it (e.g. pip install {missing.split('.')[0]})"
         ) from err
     except Exception as err:  # a syntax error or an exception raised by the user's module as it loads
         raise UserError(
-            f"{prefix}: importing module {module_name!r} raised {type(err).__name__}{_user_frame(err, _module_file(module_name))}: "
+            f"{prefix}: importing module {module_name!r} raised "
+            f"{type(err).__name__}{_user_frame(err, _module_file(module_name))}: "
             f"{err}; fix it ({TRACEBACK_ENV}=1 shows the traceback)"
         ) from err
 

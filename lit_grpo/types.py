@@ -183,7 +183,8 @@ class PromptGroup:
     version: int
     """Policy version (number of weight syncs) when the row was submitted."""
     dropped: Counter = field(default_factory=Counter)
-    """Why the row's other rollout calls gave no sample, by metric key (`rollout/dropped_none`, `rollout/failures`, ...)."""
+    """Why the row's other rollout calls gave no sample, by metric key (`rollout/dropped_none`,
+    `rollout/failures`, ...)."""
     run_sizes: Optional[list[int]] = None
     """Segments per run, in order (sum = len(samples)); None: every sample is a run of its own."""
 
@@ -223,7 +224,8 @@ class RolloutRecord:
     completion_tokens: list[int] = field(default_factory=list)
     """Trained-on tokens of each of those samples."""
     counts: Counter = field(default_factory=Counter)
-    """Failures and drops since the previous step, by metric key (`rollout/failures`, `rollout/dropped_<reason>`, ...)."""
+    """Failures and drops since the previous step, by metric key (`rollout/failures`,
+    `rollout/dropped_<reason>`, ...)."""
     version_offsets: list[int] = field(default_factory=list)
     """Per accepted group: policy versions between its sampling and this step."""
     timings: dict[str, float] = field(default_factory=dict)

@@ -184,7 +184,8 @@ def make_server_error_rollout_fn(setup):
         calls["n"] += 1
         if calls["n"] >= fail_at:
             raise ServerError(
-                f"no vLLM server left: vLLM server {url}: POST /v1/completions failed (ConnectError: connection refused)"
+                f"no vLLM server left: vLLM server {url}: "
+                "POST /v1/completions failed (ConnectError: connection refused)"
             )
         return await inner(row)
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from conftest import CONF_DIR, compose_config
+from conftest import compose_config
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 from torch.testing import assert_close
@@ -20,6 +20,7 @@ from lit_grpo.maths.losses import available_policy_losses, get_policy_loss, poli
 from lit_grpo.run.checkpoint import STATE_DEFINING_FIELDS
 from lit_grpo.run.validate import validate
 from lit_grpo.tasks import available_tasks, build_eval_rows, build_rows, get_task, register_task, reward_fn
+from lit_grpo.train import CONF_DIR
 
 GROUPS = ["model", "sampler", "task", "data", "reward", "policy_loss", "trainer", "callbacks", "logger"]
 # The `user` options of `policy_loss` and `task` leave `name` to the command line.

@@ -285,7 +285,7 @@ def test_a_stop_raised_inside_an_engine_call_on_the_loop_is_not_logged_again_at_
     [("auto", True, True), ("auto", False, False), ("worker", True, False), ("loop", False, True)],
 )
 def test_engine_thread_setting_resolves_by_the_training_mode(setting, synchronous, on_loop):
-    from lit_grpo.config.groups import engine_on_loop
+    from lit_grpo.config.sampler import engine_on_loop
 
     assert engine_on_loop(setting, synchronous) is on_loop
 

@@ -20,7 +20,10 @@ from lit_grpo.config import ConfigError
 from lit_grpo.run.folder import LOCK_FILE, claim_output_dir, find_resume_checkpoint, set_aside_metrics
 from lit_grpo.train import train
 
-HOLD_LOCK = "import sys, time; from lit_grpo.run.folder import claim_output_dir; lock = claim_output_dir(sys.argv[1]); print('held', flush=True); time.sleep(300)"
+HOLD_LOCK = (
+    "import sys, time; from lit_grpo.run.folder import claim_output_dir; "
+    "lock = claim_output_dir(sys.argv[1]); print('held', flush=True); time.sleep(300)"
+)
 
 
 @pytest.fixture

@@ -47,7 +47,7 @@ def check_stop_contract(c, stops, tokenizer, max_tokens):
         assert tokenizer.eos_token_id not in generated[:-1]
 
 
-# --------------------------------------------------------------------------- the cut, on a fake multi-character vocabulary
+# ------------------------------------------------------------------------ the cut, on a fake multi-character vocabulary
 
 VOCAB = {1: "ab", 2: "x\n\ny", 3: "zz", 4: "\n", 5: "", 6: "\n\nq", 7: "b\n"}
 

@@ -2,7 +2,8 @@
 
     checks.py       ConfigError, `require`, the bounds every group shares
     model.py        ModelConfig, LoraConfig: the policy and its adapters
-    groups.py       sampler, data, reward, rollout, policy loss, advantage, trainer
+    sampler.py      SamplerConfig: the engine, how it samples, the vLLM servers' fields
+    groups.py       data, rollout, reward, advantage, policy loss, trainer
     run.py          TrainConfig (the whole run), `parse` (a composed DictConfig into it), the ConfigStore node
     keys.py         keys the schema does not have (a misspelt `+key=value`)
     sources.py      a data file's kind; a model or dataset that cannot be reached from here
@@ -26,11 +27,11 @@ from lit_grpo.config.groups import (
     PolicyLossConfig,
     RewardConfig,
     RolloutConfig,
-    SamplerConfig,
     TrainerConfig,
 )
 from lit_grpo.config.model import LORA_DEFAULT_TARGETS, LoraConfig, ModelConfig
 from lit_grpo.config.run import TrainConfig, ineffective_knobs, parse
+from lit_grpo.config.sampler import SamplerConfig
 from lit_grpo.config.user_inputs import UserInputs
 
 __all__ = [

@@ -6,7 +6,8 @@ is merged onto these dataclasses: a misspelt key or a value of the wrong type fa
 composes. Cross-field rules live in `__post_init__`; `parse(cfg)` turns a composed DictConfig
 into these objects (running those rules) before any model is loaded. Lists of valid names (loss
 variants, normalizations, TIS levels, advantage scales, sampler kinds, tasks) belong to the
-registries that own them: `lit_grpo.run.validate` checks them, a layer above the registries. A field marked `metadata=DEFINES_STATE` defines what
+registries that own them: `lit_grpo.run.validate` checks them, a layer above the registries. A
+field marked `metadata=DEFINES_STATE` defines what
 a checkpoint's state means (`lit_grpo.run.checkpoint.STATE_DEFINING_FIELDS`); `ineffective_knobs`
 names the knobs that a given config makes no-ops.
 """
@@ -26,12 +27,12 @@ from lit_grpo.config.groups import (
     PolicyLossConfig,
     RewardConfig,
     RolloutConfig,
-    SamplerConfig,
     TrainerConfig,
     adopt_legacy_advantage,
 )
 from lit_grpo.config.keys import unknown_keys, unknown_keys_message
 from lit_grpo.config.model import ModelConfig
+from lit_grpo.config.sampler import SamplerConfig
 from lit_grpo.config.sources import source_kind
 
 
@@ -169,7 +170,8 @@ class TrainConfig:
             or self.weight_sync_interval == 0
             or self.dcp_save_interval % self.weight_sync_interval == 0,
             "dcp_save_interval",
-            f"must be a multiple of weight_sync_interval ({self.weight_sync_interval}) so a checkpoint is taken when the "
+            f"must be a multiple of weight_sync_interval ({self.weight_sync_interval}) "
+            "so a checkpoint is taken when the "
             "sampler holds the saved policy (an exact resume needs both)",
         )
         require(self.resume is None or bool(self.resume.strip()), "resume", "must be null, 'auto' or a checkpoint path")
@@ -204,7 +206,8 @@ class TrainConfig:
             require(
                 head_dim >= 32,
                 "model.num_heads",
-                f"vLLM's CPU attention needs a head size >= 32, got {head_dim}; try model.num_heads={max(self.model.hidden_size // 32, 1)}",
+                f"vLLM's CPU attention needs a head size >= 32, got {head_dim}; "
+                f"try model.num_heads={max(self.model.hidden_size // 32, 1)}",
             )
 
 
@@ -216,7 +219,8 @@ def ineffective_knobs(c: TrainConfig) -> list[str]:
     knobs = []
     if c.synchronous_training and c.max_head_offpolicy_versions > 0:
         knobs.append(
-            f"max_head_offpolicy_versions={c.max_head_offpolicy_versions} has no effect with synchronous_training=true: "
+            f"max_head_offpolicy_versions={c.max_head_offpolicy_versions} "
+            "has no effect with synchronous_training=true: "
             "every rollout is drained before each step, so none is ever off-policy"
         )
     if c.eval_interval > 0 and c.data.eval_rows == 0:
@@ -230,7 +234,8 @@ def ineffective_knobs(c: TrainConfig) -> list[str]:
         for name in ("split", "eval_split", "dataset_config"):
             if getattr(c.data, name) != data_defaults[name]:
                 knobs.append(
-                    f"data.{name}={getattr(c.data, name)} has no effect: neither data.path nor data.eval_path is a dataset"
+                    f"data.{name}={getattr(c.data, name)} has no effect: "
+                    "neither data.path nor data.eval_path is a dataset"
                 )
     default_keep = TrainConfig.__dataclass_fields__["dcp_keep_last"].default
     if c.dcp_save_interval == 0 and c.dcp_keep_last != default_keep:

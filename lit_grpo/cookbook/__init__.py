@@ -8,8 +8,10 @@ with its `from training...` imports pointed here.
 | cookbook import | here |
 |---|---|
 | `training.recipes.async_rl_loop` / `rl_loop`: `Config`, `main`, `RolloutFn`, `RolloutSetup` | `lit_grpo.cookbook` |
-| `training.utils`: `DeployConfig`, `TrainerConfig`, `WandBConfig`, `InfraConfig`, `WeightSyncConfig` | `lit_grpo.cookbook` |
-| `training.utils.rl.rollout`: `RolloutSample`, `RolloutRun`, `MessageTrajectoryAssembler`, `TITOTokenizer` | `lit_grpo.cookbook` |
+| `training.utils`: `DeployConfig`, `TrainerConfig`, `WandBConfig` | `lit_grpo.cookbook` |
+| `training.utils`: `InfraConfig`, `WeightSyncConfig` | `lit_grpo.cookbook` |
+| `training.utils.rl.rollout`: `RolloutSample`, `RolloutRun` | `lit_grpo.cookbook` |
+| `training.utils.rl.rollout`: `MessageTrajectoryAssembler`, `TITOTokenizer` | `lit_grpo.cookbook` |
 | `training.examples.rl.vanilla_sampler.build_deployment_sampler` | `lit_grpo.cookbook` |
 | `training.utils.rl.PromptGroup` | `lit_grpo.cookbook` |
 """

@@ -250,7 +250,8 @@ def to_hydra_config(cfg: Config) -> DictConfig:
             "data.epochs": cfg.epochs,
             "data.shuffle": cfg.shuffle,
             "data.max_rows": cfg.max_rows,
-            # lit_grpo needs two samples for a group-relative advantage; the cookbook's 1 keeps lone samples (advantage 0).
+            # lit_grpo needs two samples for a group-relative advantage; the cookbook's 1 keeps lone samples
+            # (advantage 0).
             "data.min_group_size": max(2, min(cfg.min_group_size, cfg.completions_per_prompt)),
             "sampler.max_completion_tokens": cfg.max_completion_tokens,
             "sampler.temperature": cfg.temperature,

@@ -285,7 +285,8 @@ class GRPOModule(L.LightningModule):
         if self._finite_everywhere(totals["train/loss"], grad_norm):
             if self.config.grad_clip_norm > 0:
                 self._clip(optimizer, with_grads, grad_norm)
-                # The norm after clipping, by clip_grad_norm_'s own factor min(1, c / (‖g‖ + 1e-6)): no second pass over the grads.
+                # The norm after clipping, by clip_grad_norm_'s own factor min(1, c / (‖g‖ + 1e-6)): no second pass
+                # over the grads.
                 factor = (self.config.grad_clip_norm / (grad_norm.detach() + 1e-6)).clamp(max=1.0)
                 totals["train/grad_norm_clipped"] = totals["train/grad_norm"] * factor
             optimizer.step()
@@ -321,9 +322,11 @@ class GRPOModule(L.LightningModule):
         if self.nonfinite_in_a_row >= self.config.max_nonfinite_steps:
             raise NonFiniteTraining(
                 f"the loss ({float(loss):.4g}) or the gradient norm ({float(grad_norm):.4g}) was non-finite in "
-                f"{self.nonfinite_in_a_row} optimizer steps in a row (max_nonfinite_steps={self.config.max_nonfinite_steps}); "
+                f"{self.nonfinite_in_a_row} optimizer steps in a row "
+                f"(max_nonfinite_steps={self.config.max_nonfinite_steps}); "
                 "each update was skipped, so the weights are those before them. Check learning_rate, the rewards and "
-                "the sampler's logprobs (a rollout that reports positive or NaN logprobs poisons the importance weights)."
+                "the sampler's logprobs (a rollout that reports positive or NaN logprobs poisons the importance "
+                "weights)."
             )
 
     def _no_gradient_sync(self):

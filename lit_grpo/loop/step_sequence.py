@@ -250,7 +250,8 @@ class StepSequence:
         if self.weight_sync_interval > 0:  # interval 0: the base weights the fresh sampler has are right
             if not state["sampler_holds_policy"]:
                 log.warning(
-                    "the checkpoint was taken between weight syncs; the sampler restarts from the saved policy (not an exact resume)"
+                    "the checkpoint was taken between weight syncs; "
+                    "the sampler restarts from the saved policy (not an exact resume)"
                 )
             self.sync_sampler(module)
         self._rng_to_restore = state["rng"]

@@ -113,7 +113,8 @@ def lora_layers(model: nn.Module, prefix: str = "") -> dict[str, tuple[float, bo
 
 
 def base_name(name: str) -> str:
-    """A peft state-dict name as the base model's: `base_model.model.x.q_proj.base_layer.weight` -> `x.q_proj.weight`."""
+    """A peft state-dict name as the base model's:
+    `base_model.model.x.q_proj.base_layer.weight` -> `x.q_proj.weight`."""
     if name.startswith(PEFT_PREFIX):
         name = name[len(PEFT_PREFIX) :]
     return name.replace(".base_layer.", ".")

@@ -88,7 +88,10 @@ def check_weights(weights: Optional[list[float]], count: int) -> Optional[str]:
     if weights is None:
         return None
     if len(weights) != count:
-        return f"has {len(weights)} weight{'s' * (len(weights) != 1)} for {count} reward component{'s' * (count != 1)} (reward.fn); give one per component"
+        return (
+            f"has {len(weights)} weight{'s' * (len(weights) != 1)} for {count} reward component{'s' * (count != 1)} "
+            "(reward.fn); give one per component"
+        )
     if not all(isinstance(w, (int, float)) and math.isfinite(w) for w in weights):
         return f"must be finite numbers, got {list(weights)}"
     return None

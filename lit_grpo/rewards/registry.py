@@ -103,6 +103,7 @@ def reference_field(row: dict, fields: tuple[str, ...], reward: str) -> str:
             return name
     have = ", ".join(map(str, row)) if isinstance(row, dict) else type(row).__name__
     raise RewardRowError(
-        f"reward {reward!r}: the row has no reference answer (field {' or '.join(map(repr, fields))}); its fields: {have}. "
+        f"reward {reward!r}: the row has no reference answer (field {' or '.join(map(repr, fields))}); "
+        f"its fields: {have}. "
         "Give the rows that field, or choose a reward that reads the fields they have (reward.fn)"
     )

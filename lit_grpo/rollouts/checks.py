@@ -189,7 +189,10 @@ def _turn_problem(sample: RolloutSample) -> Optional[str]:
     if spans is None and rewards is None:
         return None
     if spans is None or rewards is None or len(spans) != len(rewards):
-        return f"{'no' if spans is None else len(spans)} turn_spans for {'no' if rewards is None else len(rewards)} turn_rewards"
+        return (
+            f"{'no' if spans is None else len(spans)} turn_spans for "
+            f"{'no' if rewards is None else len(rewards)} turn_rewards"
+        )
     end = 0
     for span in spans:
         if not (

@@ -80,7 +80,9 @@ class GroupSampler:
                 row,
                 counts,
                 {
-                    "rollout/dropped_prompt_too_long": f"a prompt of {len(prompt)} tokens, data.max_seq_len={self.max_seq_len}"
+                    "rollout/dropped_prompt_too_long": (
+                        f"a prompt of {len(prompt)} tokens, data.max_seq_len={self.max_seq_len}"
+                    )
                 },
             )
             return PromptGroup(row=row, samples=[], version=version, dropped=counts)

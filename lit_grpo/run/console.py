@@ -63,4 +63,7 @@ def stop_reason(*, steps: int, max_steps: int, rows_exhausted: bool, signum: Opt
         return f"stopped: max_steps={max_steps} reached"
     if max_steps < 0:
         return f"stopped: the rows are used up after {steps} steps"
-    return f"stopped: the trainer ended fit after {steps} of max_steps={max_steps} steps (trainer.max_epochs or a callback)"
+    return (
+        f"stopped: the trainer ended fit after {steps} of max_steps={max_steps} steps "
+        "(trainer.max_epochs or a callback)"
+    )

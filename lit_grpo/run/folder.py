@@ -165,8 +165,10 @@ def check_fresh_start(output_dir: str | os.PathLike) -> None:
     found = [path for _, path in CheckpointStore(root).step_dirs()]
     if found:
         raise ConfigError(
-            f"output folder {output_dir} already holds checkpoints in {root}: {_describe(found)}. A fresh run (resume=null) "
-            f"there would mix its checkpoints with those. To continue that run: resume=auto. To start a new run, use {ELSEWHERE}."
+            f"output folder {output_dir} already holds checkpoints in {root}: {_describe(found)}. "
+            "A fresh run (resume=null) "
+            "there would mix its checkpoints with those. To continue that run: resume=auto. "
+            f"To start a new run, use {ELSEWHERE}."
         )
 
 
@@ -209,7 +211,8 @@ def _newest_to_resume(root: Path) -> Optional[Path]:
         problems.append(f"{path.name}: {problem}")
     raise ConfigError(
         f"resume=auto: {root} holds checkpoints but none is complete, so there is nothing to resume and a fresh start "
-        f"there would bury them: {'; '.join(problems)}. Resume from a checkpoint elsewhere (resume=<path>), remove these "
+        f"there would bury them: {'; '.join(problems)}. "
+        "Resume from a checkpoint elsewhere (resume=<path>), remove these "
         f"folders if they are not needed, or start a fresh run in {ELSEWHERE}."
     )
 
@@ -229,7 +232,8 @@ def _check_resumes_into(checkpoint: Path, root: Path) -> None:
             in_the_way.append(path)
     if in_the_way:
         raise ConfigError(
-            f"config field `resume`: cannot resume from {checkpoint} into {root.parent}: its checkpoints folder already holds "
+            f"config field `resume`: cannot resume from {checkpoint} into {root.parent}: "
+            "its checkpoints folder already holds "
             f"{_describe(in_the_way)}, which a later resume=auto there would continue instead of this run. "
             f"Move those checkpoints away, or resume into {ELSEWHERE}."
         )

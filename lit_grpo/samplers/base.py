@@ -193,7 +193,8 @@ class BatchingSampler(ABC):
             else (
                 call.exception()
                 or SamplerTimeout(
-                    f"the sampler's batched score of {len(flat)} pairs did not return within {self.call_timeout_s} s (rollout_timeout_s)"
+                    f"the sampler's batched score of {len(flat)} pairs did not return within {self.call_timeout_s} s "
+                    "(rollout_timeout_s)"
                 )
             )
         )

@@ -1,7 +1,8 @@
 """The arithmetic task of the CPU demo: `a+b=` prompts with a known answer, generated from a seed.
 
 Rows are plain-text prompts (`prompt`, tokenized by the default rollout with the policy's
-tokenizer) and carry the reference `answer`, scored by the registered `arithmetic` reward. Difficulty: operands in 0..max_operand, answers in
+tokenizer) and carry the reference `answer`, scored by the registered `arithmetic` reward.
+Difficulty: operands in 0..max_operand, answers in
 0..max_answer; the default (sums of digits below 10) is what a random-init 2-layer model learns
 in a few minutes on a CPU; harder settings (`task.max_answer=18`, `task.operators=+-`) are options.
 Held-out rows are drawn the same way from another seed.

@@ -230,7 +230,8 @@ def no_prompt_message(row: Any, prompt_field: Optional[str]) -> str:
     fields = ", ".join(map(str, row)) or "none"
     wanted = (
         f"has no field {prompt_field!r} (data.prompt_field)" if prompt_field else
-        f"has none of the fields the default rollout takes the prompt from ({', '.join(PROMPT_FIELDS)}; data.prompt_field=null)"
+        f"has none of the fields the default rollout takes the prompt from ({', '.join(PROMPT_FIELDS)}; "
+        "data.prompt_field=null)"
     )  # fmt: skip
     return f"row {row_label(row)} {wanted}; its fields: {fields}. {_PROMPT_FIX}"
 
@@ -239,7 +240,8 @@ def bad_prompt_message(row: dict, field: str) -> str:
     """A row whose prompt field holds a value the default rollout cannot sample from, and the fix."""
     value = row[field]
     return (
-        f"row {row_label(row)}: its prompt field {field!r} holds {type(value).__name__} {repr(value)[:60]}; the default "
+        f"row {row_label(row)}: its prompt field {field!r} holds {type(value).__name__} {repr(value)[:60]}; "
+        "the default "
         f"rollout takes text, a non-empty list of chat messages or a list of token ids. {_PROMPT_FIX}"
     )
 

@@ -2,7 +2,7 @@
 
 sampler.py          VLLMServerSampler: completions and scores over HTTP from server replicas
 requests.py         routing, bounded concurrency, retries and failover across replicas
-scores.py           scoring target tokens on a server
+answers.py          the requests sent to a server and the reading of its answers (completions, scores)
 weight_files.py     weight syncs through a safetensors file the servers reload
 weight_transfer.py  weight syncs through vLLM's weight-transfer API (gloo on CPU, nccl on GPU)
 pool.py             local servers as subprocesses, each in its own process group

@@ -12,23 +12,11 @@ other samplers' (`BatchingSampler.completion`, `lit_grpo.samplers.stops`): vLLM 
 with the token that completed a stop string, keeps its logprob and cuts the text before it (the
 OpenAI API takes at most 4 stop strings: with more, the cut is made here by the same rule).
 
-Requests go to the replica with the fewest completions in flight, at most
-`max_in_flight_per_server` each. Transient errors (connection refused or reset, 5xx, timeouts)
-are retried with exponential backoff, up to `max_retries` times per replica. A replica that stays
-unreachable is dropped with a warning naming it, and its requests go to the others (failover);
-with none left, or when a replica answers errors or times out past its retries, the request fails
-with an error naming the server (`lit_grpo.samplers.server.requests`).
-
-A weight sync (`update_weights`) writes the policy's tensors as safetensors into
-`weight_sync_dir` (it must be readable by the servers: local servers, or a shared folder), then
-on every live replica: `/pause?mode=keep` (requests in flight are frozen, not lost),
-`/collective_rpc` `reload_weights` from that folder, `/reset_prefix_cache` (the frozen requests
-are recomputed with the new weights), `/update_weight_version`, `/resume`, and reads the version
-back from `/weight_info`. All replicas are paused before any is reloaded, so no request started
-after the sync returns sees the old weights. A failed or timed-out step raises
-`WeightSyncError` naming the server: training never continues against stale weights. With
-`weight_transfer` gloo or nccl the reload is replaced by streaming the tensors through vLLM's
-weight-transfer API (`lit_grpo.samplers.server.weight_transfer`); nothing is written then.
+Requests go to the live replica with the fewest completions in flight, are retried and fail over
+(`lit_grpo.samplers.server.requests`); a weight sync (`update_weights`) pauses every live
+replica, loads the new weights (from a safetensors file in `weight_sync_dir`, or streamed by
+vLLM's weight-transfer API), then resumes them (`lit_grpo.samplers.server.weight_files`): a
+replica that fails a sync is dropped, and losing the last raises `WeightSyncError` naming it.
 
 This module does not import vLLM; it needs `httpx` (`pip install 'lit_grpo[server]'`). The servers
 need the dev-mode endpoints (`VLLM_SERVER_DEV_MODE=1`, set by `lit_grpo.samplers.server.serve`).
@@ -51,9 +39,22 @@ from transformers import PreTrainedTokenizerBase
 
 from lit_grpo.samplers.arguments import PromptTooLong, SamplerTimeout, check_sample_kwargs, check_score_pairs
 from lit_grpo.samplers.base import BatchingSampler
+from lit_grpo.samplers.server.answers import (
+    completion_request,
+    describe_replica,
+    read_completion,
+    score_request,
+    target_logprobs,
+)
 from lit_grpo.samplers.server.requests import Coalescer, Replica, ReplicaRouter
-from lit_grpo.samplers.server.scores import score_request, target_logprobs
-from lit_grpo.samplers.server.weight_files import ServerError, WeightSyncError, sync_replicas, write_weight_file  # noqa: F401 (re-exported)
+from lit_grpo.samplers.server.weight_files import (  # noqa: F401 (ServerError, WeightSyncError re-exported)
+    ServerError,
+    WeightSyncError,
+    served_versions,
+    sync_replicas,
+    tag_version,
+    write_weight_file,
+)
 from lit_grpo.samplers.stops import find_stop
 from lit_grpo.samplers.worker import THREAD_PREFIX, join_thread
 from lit_grpo.types import Completion
@@ -174,15 +175,7 @@ class VLLMServerSampler(BatchingSampler):
             trust_env=False,
             limits=self._httpx.Limits(max_connections=capacity, max_keepalive_connections=capacity),
         )
-
-        async def describe(r: Replica) -> None:
-            data = await self.router.call(r, "GET", "/v1/models", timeout=self.request_timeout_s)
-            models = data.get("data") or []
-            if not models:
-                raise ServerError(f"vLLM server {r.url} serves no model (/v1/models is empty)")
-            r.model, r.max_model_len = models[0]["id"], models[0].get("max_model_len")
-
-        await asyncio.gather(*(describe(r) for r in self.replicas))
+        await asyncio.gather(*(describe_replica(self.router.call, r, self.request_timeout_s) for r in self.replicas))
 
     # ------------------------------------------------------------------ sampling
 
@@ -191,7 +184,7 @@ class VLLMServerSampler(BatchingSampler):
     ) -> list[Completion]:
         """`n` completions of a tokenized prompt, `kwargs` the sampling arguments of
         `check_sample_kwargs`. Sent with the concurrent requests for the same prompt and arguments
-        as one request (`server_requests.Coalescer`). `http_timeout` bounds this call as a whole,
+        as one request (`requests.Coalescer`). `http_timeout` bounds this call as a whole,
         retries included (`SamplerTimeout` past it); a merged request no caller waits for any more
         is cancelled on the server's side too."""
         args = check_sample_kwargs(kwargs)
@@ -268,37 +261,14 @@ class VLLMServerSampler(BatchingSampler):
         deadline: Optional[float],
     ) -> list[Completion]:
         """`n` completions of `prompt` from one request (see `ReplicaRouter.complete`)."""
-        body: dict[str, Any] = {
-            "prompt": prompt,
-            "max_tokens": max_tokens,
-            "temperature": temperature,
-            "top_p": 1.0,
-            "top_k": 0,
-            "logprobs": 0,
-            "return_token_ids": True,
-            "skip_special_tokens": True,
-        }
-        if stop and len(stop) <= MAX_SERVER_STOPS:
-            body["stop"] = list(stop)
+        body = completion_request(prompt, temperature, max_tokens, stop if len(stop) <= MAX_SERVER_STOPS else ())
         replica, choices = await self.router.complete(body, n, deadline)
         return [self._to_completion(replica, prompt, c, temperature, stop) for c in choices]
 
     def _to_completion(
         self, r: Replica, prompt: list[int], choice: dict, temperature: float, stop: tuple[str, ...] = ()
     ) -> Completion:
-        tokens = choice.get("token_ids")
-        logprobs = (choice.get("logprobs") or {}).get("token_logprobs")
-        if tokens is None or logprobs is None or len(tokens) != len(logprobs) or any(lp is None for lp in logprobs):
-            raise ServerError(
-                f"vLLM server {r.url} answered without the token ids and logprobs of its completion "
-                "(a vLLM without `return_token_ids`?)"
-            )
-        served_prompt = choice.get("prompt_token_ids")
-        if served_prompt is not None and list(served_prompt) != prompt:
-            raise ServerError(f"vLLM server {r.url} sampled from other prompt tokens than were sent")
-        tokens, text = list(tokens), choice.get("text") or ""
-        stop_reason = choice.get("stop_reason")
-        stop_reason = stop_reason if isinstance(stop_reason, str) else None  # an int would be a stop token id
+        tokens, logprobs, text, stop_reason = read_completion(r.url, prompt, choice)
         if len(stop) > MAX_SERVER_STOPS:  # the server was sent none: cut here, by the same rule
             eos_id = self.tokenizer.eos_token_id
             end = tokens.index(eos_id) + 1 if eos_id in tokens else len(tokens)
@@ -321,8 +291,8 @@ class VLLMServerSampler(BatchingSampler):
     # ------------------------------------------------------------------ scoring (IGPO)
 
     async def score(self, pairs: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[list[float]]:
-        """`BatchingSampler.score` over the servers (`server_scores`): one request per pair, all in
-        flight together on the client's loop, waited for at most `call_timeout_s`. A weight sync
+        """`BatchingSampler.score` over the servers (`answers.score_request`): one request per pair,
+        all in flight together on the client's loop, waited for at most `call_timeout_s`. A weight sync
         pauses the servers (`mode=keep`) and resets their prefix cache, so a frozen scoring request
         is recomputed after the reload."""
         checked = check_score_pairs(pairs)
@@ -357,85 +327,48 @@ class VLLMServerSampler(BatchingSampler):
 
     @torch.no_grad()
     def _load(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        start = time.perf_counter()
-        if self.transport is None:
-            self.write_weights(named_tensors)
-            named = None
+        """Every live replica to the next version, phase by phase (`sync_replicas`): reloaded from a
+        safetensors file in `weight_sync_dir`, or with a transport streamed the tensors."""
+        start, version = time.perf_counter(), self.version + 1
+        live = [r for r in self.replicas if r.down is None]
+        if not live:
+            raise WeightSyncError("no vLLM server left to sync weights to: " + "; ".join(self.failovers))
+        transport, transfer = self.transport, None
+        if transport is None:  # written tensor by tensor: a sharded policy's are gathered one at a time
+            if not write_weight_file(named_tensors, self.weight_sync_dir):
+                raise WeightSyncError("the weight sync was given no tensors")
         else:  # streamed while the servers are paused (`weight_transfer`)
             named = [(n, t.detach()) for n, t in named_tensors]
             if not named:
                 raise WeightSyncError("the weight sync was given no tensors")
-        written = time.perf_counter() - start
+            transfer = lambda urls: transport.send(urls, named)  # noqa: E731 (run on a worker thread)
+        folder = str(self.weight_sync_dir.resolve())
         try:
             # Each server call has its own deadline (sync_timeout_s); this bound is only for a stuck
             # client loop: cancelling between phases could leave a server paused.
-            self._run(self._sync_all(self.version + 1, named), timeout=8 * self.sync_timeout_s)
+            sync = sync_replicas(self.router.call, live, version, folder, self.sync_timeout_s, transfer=transfer)
+            self._run(sync, timeout=8 * self.sync_timeout_s)
         except TimeoutError:
             raise WeightSyncError(
-                f"weight sync to version {self.version + 1} did not finish within "
+                f"weight sync to version {version} did not finish within "
                 f"{8 * self.sync_timeout_s:g} s: the servers may hold stale weights"
             ) from None
-        self.version += 1
-        log.debug(
-            "weight sync %d: written in %.3f s, loaded by %d server(s) in %.3f s",
-            self.version,
-            written,
-            sum(r.down is None for r in self.replicas),
-            time.perf_counter() - start - written,
-        )
-
-    def write_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Path:
-        """The tensors as one safetensors file in `weight_sync_dir` (see `write_weight_file`)."""
-        if not write_weight_file(named_tensors, self.weight_sync_dir):
-            raise WeightSyncError("the weight sync was given no tensors")
-        return self.weight_sync_dir
-
-    async def _sync_all(self, version: int, named: Optional[list[tuple[str, torch.Tensor]]] = None) -> None:
-        """Every live replica to `version`, phase by phase (see `sync_replicas`); with a transport,
-        `named` is streamed to them instead of reloaded from `weight_sync_dir`."""
-        live = [r for r in self.replicas if r.down is None]
-        if not live:
-            raise WeightSyncError("no vLLM server left to sync weights to: " + "; ".join(self.failovers))
-        transport = self.transport
-        transfer = None if transport is None else (lambda urls: transport.send(urls, named or []))
-        await sync_replicas(
-            self.router.call, live, version, str(self.weight_sync_dir.resolve()), self.sync_timeout_s, transfer=transfer
-        )
+        self.version = version
+        served = sum(r.down is None for r in self.replicas)
+        log.debug("weight sync %d: %d server(s) in %.3f s", version, served, time.perf_counter() - start)
 
     def set_version(self, version: int) -> None:
         """Tell every live replica that it serves `version` (the servers this sampler started from
         the policy's own weights), checked by reading it back."""
-
-        async def tag(r: Replica) -> None:
-            await self.router.call(
-                r, "POST", "/update_weight_version", timeout=self.request_timeout_s, json={"new_version": str(version)}
-            )
-            served = (await self.router.call(r, "GET", "/weight_info", timeout=self.request_timeout_s) or {}).get(
-                "weight_version"
-            )
-            if served != str(version):
-                raise WeightSyncError(f"vLLM server {r.url} reports weight version {served!r}, expected {version}")
-            r.version = version
-
-        async def tag_all() -> None:
-            await asyncio.gather(*(tag(r) for r in self.replicas if r.down is None))
-
-        self._run(tag_all(), timeout=self.request_timeout_s + 5.0)
+        live = [r for r in self.replicas if r.down is None]
+        self._run(
+            tag_version(self.router.call, live, version, self.request_timeout_s), timeout=self.request_timeout_s + 5.0
+        )
         self.version = version
 
     def served_versions(self) -> dict[str, Optional[str]]:
         """What each replica reports serving now (`/weight_info`), by URL (None: no answer)."""
-
-        async def ask(r: Replica) -> Optional[str]:
-            try:
-                return (await self.router.call(r, "GET", "/weight_info", timeout=10.0) or {}).get("weight_version")
-            except ServerError:
-                return None
-
-        async def ask_all() -> list[Optional[str]]:
-            return list(await asyncio.gather(*(ask(r) for r in self.replicas)))
-
-        return dict(zip([r.url for r in self.replicas], self._run(ask_all(), timeout=15.0)))
+        return self._run(served_versions(self.router.call, self.replicas), timeout=15.0)
 
     # ------------------------------------------------------------------ end
 

@@ -158,3 +158,29 @@ def _describe(err: BaseException) -> str:
     if isinstance(err, (asyncio.TimeoutError, TimeoutError)):
         return "timed out"
     return f"{type(err).__name__}: {err}"
+
+
+async def tag_version(call: Callable[..., Any], replicas: list[Any], version: int, timeout: float) -> None:
+    """Tell every replica that it serves `version`, checked by reading it back (`WeightSyncError`
+    naming one that disagrees)."""
+
+    async def tag(r: Any) -> None:
+        await call(r, "POST", "/update_weight_version", timeout=timeout, json={"new_version": str(version)})
+        served = (await call(r, "GET", "/weight_info", timeout=timeout) or {}).get("weight_version")
+        if served != str(version):
+            raise WeightSyncError(f"vLLM server {r.url} reports weight version {served!r}, expected {version}")
+        r.version = version
+
+    await asyncio.gather(*(tag(r) for r in replicas))
+
+
+async def served_versions(call: Callable[..., Any], replicas: list[Any]) -> dict[str, Optional[str]]:
+    """What each replica reports serving (`/weight_info`), by URL (None: no answer)."""
+
+    async def ask(r: Any) -> Optional[str]:
+        try:
+            return (await call(r, "GET", "/weight_info", timeout=10.0) or {}).get("weight_version")
+        except ServerError:
+            return None
+
+    return dict(zip([r.url for r in replicas], await asyncio.gather(*(ask(r) for r in replicas))))

@@ -85,8 +85,8 @@ class FanOutClient:
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         self._each(
-            "/init_weight_transfer_engine (a server must run `lit_grpo.samplers.server.serve --weight-transfer` with this "
-            "transport)",
+            "/init_weight_transfer_engine (a server must run `lit_grpo.samplers.server.serve --weight-transfer` "
+            "with this transport)",
             lambda i, c: c.init_weight_transfer_engine(
                 {**init_info, "rank_offset": init_info["rank_offset"] + self.shifts[i]}
             ),

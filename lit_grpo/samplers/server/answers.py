@@ -1,0 +1,99 @@
+"""The requests lit_grpo sends a vLLM OpenAI server, and the reading of their answers: the served
+model (`/v1/models`), a completion's token ids and logprobs, and the logprobs of target tokens.
+
+A completion asks for the token ids (`return_token_ids`) and the sampled tokens' logprobs
+(`logprobs=0`), untruncated (`top_p=1`, `top_k=0`). For scoring, the server is sent prompt +
+target as one token-id prompt to `/v1/completions` with vLLM's `prompt_logprobs=0` extra
+parameter and `max_tokens=1` (the one generated token is ignored): the
+choice's `prompt_logprobs` then holds, per prompt position j, `{token id: {"logprob", ...}}` for
+token j itself given the tokens before it (None at position 0). These are computed from the raw
+logits, so they are temperature-1 logprobs whatever `--logprobs-mode` the server runs with, and
+vLLM does not read the prefix cache for such requests. `echo=True` with `logprobs` would give the
+same numbers through `logprobs.token_logprobs`, but detokenizes the whole prompt for its text.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any, Optional
+
+from lit_grpo.samplers.server.weight_files import ServerError
+
+
+async def describe_replica(call: Callable[..., Awaitable[Any]], r: Any, timeout: float) -> None:
+    """Set replica `r`'s served model name and length limit from its `/v1/models`."""
+    data = await call(r, "GET", "/v1/models", timeout=timeout)
+    models = data.get("data") or []
+    if not models:
+        raise ServerError(f"vLLM server {r.url} serves no model (/v1/models is empty)")
+    r.model, r.max_model_len = models[0]["id"], models[0].get("max_model_len")
+
+
+def completion_request(
+    prompt: list[int], temperature: float, max_tokens: int, stop: tuple[str, ...] = ()
+) -> dict[str, Any]:
+    """The `/v1/completions` body (without `model` and `n`) that samples a completion of `prompt`."""
+    body: dict[str, Any] = {
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": temperature,
+        "top_p": 1.0,
+        "top_k": 0,
+        "logprobs": 0,
+        "return_token_ids": True,
+        "skip_special_tokens": True,
+    }
+    if stop:
+        body["stop"] = list(stop)
+    return body
+
+
+def read_completion(url: str, prompt: list[int], choice: dict) -> tuple[list[int], list[float], str, Optional[str]]:
+    """A choice answering `completion_request(prompt, ...)` as `(token ids, their logprobs, text,
+    the stop string it ended at or None)`; `ServerError` naming `url` when a part is missing."""
+    tokens = choice.get("token_ids")
+    logprobs = (choice.get("logprobs") or {}).get("token_logprobs")
+    if tokens is None or logprobs is None or len(tokens) != len(logprobs) or any(lp is None for lp in logprobs):
+        raise ServerError(
+            f"vLLM server {url} answered without the token ids and logprobs of its completion "
+            "(a vLLM without `return_token_ids`?)"
+        )
+    served_prompt = choice.get("prompt_token_ids")
+    if served_prompt is not None and list(served_prompt) != prompt:
+        raise ServerError(f"vLLM server {url} sampled from other prompt tokens than were sent")
+    stop_reason = choice.get("stop_reason")
+    stop_reason = stop_reason if isinstance(stop_reason, str) else None  # an int would be a stop token id
+    return list(tokens), list(logprobs), choice.get("text") or "", stop_reason
+
+
+def score_request(prompt: list[int], target: list[int]) -> dict[str, Any]:
+    """The `/v1/completions` body (without `model` and `n`) that scores `target` after `prompt`."""
+    return {
+        "prompt": prompt + target,
+        "max_tokens": 1,
+        "temperature": 1.0,
+        "prompt_logprobs": 0,
+        "return_token_ids": True,
+        "skip_special_tokens": True,
+    }
+
+
+def target_logprobs(url: str, choice: dict, prompt: list[int], target: list[int]) -> list[float]:
+    """The logprob of each target token from a choice answering `score_request(prompt, target)`."""
+    row = prompt + target
+    per_position = choice.get("prompt_logprobs")
+    if not isinstance(per_position, list) or len(per_position) != len(row):
+        raise ServerError(
+            f"vLLM server {url} answered a scoring request without the prompt logprobs of its "
+            f"{len(row)} tokens (a vLLM without the `prompt_logprobs` parameter?)"
+        )
+    served = choice.get("prompt_token_ids")
+    if served is not None and list(served) != row:
+        raise ServerError(f"vLLM server {url} scored other tokens than were sent")
+    scores = []
+    for j in range(len(prompt), len(row)):
+        entry = (per_position[j] or {}).get(str(row[j]))  # JSON object keys are strings
+        if entry is None or entry.get("logprob") is None:
+            raise ServerError(f"vLLM server {url} left out the logprob of prompt token {row[j]} at position {j}")
+        scores.append(float(entry["logprob"]))
+    return scores
