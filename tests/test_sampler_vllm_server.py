@@ -327,10 +327,10 @@ def test_the_client_does_not_import_vllm():
 
 
 @pytest.mark.timeout(180)
-def test_gloo_weight_transfer_streams_the_weights_and_names_a_dead_server(servers, tmp_path):
+def test_gloo_weight_transfer_streams_the_weights_and_names_a_dead_server(servers, tmp_path, caplog):
     """sampler.weight_transfer=gloo on one server: perturbed weights streamed (nothing written to
     weight_sync_dir), served logprobs equal the trainer's, the version is tracked, the group is
-    made again after it was torn down, and a sync to a dead server raises naming it."""
+    made again after it was torn down, and a dead server in a sync is dropped, named."""
     from lit_grpo.samplers.server.pool import free_port
     from lit_grpo.samplers.server.requests import Replica
 
@@ -363,10 +363,10 @@ def test_gloo_weight_transfer_streams_the_weights_and_names_a_dead_server(server
         assert not (tmp_path / "unused").exists()  # streamed, never written
         dead = f"http://127.0.0.1:{free_port()}"
         sampler.replicas.append(Replica(dead, model=sampler.replicas[0].model))
-        with pytest.raises(WeightSyncError, match=dead.replace(".", r"\.")) as err:
-            sampler.update_weights(model.state_dict().items())
-        assert err.value.servers == [dead] and sampler.replicas[1].down
-        assert sampler.served_versions()[url] == "4"  # the live server was synced all the same
+        with caplog.at_level(logging.WARNING, logger="lit_grpo.samplers.server.weight_files"):
+            sampler.update_weights(model.state_dict().items())  # the dead one is dropped, named
+        assert f"dropped vLLM server {dead}" in caplog.text and sampler.replicas[1].down
+        assert sampler.version == 4 and sampler.served_versions()[url] == "4"  # the live server was synced
         assert _diffs(model, _sample(sampler, prompts[:4], temperature=1.0, max_tokens=6), 1.0).mean() < 1e-5
     finally:
         sampler.close()
