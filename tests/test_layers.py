@@ -1,7 +1,7 @@
 """The package's imports run one way: every `import` of lit_grpo, at module level, inside a
-function or for annotations, goes to a layer at or below its own, and no chain of the imports
-that run (all but those under `if TYPE_CHECKING:`) comes back to where it started. The layers,
-lowest first, are `lit_grpo.LAYERS`, documented in `lit_grpo/__init__.py`."""
+function or under `if TYPE_CHECKING:`, goes to a layer at or below its own, and no chain of
+imports comes back to where it started. The layers, lowest first, are `lit_grpo.LAYERS`,
+documented in `lit_grpo/__init__.py`."""
 
 from __future__ import annotations
 
@@ -36,26 +36,14 @@ def _layer(module: str) -> int:
     return max(holders)[1]
 
 
-def _type_checking_nodes(tree: ast.AST) -> set[int]:
-    """ids of the nodes inside `if TYPE_CHECKING:` blocks: imports for annotations, never run."""
-    inside = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            inside.update(id(n) for stmt in node.body for n in ast.walk(stmt))
-    return inside
-
-
-def _imports(module: str, *, type_checking: bool) -> set[str]:
-    """The lit_grpo modules `module` imports anywhere in its body, functions included;
-    `type_checking`: with the imports under `if TYPE_CHECKING:` too."""
+def _imports(module: str) -> set[str]:
+    """The lit_grpo modules `module` imports anywhere in its body: inside functions and under
+    `if TYPE_CHECKING:` too."""
     path = MODULES[module]
     tree = ast.parse(path.read_text(encoding="utf-8"))
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
-    skip = set() if type_checking else _type_checking_nodes(tree)
     found = set()
     for node in ast.walk(tree):
-        if id(node) in skip:
-            continue
         if isinstance(node, ast.Import):
             names = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -71,10 +59,8 @@ def _imports(module: str, *, type_checking: bool) -> set[str]:
     return found
 
 
-GRAPH = {m: _imports(m, type_checking=False) for m in MODULES}
-"""What each module imports when it runs: the graph that must have no cycle."""
-ANNOTATED = {m: _imports(m, type_checking=True) for m in MODULES}
-"""The same with the imports for annotations: every one of them must still run down the layers."""
+GRAPH = {m: _imports(m) for m in MODULES}
+"""What each module imports: every edge runs down the layers, and no chain comes back."""
 
 
 def test_every_module_sits_in_a_layer():
@@ -85,7 +71,7 @@ def test_every_module_sits_in_a_layer():
 def test_imports_run_down_the_layers():
     upward = [
         f"{m} (layer {_layer(m)}) imports {t} (layer {_layer(t)})"
-        for m, targets in ANNOTATED.items()
+        for m, targets in GRAPH.items()
         for t in targets
         if _layer(t) > _layer(m)
     ]

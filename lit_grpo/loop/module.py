@@ -21,7 +21,6 @@ import contextlib
 import copy
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from functools import partial
 from typing import Optional
 
@@ -35,13 +34,13 @@ from lit_grpo.errors import EnvironmentFault
 from lit_grpo.loop.distributed import all_reduce
 from lit_grpo.loop.optim import adamw, lr_multiplier
 from lit_grpo.loop.signals import StopRequested
-from lit_grpo.loop.step_sequence import NonFiniteTraining, StepSequence
+from lit_grpo.loop.step_sequence import NonFiniteTraining, StepResult, StepSequence
 from lit_grpo.maths.health import drift_per_token, drift_tis_cap
 from lit_grpo.maths.logprobs import token_logprobs
 from lit_grpo.maths.loss_terms import masked_means
 from lit_grpo.maths.losses import policy_loss
 from lit_grpo.models.lora import AdapterFreeView, is_lora, with_lora
-from lit_grpo.types import PromptGroup, RolloutBatch, RolloutRecord
+from lit_grpo.types import RolloutBatch
 
 
 def align_to_predictions(per_token_BT: torch.Tensor) -> torch.Tensor:
@@ -63,25 +62,6 @@ def micro_slices(n: int, size: int) -> list[slice]:
 def even_slices(n: int, k: int) -> list[slice]:
     """Exactly k contiguous slices covering range(n), sizes differing by at most one (k <= n)."""
     return [slice(i * n // k, (i + 1) * n // k) for i in range(k)]
-
-
-@dataclass
-class StepResult:
-    """What one rank's training step hands to the step sequence."""
-
-    record: RolloutRecord
-    """This rank's rollout record (merged over ranks before logging)."""
-    rewards_B: torch.Tensor
-    """Rewards of the trained batch. Shape: [B]."""
-    advantages_B: torch.Tensor
-    """Advantages of the trained batch (per-token ones: their mean over each sequence). Shape: [B]."""
-    groups: list[PromptGroup] = field(default_factory=list)
-    """The accepted groups the batch was made from, in batch order."""
-    train_metrics: dict[str, torch.Tensor] = field(default_factory=dict)
-    """`train/*` scalars as this rank's share of the global value: summed over ranks, they are
-    the loss and the token means of the whole step (weights are tokens over the global count)."""
-    timings: dict[str, float] = field(default_factory=dict)
-    """`perf/ref_s`, `perf/train_s` of this rank, and `train_tokens`, its real tokens."""
 
 
 class GRPOModule(L.LightningModule):

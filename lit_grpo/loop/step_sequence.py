@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
@@ -44,12 +45,31 @@ from lit_grpo.loop.metrics import MetricHistory, merge_step_metrics
 from lit_grpo.loop.signals import StopSignals
 from lit_grpo.models.weights import PolicyWeights, first_nonfinite
 from lit_grpo.run.state import RunCheckpointer, capture_rng, restore_rng
+from lit_grpo.types import PromptGroup, RolloutRecord
 
 if TYPE_CHECKING:
-    from lit_grpo.loop.module import GRPOModule, StepResult
     from lit_grpo.rollouts.datamodule import RolloutDataModule
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class StepResult:
+    """What one rank's training step hands to the step sequence."""
+
+    record: RolloutRecord
+    """This rank's rollout record (merged over ranks before logging)."""
+    rewards_B: torch.Tensor
+    """Rewards of the trained batch. Shape: [B]."""
+    advantages_B: torch.Tensor
+    """Advantages of the trained batch (per-token ones: their mean over each sequence). Shape: [B]."""
+    groups: list[PromptGroup] = field(default_factory=list)
+    """The accepted groups the batch was made from, in batch order."""
+    train_metrics: dict[str, torch.Tensor] = field(default_factory=dict)
+    """`train/*` scalars as this rank's share of the global value: summed over ranks, they are
+    the loss and the token means of the whole step (weights are tokens over the global count)."""
+    timings: dict[str, float] = field(default_factory=dict)
+    """`perf/ref_s`, `perf/train_s` of this rank, and `train_tokens`, its real tokens."""
 
 
 class NonFiniteTraining(UserError, RuntimeError):
@@ -96,7 +116,7 @@ class StepSequence:
 
     # ------------------------------------------------------------------ the sequence
 
-    def finish_step(self, trainer: L.Trainer, module: GRPOModule, result: StepResult) -> dict[str, float]:
+    def finish_step(self, trainer: L.Trainer, module: L.LightningModule, result: StepResult) -> dict[str, float]:
         """Run the end of step `module.rollout_step`; returns its metrics (every rank gets them)."""
         step = module.rollout_step
         metrics = merge_step_metrics(result.record, result.train_metrics, result.timings)
@@ -140,14 +160,14 @@ class StepSequence:
         """Whether any rank received a stop signal (a collective, so that every rank stops at this step)."""
         return bool(all_reduce(torch.tensor(float(self.stop.requested)), "max"))
 
-    def stop_between_steps(self, trainer: L.Trainer, module: GRPOModule) -> None:
+    def stop_between_steps(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         """A stop signal came while waiting for rollouts (on some rank): checkpoint the last finished
         step as it was at its end, if it is not saved yet, and end training (every rank calls it)."""
         self.stopping = True
         trainer.should_stop = True
         self._save_end_of_last_step(trainer, module)
 
-    def _save_end_of_last_step(self, trainer: L.Trainer, module: GRPOModule) -> None:
+    def _save_end_of_last_step(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         step = module.rollout_step
         if (
             self.checkpointer is None
@@ -159,7 +179,7 @@ class StepSequence:
         data_state, rng = self._end_of_last_step
         self._save(trainer, module, step, data_state=data_state, rng=rng)
 
-    def stop_on_fault(self, fault: EnvironmentFault, trainer: L.Trainer, module: GRPOModule) -> EnvironmentFault:
+    def stop_on_fault(self, fault: EnvironmentFault, trainer: L.Trainer, module: L.LightningModule) -> EnvironmentFault:
         """Something outside the run failed while waiting for rollouts (a vLLM server died): save
         the last finished step as it was at its end, and return the error to raise, which says
         where `resume=auto` continues."""
@@ -168,7 +188,7 @@ class StepSequence:
         self._save_end_of_last_step(trainer, module)
         return self.stopped_by(fault, trainer, module)
 
-    def stopped_by(self, fault: EnvironmentFault, trainer: L.Trainer, module: GRPOModule) -> EnvironmentFault:
+    def stopped_by(self, fault: EnvironmentFault, trainer: L.Trainer, module: L.LightningModule) -> EnvironmentFault:
         """`fault`'s message and what to do next: the step `resume=auto` continues from, if one was saved."""
         step = module.rollout_step
         restart = "Start the server again (or point sampler.server_urls at a live one)"
@@ -186,7 +206,7 @@ class StepSequence:
             )
         return EnvironmentFault(f"{str(fault).rstrip('.')}; training stopped after step {step}. {what}")
 
-    def sync(self, module: GRPOModule, step: int) -> dict[str, float]:
+    def sync(self, module: L.LightningModule, step: int) -> dict[str, float]:
         """Phase 1: the weights into the sampler if a sync is due, and the version advance."""
         if self.weight_sync_interval > 0 and step % self.weight_sync_interval:
             return {}
@@ -196,7 +216,7 @@ class StepSequence:
         self.datamodule.advance_version()
         return {"perf/weight_sync_s": time.perf_counter() - start} if self.weight_sync_interval > 0 else {}
 
-    def sync_sampler(self, module: GRPOModule) -> None:
+    def sync_sampler(self, module: L.LightningModule) -> None:
         """The policy's full weights into this rank's sampler: gathered tensor by tensor when the
         policy is sharded (a collective, in the same order on every rank). Through the strategy's
         model, because a sharding strategy may wrap the whole module, not the policy alone."""
@@ -209,7 +229,7 @@ class StepSequence:
     def _save(
         self,
         trainer: L.Trainer,
-        module: GRPOModule,
+        module: L.LightningModule,
         step: int,
         *,
         data_state: Optional[dict] = None,
@@ -236,7 +256,7 @@ class StepSequence:
 
     # ------------------------------------------------------------------ start, resume, end
 
-    def on_train_start(self, trainer: L.Trainer, module: GRPOModule) -> None:
+    def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         self._last_end = time.perf_counter()
         if self.resume_from is None:
             return
@@ -265,7 +285,7 @@ class StepSequence:
             restore_rng(self._rng_to_restore)
             self._rng_to_restore = None
 
-    def on_train_end(self, trainer: L.Trainer, module: GRPOModule) -> None:
+    def on_train_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         """A last checkpoint and a last evaluation, unless the last step just had them."""
         step = module.rollout_step
         if self.checkpointer is not None and self.checkpointer.due_at_end(trainer, step):

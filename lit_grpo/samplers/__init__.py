@@ -155,7 +155,7 @@ def _build_vllm_server(cfg, policy, tokenizer, *, model, work_dir, seed):
     )
     if cfg.weight_transfer == "nccl" and not torch.cuda.is_available():
         raise RuntimeError("sampler.weight_transfer=nccl needs CUDA in the trainer and the servers; on CPU use gloo")
-    num_servers = cfg.num_servers if cfg.num_servers is not None else (0 if cfg.server_urls else 1)
+    num_servers = cfg.servers_to_start
     if not num_servers:
         sampler = VLLMServerSampler(tokenizer, list(cfg.server_urls), **options)
         try:  # whatever they served before, they serve the policy now (a LoRA policy's merged weights)
