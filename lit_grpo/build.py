@@ -22,6 +22,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lit_grpo.callbacks.export import HFExport
 from lit_grpo.config import ConfigError, TrainConfig, UserInputs
+from lit_grpo.loop.distributed import FSDP2Strategy
 from lit_grpo.loop.evaluation import Evaluator, GreedyEvaluator, RolloutEvaluator
 from lit_grpo.loop.module import GRPOModule
 from lit_grpo.loop.signals import StopSignals
@@ -168,7 +169,7 @@ def build_trainer(c: TrainConfig, extra_callbacks: list[L.Callback] = ()) -> L.T
     return L.Trainer(
         accelerator=t.accelerator,
         devices=t.devices,
-        strategy=t.strategy,
+        strategy=FSDP2Strategy() if t.strategy == "fsdp2" else t.strategy,
         precision=t.precision,
         max_epochs=t.max_epochs,
         max_steps=-1,  # the rollout stream decides when training ends

@@ -2,9 +2,11 @@
 each step's gradient (before any optimizer update, which is skipped so every step starts from the
 same weights).
 
-    python ddp_grad_probe.py <out_dir> <devices> <rank batch sizes, e.g. 4,6>
+    python ddp_grad_probe.py <out_dir> <devices> <rank batch sizes, e.g. 4,6> [ddp|fsdp2] [kl_beta] [train]
 
-With 2 devices (DDP, gloo), rank r trains on batch r; with 1 device, on the union of the batches.
+With 2 devices (DDP or FSDP2, gloo), rank r trains on batch r; with 1 device, on the union of the
+batches. Under FSDP2 each gradient is saved whole (gathered from its shards). With `train`, the
+optimizer steps are taken and the whole weights after the last one are saved instead.
 Lightning re-runs this script for rank 1.
 """
 
@@ -17,6 +19,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader
 
+from lit_grpo.loop.distributed import FSDP2Strategy
 from lit_grpo.loop.module import GRPOModule
 from lit_grpo.models.load import load_policy, load_tokenizer
 from lit_grpo.run.validate import validate
@@ -60,11 +63,17 @@ def union(batches: list[RolloutBatch]) -> RolloutBatch:
     return RolloutBatch(**{f: torch.cat([getattr(b, f) for b in batches]) for f in fields})
 
 
+def full(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
 class Probe(L.Callback):
     """Sets each step's normalization, keeps its gradient, and drops it so the weights never move."""
 
-    def __init__(self) -> None:
+    def __init__(self, train: bool = False) -> None:
+        self.train = train
         self.grads: list[dict[str, torch.Tensor]] = []
+        self.weights: dict[str, torch.Tensor] = {}
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         step = pl_module.rollout_step  # (with `dataloader_iter`, batch_idx lags the steps)
@@ -72,9 +81,14 @@ class Probe(L.Callback):
             pl_module.config.policy_loss.loss_normalization = NORMALIZATIONS[step]
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-        self.grads.append({k: p.grad.detach().clone() for k, p in pl_module.policy.named_parameters()})
+        if self.train:
+            return
+        self.grads.append({k: full(p.grad).detach().clone() for k, p in pl_module.policy.named_parameters()})
         for p in pl_module.policy.parameters():
             p.grad = None
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self.weights = {k: full(p).detach().clone() for k, p in pl_module.policy.named_parameters()}
 
 
 class FixedData(L.LightningDataModule):
@@ -91,12 +105,15 @@ class FixedData(L.LightningDataModule):
 
 def main() -> None:
     out, devices, sizes = Path(sys.argv[1]), int(sys.argv[2]), [int(n) for n in sys.argv[3].split(",")]
+    strategy = sys.argv[4] if len(sys.argv) > 4 else "ddp"
+    kl_beta = sys.argv[5] if len(sys.argv) > 5 else "0"
+    train = len(sys.argv) > 6 and sys.argv[6] == "train"
     c = validate(
         compose_config(
             [
                 "micro_batch_size=3",
                 "grad_clip_norm=0",
-                "policy_loss.kl_beta=0",
+                f"policy_loss.kl_beta={kl_beta}",  # > 0: the reference forward (sharded too under FSDP2)
                 "logger=none",
                 f"output_dir={out}",
             ]
@@ -105,11 +122,11 @@ def main() -> None:
     L.seed_everything(0, verbose=False)
     tokenizer = load_tokenizer(c.model)
     policy = load_policy(c.model, tokenizer, c.seed)
-    probe = Probe()
+    probe = Probe(train)
     trainer = L.Trainer(
         accelerator="cpu",
         devices=devices,
-        strategy="ddp" if devices > 1 else "auto",
+        strategy=(FSDP2Strategy() if strategy == "fsdp2" else strategy) if devices > 1 else "auto",
         max_epochs=1,
         logger=False,
         enable_checkpointing=False,
@@ -119,7 +136,10 @@ def main() -> None:
         use_distributed_sampler=False,  # each rank its own fixed batch
     )
     trainer.fit(GRPOModule(policy, c), datamodule=FixedData(sizes, len(tokenizer)))
-    torch.save(probe.grads, out / f"grads_world{devices}_rank{trainer.global_rank}.pt")
+    kind = "weights" if train else "grads"
+    torch.save(
+        probe.weights if train else probe.grads, out / f"{kind}_{strategy}_world{devices}_rank{trainer.global_rank}.pt"
+    )
 
 
 if __name__ == "__main__":

@@ -73,8 +73,8 @@ def test_two_process_gradient_equals_one_process_gradient_on_the_union(sizes, tm
             timeout=600,
         )
         assert proc.returncode == 0, proc.stderr[-3000:]
-    single = torch.load(tmp_path / "grads_world1_rank0.pt")
-    ranks = [torch.load(tmp_path / f"grads_world2_rank{r}.pt") for r in (0, 1)]
+    single = torch.load(tmp_path / "grads_ddp_world1_rank0.pt")
+    ranks = [torch.load(tmp_path / f"grads_ddp_world2_rank{r}.pt") for r in (0, 1)]
     from ddp_grad_probe import NORMALIZATIONS
 
     assert len(single) == len(ranks[0]) == len(ranks[1]) == len(NORMALIZATIONS)

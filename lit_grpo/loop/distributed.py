@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch.strategies import ModelParallelStrategy
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
@@ -37,3 +38,19 @@ def all_gather_objects(obj: Any) -> list[Any]:
     out: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
     return out
+
+
+class FSDP2Strategy(ModelParallelStrategy):
+    """Lightning's `ModelParallelStrategy` as pure FSDP2 (`trainer.strategy=fsdp2`): every process
+    is one data-parallel rank holding a shard of each tensor (no tensor parallelism), on GPUs
+    (NCCL) or CPUs (gloo).
+
+    `ModelParallelStrategy` asks for the data- and tensor-parallel sizes up front; here they come
+    from the world size once the processes exist, so `trainer.devices` and `num_nodes` alone decide
+    them, as with DDP. `GRPOModule.configure_model` applies `fully_shard` on the mesh.
+    """
+
+    def setup_environment(self) -> None:
+        self._data_parallel_size = self.num_nodes * self.num_processes
+        self._tensor_parallel_size = 1
+        super().setup_environment()

@@ -40,6 +40,7 @@ from lit_grpo.maths.logprobs import token_logprobs
 from lit_grpo.maths.loss_terms import masked_means
 from lit_grpo.maths.losses import policy_loss
 from lit_grpo.models.lora import AdapterFreeView, is_lora, with_lora
+from lit_grpo.models.sharding import full_value, is_fsdp2, shard_per_decoder_layer
 from lit_grpo.types import RolloutBatch
 
 
@@ -62,6 +63,16 @@ def micro_slices(n: int, size: int) -> list[slice]:
 def even_slices(n: int, k: int) -> list[slice]:
     """Exactly k contiguous slices covering range(n), sizes differing by at most one (k <= n)."""
     return [slice(i * n // k, (i + 1) * n // k) for i in range(k)]
+
+
+@contextlib.contextmanager
+def _fsdp2_gradient_sync_off(model):
+    """FSDP2 keeps this backward's gradients unsharded and unreduced; the next synced backward reduce-scatters them."""
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
 
 
 class GRPOModule(L.LightningModule):
@@ -104,6 +115,18 @@ class GRPOModule(L.LightningModule):
         if self.reference is not None:
             self.reference.eval()
         return self
+
+    def configure_model(self) -> None:
+        """Shard the policy and the reference with FSDP2 (`trainer.strategy=fsdp2`); other strategies
+        leave the models whole. Lightning calls this once the processes exist, before the optimizer
+        is built, so the optimizer's state is sharded too. Under LoRA the reference is the policy
+        with its adapters off: sharding the policy shards it."""
+        if self.device_mesh is None or is_fsdp2(self.policy):
+            return
+        mesh = self.device_mesh["data_parallel"]
+        shard_per_decoder_layer(self.policy, mesh)
+        if self.reference is not None and not isinstance(self.reference, AdapterFreeView):
+            shard_per_decoder_layer(self.reference, mesh)
 
     def configure_optimizers(self):
         c = self.config
@@ -259,7 +282,7 @@ class GRPOModule(L.LightningModule):
         totals["train/loss"] = loss_sum
         # The optimizer's own list: walking the policy's modules for its parameters costs more than the norm.
         with_grads = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        grad_norm = torch.nn.utils.get_total_norm([p.grad for p in with_grads])
+        grad_norm = full_value(torch.nn.utils.get_total_norm([p.grad for p in with_grads]))  # sharded: all ranks' norm
         totals["train/grad_norm"] = grad_norm.detach() / world_size  # summed over ranks (equal under DDP)
         totals["train/grad_norm_clipped"] = totals["train/grad_norm"]  # no clipping: the norm the update used
         if self._finite_everywhere(totals["train/loss"], grad_norm):
@@ -286,7 +309,11 @@ class GRPOModule(L.LightningModule):
             # clip_grad_norm_ scales by min(1, c / (norm + 1e-6)): a factor of 1 changes nothing. The
             # finiteness check already waited for the norm, so reading it costs no further wait.
             if float(grad_norm) + 1e-6 > self.config.grad_clip_norm:
-                torch.nn.utils.clip_grads_with_norm_(with_grads, self.config.grad_clip_norm, grad_norm)
+                if is_fsdp2(self.policy):  # DTensor gradients take a plain factor, not a plain tensor
+                    factor = self.config.grad_clip_norm / (float(grad_norm) + 1e-6)
+                    torch._foreach_mul_([p.grad for p in with_grads], factor)
+                else:
+                    torch.nn.utils.clip_grads_with_norm_(with_grads, self.config.grad_clip_norm, grad_norm)
         else:
             self.clip_gradients(optimizer, gradient_clip_val=self.config.grad_clip_norm, gradient_clip_algorithm="norm")
 
@@ -311,6 +338,8 @@ class GRPOModule(L.LightningModule):
 
     def _no_gradient_sync(self):
         """No gradient all-reduce for this backward (all but a step's last micro-batch): one per optimizer step."""
+        if is_fsdp2(self.policy):
+            return _fsdp2_gradient_sync_off(self.policy)
         block = getattr(self.trainer.strategy, "block_backward_sync", None)
         return block() if block is not None else contextlib.nullcontext()
 

@@ -1,0 +1,123 @@
+"""Sharded training with FSDP2 (`trainer.strategy=fsdp2`, Lightning's ModelParallelStrategy) on 2
+CPU processes (gloo): the sharded policy's gradient and weights are those of one process on the
+union of the batches, a killed sharded run resumes bit-identical, each rank's sampler receives the
+full weights at every sync, and LoRA under FSDP2 trains its adapters only."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from test_checkpoint import assert_bit_identical, run_cli, tensors
+from test_ddp import _metrics
+
+REPO = Path(__file__).resolve().parents[1]
+TESTS = Path(__file__).resolve().parent
+FSDP2 = ["trainer.accelerator=cpu", "trainer.devices=2", "trainer.strategy=fsdp2"]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+
+def _probe(out: Path, devices: int, sizes: str, *args: str) -> None:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), str(REPO)]), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, str(TESTS / "ddp_grad_probe.py"), str(out), str(devices), sizes, "fsdp2", *args],
+        cwd=out,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def _records(out: Path, name: str, rank: int) -> list[dict]:
+    return [json.loads(line) for line in (out / f"{name}_rank{rank}.jsonl").read_text().splitlines()]
+
+
+# Batch sizes per rank; with micro_batch_size=3, "4,7" gives the ranks 2 and 3 micro-batches: the
+# shorter rank must still take part in every gather of the longer one's forwards and backwards.
+@pytest.mark.parametrize("sizes", ["4,6"])
+def test_sharded_gradient_equals_one_process_gradient_on_the_union(sizes, tmp_path):
+    for devices in (1, 2):
+        _probe(tmp_path, devices, sizes, "0.01")  # kl_beta > 0: the sharded reference's forward too
+    from ddp_grad_probe import NORMALIZATIONS
+
+    single = torch.load(tmp_path / "grads_fsdp2_world1_rank0.pt")
+    ranks = [torch.load(tmp_path / f"grads_fsdp2_world2_rank{r}.pt") for r in (0, 1)]
+    assert len(single) == len(ranks[0]) == len(ranks[1]) == len(NORMALIZATIONS)
+    for step, normalization in enumerate(NORMALIZATIONS):
+        assert any(g.abs().max() > 0 for g in single[step].values())
+        for name, expected in single[step].items():
+            for rank in ranks:
+                diff = (rank[step][name] - expected).abs().max().item()
+                assert diff <= 1e-6, f"{normalization}: {name} differs by {diff}"
+
+
+def test_sharded_training_ends_with_the_weights_of_one_process_on_the_union(tmp_path):
+    for devices in (1, 2):
+        _probe(tmp_path, devices, "4,6", "0.01", "train")
+    single = torch.load(tmp_path / "weights_fsdp2_world1_rank0.pt")
+    ranks = [torch.load(tmp_path / f"weights_fsdp2_world2_rank{r}.pt") for r in (0, 1)]
+    moved = 0
+    for name, expected in single.items():
+        for rank in ranks:
+            diff = (rank[name] - expected).abs().max().item()
+            assert diff <= 1e-5, f"{name} differs by {diff}"
+    from lit_grpo.models.load import load_policy, load_tokenizer
+    from lit_grpo.train import compose_config
+
+    c = compose_config([])
+    init = dict(load_policy(c.model, load_tokenizer(c.model), c.seed).named_parameters())
+    moved = sum(not torch.equal(init[name], single[name]) for name in single)
+    assert moved == len(single), "the optimizer steps left some weights where they started"
+
+
+def test_a_killed_fsdp2_run_resumes_bit_identical_and_every_sync_hands_the_sampler_full_weights(tmp_path):
+    sharded = [*FSDP2, "max_steps=6", "dcp_save_interval=2", "weight_sync_interval=1"]
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    probe = f"+callbacks.sync={{_target_:sharding_probes.SamplerHoldsPolicy,out_dir:{tmp_path}}}"
+    proc = run_cli(whole, *sharded, probe)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    step4 = whole / "checkpoints" / "step_00000004"
+    assert {"__0_0.distcp", "__1_0.distcp", "trainer_state_rank0.pt", "trainer_state_rank1.pt"} <= {
+        p.name for p in step4.iterdir()
+    }
+    for rank in (0, 1):
+        syncs = _records(tmp_path, "sampler_sync", rank)
+        assert [s["after_step"] for s in syncs][:5] == [1, 2, 3, 4, 5]
+        assert all(s["sharded"] and not s["names_missing"] and s["max_abs_diff"] == 0.0 for s in syncs), syncs
+        sums = [s["policy_sum"] for s in syncs]
+        assert len(set(sums)) == len(sums), "a step did not change the policy: the comparison proves nothing"
+
+    proc = run_cli(killed, *sharded, "+callbacks.kill={_target_:fault_injection.KillAfterStep,step:5}")
+    assert proc.returncode == -9, proc.stderr[-3000:]
+    proc = run_cli(killed, *sharded, "resume=auto")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "step_00000004" in (killed / "summary.json").read_text()
+    assert_bit_identical(tensors(whole / "final_model"), tensors(killed / "final_model"))
+    assert [s["reward/mean"] for s in _metrics(whole)] == [s["reward/mean"] for s in _metrics(killed)]
+
+
+def test_lora_under_fsdp2_trains_its_adapters_only(tmp_path):
+    run = tmp_path / "run"
+    proc = run_cli(
+        run,
+        *FSDP2,
+        "model.lora.rank=4",
+        "learning_rate=1e-2",
+        "max_steps=3",
+        f"+callbacks.frozen={{_target_:sharding_probes.FrozenStaysFrozen,out_dir:{tmp_path}}}",
+        f"+callbacks.sync={{_target_:sharding_probes.SamplerHoldsPolicy,out_dir:{tmp_path}}}",
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for rank in (0, 1):
+        (frozen,) = _records(tmp_path, "frozen", rank)
+        assert frozen["trainable"] and all("lora_" in name for name in frozen["trainable"])
+        assert sorted(frozen["moved"]) == sorted(frozen["trainable"])  # every adapter moved, nothing else
+        syncs = _records(tmp_path, "sampler_sync", rank)
+        assert all(s["sharded"] and s["max_abs_diff"] == 0.0 for s in syncs)  # the merged weights reach the sampler
