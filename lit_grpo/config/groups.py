@@ -285,6 +285,10 @@ class PolicyLossConfig:
         return {**named, **self.params, "kl_beta": self.kl_beta}
 
 
+FSDP2_PRECISIONS = ("32-true", "32", "bf16-mixed", "bf16-true", "16-true")
+"""What Lightning's ModelParallelStrategy (trainer.strategy=fsdp2) accepts."""
+
+
 @dataclass
 class TrainerConfig:
     """Arguments of `lightning.Trainer` that lit_grpo exposes; `extra` passes any other one."""
@@ -292,6 +296,8 @@ class TrainerConfig:
     accelerator: str = "auto"
     devices: Any = 1
     strategy: str = "auto"
+    """Any Lightning strategy name (`auto`, `ddp`, ...), or `fsdp2`: the policy and the reference
+    sharded per decoder layer with FSDP2 (Lightning's `ModelParallelStrategy`; GPUs or CPUs)."""
     precision: str = "32-true"
     max_epochs: int = 1
     """One Lightning epoch is the whole rollout stream (all data epochs)."""
@@ -302,3 +308,11 @@ class TrainerConfig:
     enable_model_summary: bool = False
     deterministic: bool = False
     extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.strategy == "fsdp2":
+            require(
+                self.precision in FSDP2_PRECISIONS,
+                "trainer.precision",
+                f"must be one of {', '.join(FSDP2_PRECISIONS)} with trainer.strategy=fsdp2, got {self.precision!r}",
+            )
