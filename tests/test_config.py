@@ -116,6 +116,7 @@ def test_wrong_type_fails_at_compose_naming_it(tmp_path):
         ("rollout_max_retries=-1", "rollout_max_retries"),
         ("max_rows_without_progress=0", "max_rows_without_progress"),
         ("max_nonfinite_steps=0", "max_nonfinite_steps"),
+        ("micro_batch_max_tokens=-1", "micro_batch_max_tokens"),
     ],
 )
 def test_bad_value_fails_validation_naming_the_field(override, field, tmp_path):
