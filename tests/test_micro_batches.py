@@ -117,11 +117,12 @@ def ragged_batch(lengths: list[int], vocab: int, seed: int, width: int = T, per_
 
 class Steps(L.Callback):
     """Sets each rollout step's loss normalization; keeps each optimizer step's gradient and drops it,
-    so the weights never move and every step starts from the same policy."""
+    so the weights never move and every step starts from the same policy; keeps each step's metrics."""
 
     def __init__(self, normalizations: list[str]) -> None:
         self.normalizations = normalizations
         self.grads: list[dict[str, torch.Tensor]] = []
+        self.metrics: list[dict[str, float]] = []
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         step = pl_module.rollout_step
@@ -132,6 +133,9 @@ class Steps(L.Callback):
         self.grads.append({k: p.grad.detach().clone() for k, p in pl_module.policy.named_parameters()})
         for p in pl_module.policy.parameters():
             p.grad = None
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.metrics.append({k: float(v) for k, v in pl_module.last_step.train_metrics.items()})
 
 
 def fit_on(batches: list[RolloutBatch], tmp_path, *overrides: str, callbacks=()) -> GRPOModule:
@@ -166,12 +170,13 @@ def test_the_gradient_is_the_whole_batch_one_whatever_the_cut(tmp_path):
     # tokens, minibatch 1 (lengths 40, 7, 12, 5) runs [40] and [12, 7, 5] cut to 12 tokens, minibatch 2
     # (23, 9, 16, 3) runs [23, 16] cut to 23 and [9, 3] cut to 9. Normalizers per micro-batch, a
     # mask or advantages shifted by the cut, `old` or the reference written back to the wrong
-    # columns: each changes the gradient far beyond float32 rounding.
+    # columns: each changes the gradient far beyond float32 rounding. The metrics, token means
+    # weighted by each micro-batch's tokens, come out the same too.
     normalizations = ["token_mean", "seq_mean", "sum"] * 2
     vocab = vocab_size()
     batches = [ragged_batch(LENGTHS, vocab, seed=i, per_token=i >= 3) for i in range(6)]
     common = ("ppo_n_minibatches=2", "policy_loss.kl_beta=0.1")
-    grads = {}
+    grads, metrics = {}, {}
     for name, cut in [
         ("whole", ("micro_batch_size=0",)),
         ("budget", ("micro_batch_max_tokens=48",)),
@@ -180,19 +185,23 @@ def test_the_gradient_is_the_whole_batch_one_whatever_the_cut(tmp_path):
         steps = Steps(normalizations)
         fit_on(batches, tmp_path / name, *common, *cut, callbacks=[steps])
         assert len(steps.grads) == 12  # 6 rollout steps x 2 minibatches
-        grads[name] = steps.grads
+        grads[name], metrics[name] = steps.grads, steps.metrics
     for i, whole in enumerate(grads["whole"]):
         scale = max(g.abs().max() for g in whole.values()).item()  # `sum` has gradients far above 1
         assert scale > 0
         for name in ("budget", "budget_and_rows"):
             worst = max((whole[k] - grads[name][i][k]).abs().max().item() for k in whole)
             assert worst <= 1e-6 * max(1.0, scale), (name, normalizations[i // 2], i, worst, scale)
+    for step, whole in enumerate(metrics["whole"]):
+        assert {"train/loss", "train/entropy", "train/drift/k1", "train/ref_kl", "train/tis/weight_mean"} <= set(whole)
+        for name in ("budget", "budget_and_rows"):
+            assert metrics[name][step] == pytest.approx(whole, rel=1e-5, abs=1e-6), (name, step)
 
 
 class RecordForwards(L.Callback):
-    """Each forward's input shape (the policy's and the reference's), and under autograd the bytes of the tensors it saves for
-    backward (activations, logits; not the weights) until the next forward starts. `pack` is the
-    pack hook of `torch.autograd.graph.saved_tensors_hooks`, around the fit."""
+    """Each forward's input shape (the policy's and the reference's), and under autograd the bytes
+    of the tensors it saves for backward (activations, logits; not the weights) until the next
+    forward starts. `pack` is the pack hook of `torch.autograd.graph.saved_tensors_hooks`, around the fit."""
 
     def __init__(self) -> None:
         self.shapes: list[tuple[int, int]] = []

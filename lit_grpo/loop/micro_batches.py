@@ -79,10 +79,11 @@ class MicroBatch:
         return values[self.rows] if values.dim() == 1 else values[self.rows, : self.width - 1]
 
 
-def micro_slices(n: int, size: int) -> list[slice]:
-    """Contiguous slices of at most `size` (0: one slice of everything) covering range(n)."""
+def micro_slices(rows: slice, size: int, width: int) -> list[MicroBatch]:
+    """Contiguous slices of `rows` of at most `size` rows (0: one slice of them all), `width` tokens each."""
+    n = rows.stop - rows.start
     size = size if size > 0 else n
-    return [slice(i, min(i + size, n)) for i in range(0, n, size)]
+    return [MicroBatch(slice(rows.start + i, rows.start + min(i + size, n)), width) for i in range(0, n, size)]
 
 
 def token_budget_micro_batches(
@@ -115,22 +116,19 @@ class ForwardPlan:
 def plan_forwards(
     attention_BT: torch.Tensor, minibatches: list[slice], micro_batch_size: int, micro_batch_max_tokens: int
 ) -> ForwardPlan:
-    """Micro-batches of `micro_batch_size` rows (0: all) of the padded batch, or with
-    `micro_batch_max_tokens` > 0 token-bounded ones, cut to their own longest rows, within each
-    minibatch; the no-gradient forwards then run the very same micro-batches, so that `old` is
-    computed exactly as the first minibatch's training forward. Shape: attention `[B, T]`.
+    """The micro-batches of a step whose optimizer steps train on `minibatches` (rows of the batch).
+
+    Without a token budget (`micro_batch_max_tokens` 0): slices of `micro_batch_size` rows (0: all)
+    of the padded batch, views of it, within each minibatch for training and over the whole batch
+    for the no-gradient forwards. With one: token-bounded micro-batches within each minibatch
+    (`plan_token_budget`), each cut to its own longest row, and the no-gradient forwards run the very
+    same ones, so `old` is computed as the first minibatch's training forward computes the policy.
+    Shape: attention `[B, T]`; a host copy of the lengths (one device sync) with a budget only.
     """
     B, T = attention_BT.shape
     if micro_batch_max_tokens == 0:  # slices of the padded batch: views, no copy
-        per_minibatch = [
-            [
-                MicroBatch(slice(rows.start + m.start, rows.start + m.stop), T)
-                for m in micro_slices(rows.stop - rows.start, micro_batch_size)
-            ]
-            for rows in minibatches
-        ]
-        no_grad = [MicroBatch(s, T) for s in micro_slices(B, micro_batch_size)]
-        return ForwardPlan(per_minibatch, no_grad, B * T)
+        per_minibatch = [micro_slices(rows, micro_batch_size, T) for rows in minibatches]
+        return ForwardPlan(per_minibatch, micro_slices(slice(0, B), micro_batch_size, T), B * T)
     lengths = sequence_lengths(attention_BT)
     per_minibatch = [
         token_budget_micro_batches(lengths, rows, micro_batch_max_tokens, micro_batch_size, attention_BT.device)

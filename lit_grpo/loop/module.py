@@ -32,7 +32,7 @@ from transformers import PreTrainedModel
 from lit_grpo.config import TrainConfig
 from lit_grpo.errors import EnvironmentFault
 from lit_grpo.loop.distributed import all_reduce
-from lit_grpo.loop.micro_batches import MicroBatch, plan_forwards
+from lit_grpo.loop.micro_batches import MicroBatch, micro_slices, plan_forwards
 from lit_grpo.loop.optim import adamw, lr_multiplier
 from lit_grpo.loop.signals import StopRequested
 from lit_grpo.loop.step_sequence import NonFiniteTraining, StepResult, StepSequence
@@ -122,7 +122,8 @@ class GRPOModule(L.LightningModule):
         if batch is None:
             return None
         t0 = time.perf_counter()
-        attention = batch.attention_mask_BT
+        temperature = self.config.sampler.temperature
+        tokens, attention = batch.tokens_BT, batch.attention_mask_BT
         mask_BT = align_to_predictions(batch.loss_mask_BT)
         sampler_logprobs_BT = align_to_predictions(batch.sampler_logprobs_BT)
         # Per-token advantages (IGPO's turn credit) shift exactly like the loss mask; else one per sequence.
@@ -132,12 +133,16 @@ class GRPOModule(L.LightningModule):
         minibatches = even_slices(batch.num_sequences, k)
         plan = plan_forwards(attention, minibatches, self.config.micro_batch_size, self.config.micro_batch_max_tokens)
         ref_logprobs_BT = (
-            self._no_grad_logprobs(self.reference, batch, plan.no_grad) if self.reference is not None else None
+            self._no_grad_logprobs(self.reference, tokens, attention, temperature, plan.no_grad)
+            if self.reference is not None
+            else None
         )
         t_ref = time.perf_counter()
         # `old` is the policy before this batch's first update; with one minibatch it equals the
         # current policy, so the training forward itself provides it (no extra forward).
-        old_logprobs_BT = self._no_grad_logprobs(self.policy, batch, plan.no_grad) if K > 1 else None
+        old_logprobs_BT = (
+            self._no_grad_logprobs(self.policy, tokens, attention, temperature, plan.no_grad) if K > 1 else None
+        )
 
         per_minibatch = [
             self._optimizer_step(
@@ -314,16 +319,24 @@ class GRPOModule(L.LightningModule):
         return block() if block is not None else contextlib.nullcontext()
 
     @torch.no_grad()
-    def _no_grad_logprobs(self, model: PreTrainedModel, batch: RolloutBatch, micros: list[MicroBatch]) -> torch.Tensor:
-        """`model`'s logprobs of the whole batch, a micro-batch at a time. Shape: [B, T] -> [B, T-1]
-        (0 in the columns a micro-batch cut off: padding)."""
-        B, T = batch.tokens_BT.shape
-        logprobs_BT = torch.zeros(B, T - 1, dtype=torch.float32, device=batch.tokens_BT.device)
+    def _no_grad_logprobs(
+        self,
+        model: PreTrainedModel,
+        tokens_BT: torch.Tensor,
+        attention_BT: torch.Tensor,
+        temperature: float,
+        micros: Optional[list[MicroBatch]] = None,
+    ) -> torch.Tensor:
+        """`model`'s logprobs of the whole batch, a micro-batch at a time: `micros`, by default
+        slices of `micro_batch_size` rows. Shape: [B, T] -> [B, T-1] (0 in the columns a
+        micro-batch cut off: padding)."""
+        B, T = tokens_BT.shape
+        if micros is None:
+            micros = micro_slices(slice(0, B), self.config.micro_batch_size, T)
+        logprobs_BT = torch.zeros(B, T - 1, dtype=torch.float32, device=tokens_BT.device)
         for micro in micros:
-            tokens_BT, attention_BT = micro.tokens(batch.tokens_BT), micro.tokens(batch.attention_mask_BT)
-            logprobs_BT[micro.rows, : micro.width - 1] = token_logprobs(
-                model, tokens_BT, attention_BT, self.config.sampler.temperature
-            )[0]
+            part_BT = token_logprobs(model, micro.tokens(tokens_BT), micro.tokens(attention_BT), temperature)[0]
+            logprobs_BT[micro.rows, : micro.width - 1] = part_BT
         return logprobs_BT
 
     # ------------------------------------------------------------------ hooks that run the step sequence
