@@ -117,6 +117,7 @@ def test_wrong_type_fails_at_compose_naming_it(tmp_path):
         ("max_rows_without_progress=0", "max_rows_without_progress"),
         ("max_nonfinite_steps=0", "max_nonfinite_steps"),
         ("trainer.strategy=fsdp2 trainer.precision=16-mixed", "trainer.precision"),
+        ("micro_batch_max_tokens=-1", "micro_batch_max_tokens"),
     ],
 )
 def test_bad_value_fails_validation_naming_the_field(override, field, tmp_path):

@@ -98,6 +98,12 @@ class TrainConfig:
     """Most rollout calls in flight at once (asynchronous mode)."""
     micro_batch_size: int = 0
     """Sequences per forward/backward; gradients accumulate over a step (0: the whole batch)."""
+    micro_batch_max_tokens: int = 0
+    """Padded tokens per forward/backward (0: off, micro-batches are `micro_batch_size` rows of the
+    batch padded to its longest sequence). When > 0, a step's sequences are grouped by length, each
+    micro-batch cut to its own longest one, so that rows × that length stays within this budget; a
+    sequence longer than the budget goes alone. With `micro_batch_size` > 0 too, both bounds apply.
+    The gradient is the same either way; the memory of a forward follows the budget, not the longest sample."""
     ppo_n_minibatches: int = field(default=1, metadata=DEFINES_STATE)
     """K: optimizer steps per rollout batch, each on 1/K of it, all against the same old policy."""
     output_dir: str = "."
@@ -194,6 +200,7 @@ class TrainConfig:
             f"must be >= data.completions_per_prompt ({self.data.completions_per_prompt}): rows are admitted whole",
         )
         require(self.micro_batch_size >= 0, "micro_batch_size", "must be >= 0 (0: whole batch)")
+        require(self.micro_batch_max_tokens >= 0, "micro_batch_max_tokens", "must be >= 0 (0: off)")
         require(self.ppo_n_minibatches >= 1, "ppo_n_minibatches", "must be >= 1")
         batch_size = self.data.prompt_groups_per_step * self.data.completions_per_prompt
         require(

@@ -1,6 +1,7 @@
 """The training loop: the Lightning module and everything that happens at the end of its step.
 
 module.py          GRPOModule: policy, frozen reference, one step that reads like the maths
+micro_batches.py   which rows go through one forward: slices of the batch, or token-bounded groups
 step_sequence.py   after each step, in a fixed order: weight sync, checkpoint, evaluation, metrics
 metrics.py         a step's metrics merged over ranks, the history, the loggers
 evaluation.py      greedy accuracy on held-out rows

@@ -5,7 +5,7 @@ tis/*, grad_norm and grad_norm_clipped, tokens, drift/k1, drift/k3, drift/over_t
 `reward/` (mean, std, max over every sampled group of every rank), `rollout/` (lengths,
 accepted groups, one count per drop reason, zero_spread_frac, truncated_frac, length_<finish
 reason>), `async/` (version offsets, rollouts in flight), `perf/` (seconds per phase, tokens per
-second), `policy/version` and `eval/accuracy`. The health signals (`train/drift/*`,
+second, padding_frac), `policy/version` and `eval/accuracy`. The health signals (`train/drift/*`,
 `train/tokens`, `train/grad_norm_clipped` and the `rollout/` ones after `dropped_*`) are defined
 in `lit_grpo.maths.health`.
 """
@@ -44,7 +44,9 @@ def merge_step_metrics(
     """One step's metrics over every rank (a collective: every rank calls it once per step).
 
     `train_metrics` are this rank's shares of the global values (summed over ranks); records are
-    pooled by `rollout_metrics`; `perf/*_s` timings are the slowest rank's; `train_tokens` adds up.
+    pooled by `rollout_metrics`; `perf/*_s` timings are the slowest rank's; `train_tokens` (real
+    tokens) and `train_token_slots` (the token slots the forwards computed, padding included) add
+    up, so `perf/padding_frac` is the padding of every rank's forwards together.
     """
     gathered = all_gather_objects((record, timings))
     metrics = rollout_metrics([rec for rec, _ in gathered])
@@ -57,4 +59,7 @@ def merge_step_metrics(
         metrics[key] = max(t[key] for t in per_rank if key in t)
     train_tokens = sum(t.get("train_tokens", 0.0) for t in per_rank)
     metrics["perf/train_tokens_per_s"] = train_tokens / max(metrics.get("perf/train_s", 0.0), 1e-9)
+    token_slots = sum(t.get("train_token_slots", 0.0) for t in per_rank)
+    if token_slots > 0:
+        metrics["perf/padding_frac"] = 1.0 - train_tokens / token_slots
     return metrics

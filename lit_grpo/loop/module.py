@@ -32,6 +32,7 @@ from transformers import PreTrainedModel
 from lit_grpo.config import TrainConfig
 from lit_grpo.errors import EnvironmentFault
 from lit_grpo.loop.distributed import all_reduce
+from lit_grpo.loop.micro_batches import MicroBatch, micro_slices, plan_forwards
 from lit_grpo.loop.optim import adamw, lr_multiplier
 from lit_grpo.loop.signals import StopRequested
 from lit_grpo.loop.step_sequence import NonFiniteTraining, StepResult, StepSequence
@@ -52,12 +53,6 @@ def align_to_predictions(per_token_BT: torch.Tensor) -> torch.Tensor:
     token, never generated, has no logprob). Shape: [B, T] -> [B, T-1].
     """
     return per_token_BT[:, 1:]
-
-
-def micro_slices(n: int, size: int) -> list[slice]:
-    """Contiguous slices of at most `size` (0: one slice of everything) covering range(n)."""
-    size = size if size > 0 else n
-    return [slice(i, min(i + size, n)) for i in range(0, n, size)]
 
 
 def even_slices(n: int, k: int) -> list[slice]:
@@ -156,23 +151,27 @@ class GRPOModule(L.LightningModule):
         sampler_logprobs_BT = align_to_predictions(batch.sampler_logprobs_BT)
         # Per-token advantages (IGPO's turn credit) shift exactly like the loss mask; else one per sequence.
         advantages = batch.advantages_B if batch.advantages_BT is None else align_to_predictions(batch.advantages_BT)
+        K = self.config.ppo_n_minibatches
+        k = min(K, fewest_sequences)  # every rank makes the same number of optimizer steps, even with a short batch
+        minibatches = even_slices(batch.num_sequences, k)
+        plan = plan_forwards(attention, minibatches, self.config.micro_batch_size, self.config.micro_batch_max_tokens)
         ref_logprobs_BT = (
-            self._no_grad_logprobs(self.reference, tokens, attention, temperature)
+            self._no_grad_logprobs(self.reference, tokens, attention, temperature, plan.no_grad)
             if self.reference is not None
             else None
         )
         t_ref = time.perf_counter()
         # `old` is the policy before this batch's first update; with one minibatch it equals the
         # current policy, so the training forward itself provides it (no extra forward).
-        K = self.config.ppo_n_minibatches
-        old_logprobs_BT = self._no_grad_logprobs(self.policy, tokens, attention, temperature) if K > 1 else None
+        old_logprobs_BT = (
+            self._no_grad_logprobs(self.policy, tokens, attention, temperature, plan.no_grad) if K > 1 else None
+        )
 
-        k = min(K, fewest_sequences)  # every rank makes the same number of optimizer steps, even with a short batch
         per_minibatch = [
             self._optimizer_step(
-                batch, rows, mask_BT, sampler_logprobs_BT, ref_logprobs_BT, old_logprobs_BT, advantages
+                batch, rows, micros, mask_BT, sampler_logprobs_BT, ref_logprobs_BT, old_logprobs_BT, advantages
             )
-            for rows in even_slices(batch.num_sequences, k)
+            for rows, micros in zip(minibatches, plan.per_minibatch)
         ]
         if len(per_minibatch) == 1:
             metrics = per_minibatch[0]
@@ -191,7 +190,12 @@ class GRPOModule(L.LightningModule):
             advantages_B=batch.advantages_B.detach().cpu(),
             groups=batch.groups,
             train_metrics=metrics,
-            timings={"perf/ref_s": t_ref - t0, "perf/train_s": t_train - t_ref, "train_tokens": float(attention.sum())},
+            timings={
+                "perf/ref_s": t_ref - t0,
+                "perf/train_s": t_train - t_ref,
+                "train_tokens": float(attention.sum()),
+                "train_token_slots": float(plan.token_slots),
+            },
         )
         return {"loss": metrics["train/loss"]}
 
@@ -224,10 +228,10 @@ class GRPOModule(L.LightningModule):
         return self.trainer.strategy.batch_to_device(batch), fewest
 
     def _optimizer_step(
-        self, batch, rows: slice, mask_BT, sampler_logprobs_BT, ref_logprobs_BT, old_logprobs_BT, advantages
+        self, batch, rows: slice, micros, mask_BT, sampler_logprobs_BT, ref_logprobs_BT, old_logprobs_BT, advantages
     ) -> dict[str, torch.Tensor]:
-        """One optimizer step over `rows`, accumulating gradients over micro-batches. `advantages`:
-        [B] per sequence, or [B, T-1] per token (aligned with the predictions, like `mask_BT`)."""
+        """One optimizer step over `rows`, accumulating gradients over `micros` (`MicroBatch`es covering
+        them). `advantages`: [B] per sequence, or [B, T-1] per token (aligned with the predictions, like `mask_BT`)."""
         optimizer = self.optimizers()
         optimizer.zero_grad()
         world_size = self.trainer.world_size
@@ -235,27 +239,27 @@ class GRPOModule(L.LightningModule):
         counts = torch.stack([mask_BT[rows].sum(), torch.tensor(float(rows.stop - rows.start), device=mask_BT.device)])
         num_tokens, num_sequences = all_reduce(counts)
         num_tokens = num_tokens.clamp_min(1.0)
-        micros = micro_slices(rows.stop - rows.start, self.config.micro_batch_size)
         keys: list[str] = []
         weighted_K: Optional[torch.Tensor] = (
             None  # the metrics as one vector: one op per micro-batch, not one per metric
         )
         loss_sum = torch.zeros((), device=mask_BT.device)
         for i, micro in enumerate(micros):
-            idx = slice(rows.start + micro.start, rows.start + micro.stop)
+            # Cut to the micro-batch's own longest row: the columns dropped are padding, out of the loss mask.
+            tokens_BT, attention_BT = micro.tokens(batch.tokens_BT), micro.tokens(batch.attention_mask_BT)
             logprobs_BT, entropy_BT = token_logprobs(
-                self.policy, batch.tokens_BT[idx], batch.attention_mask_BT[idx], self.config.sampler.temperature
+                self.policy, tokens_BT, attention_BT, self.config.sampler.temperature
             )
             # The trainer's logprobs before this step's update: what the ratio and the drift compare against.
-            trainer_old_BT = old_logprobs_BT[idx] if old_logprobs_BT is not None else logprobs_BT.detach()
-            micro_mask_BT, micro_sampler_BT = mask_BT[idx], sampler_logprobs_BT[idx]
+            trainer_old_BT = micro.predictions(old_logprobs_BT) if old_logprobs_BT is not None else logprobs_BT.detach()
+            micro_mask_BT, micro_sampler_BT = micro.predictions(mask_BT), micro.predictions(sampler_logprobs_BT)
             loss, metrics = policy_loss(
                 self.config.policy_loss.name,
                 logprobs=logprobs_BT,
                 old_logprobs=trainer_old_BT,
                 sampler_logprobs=micro_sampler_BT,
-                ref_logprobs=ref_logprobs_BT[idx] if ref_logprobs_BT is not None else None,
-                advantages=advantages[idx],
+                ref_logprobs=micro.predictions(ref_logprobs_BT) if ref_logprobs_BT is not None else None,
+                advantages=micro.predictions(advantages),
                 mask=micro_mask_BT,
                 normalization=self.config.policy_loss.loss_normalization,
                 num_tokens=num_tokens,
@@ -345,13 +349,24 @@ class GRPOModule(L.LightningModule):
 
     @torch.no_grad()
     def _no_grad_logprobs(
-        self, model: PreTrainedModel, tokens_BT: torch.Tensor, attention_BT: torch.Tensor, temperature: float
+        self,
+        model: PreTrainedModel,
+        tokens_BT: torch.Tensor,
+        attention_BT: torch.Tensor,
+        temperature: float,
+        micros: Optional[list[MicroBatch]] = None,
     ) -> torch.Tensor:
-        parts = [
-            token_logprobs(model, tokens_BT[s], attention_BT[s], temperature)[0]
-            for s in micro_slices(tokens_BT.shape[0], self.config.micro_batch_size)
-        ]
-        return torch.cat(parts)
+        """`model`'s logprobs of the whole batch, a micro-batch at a time: `micros`, by default
+        slices of `micro_batch_size` rows. Shape: [B, T] -> [B, T-1] (0 in the columns a
+        micro-batch cut off: padding)."""
+        B, T = tokens_BT.shape
+        if micros is None:
+            micros = micro_slices(slice(0, B), self.config.micro_batch_size, T)
+        logprobs_BT = torch.zeros(B, T - 1, dtype=torch.float32, device=tokens_BT.device)
+        for micro in micros:
+            part_BT = token_logprobs(model, micro.tokens(tokens_BT), micro.tokens(attention_BT), temperature)[0]
+            logprobs_BT[micro.rows, : micro.width - 1] = part_BT
+        return logprobs_BT
 
     # ------------------------------------------------------------------ hooks that run the step sequence
 

@@ -69,7 +69,8 @@ class StepResult:
     """`train/*` scalars as this rank's share of the global value: summed over ranks, they are
     the loss and the token means of the whole step (weights are tokens over the global count)."""
     timings: dict[str, float] = field(default_factory=dict)
-    """`perf/ref_s`, `perf/train_s` of this rank, and `train_tokens`, its real tokens."""
+    """`perf/ref_s`, `perf/train_s` of this rank, `train_tokens`, its real tokens, and
+    `train_token_slots`, the token slots of one pass of its forwards over them (padding included)."""
 
 
 class NonFiniteTraining(UserError, RuntimeError):

@@ -1,0 +1,138 @@
+"""Micro-batches bounded by tokens: which rows of an optimizer step go through one forward together.
+
+A rollout batch is right-padded to its longest sequence, so a micro-batch cut as a slice of it
+(`micro_batch_size` rows) costs rows × the whole batch's longest length, whatever its own rows
+hold. With `micro_batch_max_tokens`, a step's rows are instead grouped by length
+(`plan_token_budget`) and each micro-batch is cut down to its own longest row
+(`MicroBatch.width`): its padded tokens, the size of the logits and of the activations, stay
+within the budget, whatever the longest sample of the batch.
+
+Which rows share a micro-batch changes nothing in the gradient: the loss normalizers are counts
+of the whole optimizer step (`GRPOModule._optimizer_step`), and the columns cut off are padding,
+masked out of the loss.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+def plan_token_budget(lengths: Sequence[int], max_tokens: int, max_sequences: int = 0) -> list[list[int]]:
+    """Group rows into micro-batches of at most `max_tokens` padded tokens (and at most
+    `max_sequences` rows, 0: no bound), as lists of row indices.
+
+    A micro-batch's padded tokens are its rows × its longest row's length. Rows are taken longest
+    first (ties in row order) and each goes into the first micro-batch it fits in, else opens a new
+    one (first-fit decreasing). A micro-batch's longest row is the one that opened it, so whether
+    another row fits depends only on how many it holds, not on that row: once a micro-batch is full
+    no later row fits it, and each micro-batch is a run of consecutive rows in longest-first order.
+    A row longer than `max_tokens` gets a micro-batch of its own, over the budget (a sequence cannot
+    be split). Deterministic: the same lengths give the same plan.
+
+    Shapes: lengths `[B]` (tokens of each row) -> micro-batches in the order they were opened
+    (longest rows first), each a list of row indices in increasing order; every row in exactly one.
+    """
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    if max_sequences < 0:
+        raise ValueError(f"max_sequences must be >= 0 (0: no bound), got {max_sequences}")
+    micro_batches: list[list[int]] = []
+    for row in sorted(range(len(lengths)), key=lambda row: (-lengths[row], row)):
+        last = micro_batches[-1] if micro_batches else []  # the only one that can still have room
+        width = lengths[last[0]] if last else 0
+        if last and (max_sequences == 0 or len(last) < max_sequences) and (len(last) + 1) * width <= max_tokens:
+            last.append(row)
+        else:
+            micro_batches.append([row])
+    return [sorted(rows) for rows in micro_batches]
+
+
+def sequence_lengths(attention_BT: torch.Tensor) -> list[int]:
+    """Each row's length up to its last real token (the tokens a forward of it must keep).
+
+    Right padding makes it the row's real tokens; it is robust to any other mask all the same.
+    Shape: `[B, T]` -> B ints (a host copy: one device sync).
+    """
+    positions_T = torch.arange(1, attention_BT.shape[1] + 1, device=attention_BT.device)
+    return (attention_BT.ne(0) * positions_T).amax(dim=1).tolist()
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """Rows of a step's batch that go through one forward, and the tokens of each they keep."""
+
+    rows: slice | torch.Tensor
+    """A slice of the batch (its tensors are then views, no copy) or row indices, `[b]` long."""
+    width: int
+    """Tokens kept of each row: the micro-batch's longest row (the batch's T when not cut down)."""
+
+    def tokens(self, per_token_BT: torch.Tensor) -> torch.Tensor:
+        """This micro-batch's part of a per-token tensor. Shape: `[B, T]` -> `[b, width]`."""
+        return per_token_BT[self.rows, : self.width]
+
+    def predictions(self, values: torch.Tensor) -> torch.Tensor:
+        """Its part of per-sequence values, or of per-token ones aligned with the predictions
+        (T tokens give T-1 of them). Shape: `[B]` -> `[b]`, `[B, T-1]` -> `[b, width-1]`."""
+        return values[self.rows] if values.dim() == 1 else values[self.rows, : self.width - 1]
+
+
+def micro_slices(rows: slice, size: int, width: int) -> list[MicroBatch]:
+    """Contiguous slices of `rows` of at most `size` rows (0: one slice of them all), `width` tokens each."""
+    n = rows.stop - rows.start
+    size = size if size > 0 else n
+    return [MicroBatch(slice(rows.start + i, rows.start + min(i + size, n)), width) for i in range(0, n, size)]
+
+
+def token_budget_micro_batches(
+    lengths: Sequence[int], rows: slice, max_tokens: int, max_sequences: int, device: torch.device
+) -> list[MicroBatch]:
+    """The token-bounded micro-batches of the step's rows `rows` (`plan_token_budget`), each cut
+    to its own longest row (at least one token, for the forward)."""
+    plan = plan_token_budget(lengths[rows], max_tokens, max_sequences)
+    return [
+        MicroBatch(
+            rows=torch.tensor([rows.start + row for row in micro], dtype=torch.long, device=device),
+            width=max(1, max(lengths[rows.start + row] for row in micro)),
+        )
+        for micro in plan
+    ]
+
+
+@dataclass(frozen=True)
+class ForwardPlan:
+    """The micro-batches of one rollout step's forwards."""
+
+    per_minibatch: list[list[MicroBatch]]
+    """The training forwards of each optimizer step (PPO minibatch), gradients accumulated over them."""
+    no_grad: list[MicroBatch]
+    """The forwards over the whole batch without gradients (the reference's, `old`'s)."""
+    token_slots: int
+    """Tokens one pass over the batch computes, padding included (the real ones are the attention's)."""
+
+
+def plan_forwards(
+    attention_BT: torch.Tensor, minibatches: list[slice], micro_batch_size: int, micro_batch_max_tokens: int
+) -> ForwardPlan:
+    """The micro-batches of a step whose optimizer steps train on `minibatches` (rows of the batch).
+
+    Without a token budget (`micro_batch_max_tokens` 0): slices of `micro_batch_size` rows (0: all)
+    of the padded batch, views of it, within each minibatch for training and over the whole batch
+    for the no-gradient forwards. With one: token-bounded micro-batches within each minibatch
+    (`plan_token_budget`), each cut to its own longest row, and the no-gradient forwards run the very
+    same ones, so `old` is computed as the first minibatch's training forward computes the policy.
+    Shape: attention `[B, T]`; a host copy of the lengths (one device sync) with a budget only.
+    """
+    B, T = attention_BT.shape
+    if micro_batch_max_tokens == 0:  # slices of the padded batch: views, no copy
+        per_minibatch = [micro_slices(rows, micro_batch_size, T) for rows in minibatches]
+        return ForwardPlan(per_minibatch, micro_slices(slice(0, B), micro_batch_size, T), B * T)
+    lengths = sequence_lengths(attention_BT)
+    per_minibatch = [
+        token_budget_micro_batches(lengths, rows, micro_batch_max_tokens, micro_batch_size, attention_BT.device)
+        for rows in minibatches
+    ]
+    no_grad = [micro for micros in per_minibatch for micro in micros]
+    return ForwardPlan(per_minibatch, no_grad, sum(m.rows.numel() * m.width for m in no_grad))
