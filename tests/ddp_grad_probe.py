@@ -2,11 +2,12 @@
 each step's gradient (before any optimizer update, which is skipped so every step starts from the
 same weights).
 
-    python ddp_grad_probe.py <out_dir> <devices> <rank batch sizes, e.g. 4,6> [ddp|fsdp2] [kl_beta] [train]
+    python ddp_grad_probe.py <out_dir> <devices> <sizes, e.g. 4,6> [ddp|fsdp2] [kl_beta] [grads|train] [override ...]
 
 With 2 devices (DDP or FSDP2, gloo), rank r trains on batch r; with 1 device, on the union of the
 batches. Under FSDP2 each gradient is saved whole (gathered from its shards). With `train`, the
-optimizer steps are taken and the whole weights after the last one are saved instead.
+optimizer steps are taken and the whole weights after the last one are saved instead. Further
+arguments are config overrides (e.g. micro_batch_max_tokens=20).
 Lightning re-runs this script for rank 1.
 """
 
@@ -108,6 +109,7 @@ def main() -> None:
     strategy = sys.argv[4] if len(sys.argv) > 4 else "ddp"
     kl_beta = sys.argv[5] if len(sys.argv) > 5 else "0"
     train = len(sys.argv) > 6 and sys.argv[6] == "train"
+    overrides = sys.argv[7:]
     c = validate(
         compose_config(
             [
@@ -116,6 +118,7 @@ def main() -> None:
                 f"policy_loss.kl_beta={kl_beta}",  # > 0: the reference forward (sharded too under FSDP2)
                 "logger=none",
                 f"output_dir={out}",
+                *overrides,
             ]
         )
     )

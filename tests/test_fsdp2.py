@@ -39,12 +39,17 @@ def _records(out: Path, name: str, rank: int) -> list[dict]:
     return [json.loads(line) for line in (out / f"{name}_rank{rank}.jsonl").read_text().splitlines()]
 
 
-# Batch sizes per rank; with micro_batch_size=3, "4,7" gives the ranks 2 and 3 micro-batches: the
-# shorter rank must still take part in every gather of the longer one's forwards and backwards.
-@pytest.mark.parametrize("sizes", ["4,6"])
-def test_sharded_gradient_equals_one_process_gradient_on_the_union(sizes, tmp_path):
+# Batch sizes per rank, and micro-batching (the probe sets micro_batch_size=3): "4,7" gives the
+# ranks 2 and 3 micro-batches, and a budget of 20 tokens (rows of 8-12 tokens) 4 and 6; the rank
+# with fewer must still take part in every gather of the other's forwards and backwards.
+@pytest.mark.parametrize(
+    "sizes,overrides",
+    [("4,6", []), ("4,7", []), ("4,6", ["micro_batch_max_tokens=20"])],
+    ids=["even", "uneven", "token_budget"],
+)
+def test_sharded_gradient_equals_one_process_gradient_on_the_union(sizes, overrides, tmp_path):
     for devices in (1, 2):
-        _probe(tmp_path, devices, sizes, "0.01")  # kl_beta > 0: the sharded reference's forward too
+        _probe(tmp_path, devices, sizes, "0.01", "grads", *overrides)  # kl_beta > 0: the sharded reference too
     from ddp_grad_probe import NORMALIZATIONS
 
     single = torch.load(tmp_path / "grads_fsdp2_world1_rank0.pt")
@@ -78,7 +83,8 @@ def test_sharded_training_ends_with_the_weights_of_one_process_on_the_union(tmp_
 
 
 def test_a_killed_fsdp2_run_resumes_bit_identical_and_every_sync_hands_the_sampler_full_weights(tmp_path):
-    sharded = [*FSDP2, "max_steps=6", "dcp_save_interval=2", "weight_sync_interval=1"]
+    # Two PPO minibatches: the sharded `old` forward runs too.
+    sharded = [*FSDP2, "max_steps=6", "dcp_save_interval=2", "weight_sync_interval=1", "ppo_n_minibatches=2"]
     whole, killed = tmp_path / "whole", tmp_path / "killed"
     probe = f"+callbacks.sync={{_target_:sharding_probes.SamplerHoldsPolicy,out_dir:{tmp_path}}}"
     proc = run_cli(whole, *sharded, probe)

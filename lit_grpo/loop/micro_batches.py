@@ -68,6 +68,9 @@ class MicroBatch:
     """A slice of the batch (its tensors are then views, no copy) or row indices, `[b]` long."""
     width: int
     """Tokens kept of each row: the micro-batch's longest row (the batch's T when not cut down)."""
+    filler: bool = False
+    """A forward whose result is thrown away (it trains nothing): it only takes part in the
+    collectives of a sharded model, whose every forward gathers weights from all ranks."""
 
     def tokens(self, per_token_BT: torch.Tensor) -> torch.Tensor:
         """This micro-batch's part of a per-token tensor. Shape: `[B, T]` -> `[b, width]`."""
@@ -136,3 +139,21 @@ def plan_forwards(
     ]
     no_grad = [micro for micros in per_minibatch for micro in micros]
     return ForwardPlan(per_minibatch, no_grad, sum(m.rows.numel() * m.width for m in no_grad))
+
+
+def with_fillers(plan: ForwardPlan, counts: Sequence[int]) -> ForwardPlan:
+    """`plan` with filler micro-batches appended (one row, two tokens) so that the no-gradient pass
+    makes `counts[0]` forwards and minibatch k makes `counts[k + 1]`: under FSDP2 every rank must
+    run as many forwards and backwards as the rank with the most (each gathers shards from all)."""
+    filler = MicroBatch(slice(0, 1), 2, filler=True)  # two tokens: one prediction, through every layer
+
+    def padded(micros: list[MicroBatch], count: int) -> list[MicroBatch]:
+        return micros + [filler] * (count - len(micros))
+
+    per_minibatch = [padded(micros, count) for micros, count in zip(plan.per_minibatch, counts[1:])]
+    return ForwardPlan(per_minibatch, padded(plan.no_grad, counts[0]), plan.token_slots)
+
+
+def forward_counts(plan: ForwardPlan) -> list[int]:
+    """The forwards of each pass of `plan`: the no-gradient pass, then each minibatch's."""
+    return [len(plan.no_grad), *(len(micros) for micros in plan.per_minibatch)]

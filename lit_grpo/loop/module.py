@@ -32,7 +32,7 @@ from transformers import PreTrainedModel
 from lit_grpo.config import TrainConfig
 from lit_grpo.errors import EnvironmentFault
 from lit_grpo.loop.distributed import all_reduce
-from lit_grpo.loop.micro_batches import MicroBatch, micro_slices, plan_forwards
+from lit_grpo.loop.micro_batches import MicroBatch, forward_counts, micro_slices, plan_forwards, with_fillers
 from lit_grpo.loop.optim import adamw, lr_multiplier
 from lit_grpo.loop.signals import StopRequested
 from lit_grpo.loop.step_sequence import NonFiniteTraining, StepResult, StepSequence
@@ -41,7 +41,7 @@ from lit_grpo.maths.logprobs import token_logprobs
 from lit_grpo.maths.loss_terms import masked_means
 from lit_grpo.maths.losses import policy_loss
 from lit_grpo.models.lora import AdapterFreeView, is_lora, with_lora
-from lit_grpo.models.sharding import full_value, is_fsdp2, shard_per_decoder_layer
+from lit_grpo.models.sharding import full_value, gradient_sync_off, is_fsdp2, shard_per_decoder_layer
 from lit_grpo.types import RolloutBatch
 
 
@@ -58,16 +58,6 @@ def align_to_predictions(per_token_BT: torch.Tensor) -> torch.Tensor:
 def even_slices(n: int, k: int) -> list[slice]:
     """Exactly k contiguous slices covering range(n), sizes differing by at most one (k <= n)."""
     return [slice(i * n // k, (i + 1) * n // k) for i in range(k)]
-
-
-@contextlib.contextmanager
-def _fsdp2_gradient_sync_off(model):
-    """FSDP2 keeps this backward's gradients unsharded and unreduced; the next synced backward reduce-scatters them."""
-    model.set_requires_gradient_sync(False)
-    try:
-        yield
-    finally:
-        model.set_requires_gradient_sync(True)
 
 
 class GRPOModule(L.LightningModule):
@@ -155,6 +145,9 @@ class GRPOModule(L.LightningModule):
         k = min(K, fewest_sequences)  # every rank makes the same number of optimizer steps, even with a short batch
         minibatches = even_slices(batch.num_sequences, k)
         plan = plan_forwards(attention, minibatches, self.config.micro_batch_size, self.config.micro_batch_max_tokens)
+        if is_fsdp2(self.policy):  # each forward gathers shards from every rank: all ranks make as many
+            counts = all_reduce(torch.tensor(forward_counts(plan), device=self.device), "max")
+            plan = with_fillers(plan, counts.tolist())
         ref_logprobs_BT = (
             self._no_grad_logprobs(self.reference, tokens, attention, temperature, plan.no_grad)
             if self.reference is not None
@@ -250,6 +243,11 @@ class GRPOModule(L.LightningModule):
             logprobs_BT, entropy_BT = token_logprobs(
                 self.policy, tokens_BT, attention_BT, self.config.sampler.temperature
             )
+            last = i == len(micros) - 1
+            if micro.filler:  # a zero gradient, for the sharded model's collectives only
+                with contextlib.nullcontext() if last else self._no_gradient_sync():
+                    self.manual_backward(logprobs_BT.sum() * 0.0)
+                continue
             # The trainer's logprobs before this step's update: what the ratio and the drift compare against.
             trainer_old_BT = micro.predictions(old_logprobs_BT) if old_logprobs_BT is not None else logprobs_BT.detach()
             micro_mask_BT, micro_sampler_BT = micro.predictions(mask_BT), micro.predictions(sampler_logprobs_BT)
@@ -267,7 +265,6 @@ class GRPOModule(L.LightningModule):
                 **self.loss_hyperparams,
             )
             # DDP averages gradients over ranks; the loss is already a share of the global sum.
-            last = i == len(micros) - 1
             with contextlib.nullcontext() if last else self._no_gradient_sync():
                 self.manual_backward(loss * world_size)
             # Metrics are token means per micro-batch; weighted by tokens over the global count
@@ -343,7 +340,7 @@ class GRPOModule(L.LightningModule):
     def _no_gradient_sync(self):
         """No gradient all-reduce for this backward (all but a step's last micro-batch): one per optimizer step."""
         if is_fsdp2(self.policy):
-            return _fsdp2_gradient_sync_off(self.policy)
+            return gradient_sync_off(self.policy)
         block = getattr(self.trainer.strategy, "block_backward_sync", None)
         return block() if block is not None else contextlib.nullcontext()
 
@@ -365,7 +362,8 @@ class GRPOModule(L.LightningModule):
         logprobs_BT = torch.zeros(B, T - 1, dtype=torch.float32, device=tokens_BT.device)
         for micro in micros:
             part_BT = token_logprobs(model, micro.tokens(tokens_BT), micro.tokens(attention_BT), temperature)[0]
-            logprobs_BT[micro.rows, : micro.width - 1] = part_BT
+            if not micro.filler:
+                logprobs_BT[micro.rows, : micro.width - 1] = part_BT
         return logprobs_BT
 
     # ------------------------------------------------------------------ hooks that run the step sequence

@@ -15,6 +15,9 @@ one unit; only the trainable ones get gradients).
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 from torch import nn
 
@@ -60,3 +63,14 @@ def full_value(tensor: torch.Tensor) -> torch.Tensor:
     """A reduction's value as a plain tensor: a DTensor (e.g. the norm of sharded gradients) made whole."""
     full_tensor = getattr(tensor, "full_tensor", None)
     return full_tensor() if full_tensor is not None else tensor
+
+
+@contextlib.contextmanager
+def gradient_sync_off(model: nn.Module) -> Iterator[None]:
+    """FSDP2 keeps the gradients of the backwards inside unsharded and unreduced; the next backward
+    outside reduce-scatters the sum (one reduction per optimizer step, as DDP's `no_sync`)."""
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
