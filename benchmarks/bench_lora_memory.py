@@ -8,8 +8,9 @@ Each variant trains a few steps of the arithmetic experiment on a random-init mo
 the demo's (hidden 512, 8 layers by default, built locally) in a process of its own, and reports:
 - `trainer_MB`: the tensors the trainer holds after training: the policy, the reference (unless it
   is the same weights), gradients and the optimizer state, each storage counted once;
-- `peak_rss_MB`: the process's peak resident memory (`ru_maxrss`), which also counts the `hf`
-  sampler's own copy of the weights, Python, torch and the activations.
+- `peak_rss_MB`: the process's peak resident memory (`ru_maxrss`), which also counts Python, torch
+  and the activations (the `hf` sampler generates with the policy itself in this synchronous run;
+  before `sampler.share_policy_weights` it held a copy of the weights, counted here too).
 No export (`output_model_id=null`): the numbers are those of training.
 """
 

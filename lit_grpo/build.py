@@ -75,7 +75,13 @@ def build_datamodule(
                 )
             sampler_cfg = dataclasses.replace(c.sampler, server_urls=list(c.sampler.server_urls[rank::world_size]))
     sampler = build_sampler(
-        sampler_cfg, policy, tokenizer, model=c.model, work_dir=work_dir, seed=c.seed + RANK_SEED_STRIDE * rank
+        sampler_cfg,
+        policy,
+        tokenizer,
+        model=c.model,
+        work_dir=work_dir,
+        seed=c.seed + RANK_SEED_STRIDE * rank,
+        share_weights=c.sampler_shares_policy_weights,
     )
     setup = RolloutSetup(
         sampler=sampler,

@@ -100,9 +100,10 @@ class Completion:
 
 @runtime_checkable
 class Sampler(Protocol):
-    """A generator of completions holding a copy of the policy's weights: everything the loop asks
-    of one. `lit_grpo.samplers.base.BatchingSampler` implements it over one batched engine call,
-    with the defaults below; a sampler of your own subclasses it."""
+    """A generator of completions holding the policy's weights (a copy, or the policy's own for an
+    `hf` sampler that shares them): everything the loop asks of one.
+    `lit_grpo.samplers.base.BatchingSampler` implements it over one batched engine call, with the
+    defaults below; a sampler of your own subclasses it."""
 
     group_requests: bool
     """True: a request for n completions succeeds or fails as a whole, so the default rollout asks
@@ -138,8 +139,9 @@ class Sampler(Protocol):
         ...
 
     def sleep(self) -> None:
-        """Free the engine's memory between synchronous steps; it wakes itself for the next call
-        (default: nothing to free)."""
+        """Rest while a synchronous step trains: free the engine's memory (vLLM), or keep weights it
+        shares with the trainer out of generation's reach until the sync (hf); it wakes itself for
+        the next call (default: nothing to do)."""
         ...
 
     def close(self) -> None:

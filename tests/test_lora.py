@@ -191,10 +191,31 @@ def test_only_the_adapters_train(lora_run):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_sampler_after_sync_holds_exactly_the_merged_weights(lora_run):
+def test_sampler_generates_with_the_lora_policy_itself(lora_run):
+    """Synchronous training (the demo's): the hf sampler shares the policy's weights, adapters and all."""
     c, base, trainer, module = lora_run
+    sampler = trainer.datamodule.sampler
+    assert sampler.shares_weights and sampler.model is module.policy.get_base_model()
+    assert {p.data_ptr() for p in sampler.model.parameters()} == {p.data_ptr() for p in module.policy.parameters()}
+    merged = copy.deepcopy(module.policy).merge_and_unload()
+    attention = torch.ones_like(TOKENS)
+    pairs = [(row[:2], row[2:]) for row in TOKENS.tolist()]
+    scores = torch.tensor(sampler.score_pairs(pairs))
+    with torch.no_grad():
+        expected = token_logprobs(merged, TOKENS, attention, 1.0)[0][:, 1:]
+        adapters_off = module._no_grad_logprobs(module.reference, TOKENS, attention, 1.0)[:, 1:]
+    torch.testing.assert_close(scores, expected, atol=1e-5, rtol=1e-5)  # the adapters are active
+    assert (scores - adapters_off).abs().max() > 1e-3
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_private_sampler_after_sync_holds_exactly_the_merged_weights(tmp_path):
+    c = validate(compose_config(*LORA, "max_steps=2", "sampler.share_policy_weights=false", output_dir=tmp_path))
+    trainer, module = fit(c)
     merged = copy.deepcopy(module.policy).merge_and_unload()
     sampler = trainer.datamodule.sampler  # synced after the last step (weight_sync_interval=1)
+    assert not sampler.shares_weights
     assert max_diff(sampler.model.state_dict(), merged.state_dict()) <= 1e-6
     attention = torch.ones_like(TOKENS)
     with torch.no_grad():

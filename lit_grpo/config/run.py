@@ -32,7 +32,7 @@ from lit_grpo.config.groups import (
 )
 from lit_grpo.config.keys import unknown_keys, unknown_keys_message
 from lit_grpo.config.model import ModelConfig
-from lit_grpo.config.sampler import SamplerConfig
+from lit_grpo.config.sampler import SamplerConfig, sampler_copy_reason
 from lit_grpo.config.sources import source_kind
 
 
@@ -194,6 +194,12 @@ class TrainConfig:
             "scheduler (synchronous_training=false): the gate admits rows at most that many versions ahead, so a "
             "longer sync window would wait forever for rollouts",
         )
+        copy_reason = self.why_the_sampler_copies_the_policy()
+        require(
+            self.sampler.share_policy_weights != "true" or copy_reason is None,
+            "sampler.share_policy_weights",
+            f"true needs a sampler that never generates while the policy trains, but {copy_reason}",
+        )
         require(
             self.max_concurrency_rollout_sample >= self.data.completions_per_prompt,
             "max_concurrency_rollout_sample",
@@ -216,6 +222,17 @@ class TrainConfig:
                 f"vLLM's CPU attention needs a head size >= 32, got {head_dim}; "
                 f"try model.num_heads={max(self.model.hidden_size // 32, 1)}",
             )
+
+    def why_the_sampler_copies_the_policy(self) -> Optional[str]:
+        """Why the sampler needs a copy of the policy's weights (None: it can generate with the policy itself)."""
+        return sampler_copy_reason(
+            self.sampler.kind, self.synchronous_training, self.weight_sync_interval, self.trainer.strategy
+        )
+
+    @property
+    def sampler_shares_policy_weights(self) -> bool:
+        """Whether the `hf` sampler generates with the policy itself: no copy of the weights, no sync copies."""
+        return self.sampler.share_policy_weights != "false" and self.why_the_sampler_copies_the_policy() is None
 
 
 def ineffective_knobs(c: TrainConfig) -> list[str]:

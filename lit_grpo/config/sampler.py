@@ -13,6 +13,34 @@ from lit_grpo.config.checks import MAX_TEMPERATURE, require, require_finite
 ENGINE_THREADS = ("auto", "worker", "loop")
 """`sampler.engine_thread`."""
 
+SHARE_POLICY_WEIGHTS = ("auto", "true", "false")
+"""`sampler.share_policy_weights`."""
+
+SHARDING_STRATEGY_WORDS = ("fsdp", "deepspeed", "model_parallel")
+"""A `trainer.strategy` naming one of these may shard the policy: a sampler then needs whole weights of its own."""
+
+
+def sampler_copy_reason(
+    kind: str, synchronous_training: bool, weight_sync_interval: int, strategy: str
+) -> Optional[str]:
+    """Why the sampler needs a copy of the policy's weights of its own, or None when nothing can
+    make sampling overlap training and the `hf` sampler can generate with the policy itself."""
+    if kind != "hf":
+        return f"sampler.kind={kind} runs an engine of its own (only hf generates with the trainer's model)"
+    if weight_sync_interval == 0:
+        return "weight_sync_interval=0: the sampler keeps the base weights on purpose"
+    if weight_sync_interval != 1:
+        return f"weight_sync_interval={weight_sync_interval}: between syncs the sampler keeps the last synced weights"
+    if not synchronous_training:
+        return (
+            "synchronous_training=false: rollouts run on a thread of their own, beside training (with "
+            "max_head_offpolicy_versions=0 too: rows oversampled for groups the filters may drop can still be "
+            "generating when a step's groups are in)"
+        )
+    if any(word in strategy.lower() for word in SHARDING_STRATEGY_WORDS):
+        return f"trainer.strategy={strategy} may shard the policy, and the sampler generates with whole weights"
+    return None
+
 
 def engine_on_loop(engine_thread: str, synchronous_training: bool) -> bool:
     """Whether the in-process engine runs on the rollout event loop's thread (`sampler.engine_thread`)."""
@@ -24,9 +52,9 @@ class SamplerConfig:
     """The in-process sampler that produces rollouts."""
 
     kind: str = "hf"
-    """A registered sampler (`lit_grpo.samplers`): `hf`, batched transformers `generate` with its own
-    copy of the weights; `vllm`, in-process vLLM; `vllm_server`, vLLM OpenAI servers over HTTP
-    (started here, `num_servers`, or running, `server_urls`)."""
+    """A registered sampler (`lit_grpo.samplers`): `hf`, batched transformers `generate`, with the
+    policy itself or a copy of its weights (`share_policy_weights`); `vllm`, in-process vLLM;
+    `vllm_server`, vLLM OpenAI servers over HTTP (started here, `num_servers`, or running, `server_urls`)."""
     temperature: float = 1.0
     """Sampling temperature; logprobs are reported at this temperature (top_p=1, top_k=0)."""
     max_completion_tokens: int = 8
@@ -39,6 +67,11 @@ class SamplerConfig:
     the event loop's own thread, blocked for each call, and on a CPU no second torch thread pool
     spinning against the trainer's; `auto`: `loop` when training is synchronous (the loop is the
     trainer's thread), else `worker`."""
+    share_policy_weights: str = "auto"
+    """hf: generate with the policy itself, not a copy of its weights (no copy in memory, no weight
+    sync, generation in the trainer's precision): `auto` where sampling cannot overlap training
+    (synchronous training, a sync after every step, an unsharded policy), `true` the same but a config
+    error elsewhere, `false` always a copy."""
     dtype: str = "auto"
     """vllm: engine dtype (`auto` follows the model; float32 for exact logprob checks)."""
     max_model_len: Optional[int] = None
@@ -102,6 +135,12 @@ class SamplerConfig:
             self.engine_thread in ENGINE_THREADS,
             "sampler.engine_thread",
             f"must be one of {', '.join(ENGINE_THREADS)}, got {self.engine_thread!r}",
+        )
+        self.share_policy_weights = str(self.share_policy_weights).lower()  # a YAML true arrives as "True"
+        require(
+            self.share_policy_weights in SHARE_POLICY_WEIGHTS,
+            "sampler.share_policy_weights",
+            f"must be one of {', '.join(SHARE_POLICY_WEIGHTS)}, got {self.share_policy_weights!r}",
         )
         require(0 < self.gpu_memory_utilization <= 1, "sampler.gpu_memory_utilization", "must be in (0, 1]")
         require(self.tensor_parallel_size >= 1, "sampler.tensor_parallel_size", "must be >= 1")

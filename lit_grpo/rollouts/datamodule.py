@@ -53,7 +53,7 @@ class RolloutStream(IterableDataset):
         """The advantage estimator (`advantage=<name>`; None: grpo)."""
         self.steps_done = 0
         self.rest_between_steps: Optional[Callable[[], None]] = None
-        """Called once a step's rollouts are in (synchronous mode: lets a colocated engine sleep)."""
+        """Called once a step's rollouts are in (synchronous mode: the sampler rests while the step trains)."""
         self.rows_exhausted = False
         """True when the rows ran out before `max_steps` steps were trained (for the run summary)."""
 
@@ -149,7 +149,9 @@ class RolloutDataModule(L.LightningDataModule):
             self.scheduler, self.groups, max_steps=c.max_steps, pad_id=tokenizer.pad_token_id, advantage=advantage
         )
         if c.synchronous_training:
-            self.stream.rest_between_steps = sampler.sleep  # it wakes itself for the next sync or sample
+            # A colocated vLLM frees its memory (it wakes itself for the next sync or sample); an hf
+            # sampler that shares the policy's weights keeps them for training until the sync.
+            self.stream.rest_between_steps = sampler.sleep
 
     def setup(self, stage: str) -> None:
         # An in-process sampler was built with the policy, on the CPU: it generates where the trainer trains.

@@ -71,16 +71,22 @@ def build_sampler(
     model: ModelConfig | None = None,
     work_dir: str = ".",
     seed: int = 0,
+    share_weights: bool = False,
 ) -> Sampler:
-    """The sampler named by `cfg.kind`, starting from the policy's current weights."""
-    return get_sampler(cfg.kind).build(cfg, policy, tokenizer, model=model, work_dir=work_dir, seed=seed)
+    """The sampler named by `cfg.kind`, starting from the policy's current weights. `share_weights`:
+    generate with `policy` itself, not a copy (`hf` only; `TrainConfig.sampler_shares_policy_weights`
+    says when sampling cannot overlap training)."""
+    if share_weights and cfg.kind != "hf":
+        raise ValueError(f"only the hf sampler can generate with the policy itself, not {cfg.kind}")
+    shared = {"share_weights": True} if share_weights else {}  # the other kinds' builders never take it
+    return get_sampler(cfg.kind).build(cfg, policy, tokenizer, model=model, work_dir=work_dir, seed=seed, **shared)
 
 
 @register_sampler("hf")
-def _build_hf(cfg, policy, tokenizer, *, model, work_dir, seed):
+def _build_hf(cfg, policy, tokenizer, *, model, work_dir, seed, share_weights=False):
     from lit_grpo.samplers.hf import HFSampler
 
-    return HFSampler(policy, tokenizer, max_batch_size=cfg.max_batch_size)
+    return HFSampler(policy, tokenizer, max_batch_size=cfg.max_batch_size, share_weights=share_weights)
 
 
 def _missing_unless(module: str, hint: str) -> Callable[[], Optional[str]]:

@@ -1,4 +1,5 @@
-"""The transformers sampler: batched `generate` with a KV cache, on the sampler's own copy of the weights.
+"""The transformers sampler: batched `generate` with a KV cache, on a copy of the policy's weights
+or, where sampling never overlaps training, on the policy itself (`share_weights`).
 
 Logprobs are those of the sampling distribution: `log_softmax(logits / temperature)` with
 top_p=1 and top_k=0, so they can serve as the behaviour policy in TIS; `inference_logprobs` are
@@ -9,8 +10,11 @@ stopped returns before `max_tokens`.
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import copy
-from collections.abc import Iterable, Sequence
+import threading
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Optional
 
 import torch
@@ -23,18 +27,43 @@ from transformers import (
 )
 
 from lit_grpo.maths.logprobs import token_logprobs
+from lit_grpo.models.weights import DTensor
+from lit_grpo.samplers.arguments import SamplerTimeout
 from lit_grpo.samplers.base import BatchingSampler, normalize_weight_name
 from lit_grpo.samplers.stops import find_stop, first_stop
 from lit_grpo.types import Completion
 
 
 class HFSampler(BatchingSampler):
-    """Implements the `Sampler` protocol with `model.generate` on a private copy of the policy."""
+    """Implements the `Sampler` protocol with `model.generate`, on a private copy of the policy or,
+    with `share_weights`, on the policy itself.
+
+    Shared weights are for synchronous training with a sync after every step (what
+    `TrainConfig.sampler_shares_policy_weights` decides): the trainer's updates are what the next
+    sample sees, so a weight sync copies nothing; the sampler never moves or casts the model (eval
+    mode is the trainer's too), and turns its `requires_grad` flags off only for the length of a
+    call (`_as_a_copy`); generation builds no graph (inference mode). Between a step's rollouts and
+    its sync the trainer holds the weights (`sleep`), so no generate call reads them while they change.
+    """
 
     def __init__(
-        self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *, max_batch_size: int = 256
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        *,
+        max_batch_size: int = 256,
+        share_weights: bool = False,
     ) -> None:
         super().__init__(tokenizer, max_batch_size=max_batch_size)
+        self.shares_weights = share_weights
+        if share_weights:
+            self.model = model.eval()  # GRPOModule keeps its policy in eval mode too (no dropout)
+            # Re-entrant: a generate call on the thread that holds the weights for training (a callback
+            # between the step and its sync) runs, sequential with training; one on another thread waits.
+            self._weights_lock = threading.RLock()
+            self._held_for_training_by: Optional[int] = None
+            """The thread holding the weights between a step's rollouts and its sync (None: not held)."""
+            return
         self.model = copy.deepcopy(model).eval().requires_grad_(False)
         # The model's own tensors by state-dict name (tied weights under every name, as engines such
         # as vLLM list them): a sync copies into them, so they are looked up once, not every sync.
@@ -44,14 +73,78 @@ class HFSampler(BatchingSampler):
         """The names of the last sync and the tensors they copy into: looked up once, not every sync."""
 
     def to_device(self, device: torch.device) -> None:
-        """Generate on `device` (the trainer's: the policy was on the CPU when this copy was made)."""
+        """Generate on `device` (the trainer's: the policy was on the CPU when this copy was made).
+        Shared weights are the trainer's to move: generation follows them wherever they are."""
+        if self.shares_weights:
+            return
         with self._weights_lock:
             self.model.to(device)
             self._state = self.model.state_dict()
             self._plan = None
 
+    def sleep(self) -> None:
+        """Shared weights: once a step's rollouts are in, hold the weights until the step's sync
+        (`update_weights`), so the optimizer never changes what a generate call reads. A call still
+        running (one that outlived its rollout's deadline on the worker thread) ends first, within
+        `call_timeout_s`; a call from another thread waits for the sync. A private copy: nothing to do."""
+        if not self.shares_weights or self._held_for_training_by is not None:
+            return
+        if not self._weights_lock.acquire(timeout=-1 if self.call_timeout_s is None else self.call_timeout_s):
+            raise SamplerTimeout(
+                f"the training step waited {self.call_timeout_s:g} s (rollout_timeout_s) for the sampler's "
+                "running generate call to end: the engine looks stuck"
+            )
+        self._held_for_training_by = threading.get_ident()
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load the policy's weights; with shared weights, consume them (copying nothing: the sampler
+        already generates with them) and let generation go on."""
+        try:
+            super().update_weights(named_tensors)
+        finally:
+            self._release_weights()
+
+    def close(self) -> None:
+        self._release_weights()  # a step that failed before its sync: queued calls end instead of waiting
+        super().close()
+
+    def _release_weights(self) -> None:
+        if self.shares_weights and self._held_for_training_by == threading.get_ident():
+            self._held_for_training_by = None
+            self._weights_lock.release()
+
+    def _device(self) -> torch.device:
+        """Where the model is; shared weights must be whole (a sharded policy needs a copy of its own)."""
+        first = next(self.model.parameters())
+        if self.shares_weights and (isinstance(first, DTensor) or getattr(first, "_fsdp_flattened", False)):
+            raise RuntimeError(
+                "the sampler generates with the policy itself, but the trainer's strategy sharded it: "
+                "set sampler.share_policy_weights=false"
+            )
+        return first.device
+
+    @contextlib.contextmanager
+    def _as_a_copy(self) -> Iterator[None]:
+        """Shared weights compute as a private copy (`requires_grad=False`) does, bit for bit: ATen's
+        matmul folds a 3-D input into one mm when an operand requires grad, even in inference mode,
+        and rounds differently from the batched path it takes otherwise (generate's last-position
+        hidden state is such an input). The trainer's flags come back when the call ends; no
+        training step runs meanwhile (see `sleep`)."""
+        trainable = [p for p in self.model.parameters() if p.requires_grad] if self.shares_weights else []
+        for p in trainable:
+            p.requires_grad_(False)
+        try:
+            yield
+        finally:
+            for p in trainable:
+                p.requires_grad_(True)
+
     @torch.no_grad()
     def _load(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        if self.shares_weights:
+            # The caller's contract (`lit_grpo.models.weights`): every tensor is consumed, to the end.
+            collections.deque(named_tensors, maxlen=0)
+            return
         names, tensors = [], []
         for name, tensor in named_tensors:
             names.append(name)
@@ -74,7 +167,7 @@ class HFSampler(BatchingSampler):
     def _generate(
         self, prompts: list[list[int]], temperature: float, max_tokens: int, stop: tuple[str, ...] = ()
     ) -> list[Completion]:
-        device = next(self.model.parameters()).device
+        device = self._device()
         pad_id, eos_id = self.tokenizer.pad_token_id, self.eos_token_id
         width = max(len(p) for p in prompts)
         input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
@@ -98,12 +191,13 @@ class HFSampler(BatchingSampler):
         )
         temperature = temperature or 1.0
         ends = _StopStrings(self.tokenizer, stop, width) if stop else None
-        out = self.model.generate(
-            input_ids=input_ids.to(device),
-            attention_mask=attention.to(device),
-            generation_config=gen_config,
-            stopping_criteria=StoppingCriteriaList([ends]) if ends else None,
-        )
+        with self._as_a_copy():
+            out = self.model.generate(
+                input_ids=input_ids.to(device),
+                attention_mask=attention.to(device),
+                generation_config=gen_config,
+                stopping_criteria=StoppingCriteriaList([ends]) if ends else None,
+            )
         new_tokens_NS = out.sequences[:, width:].cpu()
         sampling_NS, raw_NS = _token_logprobs(out.logits, new_tokens_NS, temperature)
         cut = []
@@ -128,7 +222,7 @@ class HFSampler(BatchingSampler):
     def _score(self, pairs: list[tuple[list[int], list[int]]]) -> list[list[float]]:
         """One forward over the right-padded prompt + target rows through the trainer's own
         `token_logprobs` (temperature 1): entry j - 1 scores token j."""
-        device = next(self.model.parameters()).device
+        device = self._device()
         rows = [p + t for p, t in pairs]
         width = max(map(len, rows))
         input_ids = torch.full((len(rows), width), self.tokenizer.pad_token_id, dtype=torch.long)
@@ -136,7 +230,8 @@ class HFSampler(BatchingSampler):
         for i, row in enumerate(rows):
             input_ids[i, : len(row)] = torch.tensor(row)
             attention[i, : len(row)] = 1
-        logprobs_BT, _ = token_logprobs(self.model, input_ids.to(device), attention.to(device), 1.0)
+        with self._as_a_copy():
+            logprobs_BT, _ = token_logprobs(self.model, input_ids.to(device), attention.to(device), 1.0)
         return [
             logprobs_BT[i, len(prompt) - 1 : len(prompt) + len(target) - 1].tolist()
             for i, (prompt, target) in enumerate(pairs)
