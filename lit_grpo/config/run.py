@@ -31,7 +31,7 @@ from lit_grpo.config.groups import (
     adopt_legacy_advantage,
 )
 from lit_grpo.config.keys import unknown_keys, unknown_keys_message
-from lit_grpo.config.model import ModelConfig
+from lit_grpo.config.model import BUILT_KINDS, ModelConfig
 from lit_grpo.config.sampler import SamplerConfig, sampler_copy_reason
 from lit_grpo.config.sources import source_kind
 
@@ -214,7 +214,7 @@ class TrainConfig:
             "ppo_n_minibatches",
             f"must be <= the sequences per step (prompt_groups_per_step × completions_per_prompt = {batch_size})",
         )
-        if self.sampler.kind == "vllm" and self.model.kind == "tiny":
+        if self.sampler.kind == "vllm" and self.model.kind in BUILT_KINDS:
             head_dim = self.model.hidden_size // self.model.num_heads
             require(
                 head_dim >= 32,

@@ -1,7 +1,9 @@
-"""Policy models and tokenizers: a tiny random-init model built locally, or a real one loaded by name.
+"""Policy models and tokenizers: a random-init model built locally, or a real one loaded by name.
 
-The tiny model is a Qwen2-architecture causal LM (so vLLM can serve it too) with a character
-tokenizer made with the `tokenizers` library: no download, seeded init. A real model that cannot
+A built model is a Qwen2-architecture causal LM (so vLLM can serve it too), seeded, with a tokenizer
+made with the `tokenizers` library (no download): `kind=tiny` a small one with a character
+tokenizer; `kind=qwen2_shape` one of any shapes (a real model's, such as Qwen2.5-0.5B's) with a
+byte-level BPE tokenizer of its vocabulary size (`lit_grpo.models.byte_bpe`). A real model that cannot
 be loaded is a `ModelLoadError` naming `model.name_or_path` and the fix; a local path that is not
 a model folder is reported as such, without trying the hub.
 """
@@ -22,8 +24,11 @@ from transformers import (
 )
 
 from lit_grpo.config import ModelConfig
+from lit_grpo.config.model import BUILT_KINDS
 from lit_grpo.errors import UserError
+from lit_grpo.models.byte_bpe import as_transformers_tokenizer, build_byte_bpe_tokenizer
 
+# pad, bos, eos, unk, then the roles and the end of a turn (`as_transformers_tokenizer` reads them in this order).
 SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|unk|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
 ALPHABETS = {
     "printable": string.digits + string.ascii_letters + string.punctuation + " \n",
@@ -58,38 +63,39 @@ def build_char_tokenizer(alphabet: str = "printable") -> PreTrainedTokenizerFast
     backend.normalizer = normalizers.NFC()  # as Qwen2Tokenizer's
     backend.pre_tokenizer = byte_level
     backend.decoder = decoders.ByteLevel()
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend,
-        bos_token="<|bos|>",
-        eos_token="<|eos|>",
-        pad_token="<|pad|>",
-        unk_token="<|unk|>",
-        additional_special_tokens=SPECIAL_TOKENS[4:],
-    )
-    tokenizer.chat_template = CHAT_TEMPLATE
-    return tokenizer
+    return as_transformers_tokenizer(backend, SPECIAL_TOKENS, CHAT_TEMPLATE)
 
 
-def build_tiny_model(
-    cfg: ModelConfig, vocab_size: int, seed: int, tokenizer: PreTrainedTokenizerBase
-) -> PreTrainedModel:
-    """A random-init Qwen2 causal LM sized by `cfg`, initialised from `seed`."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+def qwen2_config(cfg: ModelConfig, vocab_size: int, tokenizer: PreTrainedTokenizerBase):
+    """The transformers `Qwen2Config` of a model built from `cfg` (tied embeddings, no sliding window)."""
+    from transformers import Qwen2Config
 
-    config = Qwen2Config(
+    return Qwen2Config(
         vocab_size=vocab_size,
         hidden_size=cfg.hidden_size,
         num_hidden_layers=cfg.num_layers,
         num_attention_heads=cfg.num_heads,
-        num_key_value_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads or cfg.num_heads,
         intermediate_size=cfg.intermediate_size,
         max_position_embeddings=cfg.max_position_embeddings,
+        rope_theta=cfg.rope_theta,
+        rms_norm_eps=cfg.rms_norm_eps,
         tie_word_embeddings=True,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         **({} if cfg.init_std is None else {"initializer_range": cfg.init_std}),
     )
+
+
+def build_tiny_model(
+    cfg: ModelConfig, vocab_size: int, seed: int, tokenizer: PreTrainedTokenizerBase
+) -> PreTrainedModel:
+    """A random-init Qwen2 causal LM sized by `cfg` (a tiny one, or a real model's shapes with
+    `kind=qwen2_shape`), initialised by transformers' own init from `seed`."""
+    from transformers import Qwen2ForCausalLM
+
+    config = qwen2_config(cfg, vocab_size, tokenizer)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = Qwen2ForCausalLM(config)
@@ -120,6 +126,8 @@ def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
     """The policy's tokenizer; it needs a pad token (eos is used when the model has none)."""
     if cfg.kind == "tiny":
         return build_char_tokenizer(cfg.alphabet)
+    if cfg.kind == "qwen2_shape":
+        return build_byte_bpe_tokenizer(cfg.vocab_size, special_tokens=SPECIAL_TOKENS, chat_template=CHAT_TEMPLATE)
     _check_local_path(cfg.name_or_path)
     try:
         tokenizer = AutoTokenizer.from_pretrained(cfg.name_or_path, trust_remote_code=cfg.trust_remote_code)
@@ -131,8 +139,8 @@ def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
 
 
 def load_policy(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, seed: int) -> PreTrainedModel:
-    """The trainable policy, built (`tiny`) or loaded (`hf`)."""
-    if cfg.kind == "tiny":
+    """The trainable policy, built (`tiny`, `qwen2_shape`) or loaded (`hf`)."""
+    if cfg.kind in BUILT_KINDS:
         return build_tiny_model(cfg, len(tokenizer), seed, tokenizer)
     _check_local_path(cfg.name_or_path)
     try:
@@ -145,7 +153,7 @@ def load_policy(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, seed: int)
 
 def build_policy_skeleton(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, seed: int) -> PreTrainedModel:
     """The policy's architecture without reading its weights (they come from a checkpoint next)."""
-    if cfg.kind == "tiny":
+    if cfg.kind in BUILT_KINDS:
         return build_tiny_model(cfg, len(tokenizer), seed, tokenizer)
     from transformers import AutoConfig
 

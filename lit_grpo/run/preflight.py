@@ -19,6 +19,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from lit_grpo.config import ConfigError, TrainConfig
+from lit_grpo.config.model import BUILT_KINDS
 from lit_grpo.config.sources import hub_problem, model_path_problem
 from lit_grpo.errors import UserError, config_composed, import_user_object, run_cli
 from lit_grpo.samplers.vllm_boundary import vllm_problem
@@ -93,7 +94,7 @@ def data_problems(c: TrainConfig) -> list[str]:
 
 def server_sampler_problems(c: TrainConfig) -> list[str]:
     """sampler=vllm_server starting its own servers: vLLM must be installed here, and on CPU the
-    tiny model's heads must be vLLM-sized (none when it attaches to running servers)."""
+    heads of a model built here must be vLLM-sized (none when it attaches to running servers)."""
     import importlib.util
 
     s = c.sampler
@@ -107,7 +108,7 @@ def server_sampler_problems(c: TrainConfig) -> list[str]:
         )
     import torch
 
-    if c.model.kind == "tiny" and c.model.hidden_size // c.model.num_heads < 32 and not torch.cuda.is_available():
+    if c.model.kind in BUILT_KINDS and c.model.hidden_size // c.model.num_heads < 32 and not torch.cuda.is_available():
         problems.append(
             f"sampler=vllm_server: vLLM's CPU attention needs a head size >= 32, got "
             f"{c.model.hidden_size // c.model.num_heads}; try model.num_heads={max(c.model.hidden_size // 32, 1)}"

@@ -1,5 +1,6 @@
-"""The GSM8K task: rows from a local JSONL (`task.path`) or the Hugging Face dataset, scored by
-the `gsm8k` reward (`lit_grpo.rewards.gsm8k`), which reads each row's answer as stored.
+"""The GSM8K task: rows from a local JSONL (`task.path`), the rows shipped in the package
+(`task.path=bundled`: the first 256 training rows, `data/README.md`) or the Hugging Face dataset,
+scored by the `gsm8k` reward (`lit_grpo.rewards.gsm8k`), which reads each row's answer as stored.
 
 Rows keep every field as stored; a raw GSM8K record (`question`, `answer`, no prompt field) also
 gets a `messages` field, the question in `PROMPT_TEMPLATE` (`gsm8k_rows`), sampled through the
@@ -18,6 +19,12 @@ from lit_grpo.tasks.gsm8k_rows import ON_ERROR_MODES, collect_rows, load_jsonl_r
 from lit_grpo.tasks.registry import RewardFn, register_task
 
 DATASETS_HINT = "pip install 'lit_grpo[datasets]', or give a local JSONL with task.path=/path/to/train.jsonl"
+BUNDLED = "bundled"
+"""`task.path` / `task.eval_path` value naming the GSM8K rows shipped in the package."""
+BUNDLED_FILES = {
+    "train": Path(__file__).resolve().parent / "data" / "gsm8k_train_head.jsonl",  # the first 256 training rows
+    "test": Path(__file__).resolve().parent / "data" / "gsm8k_test_head.jsonl",  # the first 64 test rows
+}
 
 
 @dataclass
@@ -26,7 +33,8 @@ class GSM8KOptions:
 
     path: Optional[str] = None
     """A local JSONL of training rows (GSM8K `question`/`answer`, or chat `messages` + `answer`);
-    null: the Hugging Face dataset below."""
+    `bundled`: the first 256 rows of GSM8K's training split, shipped in the package; null: the
+    Hugging Face dataset below."""
     dataset: str = "openai/gsm8k"
     """Hugging Face dataset name (or local dataset folder) used when `path` is null."""
     dataset_config: Optional[str] = "main"
@@ -34,7 +42,8 @@ class GSM8KOptions:
     split: str = "train"
     """The split trained on."""
     eval_path: Optional[str] = None
-    """A local JSONL of held-out rows (null: `eval_split` of the dataset)."""
+    """A local JSONL of held-out rows; `bundled`: the first 64 rows of GSM8K's test split, shipped in
+    the package; null: `eval_split` of the dataset."""
     eval_split: str = "test"
     """The held-out split evaluated on (`data.eval_rows` of its rows)."""
     on_error: str = "raise"
@@ -48,9 +57,14 @@ class GSM8KOptions:
         )
 
 
+def local_file(path: Optional[str], *, held_out: bool) -> Optional[str]:
+    """The JSONL file `task.path` (or `task.eval_path`, `held_out`) names: `bundled` is the package's own."""
+    return str(BUNDLED_FILES["test" if held_out else "train"]) if path == BUNDLED else path
+
+
 def load_split(opts: GSM8KOptions, *, held_out: bool, limit: int) -> list[dict]:
     """Training rows or held-out rows, at most `limit` (0: all)."""
-    path = opts.eval_path if held_out else opts.path
+    path = local_file(opts.eval_path if held_out else opts.path, held_out=held_out)
     if path:
         return load_jsonl_rows(path, on_error=opts.on_error, max_rows=limit)[0]
     split = opts.eval_split if held_out else opts.split
@@ -98,8 +112,11 @@ def sources(opts: GSM8KOptions, data: DataConfig) -> list[str]:
     from lit_grpo.config.sources import hub_problem
 
     problems = []
-    for name, path in (("task.path", opts.path), ("task.eval_path", opts.eval_path if data.eval_rows else None)):
-        if path and not Path(path).is_file():
+    for name, path, held_out in (
+        ("task.path", opts.path, False),
+        ("task.eval_path", opts.eval_path if data.eval_rows else None, True),
+    ):
+        if path and not Path(local_file(path, held_out=held_out)).is_file():
             problems.append(f"{name}: no file {path}")
     needs_hub = not opts.path or (data.eval_rows > 0 and not opts.eval_path)
     if needs_hub and (why := hub_problem(opts.dataset, "dataset")):

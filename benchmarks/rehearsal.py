@@ -1,0 +1,263 @@
+"""Benchmark: the CPU rehearsal (`+experiment=rehearsal_0p5b`) in lit_grpo and in TRL's `GRPOTrainer`,
+side by side: seconds per step and peak resident memory.
+
+    make bench-rehearsal                                  # installs the pinned trl here first
+    python -m benchmarks.rehearsal                        # the experiment's settings: 4 layers, 2×8, 256 tokens
+    python -m benchmarks.rehearsal --layers 2 --steps 2 --tokens 64          # a quick check
+    python -m benchmarks.rehearsal --sides lit --lit-override micro_batch_size=8   # any override, lit_grpo only
+    python -m benchmarks.rehearsal --trl-arg use_transformers_paged=true
+
+Both sides train the same model: the random-init Qwen2.5-0.5B-shaped `model=rehearsal_0p5b` cut to
+`--layers` decoder layers, built by lit_grpo's builder from the same seed (TRL's side writes it to a
+temporary folder and hands TRL the path, as TRL builds its reference model from a path); on the same
+GSM8K rows (the 256 shipped in the package, in file order, unshuffled on both sides) with the `gsm8k`
+reward; with the same G, prompts per step, completion length, learning rate, β (k3 KL to a frozen
+reference), clip ε = 0.2, token-mean loss over the whole step (TRL's `loss_type="dapo"`), AdamW
+(weight decay 0.01, gradient clip 1.0), a constant learning rate, sequences per forward/backward
+(`--micro-batch`: lit_grpo's `micro_batch_size`, TRL's `per_device_train_batch_size`, with
+gradient accumulation over the step), one optimizer step per batch of rollouts, float32, no
+gradient checkpointing. Each side runs in a process of its own, one after the other, so their peaks
+do not mix: a step's time is the wall time between the ends of consecutive optimizer steps (the
+first from the start of training), the median taken over the steps after the first (`--warmup`);
+peak RSS is the process's `ru_maxrss` (model building and loading included). lit_grpo's side runs
+without checkpoints or the final export, as TRL's runs without saving.
+
+What differs and could not be made equal (each is either side's own design):
+
+- Sampling. lit_grpo's `sampler=hf` generates with a private copy of the policy (a weight sync
+  copies the weights into it after every step) and keeps each step's logits to report the
+  sampler's logprobs; TRL generates with the policy itself and keeps no logits. Both use
+  transformers' `generate` with temperature 1, top-p 1, top-k 0, left-padded prompts.
+- Importance weights. lit_grpo's `grpo` loss multiplies each token by the truncated weight
+  min(exp(old - sampler), 5) (about 1 here); TRL's uses no sampler logprobs without vLLM.
+- Logits. lit_grpo takes log-softmax of the full LM head's logits at every position of prompt +
+  completion; TRL runs its chunked log-prob kernel (`fused_lm_head=True`,
+  `trl/kernels/chunked_logprob.py`) with the prompt positions masked out of the labels.
+- Reference model. lit_grpo's is a deep copy of the built policy; TRL loads its own from the
+  folder (the same weights).
+- Optimizer. Both run torch's fused AdamW (TRL: `TrainingArguments`' `adamw_torch_fused`), but
+  transformers' Trainer exempts biases and norm weights from weight decay, lit_grpo decays every
+  parameter. Gradient clipping, the learning-rate schedule and the loss's normalization are the
+  same maths, written separately.
+- Bookkeeping. lit_grpo logs its health metrics (drift, entropy, TIS weights) every step and runs its
+  rollouts through an event loop (with synchronous training the engine runs on the trainer's own
+  thread); TRL logs its own metrics.
+- Versions. Both sides run in the environment the benchmark runs in (the same torch and
+  transformers), which is not lit_grpo's own when trl moved a dependency on install.
+
+The prompts are the same token ids on both sides (one tokenizer, one chat template, no special tokens added).
+
+Rewards of a random-init model are all 0, so every advantage is 0 on both sides: the compute per
+step is the same as with learning, only the update is nearly zero (the KL term and weight decay).
+The numbers depend on the machine: run it with nothing else running.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+RUN_TIMEOUT_S = 4 * 3600
+
+
+@dataclasses.dataclass
+class Settings:
+    """What both sides run; `lit_overrides` and `trl_args` reach one side only."""
+
+    layers: int = 4
+    """Decoder layers of the Qwen2.5-0.5B-shaped model (it has 24)."""
+    steps: int = 4
+    """Optimizer steps (one per batch of rollouts)."""
+    warmup: int = 1
+    """Steps left out of the median."""
+    prompts: int = 2
+    """P: prompts per step."""
+    group: int = 8
+    """G: completions per prompt."""
+    tokens: int = 256
+    """Completion length (max new tokens; a random-init model rarely stops earlier)."""
+    micro_batch: int = 4
+    """Sequences per forward/backward."""
+    learning_rate: float = 1e-6
+    kl_beta: float = 0.001
+    dtype: str = "float32"
+    seed: int = 0
+    lit_overrides: list = dataclasses.field(default_factory=list)
+    """Hydra overrides for lit_grpo's side, e.g. micro_batch_max_tokens=4096."""
+    trl_args: dict = dataclasses.field(default_factory=dict)
+    """GRPOConfig fields for TRL's side, e.g. {"use_transformers_paged": True}."""
+
+    def lit_config_overrides(self) -> list[str]:
+        """The lit_grpo run: the experiment at these settings, no checkpoints, no export."""
+        return [
+            "+experiment=rehearsal_0p5b",
+            f"model.num_layers={self.layers}",
+            f"model.dtype={self.dtype}",
+            f"max_steps={self.steps}",
+            f"data.prompt_groups_per_step={self.prompts}",
+            f"data.completions_per_prompt={self.group}",
+            f"sampler.max_completion_tokens={self.tokens}",
+            f"data.max_seq_len={self.tokens + 512}",  # every GSM8K prompt fits
+            f"micro_batch_size={self.micro_batch}",
+            f"learning_rate={self.learning_rate}",
+            f"policy_loss.kl_beta={self.kl_beta}",
+            f"seed={self.seed}",
+            "data.shuffle=false",  # the rows in file order, as TRL's side takes them
+            "dcp_save_interval=0",
+            "resume=null",
+            "output_model_id=null",
+            "callbacks=none",
+            "logger=csv",
+            "trainer.enable_progress_bar=false",
+            *self.lit_overrides,
+        ]
+
+
+def peak_rss_gib() -> float:
+    """This process's peak resident memory (Linux reports kB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def step_summary(step_seconds: list[float], warmup: int) -> dict:
+    measured = step_seconds[warmup:] or step_seconds
+    return {
+        "steps": len(step_seconds),
+        "step_s_median": statistics.median(measured) if measured else float("nan"),
+        "first_step_s": step_seconds[0] if step_seconds else float("nan"),
+        "step_s": step_seconds,
+    }
+
+
+def versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = {}
+    for name in ("torch", "transformers", "lightning", "trl", "lit_grpo"):
+        try:
+            found[name] = version(name)
+        except PackageNotFoundError:
+            found[name] = "-"
+    return found
+
+
+def run_lit_side(settings: Settings, work_dir: Path) -> dict:
+    """lit_grpo's side, in this process: the experiment through `train`; its steps from metrics.csv."""
+    import csv
+
+    from lit_grpo.train import compose_config, train
+
+    start = time.perf_counter()
+    train(compose_config([*settings.lit_config_overrides(), f"output_dir={work_dir}"]))
+    rows = list(csv.DictReader((work_dir / "metrics.csv").open()))
+    seconds = [float(r["perf/step_s"]) for r in rows if r.get("perf/step_s")]
+    return {"side": "lit_grpo", **step_summary(seconds, settings.warmup), "wall_s": time.perf_counter() - start}
+
+
+def run_side_in_subprocess(side: str, settings: Settings, work_dir: Path) -> dict:
+    """One side in a fresh interpreter (its own peak memory); its result, or an exit with its log's tail."""
+    out, log = work_dir / f"{side}.json", work_dir / f"{side}.log"
+    module = "benchmarks.rehearsal_trl" if side == "trl" else "benchmarks.rehearsal"
+    command = [sys.executable, "-m", module, "--run-side", side, "--settings", json.dumps(dataclasses.asdict(settings))]
+    command += ["--out", str(out), "--work-dir", str(work_dir / side)]
+    with open(log, "w") as handle:
+        done = subprocess.run(command, stdout=handle, stderr=subprocess.STDOUT, timeout=RUN_TIMEOUT_S)
+    if done.returncode != 0:
+        sys.exit(
+            f"{side}: the run failed (exit {done.returncode}); the end of its log ({log}):\n{log.read_text()[-4000:]}"
+        )
+    return json.loads(out.read_text())
+
+
+def table(results: list[dict], settings: Settings) -> str:
+    s = settings
+    lines = [
+        f"rehearsal: Qwen2.5-0.5B shapes cut to {s.layers} layers, {s.dtype}, {s.prompts} prompts x G={s.group}, "
+        f"{s.tokens} completion tokens, micro-batch {s.micro_batch}, lr {s.learning_rate:g}, beta {s.kl_beta:g}, "
+        f"{s.steps} steps (median over steps after the first {s.warmup})",
+        f"{'side':<10} {'s/step':>9} {'first step s':>13} {'peak RSS GiB':>13} {'steps':>6}",
+    ]
+    for r in results:
+        lines.append(
+            f"{r['side']:<10} {r['step_s_median']:>9.1f} {r['first_step_s']:>13.1f} {r['peak_rss_gib']:>13.2f} "
+            f"{r['steps']:>6}"
+        )
+    lines.append("versions: " + ", ".join(f"{k} {v}" for k, v in results[0]["versions"].items()) if results else "")
+    return "\n".join(lines)
+
+
+def parse_value(text: str):
+    """A --trl-arg value: JSON where it parses (true, 3, 0.5), else the string."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def main() -> None:
+    defaults = Settings()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    for field in ("layers", "steps", "warmup", "prompts", "group", "tokens", "micro_batch"):
+        parser.add_argument(f"--{field.replace('_', '-')}", type=int, default=getattr(defaults, field))
+    parser.add_argument("--learning-rate", type=float, default=defaults.learning_rate)
+    parser.add_argument("--kl-beta", type=float, default=defaults.kl_beta)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=defaults.dtype)
+    parser.add_argument("--seed", type=int, default=defaults.seed)
+    parser.add_argument("--sides", default="lit,trl", help="comma-separated: lit, trl")
+    parser.add_argument("--lit-override", action="append", default=[], metavar="KEY=VALUE", help="lit_grpo only")
+    parser.add_argument(
+        "--trl-arg", action="append", default=[], metavar="KEY=VALUE", help="GRPOConfig field, TRL only"
+    )
+    parser.add_argument("--keep", action="store_true", help="keep the runs' folders (logs, metrics)")
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    # One side in this process (what the driver runs in a subprocess).
+    parser.add_argument("--run-side", choices=["lit"], help=argparse.SUPPRESS)
+    parser.add_argument("--settings", help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--work-dir", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+
+    if args.run_side:
+        settings = Settings(**json.loads(args.settings))
+        result = run_lit_side(settings, args.work_dir)
+        args.out.write_text(json.dumps({**result, "peak_rss_gib": peak_rss_gib(), "versions": versions()}))
+        return
+
+    settings = Settings(
+        **{f: getattr(args, f) for f in ("layers", "steps", "warmup", "prompts", "group", "tokens", "micro_batch")},
+        learning_rate=args.learning_rate,
+        kl_beta=args.kl_beta,
+        dtype=args.dtype,
+        seed=args.seed,
+        lit_overrides=list(args.lit_override),
+        trl_args={k: parse_value(v) for k, _, v in (a.partition("=") for a in args.trl_arg)},
+    )
+    root = Path(tempfile.mkdtemp(prefix="rehearsal-bench-"))
+    results = []
+    for side in [s.strip() for s in args.sides.split(",") if s.strip()]:
+        if side not in ("lit", "trl"):
+            sys.exit(f"--sides: unknown side {side!r}; valid: lit, trl")
+        print(f"running {side} ... (log: {root / (side + '.log')})", flush=True)
+        results.append(run_side_in_subprocess(side, settings, root))
+    print(table(results, settings))
+    if args.json:
+        args.json.write_text(json.dumps({"settings": dataclasses.asdict(settings), "results": results}, indent=1))
+    if args.keep:
+        print(f"runs kept in {root}")
+    else:
+        import shutil
+
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main()
