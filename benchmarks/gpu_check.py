@@ -92,7 +92,7 @@ def run_variant(name: str, dry_run: bool) -> dict:
         "variant": name,
         "steps": len(steps),
         "wall_s": wall_s,
-        **{key: statistics.median(s.get(metric, float("nan")) for s in after_first) for key, metric in REPORTED.items()},
+        **{key: statistics.median(s.get(name, float("nan")) for s in after_first) for key, name in REPORTED.items()},
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     }
     if torch.cuda.is_available() and not dry_run:
@@ -132,8 +132,8 @@ def main() -> None:
         header = ["variant", "s/step", "sample tok/s", "train tok/s", "sync s", "padding", memory]
         print("".join(f"{h:>14}" for h in header))
         for r in results:
-            row = [r["step_s"], r["sample_tokens_per_s"], r["train_tokens_per_s"], r["weight_sync_s"], r["padding_frac"]]
-            print(f"{r['variant']:>14}" + "".join(f"{v:>14.3f}" for v in row) + f"{r[memory]:>14.0f}")
+            measures = "".join(f"{r[key]:>14.3f}" for key in REPORTED)  # in the header's order
+            print(f"{r['variant']:>14}{measures}{r[memory]:>14.0f}")
     if args.json:
         args.json.write_text(json.dumps({"results": results, "failures": failures}, indent=2))
     for failure in failures:
