@@ -182,7 +182,7 @@ def test_the_command_line_names_a_bad_layer_count_without_a_traceback(tmp_path):
 
 
 def test_the_experiment_composes_with_bundled_rows(tmp_path):
-    from lit_grpo.tasks import source_problems, training_rows
+    from lit_grpo.tasks import evaluation_rows, source_problems, training_rows
 
     c = validate(compose_config("+experiment=rehearsal_0p5b", output_dir=tmp_path))
     assert (c.model.kind, c.model.num_layers, c.model.vocab_size, c.sampler.kind) == ("qwen2_shape", 4, VOCAB, "hf")
@@ -192,6 +192,14 @@ def test_the_experiment_composes_with_bundled_rows(tmp_path):
     rows = training_rows(c)
     assert len(rows) == 256 == len(BUNDLED_FILES["train"].read_text().splitlines())
     assert rows[0]["question"].startswith("Natalia sold clips") and "messages" in rows[0]
+
+    held_out = validate(
+        compose_config("+experiment=rehearsal_0p5b", "task.eval_path=bundled", "data.eval_rows=64", output_dir=tmp_path)
+    )
+    assert source_problems(held_out) == []
+    test_rows = evaluation_rows(held_out)
+    sample = [json.loads(line) for line in GSM8K_SAMPLE.read_text().splitlines()]  # the first 40 test rows
+    assert len(test_rows) == 64 and [r["question"] for r in test_rows[:40]] == [r["question"] for r in sample]
 
 
 # The experiment at CI size: the real vocabulary and widths, one layer, 2 prompts × G=2, 16 tokens.
