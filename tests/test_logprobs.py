@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lit_grpo.loop.module import token_logprobs
-from lit_grpo.maths.logprobs import default_chunk_rows, selected_logprobs_and_entropy
+from lit_grpo.maths.logprobs import default_chunk_rows, first_scored_prediction, selected_logprobs_and_entropy
 
 FLOAT32 = {"atol": 1e-6, "rtol": 1e-6}
 
@@ -157,3 +157,34 @@ def test_token_logprobs_of_a_tiny_model_match_the_old_formula(tiny_model, tokeni
     torch.testing.assert_close(new_ent, old_ent, **FLOAT32)
     for new, old_grad in zip(new_grads, old_grads):
         torch.testing.assert_close(new, old_grad, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.timeout(60)
+def test_skipping_the_prompt_keeps_every_scored_value_and_gradient(tiny_model):
+    """`first_scored` runs the LM head from that column only: the logprobs and entropy from there on,
+    and the gradient of a loss on them, are those of the full computation; the columns before are 0."""
+    g = torch.Generator().manual_seed(3)
+    tokens_BT = torch.randint(3, 90, (3, 14), generator=g)
+    attention_BT = torch.ones_like(tokens_BT)
+    attention_BT[2, 11:] = 0  # a right-padded row
+    weights_BT = torch.randn(3, 13, generator=g)
+    first = 6
+
+    def run(first_scored):
+        tiny_model.zero_grad()
+        logprobs_BT, entropy_BT = token_logprobs(tiny_model, tokens_BT, attention_BT, 0.7, first_scored)
+        (weights_BT[:, first:] * logprobs_BT[:, first:]).sum().backward()
+        return logprobs_BT.detach(), entropy_BT, {n: p.grad.clone() for n, p in tiny_model.named_parameters()}
+
+    full_lp, full_ent, full_grads = run(0)
+    cut_lp, cut_ent, cut_grads = run(first)
+    assert cut_lp.shape == full_lp.shape == (3, 13)
+    assert torch.equal(cut_lp[:, :first], torch.zeros(3, first)) and torch.equal(
+        cut_ent[:, :first], torch.zeros(3, first)
+    )
+    torch.testing.assert_close(cut_lp[:, first:], full_lp[:, first:], **FLOAT32)
+    torch.testing.assert_close(cut_ent[:, first:], full_ent[:, first:], **FLOAT32)
+    for name, grad in full_grads.items():
+        torch.testing.assert_close(cut_grads[name], grad, atol=1e-6, rtol=1e-5, msg=name)
+    assert first_scored_prediction(torch.tensor([[0, 0, 1, 1], [0, 0, 0, 1]])) == 2
+    assert first_scored_prediction(torch.zeros(2, 4)) == 0  # nothing trained: nothing skipped

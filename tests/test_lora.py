@@ -16,6 +16,7 @@ from torch import nn
 
 from lit_grpo.build import fit
 from lit_grpo.config import ConfigError, LoraConfig
+from lit_grpo.loop.micro_batches import MicroBatch, no_grad_logprobs
 from lit_grpo.loop.module import token_logprobs
 from lit_grpo.models.load import load_policy, load_tokenizer
 from lit_grpo.models.lora import AdapterFreeView, apply_lora, base_name, is_lora
@@ -36,6 +37,11 @@ def lora_policy(tiny_model, rank: int = 4, **kwargs):
             if "lora_B" in name:
                 param.normal_(std=0.3, generator=torch.Generator().manual_seed(len(name)))
     return policy
+
+
+def whole_batch_logprobs(model, attention: torch.Tensor) -> torch.Tensor:
+    """The module's no-gradient pass over TOKENS, in one micro-batch (as for the reference and `old`)."""
+    return no_grad_logprobs(model, TOKENS, attention, 1.0, [MicroBatch(slice(0, TOKENS.shape[0]), TOKENS.shape[1])])
 
 
 def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -165,11 +171,11 @@ def test_reference_is_the_untouched_base_model_and_no_second_copy(lora_run):
     assert isinstance(module.reference, AdapterFreeView)
     assert all(name.startswith("policy.") for name in module.state_dict())  # one copy of the weights
     attention = torch.ones_like(TOKENS)
-    reference = module._no_grad_logprobs(module.reference, TOKENS, attention, 1.0)
+    reference = whole_batch_logprobs(module.reference, attention)
     with torch.no_grad():
         expected = token_logprobs(base, TOKENS, attention, 1.0)[0]
     torch.testing.assert_close(reference.float(), expected.float())
-    policy = module._no_grad_logprobs(module.policy, TOKENS, attention, 1.0)
+    policy = whole_batch_logprobs(module.policy, attention)
     assert (policy - expected).abs().max() > 1e-3  # the policy did learn something
 
 
@@ -203,7 +209,7 @@ def test_sampler_generates_with_the_lora_policy_itself(lora_run):
     scores = torch.tensor(sampler.score_pairs(pairs))
     with torch.no_grad():
         expected = token_logprobs(merged, TOKENS, attention, 1.0)[0][:, 1:]
-        adapters_off = module._no_grad_logprobs(module.reference, TOKENS, attention, 1.0)[:, 1:]
+        adapters_off = whole_batch_logprobs(module.reference, attention)[:, 1:]
     torch.testing.assert_close(scores, expected, atol=1e-5, rtol=1e-5)  # the adapters are active
     assert (scores - adapters_off).abs().max() > 1e-3
 

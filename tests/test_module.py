@@ -9,6 +9,7 @@ from conftest import compose_config
 
 from lit_grpo.build import build_run
 from lit_grpo.loop.module import token_logprobs
+from lit_grpo.maths.logprobs import first_scored_prediction
 from lit_grpo.maths.loss_terms import LOSS_NORMALIZATIONS
 from lit_grpo.maths.losses import policy_loss
 from lit_grpo.run.validate import validate
@@ -124,10 +125,10 @@ def test_ppo_old_logprobs_are_the_policy_before_the_first_minibatch(tmp_path, mo
         calls.append({k: kwargs[k].detach().clone() for k in ("logprobs", "old_logprobs", "sampler_logprobs", "mask")})
         return policy_loss(name, **kwargs)
 
-    def recording_logprobs(model, tokens, attention, temperature):
+    def recording_logprobs(model, tokens, attention, temperature, first_scored=0):
         if torch.is_grad_enabled():  # the training forwards, one per minibatch here (no micro-batches)
             forwards.append((tokens.clone(), attention.clone()))
-        return token_logprobs(model, tokens, attention, temperature)
+        return token_logprobs(model, tokens, attention, temperature, first_scored)
 
     monkeypatch.setattr(module_py, "policy_loss", recording_loss)
     monkeypatch.setattr(module_py, "token_logprobs", recording_logprobs)
@@ -138,10 +139,13 @@ def test_ppo_old_logprobs_are_the_policy_before_the_first_minibatch(tmp_path, mo
     trainer.fit(module, datamodule=datamodule)
 
     assert trainer.global_step == 2 and len(calls) == 2 and len(forwards) == 2
-    # The initial policy's logprobs of the whole batch, in one forward as the module's `old` pass.
+    # The initial policy's logprobs of the whole batch, in one forward as the module's `old` pass
+    # (the LM head from the first column any row trains on, as there).
     tokens, attention = (torch.cat(parts) for parts in zip(*forwards))
+    first = first_scored_prediction(torch.cat([call["mask"] for call in calls]))
+    assert first > 0  # the prompts are skipped
     with torch.no_grad():
-        want_old = token_logprobs(initial, tokens, attention, module.config.sampler.temperature)[0]
+        want_old = token_logprobs(initial, tokens, attention, module.config.sampler.temperature, first)[0]
     half = tokens.shape[0] // 2
     assert torch.equal(calls[0]["old_logprobs"], want_old[:half])
     assert torch.equal(calls[1]["old_logprobs"], want_old[half:])

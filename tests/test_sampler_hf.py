@@ -77,7 +77,9 @@ def test_stop_strings_cut_the_generation_that_would_have_been(tiny_model, tokeni
     ]  # multi-character, at different depths
     steps = []
     original = sampler.model.generate
-    sampler.model.generate = lambda **kw: (out := original(**kw)) and steps.append(len(out.logits)) or out
+    sampler.model.generate = lambda **kw: (
+        (out := original(**kw)) and steps.append(out.sequences.shape[1] - kw["input_ids"].shape[1]) or out
+    )
     torch.manual_seed(0)
     cut = _sample(sampler, prompts, temperature=0.7, max_tokens=30, stop=stops, logprobs=True)
     decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731

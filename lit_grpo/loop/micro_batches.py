@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from lit_grpo.maths.logprobs import first_scored_prediction, token_logprobs
+
 
 def plan_token_budget(lengths: Sequence[int], max_tokens: int, max_sequences: int = 0) -> list[list[int]]:
     """Group rows into micro-batches of at most `max_tokens` padded tokens (and at most
@@ -157,3 +159,29 @@ def with_fillers(plan: ForwardPlan, counts: Sequence[int]) -> ForwardPlan:
 def forward_counts(plan: ForwardPlan) -> list[int]:
     """The forwards of each pass of `plan`: the no-gradient pass, then each minibatch's."""
     return [len(plan.no_grad), *(len(micros) for micros in plan.per_minibatch)]
+
+
+@torch.no_grad()
+def no_grad_logprobs(
+    model: torch.nn.Module,
+    tokens_BT: torch.Tensor,
+    attention_BT: torch.Tensor,
+    temperature: float,
+    micros: list[MicroBatch],
+    mask_BT: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`model`'s logprobs of the whole batch (the reference's, `old`'s), one micro-batch at a time.
+
+    Shapes: tokens, attention `[B, T]`, mask `[B, T-1]` (aligned with the predictions) -> `[B, T-1]`
+    float32, 0 in the columns a micro-batch cut off (padding) and, with `mask_BT`, before the first
+    column a micro-batch trains on (no LM head over a prompt: `token_logprobs`'s `first_scored`).
+    Filler micro-batches run their forward and are dropped.
+    """
+    B, T = tokens_BT.shape
+    logprobs_BT = torch.zeros(B, T - 1, dtype=torch.float32, device=tokens_BT.device)
+    for micro in micros:
+        first = 0 if micro.filler or mask_BT is None else first_scored_prediction(micro.predictions(mask_BT))
+        part_BT = token_logprobs(model, micro.tokens(tokens_BT), micro.tokens(attention_BT), temperature, first)[0]
+        if not micro.filler:
+            logprobs_BT[micro.rows, : micro.width - 1] = part_BT
+    return logprobs_BT

@@ -32,12 +32,12 @@ from transformers import PreTrainedModel
 from lit_grpo.config import TrainConfig
 from lit_grpo.errors import EnvironmentFault
 from lit_grpo.loop.distributed import all_reduce
-from lit_grpo.loop.micro_batches import MicroBatch, forward_counts, micro_slices, plan_forwards, with_fillers
+from lit_grpo.loop.micro_batches import forward_counts, no_grad_logprobs, plan_forwards, with_fillers
 from lit_grpo.loop.optim import adamw, lr_multiplier
 from lit_grpo.loop.signals import StopRequested
 from lit_grpo.loop.step_sequence import NonFiniteTraining, StepResult, StepSequence
 from lit_grpo.maths.health import drift_per_token, drift_tis_cap
-from lit_grpo.maths.logprobs import token_logprobs
+from lit_grpo.maths.logprobs import first_scored_prediction, token_logprobs
 from lit_grpo.maths.loss_terms import masked_means
 from lit_grpo.maths.losses import policy_loss
 from lit_grpo.models.lora import AdapterFreeView, is_lora, with_lora
@@ -149,7 +149,7 @@ class GRPOModule(L.LightningModule):
             counts = all_reduce(torch.tensor(forward_counts(plan), device=self.device), "max")
             plan = with_fillers(plan, counts.tolist())
         ref_logprobs_BT = (
-            self._no_grad_logprobs(self.reference, tokens, attention, temperature, plan.no_grad)
+            no_grad_logprobs(self.reference, tokens, attention, temperature, plan.no_grad, mask_BT)
             if self.reference is not None
             else None
         )
@@ -157,7 +157,7 @@ class GRPOModule(L.LightningModule):
         # `old` is the policy before this batch's first update; with one minibatch it equals the
         # current policy, so the training forward itself provides it (no extra forward).
         old_logprobs_BT = (
-            self._no_grad_logprobs(self.policy, tokens, attention, temperature, plan.no_grad) if K > 1 else None
+            no_grad_logprobs(self.policy, tokens, attention, temperature, plan.no_grad, mask_BT) if K > 1 else None
         )
 
         per_minibatch = [
@@ -240,8 +240,13 @@ class GRPOModule(L.LightningModule):
         for i, micro in enumerate(micros):
             # Cut to the micro-batch's own longest row: the columns dropped are padding, out of the loss mask.
             tokens_BT, attention_BT = micro.tokens(batch.tokens_BT), micro.tokens(batch.attention_mask_BT)
+            micro_mask_BT = micro.predictions(mask_BT)
             logprobs_BT, entropy_BT = token_logprobs(
-                self.policy, tokens_BT, attention_BT, self.config.sampler.temperature
+                self.policy,
+                tokens_BT,
+                attention_BT,
+                self.config.sampler.temperature,
+                first_scored=0 if micro.filler else first_scored_prediction(micro_mask_BT),
             )
             last = i == len(micros) - 1
             if micro.filler:  # a zero gradient, for the sharded model's collectives only
@@ -250,7 +255,7 @@ class GRPOModule(L.LightningModule):
                 continue
             # The trainer's logprobs before this step's update: what the ratio and the drift compare against.
             trainer_old_BT = micro.predictions(old_logprobs_BT) if old_logprobs_BT is not None else logprobs_BT.detach()
-            micro_mask_BT, micro_sampler_BT = micro.predictions(mask_BT), micro.predictions(sampler_logprobs_BT)
+            micro_sampler_BT = micro.predictions(sampler_logprobs_BT)
             loss, metrics = policy_loss(
                 self.config.policy_loss.name,
                 logprobs=logprobs_BT,
@@ -343,28 +348,6 @@ class GRPOModule(L.LightningModule):
             return gradient_sync_off(self.policy)
         block = getattr(self.trainer.strategy, "block_backward_sync", None)
         return block() if block is not None else contextlib.nullcontext()
-
-    @torch.no_grad()
-    def _no_grad_logprobs(
-        self,
-        model: PreTrainedModel,
-        tokens_BT: torch.Tensor,
-        attention_BT: torch.Tensor,
-        temperature: float,
-        micros: Optional[list[MicroBatch]] = None,
-    ) -> torch.Tensor:
-        """`model`'s logprobs of the whole batch, a micro-batch at a time: `micros`, by default
-        slices of `micro_batch_size` rows. Shape: [B, T] -> [B, T-1] (0 in the columns a
-        micro-batch cut off: padding)."""
-        B, T = tokens_BT.shape
-        if micros is None:
-            micros = micro_slices(slice(0, B), self.config.micro_batch_size, T)
-        logprobs_BT = torch.zeros(B, T - 1, dtype=torch.float32, device=tokens_BT.device)
-        for micro in micros:
-            part_BT = token_logprobs(model, micro.tokens(tokens_BT), micro.tokens(attention_BT), temperature)[0]
-            if not micro.filler:
-                logprobs_BT[micro.rows, : micro.width - 1] = part_BT
-        return logprobs_BT
 
     # ------------------------------------------------------------------ hooks that run the step sequence
 

@@ -185,7 +185,11 @@ def selected_logprobs_and_entropy(
 
 
 def token_logprobs(
-    model: PreTrainedModel, tokens_BT: torch.Tensor, attention_mask_BT: torch.Tensor, temperature: float
+    model: PreTrainedModel,
+    tokens_BT: torch.Tensor,
+    attention_mask_BT: torch.Tensor,
+    temperature: float,
+    first_scored: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Next-token logprobs of each token and the policy's entropy at each position.
 
@@ -193,10 +197,42 @@ def token_logprobs(
     Logits are divided by the sampling temperature so the logprobs are those of the
     distribution the sampler drew from. Shapes: [B, T] -> ([B, T-1], [B, T-1]); entropy is detached.
     Computed a chunk of tokens at a time (`lit_grpo.maths.logprobs`): no [B, T, V] float32 copy of the logits.
+
+    `first_scored` > 0 skips the LM head for the predictions before it (a prompt nobody trains on):
+    the model computes logits for the last T - first_scored positions only (transformers'
+    `logits_to_keep`), which at a 150k vocabulary is most of the cost of a prompt's tokens, in the
+    forward and again in the backward; the skipped predictions come back as 0 (logprob and entropy).
     """
-    logits_BTV = model(input_ids=tokens_BT, attention_mask=attention_mask_BT, use_cache=False).logits
-    # Scored over all T positions (the last one against a dummy target, then dropped): the gradient
-    # of a `logits[:, :-1]` slice would cost a zero-filled [B, T, V] tensor and a copy in backward.
-    targets_BT = torch.cat([tokens_BT[:, 1:], tokens_BT[:, :1]], dim=1)
-    logprobs_BT, entropy_BT = selected_logprobs_and_entropy(logits_BTV, targets_BT, temperature)
-    return logprobs_BT[:, :-1], entropy_BT[:, :-1]
+    T = tokens_BT.shape[1]
+    first_scored = first_scored if 0 < first_scored < T - 1 and keeps_logits(model) else 0
+    kept = {"logits_to_keep": T - first_scored} if first_scored else {}
+    logits_BKV = model(input_ids=tokens_BT, attention_mask=attention_mask_BT, use_cache=False, **kept).logits
+    # Scored over every position kept (the last one against a dummy target, then dropped): the
+    # gradient of a `logits[:, :-1]` slice would cost a zero-filled [B, K, V] tensor and a copy in backward.
+    targets_BK = torch.cat([tokens_BT[:, first_scored + 1 :], tokens_BT[:, :1]], dim=1)
+    logprobs_BK, entropy_BK = selected_logprobs_and_entropy(logits_BKV, targets_BK, temperature)
+    if not first_scored:
+        return logprobs_BK[:, :-1], entropy_BK[:, :-1]
+    skipped = logprobs_BK.new_zeros(tokens_BT.shape[0], first_scored)
+    return torch.cat([skipped, logprobs_BK[:, :-1]], dim=1), torch.cat([skipped, entropy_BK[:, :-1]], dim=1)
+
+
+def keeps_logits(model: PreTrainedModel) -> bool:
+    """Whether `model`'s forward takes transformers' `logits_to_keep` (through a peft wrapper)."""
+    cached = getattr(model, "_lit_grpo_keeps_logits", None)
+    if cached is None:
+        import inspect
+
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        cached = "logits_to_keep" in inspect.signature(base.forward).parameters
+        model._lit_grpo_keeps_logits = cached
+    return cached
+
+
+def first_scored_prediction(mask_BT: torch.Tensor) -> int:
+    """The first prediction column any row trains on (its loss mask), or 0 when none does.
+
+    Shape: mask `[B, T-1]` (aligned with the predictions) -> an int (one read from the device).
+    """
+    columns = mask_BT.ne(0).any(dim=0).nonzero()
+    return int(columns[0]) if columns.numel() else 0

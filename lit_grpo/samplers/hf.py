@@ -14,12 +14,14 @@ import collections
 import contextlib
 import copy
 import threading
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator
 from typing import Optional
 
 import torch
 from transformers import (
     GenerationConfig,
+    LogitsProcessor,
+    LogitsProcessorList,
     PreTrainedModel,
     PreTrainedTokenizerBase,
     StoppingCriteria,
@@ -186,20 +188,21 @@ class HFSampler(BatchingSampler):
             max_new_tokens=max_tokens,
             eos_token_id=eos_id,
             pad_token_id=pad_id,
-            output_logits=True,
             return_dict_in_generate=True,
         )
         temperature = temperature or 1.0
         ends = _StopStrings(self.tokenizer, stop, width) if stop else None
+        recorder = _LogprobRecorder(temperature)
         with self._as_a_copy():
             out = self.model.generate(
                 input_ids=input_ids.to(device),
                 attention_mask=attention.to(device),
                 generation_config=gen_config,
+                logits_processor=LogitsProcessorList([recorder]),
                 stopping_criteria=StoppingCriteriaList([ends]) if ends else None,
             )
         new_tokens_NS = out.sequences[:, width:].cpu()
-        sampling_NS, raw_NS = _token_logprobs(out.logits, new_tokens_NS, temperature)
+        sampling_NS, raw_NS = recorder.finish(out.sequences[:, -1])
         cut = []
         for i, row in enumerate(new_tokens_NS.tolist()):
             row = row[: ends.ended.get(i, len(row))] if ends else row  # after its stop: padding, never sampled
@@ -238,23 +241,45 @@ class HFSampler(BatchingSampler):
         ]
 
 
-def _token_logprobs(
-    logits_S: Sequence[torch.Tensor], tokens_NS: torch.Tensor, temperature: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logprobs of the generated tokens: (log_softmax(logits / temperature), log_softmax(logits)),
-    each [N, S], from generate's per-step raw logits ([N, V] each; one step at a time, so memory
-    stays at one step's logits)."""
-    sampling, raw = [], []
-    for step, logits_NV in enumerate(logits_S):
-        logits_NV = logits_NV.float()
-        tokens_N1 = tokens_NS[:, step, None].to(logits_NV.device)
-        raw.append(torch.log_softmax(logits_NV, dim=-1).gather(-1, tokens_N1)[:, 0])
-        sampling.append(
-            raw[-1]
-            if temperature == 1.0
-            else torch.log_softmax(logits_NV / temperature, dim=-1).gather(-1, tokens_N1)[:, 0]
+class _LogprobRecorder(LogitsProcessor):
+    """The logprobs of the generated tokens, step by step, without keeping every step's logits.
+
+    Generate hands each step's raw logits (float32, before the temperature) to the logits
+    processors before it draws the step's token; that token is the last of the next step's
+    `input_ids`. So each call scores the previous step's token against the previous step's logits,
+    and `finish` scores the last one: one step's `[N, V]` logits are held at a time, where
+    `output_logits` would keep all S of them (at a 150k vocabulary, 2.5 GB for 16 rows of 256).
+    Both logprobs are those `log_softmax` gives: of `logits / temperature` (the distribution
+    sampled from) and of the raw logits.
+    """
+
+    def __init__(self, temperature: float) -> None:
+        self.temperature = temperature
+        self.pending_NV: Optional[torch.Tensor] = None
+        self.sampling: list[torch.Tensor] = []
+        self.raw: list[torch.Tensor] = []
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        if self.pending_NV is not None:
+            self._score(input_ids[:, -1])
+        self.pending_NV = scores  # generate's own copy of the step's logits, never written in place
+        return scores
+
+    def _score(self, tokens_N: torch.Tensor) -> None:
+        logits_NV, tokens_N1 = self.pending_NV.float(), tokens_N[:, None].to(self.pending_NV.device)
+        self.raw.append(torch.log_softmax(logits_NV, dim=-1).gather(-1, tokens_N1)[:, 0])
+        self.sampling.append(
+            self.raw[-1]
+            if self.temperature == 1.0
+            else torch.log_softmax(logits_NV / self.temperature, dim=-1).gather(-1, tokens_N1)[:, 0]
         )
-    return torch.stack(sampling, dim=1).cpu(), torch.stack(raw, dim=1).cpu()
+        self.pending_NV = None
+
+    def finish(self, last_tokens_N: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sampling, raw) logprobs, each [N, S] on the CPU, once generate has drawn `last_tokens_N`."""
+        if self.pending_NV is not None:
+            self._score(last_tokens_N)
+        return torch.stack(self.sampling, dim=1).cpu(), torch.stack(self.raw, dim=1).cpu()
 
 
 class _StopStrings(StoppingCriteria):
