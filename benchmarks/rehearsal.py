@@ -1,5 +1,7 @@
 """Benchmark: the CPU rehearsal (`+experiment=rehearsal_0p5b`) in lit_grpo and in TRL's `GRPOTrainer`,
-side by side: seconds per step and peak resident memory.
+side by side: seconds per step and peak resident memory. Three sides by default: lit_grpo with
+`--micro-batch` sequences per forward (`lit`), lit_grpo with `--token-budget` tokens per forward
+(`lit_budget`: `micro_batch_max_tokens`), and TRL with `--micro-batch` (`trl`).
 
     make bench-rehearsal                                  # installs the pinned trl here first
     python -m benchmarks.rehearsal                        # the experiment's settings: 4 layers, 2×8, 256 tokens
@@ -24,15 +26,17 @@ without checkpoints or the final export, as TRL's runs without saving.
 
 What differs and could not be made equal (each is either side's own design):
 
-- Sampling. lit_grpo's `sampler=hf` generates with a private copy of the policy (a weight sync
-  copies the weights into it after every step) and keeps each step's logits to report the
-  sampler's logprobs; TRL generates with the policy itself and keeps no logits. Both use
-  transformers' `generate` with temperature 1, top-p 1, top-k 0, left-padded prompts.
+- Sampling. Both generate with the policy itself through transformers' `generate` (temperature 1,
+  top-p 1, top-k 0, left-padded prompts): lit_grpo's `sampler=hf` shares the policy's weights in
+  synchronous training (`sampler.share_policy_weights=auto`), so its weight sync copies nothing.
+  lit_grpo scores each sampled token as it is drawn (the sampler's logprobs, for the importance
+  weights); TRL keeps none.
 - Importance weights. lit_grpo's `grpo` loss multiplies each token by the truncated weight
   min(exp(old - sampler), 5) (about 1 here); TRL's uses no sampler logprobs without vLLM.
-- Logits. lit_grpo takes log-softmax of the full LM head's logits at every position of prompt +
-  completion; TRL runs its chunked log-prob kernel (`fused_lm_head=True`,
-  `trl/kernels/chunked_logprob.py`) with the prompt positions masked out of the labels.
+- Logits. lit_grpo runs the LM head from the first completion column of each micro-batch
+  (transformers' `logits_to_keep`) over right-padded prompt + completion rows, then its chunked
+  log-softmax; TRL left-pads prompts, keeps the completion's logits only, and runs its chunked
+  log-prob kernel (`fused_lm_head=True`, `trl/kernels/chunked_logprob.py`).
 - Reference model. lit_grpo's is a deep copy of the built policy; TRL loads its own from the
   folder (the same weights).
 - Optimizer. Both run torch's fused AdamW (TRL: `TrainingArguments`' `adamw_torch_fused`), but
@@ -91,13 +95,21 @@ class Settings:
     kl_beta: float = 0.001
     dtype: str = "float32"
     seed: int = 0
+    token_budget: int = 2048
+    """lit_grpo's `lit_budget` side: `micro_batch_max_tokens` (no count of sequences) instead of `micro_batch`."""
     lit_overrides: list = dataclasses.field(default_factory=list)
     """Hydra overrides for lit_grpo's side, e.g. micro_batch_max_tokens=4096."""
     trl_args: dict = dataclasses.field(default_factory=dict)
     """GRPOConfig fields for TRL's side, e.g. {"use_transformers_paged": True}."""
 
-    def lit_config_overrides(self) -> list[str]:
-        """The lit_grpo run: the experiment at these settings, no checkpoints, no export."""
+    def lit_config_overrides(self, side: str = "lit") -> list[str]:
+        """The lit_grpo run: the experiment at these settings, no checkpoints, no export; micro-batches
+        of `micro_batch` sequences (`lit`) or of at most `token_budget` tokens (`lit_budget`)."""
+        micro = (
+            ["micro_batch_size=0", f"micro_batch_max_tokens={self.token_budget}"]
+            if side == "lit_budget"
+            else [f"micro_batch_size={self.micro_batch}", "micro_batch_max_tokens=0"]
+        )
         return [
             "+experiment=rehearsal_0p5b",
             f"model.num_layers={self.layers}",
@@ -107,7 +119,7 @@ class Settings:
             f"data.completions_per_prompt={self.group}",
             f"sampler.max_completion_tokens={self.tokens}",
             f"data.max_seq_len={self.tokens + 512}",  # every GSM8K prompt fits
-            f"micro_batch_size={self.micro_batch}",
+            *micro,
             f"learning_rate={self.learning_rate}",
             f"policy_loss.kl_beta={self.kl_beta}",
             f"seed={self.seed}",
@@ -149,17 +161,24 @@ def versions() -> dict[str, str]:
     return found
 
 
-def run_lit_side(settings: Settings, work_dir: Path) -> dict:
-    """lit_grpo's side, in this process: the experiment through `train`; its steps from metrics.csv."""
+def run_lit_side(settings: Settings, work_dir: Path, side: str = "lit") -> dict:
+    """lit_grpo's side, in this process: the experiment through `train`; its steps from metrics.csv.
+    `lit_budget` cuts micro-batches by tokens (`micro_batch_max_tokens`) instead of by sequences."""
     import csv
 
     from lit_grpo.train import compose_config, train
 
     start = time.perf_counter()
-    train(compose_config([*settings.lit_config_overrides(), f"output_dir={work_dir}"]))
+    train(compose_config([*settings.lit_config_overrides(side), f"output_dir={work_dir}"]))
     rows = list(csv.DictReader((work_dir / "metrics.csv").open()))
     seconds = [float(r["perf/step_s"]) for r in rows if r.get("perf/step_s")]
-    return {"side": "lit_grpo", **step_summary(seconds, settings.warmup), "wall_s": time.perf_counter() - start}
+    padding = [float(r["perf/padding_frac"]) for r in rows if r.get("perf/padding_frac")]
+    return {
+        "side": "lit_grpo" if side == "lit" else f"lit_grpo, {settings.token_budget}-token micro-batches",
+        **step_summary(seconds, settings.warmup),
+        "padding_frac": statistics.median(padding) if padding else float("nan"),
+        "wall_s": time.perf_counter() - start,
+    }
 
 
 def run_side_in_subprocess(side: str, settings: Settings, work_dir: Path) -> dict:
@@ -183,12 +202,13 @@ def table(results: list[dict], settings: Settings) -> str:
         f"rehearsal: Qwen2.5-0.5B shapes cut to {s.layers} layers, {s.dtype}, {s.prompts} prompts x G={s.group}, "
         f"{s.tokens} completion tokens, micro-batch {s.micro_batch}, lr {s.learning_rate:g}, beta {s.kl_beta:g}, "
         f"{s.steps} steps (median over steps after the first {s.warmup})",
-        f"{'side':<10} {'s/step':>9} {'first step s':>13} {'peak RSS GiB':>13} {'steps':>6}",
+        f"{'side':<40} {'s/step':>9} {'first step s':>13} {'peak RSS GiB':>13} {'padding':>8} {'steps':>6}",
     ]
     for r in results:
+        padding = f"{r['padding_frac']:>8.2f}" if "padding_frac" in r else f"{'-':>8}"
         lines.append(
-            f"{r['side']:<10} {r['step_s_median']:>9.1f} {r['first_step_s']:>13.1f} {r['peak_rss_gib']:>13.2f} "
-            f"{r['steps']:>6}"
+            f"{r['side']:<40} {r['step_s_median']:>9.1f} {r['first_step_s']:>13.1f} {r['peak_rss_gib']:>13.2f} "
+            f"{padding} {r['steps']:>6}"
         )
     lines.append("versions: " + ", ".join(f"{k} {v}" for k, v in results[0]["versions"].items()) if results else "")
     return "\n".join(lines)
@@ -205,13 +225,13 @@ def parse_value(text: str):
 def main() -> None:
     defaults = Settings()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    for field in ("layers", "steps", "warmup", "prompts", "group", "tokens", "micro_batch"):
+    for field in ("layers", "steps", "warmup", "prompts", "group", "tokens", "micro_batch", "token_budget"):
         parser.add_argument(f"--{field.replace('_', '-')}", type=int, default=getattr(defaults, field))
     parser.add_argument("--learning-rate", type=float, default=defaults.learning_rate)
     parser.add_argument("--kl-beta", type=float, default=defaults.kl_beta)
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=defaults.dtype)
     parser.add_argument("--seed", type=int, default=defaults.seed)
-    parser.add_argument("--sides", default="lit,trl", help="comma-separated: lit, trl")
+    parser.add_argument("--sides", default="lit,lit_budget,trl", help="comma-separated: lit, lit_budget, trl")
     parser.add_argument("--lit-override", action="append", default=[], metavar="KEY=VALUE", help="lit_grpo only")
     parser.add_argument(
         "--trl-arg", action="append", default=[], metavar="KEY=VALUE", help="GRPOConfig field, TRL only"
@@ -219,7 +239,7 @@ def main() -> None:
     parser.add_argument("--keep", action="store_true", help="keep the runs' folders (logs, metrics)")
     parser.add_argument("--json", type=Path, help="also write the results here")
     # One side in this process (what the driver runs in a subprocess).
-    parser.add_argument("--run-side", choices=["lit"], help=argparse.SUPPRESS)
+    parser.add_argument("--run-side", choices=["lit", "lit_budget"], help=argparse.SUPPRESS)
     parser.add_argument("--settings", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--work-dir", type=Path, help=argparse.SUPPRESS)
@@ -227,12 +247,15 @@ def main() -> None:
 
     if args.run_side:
         settings = Settings(**json.loads(args.settings))
-        result = run_lit_side(settings, args.work_dir)
+        result = run_lit_side(settings, args.work_dir, args.run_side)
         args.out.write_text(json.dumps({**result, "peak_rss_gib": peak_rss_gib(), "versions": versions()}))
         return
 
     settings = Settings(
-        **{f: getattr(args, f) for f in ("layers", "steps", "warmup", "prompts", "group", "tokens", "micro_batch")},
+        **{
+            f: getattr(args, f)
+            for f in ("layers", "steps", "warmup", "prompts", "group", "tokens", "micro_batch", "token_budget")
+        },
         learning_rate=args.learning_rate,
         kl_beta=args.kl_beta,
         dtype=args.dtype,
@@ -243,8 +266,8 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="rehearsal-bench-"))
     results = []
     for side in [s.strip() for s in args.sides.split(",") if s.strip()]:
-        if side not in ("lit", "trl"):
-            sys.exit(f"--sides: unknown side {side!r}; valid: lit, trl")
+        if side not in ("lit", "lit_budget", "trl"):
+            sys.exit(f"--sides: unknown side {side!r}; valid: lit, lit_budget, trl")
         print(f"running {side} ... (log: {root / (side + '.log')})", flush=True)
         results.append(run_side_in_subprocess(side, settings, root))
     print(table(results, settings))
