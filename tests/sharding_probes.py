@@ -46,6 +46,14 @@ class SamplerHoldsPolicy(L.Callback):
                 "names_missing": sorted(set(sampler) - set(policy)),
                 "max_abs_diff": max((sampler[n].float() - t.float()).abs().max().item() for n, t in policy.items()),
                 "policy_sum": sum(t.double().sum().item() for t in policy.values()),  # changes when a step trained
+                "optimizer_state": sorted(
+                    {
+                        type(v).__name__
+                        for state in trainer.optimizers[0].state.values()
+                        for v in state.values()
+                        if isinstance(v, torch.Tensor) and v.dim() > 0
+                    }
+                ),
             },
         )
 

@@ -97,6 +97,7 @@ def test_a_killed_fsdp2_run_resumes_bit_identical_and_every_sync_hands_the_sampl
         syncs = _records(tmp_path, "sampler_sync", rank)
         assert [s["after_step"] for s in syncs][:5] == [1, 2, 3, 4, 5]
         assert all(s["sharded"] and not s["names_missing"] and s["max_abs_diff"] == 0.0 for s in syncs), syncs
+        assert all(s["optimizer_state"] == ["DTensor"] for s in syncs), syncs  # AdamW's moments are sharded too
         sums = [s["policy_sum"] for s in syncs]
         assert len(set(sums)) == len(sums), "a step did not change the policy: the comparison proves nothing"
 
