@@ -64,6 +64,37 @@ def union(batches: list[RolloutBatch]) -> RolloutBatch:
     return RolloutBatch(**{f: torch.cat([getattr(b, f) for b in batches]) for f in fields})
 
 
+def run_probe(out: Path, devices: int, sizes: str, *args: str) -> None:
+    """Run this script in a fresh process (`args`: strategy, kl_beta, mode, overrides); fail on its error."""
+    import os
+    import subprocess
+
+    tests = Path(__file__).resolve().parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests), str(tests.parent)]), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, __file__, str(out), str(devices), sizes, *args],
+        cwd=out,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def assert_ranks_equal_the_union(out: Path, strategy: str) -> None:
+    """Each rank's gradient of each step (one per normalization) is one process's on the union, to 1e-6."""
+    single = torch.load(out / f"grads_{strategy}_world1_rank0.pt")
+    ranks = [torch.load(out / f"grads_{strategy}_world2_rank{r}.pt") for r in (0, 1)]
+    assert len(single) == len(ranks[0]) == len(ranks[1]) == len(NORMALIZATIONS)
+    for step, normalization in enumerate(NORMALIZATIONS):
+        assert any(g.abs().max() > 0 for g in single[step].values())
+        for name, expected in single[step].items():
+            for rank in ranks:
+                diff = (rank[step][name] - expected).abs().max().item()
+                assert diff <= 1e-6, f"{normalization}: {name} differs by {diff}"
+
+
 def full(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 

@@ -5,15 +5,12 @@ ranks, and a killed DDP run resumes bit-identical to an uninterrupted one."""
 from __future__ import annotations
 
 import csv
-import os
 import shutil
-import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 
 import pytest
-import torch
+from ddp_grad_probe import assert_ranks_equal_the_union, run_probe
 from test_checkpoint import assert_bit_identical, run_cli, tensors
 
 REPO = Path(__file__).resolve().parents[1]
@@ -62,28 +59,9 @@ def test_ranks_sample_disjoint_rows_that_together_are_a_single_process_run_with_
 
 @pytest.mark.parametrize("sizes", ["4,6"])
 def test_two_process_gradient_equals_one_process_gradient_on_the_union(sizes, tmp_path):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), str(REPO)])}
     for devices in (1, 2):
-        proc = subprocess.run(
-            [sys.executable, str(TESTS / "ddp_grad_probe.py"), str(tmp_path), str(devices), sizes],
-            cwd=tmp_path,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
-        assert proc.returncode == 0, proc.stderr[-3000:]
-    single = torch.load(tmp_path / "grads_ddp_world1_rank0.pt")
-    ranks = [torch.load(tmp_path / f"grads_ddp_world2_rank{r}.pt") for r in (0, 1)]
-    from ddp_grad_probe import NORMALIZATIONS
-
-    assert len(single) == len(ranks[0]) == len(ranks[1]) == len(NORMALIZATIONS)
-    for step, normalization in enumerate(NORMALIZATIONS):
-        assert any(g.abs().max() > 0 for g in single[step].values())
-        for name, expected in single[step].items():
-            for rank in ranks:
-                diff = (rank[step][name] - expected).abs().max().item()
-                assert diff <= 1e-6, f"{normalization}: {name} differs by {diff}"
+        run_probe(tmp_path, devices, sizes)
+    assert_ranks_equal_the_union(tmp_path, "ddp")
 
 
 def test_a_killed_ddp_run_resumes_bit_identical(tmp_path):

@@ -6,13 +6,11 @@ full weights at every sync, and LoRA under FSDP2 trains its adapters only."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from ddp_grad_probe import assert_ranks_equal_the_union, run_probe
 from test_checkpoint import assert_bit_identical, run_cli, tensors
 from test_ddp import _metrics
 
@@ -20,19 +18,6 @@ REPO = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent
 FSDP2 = ["trainer.accelerator=cpu", "trainer.devices=2", "trainer.strategy=fsdp2"]
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
-
-
-def _probe(out: Path, devices: int, sizes: str, *args: str) -> None:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), str(REPO)]), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, str(TESTS / "ddp_grad_probe.py"), str(out), str(devices), sizes, "fsdp2", *args],
-        cwd=out,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
 
 
 def _records(out: Path, name: str, rank: int) -> list[dict]:
@@ -49,23 +34,13 @@ def _records(out: Path, name: str, rank: int) -> list[dict]:
 )
 def test_sharded_gradient_equals_one_process_gradient_on_the_union(sizes, overrides, tmp_path):
     for devices in (1, 2):
-        _probe(tmp_path, devices, sizes, "0.01", "grads", *overrides)  # kl_beta > 0: the sharded reference too
-    from ddp_grad_probe import NORMALIZATIONS
-
-    single = torch.load(tmp_path / "grads_fsdp2_world1_rank0.pt")
-    ranks = [torch.load(tmp_path / f"grads_fsdp2_world2_rank{r}.pt") for r in (0, 1)]
-    assert len(single) == len(ranks[0]) == len(ranks[1]) == len(NORMALIZATIONS)
-    for step, normalization in enumerate(NORMALIZATIONS):
-        assert any(g.abs().max() > 0 for g in single[step].values())
-        for name, expected in single[step].items():
-            for rank in ranks:
-                diff = (rank[step][name] - expected).abs().max().item()
-                assert diff <= 1e-6, f"{normalization}: {name} differs by {diff}"
+        run_probe(tmp_path, devices, sizes, "fsdp2", "0.01", "grads", *overrides)  # kl_beta > 0: the reference too
+    assert_ranks_equal_the_union(tmp_path, "fsdp2")
 
 
 def test_sharded_training_ends_with_the_weights_of_one_process_on_the_union(tmp_path):
     for devices in (1, 2):
-        _probe(tmp_path, devices, "4,6", "0.01", "train")
+        run_probe(tmp_path, devices, "4,6", "fsdp2", "0.01", "train")
     single = torch.load(tmp_path / "weights_fsdp2_world1_rank0.pt")
     ranks = [torch.load(tmp_path / f"weights_fsdp2_world2_rank{r}.pt") for r in (0, 1)]
     moved = 0
