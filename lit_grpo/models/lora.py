@@ -84,6 +84,10 @@ class AdapterFreeView:
     def eval(self) -> AdapterFreeView:
         return self  # the policy's own mode applies (GRPOModule keeps it in eval)
 
+    def get_base_model(self) -> nn.Module:
+        """The transformers model under the adapters (whose forward's arguments this view takes)."""
+        return self._policy.get_base_model()
+
 
 def _clean(name: str) -> str:
     """A module name without wrapper parts (DDP's leading `module.`, FSDP1's, compile's)."""
