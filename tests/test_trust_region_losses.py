@@ -74,6 +74,13 @@ def test_sapo_gate_by_hand():
     assert_close(loss, t(-1.5 / 5))
 
 
+def test_sapo_temperature_keeps_the_input_precision():
+    # The default τ_neg = 1.05 is not a float32 number; at r = 1 (σ = 1/2) with A = -1 the loss is
+    # 2/1.05 to float64 precision, not 2/float32(1.05) (off by 5e-8).
+    loss, _, _ = run("sapo", pi=leaf([[-1.0]]), advantages=t([-1.0]))
+    assert_close(loss, t(2 / 1.05), rtol=1e-12, atol=0.0)
+
+
 def test_sapo_rejects_a_non_positive_temperature():
     with pytest.raises(ValueError, match="sapo_tau_pos and sapo_tau_neg must be > 0"):
         run("sapo", pi=leaf([[-1.0]]), advantages=t([1.0]), sapo_tau_neg=0.0)
@@ -252,17 +259,19 @@ def test_dppo_gradient_on_random_tokens():
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("name", ["sapo", "gmpo", "dppo"])
 def test_two_training_steps(tmp_path, name):
-    # The arithmetic demo, two optimizer steps with the loss: finite losses, the loss's own metric
-    # logged, and weights that moved.
+    # The arithmetic demo, two rollout batches of two minibatches each: the second minibatch trains
+    # off-policy (r != 1), so the gate, the log-space clip and the mask all see real ratios. The
+    # losses stay finite, the loss's own metric is logged, and the weights move.
     c = validate(
         compose_config(
             "+experiment=arithmetic",
             "max_steps=2",
+            "ppo_n_minibatches=2",
             f"policy_loss={name}",
             "~callbacks.reward_filter",
             "trainer.enable_progress_bar=false",
             output_dir=tmp_path,
-        )  # fmt: skip
+        )
     )
     trainer, module, datamodule = build_run(c)
     before = {key: p.detach().clone() for key, p in module.policy.named_parameters()}
@@ -270,7 +279,12 @@ def test_two_training_steps(tmp_path, name):
     steps = module.step_sequence.history.steps
     assert len(steps) == 2
     assert all(math.isfinite(step["train/loss"]) for step in steps)
-    own_metric = {"sapo": "sapo/gate_weight_mean", "gmpo": "clip_frac", "dppo": "dppo/divergence_mean"}[name]
-    assert any(key.endswith(own_metric) for key in steps[-1]), sorted(steps[-1])
+    assert any(abs(step["train/ratio_mean"] - 1.0) > 1e-4 for step in steps)
+    own_metric = {
+        "sapo": "train/sapo/gate_weight_mean",
+        "gmpo": "train/clip_frac",
+        "dppo": "train/dppo/divergence_mean",
+    }
+    assert all(math.isfinite(step[own_metric[name]]) for step in steps)
     moved = [key for key, p in module.policy.named_parameters() if not torch.equal(p.detach(), before[key])]
     assert moved

@@ -43,7 +43,8 @@ def sapo_loss(*, logprobs, old_logprobs, advantages, mask, tis_weight, sapo_tau_
     if not (sapo_tau_pos > 0 and sapo_tau_neg > 0):
         raise ValueError(f"sapo: sapo_tau_pos and sapo_tau_neg must be > 0, got {sapo_tau_pos}, {sapo_tau_neg}")
     ratio_BT = ratio(logprobs, old_logprobs)
-    tau_BT = torch.where(advantages > 0, sapo_tau_pos, sapo_tau_neg).to(ratio_BT.dtype)
+    # Built in the ratio's dtype: a where() of two Python floats would round τ to float32.
+    tau_BT = torch.full_like(ratio_BT, sapo_tau_neg).masked_fill(advantages > 0, sapo_tau_pos)
     gate_BT = torch.sigmoid(tau_BT * (ratio_BT - 1))
     loss_BT = -gate_BT * (4 / tau_BT) * advantages * tis_weight
     gate_weight_BT = 4 * gate_BT.detach() * (1 - gate_BT.detach())
