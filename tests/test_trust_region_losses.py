@@ -18,7 +18,9 @@ from test_losses import leaf, random_inputs, run, t
 from torch.testing import assert_close
 
 from lit_grpo.build import build_run
+from lit_grpo.config import groups
 from lit_grpo.maths.losses import policy_loss, policy_loss_defaults
+from lit_grpo.maths.trust_region_losses import DPPO_DIVERGENCES
 from lit_grpo.run.validate import validate
 
 LN3 = math.log(3.0)
@@ -207,6 +209,11 @@ def test_dppo_zero_advantage_and_thresholds_are_checked():
         run("dppo", dppo_divergence="js", **dppo_batch())
     with pytest.raises(ValueError, match="must be > 0"):
         run("dppo", dppo_ratio_cap=0.0, **dppo_batch())
+
+
+def test_config_knows_the_same_divergences():
+    # lit_grpo.config cannot import lit_grpo.maths (a higher layer), so it keeps its own copy.
+    assert DPPO_DIVERGENCES == groups.DPPO_DIVERGENCES
 
 
 # --------------------------------------------------------------------------- all three

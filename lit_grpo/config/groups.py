@@ -210,6 +210,15 @@ NAMED_LOSS_HYPERPARAMS = (
     "tis_level",
 )
 _FLOAT_LOSS_HYPERPARAMS = tuple(k for k in NAMED_LOSS_HYPERPARAMS if k not in ("tis_level", "dppo_divergence"))
+_POSITIVE_LOSS_HYPERPARAMS = (
+    "sapo_tau_pos",
+    "sapo_tau_neg",
+    "dppo_tv_threshold",
+    "dppo_kl_threshold",
+    "dppo_ratio_cap",
+)
+DPPO_DIVERGENCES = ("tv", "kl")
+"""dppo's trust-region measures (the config layer cannot import lit_grpo.maths, which has the same tuple)."""
 
 
 @dataclass
@@ -274,6 +283,14 @@ class PolicyLossConfig:
         for key in _FLOAT_LOSS_HYPERPARAMS:
             if getattr(self, key) is not None:
                 require_finite(getattr(self, key), f"policy_loss.{key}")
+        for key in _POSITIVE_LOSS_HYPERPARAMS:
+            value = getattr(self, key)
+            require(value is None or value > 0, f"policy_loss.{key}", f"must be > 0, got {value}")
+        require(
+            self.dppo_divergence in (None, *DPPO_DIVERGENCES),
+            "policy_loss.dppo_divergence",
+            f"must be one of {', '.join(DPPO_DIVERGENCES)}, got {self.dppo_divergence!r}",
+        )
         self._check_advantage()
 
     def _check_advantage(self) -> None:  # the deprecated knobs, read by `adopt_legacy_advantage`
