@@ -85,6 +85,11 @@ def test_wrong_type_fails_at_compose_naming_it(tmp_path):
         ("learning_rate=0", "learning_rate"),
         ("model.kind=hf", "model.name_or_path"),
         ("policy_loss.dro_beta=0.1", "policy_loss.dro_beta"),
+        ("policy_loss.sapo_tau_pos=2.0", "policy_loss.sapo_tau_pos"),  # grpo takes no sapo temperature
+        ("policy_loss=sapo policy_loss.sapo_tau_neg=0", "policy_loss.sapo_tau_neg"),
+        ("policy_loss=dppo policy_loss.dppo_divergence=js", "policy_loss.dppo_divergence"),
+        ("policy_loss=dppo policy_loss.dppo_kl_threshold=-0.1", "policy_loss.dppo_kl_threshold"),
+        ("policy_loss=dppo policy_loss.dppo_ratio_cap=inf", "policy_loss.dppo_ratio_cap"),
         ("policy_loss.loss_normalization=mean", "policy_loss.loss_normalization"),
         ("policy_loss.name=no_such_module:mine", "policy_loss.name"),
         ("task.max_answer=-1", "task.max_answer"),

@@ -27,7 +27,7 @@ from lit_grpo.maths.losses import (
 )
 
 CONF_DIR = Path(__file__).parents[1] / "conf" / "policy_loss"
-BUILTIN = ("grpo", "dapo", "gspo", "cispo", "importance_sampling", "dro", "reinforce")
+BUILTIN = ("grpo", "dapo", "gspo", "cispo", "importance_sampling", "dro", "reinforce", "sapo", "gmpo", "dppo")
 F64 = torch.float64
 LN2 = math.log(2.0)
 
@@ -427,10 +427,13 @@ def test_metrics_are_detached_scalars(name):
     assert "ref_kl" not in metrics
 
 
-@pytest.mark.parametrize("variant", ["grpo", "dapo", "gspo", "cispo", "importance_sampling", "dro"])
+@pytest.mark.parametrize(
+    "variant", ["grpo", "dapo", "gspo", "cispo", "importance_sampling", "dro", "sapo", "gmpo", "dppo"]
+)
 def test_on_policy_gradient_equals_reinforce(variant):
     # π = old = sampler in value (old/sampler detached): r = R = w = 1, no clip, no proximal pull,
-    # and reinforce's ratio to the sampler is 1, so every gradient is -A per token, REINFORCE's.
+    # sapo's gate weight 4σ(0)(1 - σ(0)) = 1, no dppo mask, and reinforce's ratio to the sampler is
+    # 1, so every gradient is -A per token, REINFORCE's.
     # ref = π too, so grpo's k3 has zero gradient.
     x = random_inputs(6)
     x["old"], x["sampler"], x["ref"] = x["pi"].clone(), x["pi"].clone(), x["pi"].clone()
@@ -440,7 +443,7 @@ def test_on_policy_gradient_equals_reinforce(variant):
     assert_close(grad, grad_reinforce)
 
 
-@pytest.mark.parametrize("variant", ["grpo", "dapo", "gspo", "cispo", "importance_sampling"])
+@pytest.mark.parametrize("variant", ["grpo", "dapo", "gspo", "cispo", "importance_sampling", "sapo", "gmpo", "dppo"])
 def test_uniform_tis_weight_scales_loss(variant):
     # These losses are (surrogate)·w, so old - inf = ln 1.5 everywhere (under the cap 5) multiplies
     # loss and gradient by 1.5 compared with no sampler logprobs (w = 1).

@@ -195,7 +195,30 @@ def adopt_legacy_advantage(p: PolicyLossConfig, a: AdvantageConfig) -> Advantage
 # PolicyLossConfig's named hyper-parameters; any other goes in `params`.
 ADVANTAGE_KINDS = ("group", "igpo")
 """Deprecated `policy_loss.advantage`: per-sequence group-relative advantages, or IGPO's turn credit."""
-NAMED_LOSS_HYPERPARAMS = ("eps_clip", "eps_clip_high", "eps_clip_c", "dro_beta", "tis_cap", "tis_level")
+NAMED_LOSS_HYPERPARAMS = (
+    "eps_clip",
+    "eps_clip_high",
+    "eps_clip_c",
+    "dro_beta",
+    "sapo_tau_pos",
+    "sapo_tau_neg",
+    "dppo_divergence",
+    "dppo_tv_threshold",
+    "dppo_kl_threshold",
+    "dppo_ratio_cap",
+    "tis_cap",
+    "tis_level",
+)
+_FLOAT_LOSS_HYPERPARAMS = tuple(k for k in NAMED_LOSS_HYPERPARAMS if k not in ("tis_level", "dppo_divergence"))
+_POSITIVE_LOSS_HYPERPARAMS = (
+    "sapo_tau_pos",
+    "sapo_tau_neg",
+    "dppo_tv_threshold",
+    "dppo_kl_threshold",
+    "dppo_ratio_cap",
+)
+DPPO_DIVERGENCES = ("tv", "kl")
+"""dppo's trust-region measures (the config layer cannot import lit_grpo.maths, which has the same tuple)."""
 
 
 @dataclass
@@ -209,7 +232,7 @@ class PolicyLossConfig:
 
     name: str = field(default="grpo", metadata=DEFINES_STATE)
     """A registered variant (`lit_grpo.maths.losses`: grpo, importance_sampling, reinforce, dapo, dro,
-    gspo, cispo), or `module.path:name` for a user's loss: `module.path` is imported first (the
+    gspo, cispo, sapo, gmpo, dppo), or `module.path:name` for a user's loss: `module.path` is imported first (the
     working directory is importable) and its `@register_policy_loss("name")` registers it."""
     kl_beta: float = 0.001
     """β of the k3 KL penalty to the frozen reference; > 0 builds the reference model."""
@@ -225,13 +248,25 @@ class PolicyLossConfig:
     igpo_skip_last_ig: Optional[bool] = None
     """Deprecated (`advantage.params.skip_last_ig` under `advantage=igpo`)."""
     eps_clip: Optional[float] = None
-    """Lower clip ε of the ratio (1 - ε)."""
+    """Lower clip ε of the ratio (1 - ε); for gmpo, of the log-ratio (-ε)."""
     eps_clip_high: Optional[float] = None
-    """Upper clip ε of the ratio (1 + ε)."""
+    """Upper clip ε of the ratio (1 + ε); for gmpo, of the log-ratio (+ε)."""
     eps_clip_c: Optional[float] = None
     """dapo's dual-clip constant c for negative advantages (null: off)."""
     dro_beta: Optional[float] = None
     """dro's quadratic penalty β."""
+    sapo_tau_pos: Optional[float] = None
+    """sapo's gate temperature for tokens with A > 0."""
+    sapo_tau_neg: Optional[float] = None
+    """sapo's gate temperature for tokens with A <= 0."""
+    dppo_divergence: Optional[str] = None
+    """dppo's trust-region measure: `tv` (p - p_old) or `kl` (the Bernoulli KL of p_old to p)."""
+    dppo_tv_threshold: Optional[float] = None
+    """dppo's TV threshold (with dppo_divergence=tv)."""
+    dppo_kl_threshold: Optional[float] = None
+    """dppo's KL threshold (with dppo_divergence=kl)."""
+    dppo_ratio_cap: Optional[float] = None
+    """dppo's truncation of the detached ratio that weighs each kept token."""
     tis_cap: Optional[float] = None
     """Cap of the truncated importance weight against the sampler's logprobs."""
     tis_level: Optional[str] = None
@@ -245,9 +280,17 @@ class PolicyLossConfig:
     ) -> None:  # names and hyper-parameters are checked against the loss registry in lit_grpo.run.validate
         require_finite(self.kl_beta, "policy_loss.kl_beta")
         require(self.kl_beta >= 0, "policy_loss.kl_beta", f"must be >= 0, got {self.kl_beta}")
-        for key in ("eps_clip", "eps_clip_high", "eps_clip_c", "dro_beta", "tis_cap"):
+        for key in _FLOAT_LOSS_HYPERPARAMS:
             if getattr(self, key) is not None:
                 require_finite(getattr(self, key), f"policy_loss.{key}")
+        for key in _POSITIVE_LOSS_HYPERPARAMS:
+            value = getattr(self, key)
+            require(value is None or value > 0, f"policy_loss.{key}", f"must be > 0, got {value}")
+        require(
+            self.dppo_divergence in (None, *DPPO_DIVERGENCES),
+            "policy_loss.dppo_divergence",
+            f"must be one of {', '.join(DPPO_DIVERGENCES)}, got {self.dppo_divergence!r}",
+        )
         self._check_advantage()
 
     def _check_advantage(self) -> None:  # the deprecated knobs, read by `adopt_legacy_advantage`

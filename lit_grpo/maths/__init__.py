@@ -1,6 +1,7 @@
 """The maths of a step, as pure tensor functions: nothing here knows about Lightning or a config.
 
 losses.py      the policy-loss registry (grpo, dapo, gspo, cispo, ...) and `policy_loss`
+trust_region_losses.py  sapo, gmpo, dppo (registered by losses.py): soft gate, geometric mean, divergence mask
 loss_terms.py  what every loss shares: ratio, k3 KL, TIS weights, masked means, aggregation
 advantages.py  the advantage registry (grpo, dr_grpo, igpo, ...) and group-relative advantages
 igpo.py        IGPO's turn-level credit: information gains, discounted turn returns (the igpo entry)

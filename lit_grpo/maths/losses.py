@@ -1,16 +1,17 @@
 """Policy losses of the GRPO family: a registry of pure per-token loss functions.
 
-Each variant (grpo, dapo, gspo, cispo, importance_sampling, dro, reinforce) is a function of
-keyword-only `[B, T]` tensors returning `(loss_BT, metrics)`, registered by name with its default
-hyper-parameters (`register_policy_loss`; a user's module can add its own). What the variants
-share, and nothing that depends on which variant it is, lives in `per_token_policy_loss`: input
-checks, the truncated importance weights against the sampler (for variants registered with
-`uses_tis=True`; a variant that declares a `sampler_logprobs` keyword gets those logprobs
-themselves), the k3 KL penalty to the reference when `kl_beta > 0`, and the common metrics.
-`policy_loss` then reduces the matrix with `aggregate_loss` in the configured normalization.
-The formulas and the defaults are tabled in docs/guides/policy-losses.md. Every function taking a
-loss `name` also accepts `module.path:name`, which imports `module.path` (the module that
-registers the loss) first, so a user's loss is usable from the config alone.
+Each variant (grpo, dapo, gspo, cispo, importance_sampling, dro, reinforce; and sapo, gmpo, dppo,
+whose functions live in `trust_region_losses`) is a function of keyword-only `[B, T]` tensors
+returning `(loss_BT, metrics)`, registered by name with its default hyper-parameters
+(`register_policy_loss`; a user's module can add its own). What the variants share, and nothing
+that depends on which variant it is, lives in `per_token_policy_loss`: input checks, the truncated
+importance weights against the sampler (for variants registered with `uses_tis=True`; a variant
+that declares a `sampler_logprobs` keyword gets those logprobs themselves), the k3 KL penalty to
+the reference when `kl_beta > 0`, and the common metrics. `policy_loss` then reduces the matrix
+with `aggregate_loss` in the configured normalization. The formulas and the defaults are tabled in
+docs/guides/policy-losses.md. Every function taking a loss `name` also accepts `module.path:name`,
+which imports `module.path` (the module that registers the loss) first, so a user's loss is usable
+from the config alone.
 
     loss, metrics = policy_loss("dapo", logprobs=pi_BT, old_logprobs=old_BT,
                                 sampler_logprobs=inf_BT, ref_logprobs=None, advantages=A_B,
@@ -37,6 +38,7 @@ from lit_grpo.maths.loss_terms import (
     ratio,
     tis_weights,
 )
+from lit_grpo.maths.trust_region_losses import dppo_loss, gmpo_loss, sapo_loss
 from lit_grpo.registry import lookup
 
 __all__ = [
@@ -348,3 +350,11 @@ def reinforce_loss(*, logprobs, old_logprobs, sampler_logprobs, advantages, mask
     behaviour_BT = logprobs.detach() if sampler_logprobs is None else sampler_logprobs
     ratio_BT = ratio(logprobs, behaviour_BT)
     return -ratio_BT * advantages, {"ratio_mean": masked_mean(ratio_BT.detach(), mask)}
+
+
+# The newer trust regions live in their own module (which cannot import this one); their defaults are here.
+register_policy_loss("sapo", sapo_tau_pos=1.0, sapo_tau_neg=1.05)(sapo_loss)
+register_policy_loss("gmpo", eps_clip=0.4, eps_clip_high=0.4)(gmpo_loss)
+register_policy_loss("dppo", dppo_divergence="tv", dppo_tv_threshold=0.2, dppo_kl_threshold=0.05, dppo_ratio_cap=20.0)(
+    dppo_loss
+)

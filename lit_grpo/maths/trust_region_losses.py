@@ -1,0 +1,149 @@
+"""Newer trust regions than PPO's hard ratio clip: SAPO's soft gate, GMPO's geometric-mean clip,
+DPPO's divergence mask.
+
+Plain variant functions with the signature `lit_grpo.maths.losses` expects (keyword-only `[B, T]`
+tensors, already zeroed on masked-out tokens, returning `(loss_BT, metrics)`); `losses` registers
+them with their defaults, so this module imports only the shared terms below it. Notation as in
+docs/guides/policy-losses.md: π the current logprob, old the logprob before this batch's first
+update, r = exp(clamp(π - old, -20, 20)), A the advantage, w the TIS weight, sg stop-gradient.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lit_grpo.maths.loss_terms import masked_mean, masked_seq_mean, ratio
+
+DPPO_DIVERGENCES = ("tv", "kl")
+"""What `dppo_divergence` may name: the total-variation or the KL divergence of the two policies'
+Bernoulli distributions over the sampled token (DPPO's "Binary-TV" and "Binary-KL")."""
+
+# exp() of the log-ratio is capped at ±20 everywhere in lit_grpo (see loss_terms.ratio).
+_LOG_RATIO_CLAMP = 20.0
+# 1 - p of a token the model is sure of underflows to 0; the KL's log needs a floor (verl uses 1e-8 too).
+_PROB_FLOOR = 1e-8
+
+
+def _frac(flags_BT: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
+    return masked_mean(flags_BT.to(mask_BT.dtype), mask_BT)
+
+
+def sapo_loss(*, logprobs, old_logprobs, advantages, mask, tis_weight, sapo_tau_pos, sapo_tau_neg):
+    """SAPO, Soft Adaptive Policy Optimization (Qwen, arXiv 2511.20347): a sigmoid gate on the ratio
+    in place of the hard clip,
+
+        L = -f(r)·A·w,   f(r) = σ(τ·(r - 1))·4/τ,   τ = sapo_tau_pos if A > 0 else sapo_tau_neg.
+
+    dL/dπ = -4·σ(1 - σ)·r·A·w with σ = σ(τ(r - 1)): at r = 1 the gate's weight 4σ(1 - σ) is 1 (the
+    policy gradient), and it decays smoothly as r leaves 1, faster for a larger τ; the paper takes
+    τ_neg > τ_pos (defaults 1.0 and 1.05) because negative updates destabilize more. A = 0 takes
+    τ_neg, as in verl and TRL. The value at r = 1 is -2A/τ, not -A: only the gradient is the
+    policy gradient's. Metric `sapo/gate_weight_mean`: the mean of 4σ(1 - σ). Shape: [B, T].
+    """
+    if not (sapo_tau_pos > 0 and sapo_tau_neg > 0):
+        raise ValueError(f"sapo: sapo_tau_pos and sapo_tau_neg must be > 0, got {sapo_tau_pos}, {sapo_tau_neg}")
+    ratio_BT = ratio(logprobs, old_logprobs)
+    # Built in the ratio's dtype: a where() of two Python floats would round τ to float32.
+    tau_BT = torch.full_like(ratio_BT, sapo_tau_neg).masked_fill(advantages > 0, sapo_tau_pos)
+    gate_BT = torch.sigmoid(tau_BT * (ratio_BT - 1))
+    loss_BT = -gate_BT * (4 / tau_BT) * advantages * tis_weight
+    gate_weight_BT = 4 * gate_BT.detach() * (1 - gate_BT.detach())
+    return loss_BT, {"sapo/gate_weight_mean": masked_mean(gate_weight_BT, mask)}
+
+
+def gmpo_loss(*, logprobs, old_logprobs, advantages, mask, tis_weight, eps_clip, eps_clip_high):
+    """GMPO, Geometric-Mean Policy Optimization (arXiv 2507.20673): a sequence's ratio is the
+    geometric mean of its token ratios, each clipped PPO-style in log space,
+
+        l_t = clamp(π_t - old_t, -20, 20)
+        c_t = -eps_clip       if A < 0 and l_t < -eps_clip        (clipped: constant)
+              eps_clip_high   if A > 0 and l_t > eps_clip_high    (clipped: constant)
+              l_t             otherwise
+        R   = exp(Σ_t m_t·c_t / Σ_t m_t)          (the geometric mean of the clipped ratios)
+        L_t = -A·exp(c_t - sg(c_t) + sg(log R))·w_t
+
+    so every token's value is the sequence's -R·A·w and its gradient -R·A·w·∇π_t (0 where c_t is
+    clipped). With `loss_normalization=seq_mean` the gradient is that of the paper's -R·A per
+    sequence, R's own ∇R = R·mean_t ∇c_t; `token_mean` weighs each sequence by its length, as
+    GSPO-token does here. With token-level TIS weights each token's gradient term carries its own
+    w_t (the value's derivative would spread the sequence's mean weight); `tis_level=sequence`
+    gives every token of a sequence its geometric-mean weight, verl's choice. The paper's default
+    range is (-0.4, 0.4) in log space (ratios within [e^-0.4, e^0.4]), hence eps_clip =
+    eps_clip_high = 0.4; a token exactly on an edge is not clipped. verl calls it `geo_mean` (its
+    clip_ratio_low/high are these log-space ε). `clip_frac`: clipped tokens; `ratio_mean`: the mean
+    of R over tokens. Shape: [B, T].
+    """
+    log_ratio_BT = (logprobs - old_logprobs).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+    clipped_low_BT = (advantages < 0) & (log_ratio_BT < -eps_clip)
+    clipped_high_BT = (advantages > 0) & (log_ratio_BT > eps_clip_high)
+    clipped_log_ratio_BT = torch.where(clipped_high_BT, eps_clip_high, log_ratio_BT)
+    clipped_log_ratio_BT = torch.where(clipped_low_BT, -eps_clip, clipped_log_ratio_BT)
+    log_seq_ratio_B1 = masked_seq_mean(clipped_log_ratio_BT.detach(), mask)[:, None]
+    token_log_ratio_BT = clipped_log_ratio_BT - clipped_log_ratio_BT.detach() + log_seq_ratio_B1
+    seq_ratio_BT = torch.exp(token_log_ratio_BT)
+    metrics = {
+        "clip_frac": _frac(clipped_low_BT | clipped_high_BT, mask),
+        "ratio_mean": masked_mean(seq_ratio_BT.detach(), mask),
+    }
+    return -seq_ratio_BT * advantages * tis_weight, metrics
+
+
+def dppo_loss(
+    *,
+    logprobs,
+    old_logprobs,
+    advantages,
+    mask,
+    tis_weight,
+    dppo_divergence,
+    dppo_tv_threshold,
+    dppo_kl_threshold,
+    dppo_ratio_cap,
+):
+    """DPPO, Divergence Proximal Policy Optimization ("Rethinking the Trust Region in LLM
+    Reinforcement Learning", arXiv 2602.04879; verl's `dppo_tv`/`dppo_kl`, Stable-RL): the ratio
+    clip is replaced by a mask of the tokens whose update has left the trust region, measured as a
+    divergence between the two policies' probabilities of the sampled token, p = e^π and
+    p_old = e^old, rather than as a ratio:
+
+        L = -sg(min(r, dppo_ratio_cap))·π·A·w·keep
+
+    `tv`: D = p - p_old; a token with A > 0 is dropped when D > dppo_tv_threshold, one with A <= 0
+    when D < -dppo_tv_threshold. `kl`: D = p_old·log(p_old/p) + (1 - p_old)·log((1 - p_old)/(1 - p)),
+    the KL of the Bernoulli(p_old) to Bernoulli(p); a token is dropped when D > dppo_kl_threshold
+    and p moved the way A pushes it (p > p_old for A > 0, p < p_old for A <= 0). A token exactly
+    at the threshold is kept. The mask is a constant, and the gradient of a kept token is
+    -min(r, cap)·A·w·∇π (CISPO's form, without its clip); a dropped token gets none. Defaults:
+    TV 0.2 (verl's default clip_ratio, which verl's dppo_tv reads as the threshold), KL 0.05,
+    cap 20 (verl's fallback for clip_ratio_c). Metrics: `clip_frac` (tokens dropped),
+    `dppo/divergence_mean` (D over the masked-in tokens), `dppo/ratio_cap_frac` (kept tokens whose
+    ratio hit the cap). Shape: [B, T].
+    """
+    if dppo_divergence not in DPPO_DIVERGENCES:
+        raise ValueError(f"dppo: dppo_divergence must be one of {', '.join(DPPO_DIVERGENCES)}, got {dppo_divergence!r}")
+    if not (dppo_tv_threshold > 0 and dppo_kl_threshold > 0 and dppo_ratio_cap > 0):
+        raise ValueError("dppo: dppo_tv_threshold, dppo_kl_threshold and dppo_ratio_cap must be > 0")
+    pi_BT = logprobs.detach()
+    prob_BT, old_prob_BT = pi_BT.exp(), old_logprobs.exp()
+    positive_BT = advantages > 0
+    if dppo_divergence == "tv":
+        divergence_BT = prob_BT - old_prob_BT
+        dropped_BT = torch.where(positive_BT, divergence_BT > dppo_tv_threshold, divergence_BT < -dppo_tv_threshold)
+        divergence_BT = divergence_BT.abs()
+    else:
+        # log(1 - p) from expm1 keeps precision for p near 1, where 1 - exp(π) cancels.
+        log_not_BT = torch.log((-torch.expm1(pi_BT)).clamp(min=_PROB_FLOOR))
+        log_not_old_BT = torch.log((-torch.expm1(old_logprobs)).clamp(min=_PROB_FLOOR))
+        divergence_BT = old_prob_BT * (old_logprobs - pi_BT) + (1 - old_prob_BT) * (log_not_old_BT - log_not_BT)
+        moved_with_advantage_BT = torch.where(positive_BT, prob_BT > old_prob_BT, prob_BT < old_prob_BT)
+        dropped_BT = moved_with_advantage_BT & (divergence_BT > dppo_kl_threshold)
+    ratio_BT = ratio(pi_BT, old_logprobs)
+    capped_BT = ~dropped_BT & (ratio_BT > dppo_ratio_cap)
+    keep_BT = (~dropped_BT).to(logprobs.dtype)
+    loss_BT = -ratio_BT.clamp(max=dppo_ratio_cap) * logprobs * advantages * tis_weight * keep_BT
+    metrics = {
+        "clip_frac": _frac(dropped_BT, mask),
+        "dppo/divergence_mean": masked_mean(divergence_BT, mask),
+        "dppo/ratio_cap_frac": _frac(capped_BT, mask),
+    }
+    return loss_BT, metrics
