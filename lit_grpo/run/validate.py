@@ -76,6 +76,12 @@ def check_advantage(a: AdvantageConfig) -> None:
         raise ConfigError(f"config field `advantage.name`: {err}") from None
     for key, why in advantage_param_problems(a.name, a.params):
         require(False, f"advantage.params.{key}", f"advantage {a.name!r}: {why}")
+    require(
+        not get_advantage(a.name).components,
+        "advantage.name",
+        f"advantage {a.name!r} needs each sample's reward components [G, R], and samples carry their summed "
+        "reward only: call it as lit_grpo.maths.advantages.compute(name, rewards_GR, weights=...)",
+    )
 
 
 def check_policy_loss(p: PolicyLossConfig) -> None:
