@@ -75,7 +75,8 @@ def _divided(centred_P: list[torch.Tensor], std: torch.Tensor, eps: float) -> li
 def batch_std_advantages(rewards_P: Sequence[torch.Tensor], eps: float) -> list[torch.Tensor]:
     """Group mean, batch std: A = (r - mean_group) / (std_batch(r) + eps), std_batch the unbiased
     std of every reward of the step's groups (LitePPO, Liu et al. 2025 "Part I: Tricks or Traps? A
-    Deep Dive into RL for LLM Reasoning": "group-level mean, batch-level std"). The batch is this
+    Deep Dive into RL for LLM Reasoning": "group-level mean, batch-level std"; ROLL's and AReaL's
+    group mean with batch std, TRL's `scale_rewards="batch"`). The batch is this
     rank's accepted groups of the step; under DDP each rank divides by its own batch's std. A
     uniform group gets zeros; with one group in the batch this is `grpo`."""
     centred = _centred_groups(rewards_P)
