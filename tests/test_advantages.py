@@ -399,19 +399,64 @@ def test_make_batch_gives_a_batch_level_estimator_every_group():
 
 
 @pytest.mark.timeout(30)
-def test_gdpo_is_refused_for_training_naming_the_call(tmp_path):
-    with pytest.raises(ConfigError, match=r"advantage\.name.*reward components.*compute\(name, rewards_GR"):
-        validate(compose_config("advantage=gdpo", output_dir=tmp_path))
+def test_gdpo_reads_each_runs_reward_components_in_the_batch():
+    def sample(components):  # a weighted reward list's sample: its components in `metrics`, the sum in `reward`
+        metrics = {f"reward/{k}": v for k, v in components.items()}
+        return RolloutSample([1, 2], [0.0, -0.1], [0, 1], float(sum(components.values())), metrics=metrics)
+
+    # As in test_gdpo_by_hand, [[1, 0], [0, 1], [1, 1], [0, 0]] -> [0, 0, 1.224745, -1.224745]; the fourth
+    # sample's `b` was None (not applicable): it counts 0, as in the weighted sum.
+    samples = [
+        sample({"a": 1.0, "b": 0.0}),
+        sample({"a": 0.0, "b": 1.0}),
+        sample({"a": 1.0, "b": 1.0}),
+        sample({"a": 0.0}),
+    ]
+    group = PromptGroup(row={}, samples=samples, version=0)
+    gdpo = make_advantage("gdpo", component_keys=["reward/a", "reward/b"])
+    batch = make_batch([group], [group], version=0, pad_id=0, counts=Counter(), timings={}, advantage=gdpo)
+    assert batch.advantages_B.tolist() == pytest.approx([0.0, 0.0, 1.224745, -1.224745], abs=1e-6)
+    # Without component keys (a single reward) gdpo reads the run's reward: grpo's z-score of [1, 1, 2, 0].
+    plain = make_batch(
+        [group], [group], version=0, pad_id=0, counts=Counter(), timings={}, advantage=make_advantage("gdpo")
+    )
+    assert_close(plain.advantages_B, compute("grpo", [1.0, 1.0, 2.0, 0.0]))
+
+
+@pytest.mark.timeout(60)
+def test_gdpo_takes_the_rewards_components_and_weights(tmp_path):
+    from lit_grpo.build import run_advantage
+
+    two = ("+experiment=arithmetic", "advantage=gdpo", "reward.fn=[arithmetic,exact_match]")
+    a = run_advantage(validate(compose_config(*two, "reward.weights=[2.0,1.0]", output_dir=tmp_path)))
+    assert a.component_keys == ("reward/arithmetic", "reward/exact_match") and a.params["weights"] == [2.0, 1.0]
+    a = run_advantage(validate(compose_config(*two, "advantage.params.weights=[1.0,3.0]", output_dir=tmp_path)))
+    assert a.params["weights"] == [1.0, 3.0]  # its own weights win over reward.weights (null here)
+    a = run_advantage(validate(compose_config("+experiment=arithmetic", "advantage=gdpo", output_dir=tmp_path)))
+    assert a.component_keys == () and a.params["weights"] is None  # the task's reward: one column
+    with pytest.raises(ConfigError, match=r"advantage\.params\.weights.*1 weight for 2 reward components"):
+        validate(compose_config(*two, "advantage.params.weights=[1.0]", output_dir=tmp_path))
+    with pytest.raises(ConfigError, match=r"advantage\.params\.weights.*the reward has one"):
+        validate(compose_config("advantage=gdpo", "advantage.params.weights=[1.0]", output_dir=tmp_path))
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("name", ["rloo", "batch_std", "reinforce_pp", "passk"])
-def test_each_new_estimator_trains(name, tmp_path):
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["advantage=rloo"],
+        ["advantage=batch_std"],
+        ["advantage=reinforce_pp"],
+        ["advantage=passk"],
+        ["advantage=gdpo", "reward.fn=[arithmetic,exact_match]", "reward.weights=[1.0,0.5]"],
+    ],
+)
+def test_each_new_estimator_trains(overrides, tmp_path):
     summary = train(
         compose_config(
             "+experiment=arithmetic",
             "max_steps=2",
-            f"advantage={name}",
+            *overrides,
             "trainer.enable_progress_bar=false",
             "logger=none",
             output_dir=tmp_path,

@@ -20,7 +20,7 @@ without one, a group carries a signal when its reward spread reaches `UNIFORM_TO
 (`Advantage.group_signal`, `rewards_uniform`).
 
 Built-ins: `grpo` (r - mean) / (std + eps), `dr_grpo` r - mean (Dr. GRPO), `rloo`, `batch_std`,
-`reinforce_pp`, `passk`, `gdpo` (reward components `[G, R]`: functional only, `components=True`),
+`reinforce_pp`, `passk`, `gdpo` (reward components `[G, R]`, `components=True`),
 `igpo` (IGPO's turn credit, `lit_grpo.maths.igpo`); the maths of the newer ones is in
 `lit_grpo.maths.estimators`. For scalar rewards: `compute("grpo", rewards_G) -> advantages_G`.
 """
@@ -137,8 +137,8 @@ class AdvantageSpec:
     batch: bool = False
     """`fn(rewards_P, **params)`: the step's groups at once (statistics over the batch)."""
     components: bool = False
-    """`fn(rewards_GR, **params)`: R reward components per run; the functional API only (samples
-    carry their summed reward), so the config refuses it."""
+    """`fn(rewards_GR, **params)`: R reward components per run (in training, read from each run's
+    `metrics` under `Advantage.component_keys`)."""
     group_signal: Optional[Callable[..., bool]] = None
     """`group_signal(runs, **params) -> bool`, or None: the group's rewards differ."""
     checks: Mapping[str, ParamCheck] = field(default_factory=dict)
@@ -230,6 +230,20 @@ class Advantage:
     spec: AdvantageSpec
     params: Mapping[str, Any]
     """Every hyper-parameter, defaults filled in."""
+    component_keys: tuple[str, ...] = ()
+    """For a `components` entry: the `metrics` keys of the reward's components, in order (a weighted
+    `reward.fn` list puts each component's value there as `reward/<name>`); empty: one component,
+    the run's reward."""
+
+    def rewards_of(self, runs: Runs) -> list:
+        """What the estimator reads of one group: each run's reward, or (a `components` entry) each
+        run's [R] reward components; a component a run's reward skipped (None: not applicable) is
+        0, as it is in the weighted sum."""
+        if not self.spec.components:
+            return [float(run[0].reward) for run in runs]
+        if not self.component_keys:
+            return [[float(run[0].reward)] for run in runs]
+        return [[float(run[0].metrics.get(key, 0.0)) for key in self.component_keys] for run in runs]
 
     @property
     def per_token(self) -> bool:
@@ -281,11 +295,14 @@ class Advantage:
         return not rewards_uniform((run[0].reward for run in runs), tolerance)
 
 
-def make_advantage(name: str = "grpo", params: Optional[Mapping[str, Any]] = None) -> Advantage:
-    """Estimator `name` with `params` over its defaults; ValueError on an unknown name or hyper-parameter."""
+def make_advantage(
+    name: str = "grpo", params: Optional[Mapping[str, Any]] = None, component_keys: Sequence[str] = ()
+) -> Advantage:
+    """Estimator `name` with `params` over its defaults (`component_keys`: `Advantage.component_keys`);
+    ValueError on an unknown name or hyper-parameter."""
     spec = get_advantage(name)
     check_advantage_params(name, params or {})
-    return Advantage(spec, {**spec.defaults, **(params or {})})
+    return Advantage(spec, {**spec.defaults, **(params or {})}, tuple(component_keys))
 
 
 def _not_per_token(advantage: Advantage) -> Advantage:

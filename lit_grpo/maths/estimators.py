@@ -134,8 +134,9 @@ def gdpo_advantages(rewards_GR: torch.Tensor, weights: Optional[Sequence[float]]
     Optimization for Multi-reward RL Optimization"): each of the R reward components z-scored
     within the group on its own, summed with `weights` (None: all 1), and the sum z-scored again:
         A = z(Σ_r w_r · z(rewards_GR[:, r])),  z(x) = (x - mean) / (std + eps), std unbiased.
-    The paper's second normalization is over the batch; this function's batch is the one group it
-    is given. A uniform component contributes zeros. [G, R] (or [G]: one component) -> [G]."""
+    The paper's second normalization is over the batch; here it is over the group. A uniform
+    component contributes zeros. [G, R] (or [G]: one component) -> [G]. In training the columns are
+    `reward.fn`'s components (`Advantage.component_keys`), the weights `reward.weights`."""
     if rewards_GR.ndim == 1:
         rewards_GR = rewards_GR[:, None]
     if rewards_GR.ndim != 2:

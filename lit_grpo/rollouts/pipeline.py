@@ -160,7 +160,7 @@ def make_batch(
         batch = collate_groups(accepted, [], pad_id, token_advantages)
     else:
         # One call for the step's groups: a per-batch estimator (batch_std, reinforce_pp) needs them all.
-        per_group = advantage.batch_advantages([g.rewards for g in accepted])
+        per_group = advantage.batch_advantages([advantage.rewards_of(g.runs) for g in accepted])
         batch = collate_groups(accepted, [g.per_sample(a) for g, a in zip(accepted, per_group)], pad_id)
     batch.record = RolloutRecord(
         rewards=[r for g in sampled for r in g.rewards],

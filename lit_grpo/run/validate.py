@@ -36,6 +36,7 @@ def validate(cfg: DictConfig | TrainConfig) -> TrainConfig:
     check_reward(c.reward)
     check_policy_loss(c.policy_loss)
     check_advantage(c.advantage)
+    check_components(c.advantage, c.reward)
     check_task(c)
     return c
 
@@ -68,6 +69,20 @@ def check_reward(r: RewardConfig) -> None:
         require(False, "reward.weights", why)
 
 
+def check_components(a: AdvantageConfig, r: RewardConfig) -> None:
+    """An estimator of reward components (gdpo) given its own weights has one per component of `reward.fn`."""
+    weights = a.params.get("weights")
+    if get_advantage(a.name).components and weights is not None:
+        count = len(component_names(r.specs()))
+        require(
+            count > 1,
+            "advantage.params.weights",
+            f"weighs reward components, and the reward has one (reward.fn is {r.fn!r}): leave it null",
+        )
+        if why := check_weights(list(weights), count):
+            require(False, "advantage.params.weights", why)
+
+
 def check_advantage(a: AdvantageConfig) -> None:
     """The estimator is registered and takes every hyper-parameter in `params`, within its bounds."""
     try:
@@ -76,12 +91,6 @@ def check_advantage(a: AdvantageConfig) -> None:
         raise ConfigError(f"config field `advantage.name`: {err}") from None
     for key, why in advantage_param_problems(a.name, a.params):
         require(False, f"advantage.params.{key}", f"advantage {a.name!r}: {why}")
-    require(
-        not get_advantage(a.name).components,
-        "advantage.name",
-        f"advantage {a.name!r} needs each sample's reward components [G, R], and samples carry their summed "
-        "reward only: call it as lit_grpo.maths.advantages.compute(name, rewards_GR, weights=...)",
-    )
 
 
 def check_policy_loss(p: PolicyLossConfig) -> None:
