@@ -37,13 +37,13 @@ import torch
 
 from lit_grpo.maths.estimators import (
     UNIFORM_TOLERANCE,
-    _uniform_rows,
     batch_std_advantages,
     gdpo_advantages,
     passk_advantages,
     reinforce_pp_advantages,
     rewards_uniform,
     rloo_advantages,
+    uniform_rows,
 )
 from lit_grpo.maths.igpo import DEFAULT_GAMMA, IGPOSettings, group_token_advantages, has_turn_signal
 from lit_grpo.registry import lookup
@@ -101,7 +101,7 @@ def group_advantages(rewards_PG: torch.Tensor, scale: str = "std", eps: float = 
     magnitude_P1 = centred_PG.abs().amax(dim=1, keepdim=True)
     magnitude_P1 = torch.where(magnitude_P1 > 0, magnitude_P1, torch.ones_like(magnitude_P1))
     std_P1 = (centred_PG / magnitude_P1).std(dim=1, unbiased=True, keepdim=True) * magnitude_P1
-    uniform_P1 = (std_P1 < eps) | _uniform_rows(rewards_PG)
+    uniform_P1 = (std_P1 < eps) | uniform_rows(rewards_PG)
     if scale == "std":
         centred_PG = centred_PG / (std_P1 + eps)
     return torch.where(uniform_P1, torch.zeros_like(centred_PG), centred_PG).float()

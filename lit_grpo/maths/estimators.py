@@ -26,7 +26,7 @@ def rewards_uniform(rewards: Iterable[float], tolerance: float = UNIFORM_TOLERAN
     return not values or max(values) - min(values) < tolerance
 
 
-def _uniform_rows(rewards_PG: torch.Tensor, tolerance: float = UNIFORM_TOLERANCE) -> torch.Tensor:
+def uniform_rows(rewards_PG: torch.Tensor, tolerance: float = UNIFORM_TOLERANCE) -> torch.Tensor:
     """[P, G] -> [P, 1]: which groups are uniform (`rewards_uniform`)."""
     spread_P1 = rewards_PG.amax(dim=-1, keepdim=True) - rewards_PG.amin(dim=-1, keepdim=True)
     return spread_P1 < tolerance
