@@ -342,19 +342,16 @@ def grpo_advantages(rewards_G: torch.Tensor, *, eps: float) -> torch.Tensor:
     return group_advantages(rewards_G[None], "std", eps)[0]
 
 
+def _positive_int(value: Any) -> Optional[str]:
+    ok = isinstance(value, int) and not isinstance(value, bool) and value >= 1
+    return None if ok else f"must be an integer >= 1, got {value!r}"
+
+
 _positive_eps = {"eps": _positive}
 register_advantage("rloo")(rloo_advantages)
 register_advantage("batch_std", batch=True, checks=_positive_eps, eps=_STD_FLOOR)(batch_std_advantages)
 register_advantage("reinforce_pp", batch=True, checks=_positive_eps, eps=_STD_FLOOR)(reinforce_pp_advantages)
-register_advantage(
-    "passk",
-    checks={
-        "k": lambda k: (
-            None if isinstance(k, int) and not isinstance(k, bool) and k >= 1 else f"must be an integer >= 1, got {k!r}"
-        )
-    },
-    k=4,
-)(passk_advantages)
+register_advantage("passk", checks={"k": _positive_int}, k=4)(passk_advantages)
 register_advantage("gdpo", components=True, checks=_positive_eps, weights=None, eps=_STD_FLOOR)(gdpo_advantages)
 
 
