@@ -27,8 +27,9 @@ from lit_grpo.loop.evaluation import Evaluator, GreedyEvaluator, RolloutEvaluato
 from lit_grpo.loop.module import GRPOModule
 from lit_grpo.loop.signals import StopSignals
 from lit_grpo.loop.step_sequence import StepSequence
-from lit_grpo.maths.advantages import make_advantage
+from lit_grpo.maths.advantages import Advantage, get_advantage, make_advantage
 from lit_grpo.models.load import load_policy, load_tokenizer
+from lit_grpo.rewards.combine import component_names
 from lit_grpo.rollouts.datamodule import RolloutDataModule
 from lit_grpo.rollouts.rollout import load_rollout_factory
 from lit_grpo.run.checkpoint import CheckpointStore
@@ -103,10 +104,26 @@ def build_datamodule(
         tokenizer=tokenizer,
         sampler=sampler,
         rollout_fn=(inputs.rollout_factory or load_rollout_factory(c.rollout.factory))(setup),
-        advantage=make_advantage(c.advantage.name, c.advantage.params),
+        advantage=run_advantage(c),
         rank=rank,
         world_size=world_size,
     )
+
+
+def run_advantage(c: TrainConfig) -> Advantage:
+    """The run's advantage estimator; one that reads reward components (gdpo) gets the metric keys
+    of `reward.fn`'s components (a single reward: none, it reads the run's reward) and, unless
+    `advantage.params.weights` is set, `reward.weights`."""
+    if not get_advantage(c.advantage.name).components:
+        return make_advantage(c.advantage.name, c.advantage.params)
+    names = component_names(c.reward.specs())
+    params = dict(c.advantage.params)
+    if len(names) > 1:
+        params.setdefault("weights", c.reward.weights)
+    else:
+        params.pop("weights", None)  # one column, the run's (already weighted) reward
+    keys = [f"reward/{n}" for n in names] if len(names) > 1 else []
+    return make_advantage(c.advantage.name, params, keys)
 
 
 def _instantiate_all(group: dict) -> list[Any]:

@@ -138,16 +138,21 @@ class RewardConfig:
 class AdvantageConfig:
     """How a group's rewards become advantages (`advantage=<name>`, `conf/advantage/<name>.yaml`).
 
-    `name` is a registered estimator (`lit_grpo.maths.advantages`: grpo, dr_grpo, igpo) or
+    `name` is a registered estimator (`lit_grpo.maths.advantages`: grpo, dr_grpo, rloo, batch_std,
+    reinforce_pp, passk, gdpo, igpo) or
     `module.path:name` for a user's (its module's `@register_advantage("name")` registers it);
     `params` its hyper-parameters, checked against the registry in `lit_grpo.run.validate`.
     """
 
     name: str = "grpo"
-    """grpo: (r - mean) / (std + eps); dr_grpo: r - mean; igpo: IGPO's per-token turn credit."""
+    """grpo: (r - mean) / (std + eps); dr_grpo: r - mean; rloo: r - mean of the others; batch_std:
+    group mean, batch std; reinforce_pp: group-centred, divided by the batch std of that; passk:
+    pass@k of binary rewards; gdpo: reward.fn's components z-scored apart, weighted, z-scored again;
+    igpo: IGPO's per-token turn credit."""
     params: dict = field(default_factory=dict)
-    """The estimator's hyper-parameters by their registered names (grpo: eps; igpo: gamma,
-    skip_last_ig, eps); unset or null ones take the registered default."""
+    """The estimator's hyper-parameters by their registered names (grpo, batch_std, reinforce_pp:
+    eps; passk: k; gdpo: weights, eps; igpo: gamma, skip_last_ig, eps); unset or null ones take the
+    registered default."""
 
     def __post_init__(self) -> None:
         require(

@@ -2,21 +2,27 @@
 
 An entry is registered by name with its default hyper-parameters (`register_advantage`); a user's
 module registers its own and the config names it `module.path:name` (`advantage.name`), which
-imports the module first. An entry works at one of two levels:
+imports the module first. An entry works at one of three levels:
 
 - per sequence (the default): `fn(rewards_G, **params) -> advantages_G`, `rewards_G` a float64
   tensor of the group's G run rewards. A `RolloutRun`'s segments share their run's reward, so
   they share its advantage too, and G counts runs, not segments;
+- per batch (`batch=True`): `fn(rewards_P, **params) -> one tensor per group`, `rewards_P` the
+  step's accepted groups on this rank (a list of float64 `[G_p]` tensors): for statistics over
+  the whole batch (`batch_std`, `reinforce_pp`). Under DDP the batch is this rank's;
 - per token (`per_token=True`): `fn(runs, **params) -> one list per segment` (runs in order, each
   run's segments in order), one value per token of the segment, 0 where nothing is trained. What
   the estimator reads (IGPO: each segment's `turn_spans` and `turn_rewards`) is on the samples.
 
 An entry may register `group_signal(runs, **params) -> bool`: whether a group carries a learning
 signal under it even when all its rewards are equal (IGPO: its turns' information gains differ);
-without one, a group carries a signal when its rewards differ (`Advantage.group_signal`).
+without one, a group carries a signal when its reward spread reaches `UNIFORM_TOLERANCE`
+(`Advantage.group_signal`, `rewards_uniform`).
 
-Built-ins: `grpo` (r - mean) / (std + eps), `dr_grpo` r - mean (Dr. GRPO), `igpo` (IGPO's turn
-credit, `lit_grpo.maths.igpo`). For scalar rewards: `compute("grpo", rewards_G) -> advantages_G`.
+Built-ins: `grpo` (r - mean) / (std + eps), `dr_grpo` r - mean (Dr. GRPO), `rloo`, `batch_std`,
+`reinforce_pp`, `passk`, `gdpo` (reward components `[G, R]`, `components=True`),
+`igpo` (IGPO's turn credit, `lit_grpo.maths.igpo`); the maths of the newer ones is in
+`lit_grpo.maths.estimators`. For scalar rewards: `compute("grpo", rewards_G) -> advantages_G`.
 """
 
 from __future__ import annotations
@@ -29,6 +35,16 @@ from typing import Any, Optional
 
 import torch
 
+from lit_grpo.maths.estimators import (
+    UNIFORM_TOLERANCE,
+    batch_std_advantages,
+    gdpo_advantages,
+    passk_advantages,
+    reinforce_pp_advantages,
+    rewards_uniform,
+    rloo_advantages,
+    uniform_rows,
+)
 from lit_grpo.maths.igpo import DEFAULT_GAMMA, IGPOSettings, group_token_advantages, has_turn_signal
 from lit_grpo.registry import lookup
 from lit_grpo.types import RolloutSample
@@ -36,6 +52,7 @@ from lit_grpo.types import RolloutSample
 __all__ = [
     "ADVANTAGES",
     "ADVANTAGE_SCALES",
+    "UNIFORM_TOLERANCE",
     "Advantage",
     "AdvantageSpec",
     "advantage_defaults",
@@ -43,11 +60,13 @@ __all__ = [
     "available_advantages",
     "check_advantage_params",
     "compute",
+    "compute_batch",
     "get_advantage",
     "group_advantages",
     "make_advantage",
     "ragged_group_advantages",
     "register_advantage",
+    "rewards_uniform",
 ]
 
 _STD_FLOOR = 1e-8
@@ -67,7 +86,8 @@ def group_advantages(rewards_PG: torch.Tensor, scale: str = "std", eps: float = 
     """Advantages of P groups of G rewards each.
 
     `std`: A = (r - mean) / (std + eps), with std the unbiased (n - 1) standard deviation of the
-    group; `none`: A = r - mean. Groups whose std is below `eps` (default 1e-8) get zeros.
+    group; `none`: A = r - mean. A uniform group (reward spread below `UNIFORM_TOLERANCE`, 1e-6:
+    the reward filter's test) or one whose std is below `eps` (default 1e-8) gets zeros.
     Shape: [P, G] -> [P, G], float32.
     """
     if scale not in ADVANTAGE_SCALES:
@@ -81,7 +101,7 @@ def group_advantages(rewards_PG: torch.Tensor, scale: str = "std", eps: float = 
     magnitude_P1 = centred_PG.abs().amax(dim=1, keepdim=True)
     magnitude_P1 = torch.where(magnitude_P1 > 0, magnitude_P1, torch.ones_like(magnitude_P1))
     std_P1 = (centred_PG / magnitude_P1).std(dim=1, unbiased=True, keepdim=True) * magnitude_P1
-    uniform_P1 = std_P1 < eps
+    uniform_P1 = (std_P1 < eps) | uniform_rows(rewards_PG)
     if scale == "std":
         centred_PG = centred_PG / (std_P1 + eps)
     return torch.where(uniform_P1, torch.zeros_like(centred_PG), centred_PG).float()
@@ -114,6 +134,11 @@ class AdvantageSpec:
     defaults: Mapping[str, Any]
     """Every hyper-parameter the estimator takes, with its default."""
     per_token: bool = False
+    batch: bool = False
+    """`fn(rewards_P, **params)`: the step's groups at once (statistics over the batch)."""
+    components: bool = False
+    """`fn(rewards_GR, **params)`: R reward components per run (in training, read from each run's
+    `metrics` under `Advantage.component_keys`)."""
     group_signal: Optional[Callable[..., bool]] = None
     """`group_signal(runs, **params) -> bool`, or None: the group's rewards differ."""
     checks: Mapping[str, ParamCheck] = field(default_factory=dict)
@@ -127,6 +152,8 @@ def register_advantage(
     name: str,
     *,
     per_token: bool = False,
+    batch: bool = False,
+    components: bool = False,
     group_signal: Optional[Callable[..., bool]] = None,
     checks: Optional[Mapping[str, ParamCheck]] = None,
     **defaults: Any,
@@ -135,6 +162,8 @@ def register_advantage(
     (each a keyword argument of the function: checked now, so a typo fails at import)."""
     if name in ADVANTAGES:
         raise ValueError(f"advantage {name!r} is already registered")
+    if per_token + batch + components > 1:
+        raise ValueError(f"advantage {name!r}: per_token, batch and components exclude each other")
     if unknown := sorted(set(checks or {}) - set(defaults)):
         raise ValueError(f"advantage {name!r}: checks of {', '.join(unknown)}, which it has no default for")
 
@@ -143,7 +172,9 @@ def register_advantage(
         takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
         if not takes_any and (missing := sorted(set(defaults) - set(params))):
             raise TypeError(f"advantage {name!r}: {fn.__name__} must accept keyword(s) {', '.join(missing)}")
-        ADVANTAGES[name] = AdvantageSpec(name, fn, dict(defaults), per_token, group_signal, dict(checks or {}))
+        ADVANTAGES[name] = AdvantageSpec(
+            name, fn, dict(defaults), per_token, batch, components, group_signal, dict(checks or {})
+        )
         return fn
 
     return decorator
@@ -199,20 +230,50 @@ class Advantage:
     spec: AdvantageSpec
     params: Mapping[str, Any]
     """Every hyper-parameter, defaults filled in."""
+    component_keys: tuple[str, ...] = ()
+    """For a `components` entry: the `metrics` keys of the reward's components, in order (a weighted
+    `reward.fn` list puts each component's value there as `reward/<name>`); empty: one component,
+    the run's reward."""
+
+    def rewards_of(self, runs: Runs) -> list:
+        """What the estimator reads of one group: each run's reward, or (a `components` entry) each
+        run's [R] reward components; a component a run's reward skipped (None: not applicable) is
+        0, as it is in the weighted sum."""
+        if not self.spec.components:
+            return [float(run[0].reward) for run in runs]
+        if not self.component_keys:
+            return [[float(run[0].reward)] for run in runs]
+        return [[float(run[0].metrics.get(key, 0.0)) for key in self.component_keys] for run in runs]
 
     @property
     def per_token(self) -> bool:
         return self.spec.per_token
 
-    def run_advantages(self, rewards: Sequence[float]) -> list[float]:
-        """A per-sequence estimator's advantages of one group's run rewards. Shape: [G] -> [G]."""
-        out = self.spec.fn(torch.tensor([float(r) for r in rewards], dtype=torch.float64), **self.params)
-        out = torch.as_tensor(out).to(torch.float32)
-        if tuple(out.shape) != (len(rewards),):
-            raise ValueError(
-                f"advantage {self.spec.name!r} returned shape {tuple(out.shape)} for {len(rewards)} rewards"
-            )
-        return out.tolist()
+    def run_advantages(self, rewards: Sequence) -> list[float]:
+        """A per-sequence estimator's advantages of one group's run rewards (a per-batch one's: the
+        group is the batch; a `components` one's: [G, R]). Shape: [G] -> [G]."""
+        return self.batch_advantages([rewards])[0]
+
+    def batch_advantages(self, rewards_P: Sequence[Sequence]) -> list[list[float]]:
+        """The advantages of the step's groups (this rank's), one list per group: a per-batch
+        estimator sees them all at once, a per-sequence one each group alone."""
+        tensors = [torch.tensor(rewards, dtype=torch.float64) for rewards in rewards_P]
+        outs = (
+            self.spec.fn(tensors, **self.params)
+            if self.spec.batch
+            else [self.spec.fn(t, **self.params) for t in tensors]
+        )
+        if len(outs) != len(tensors):
+            raise ValueError(f"advantage {self.spec.name!r} returned {len(outs)} groups for {len(tensors)}")
+        result = []
+        for rewards, out in zip(tensors, outs):
+            out = torch.as_tensor(out).to(torch.float32)
+            if tuple(out.shape) != (len(rewards),):
+                raise ValueError(
+                    f"advantage {self.spec.name!r} returned shape {tuple(out.shape)} for {len(rewards)} rewards"
+                )
+            result.append(out.tolist())
+        return result
 
     def token_advantages(self, runs: Runs) -> list[list[float]]:
         """A per-token estimator's advantages of one group: per segment (runs in order), per token."""
@@ -226,27 +287,45 @@ class Advantage:
         """Whether the entry registered its own `group_signal` (else: the group's rewards differ)."""
         return self.spec.group_signal is not None
 
-    def group_signal(self, runs: Runs) -> bool:
-        """Whether the group carries a learning signal under this estimator (the reward filter's test)."""
+    def group_signal(self, runs: Runs, tolerance: float = UNIFORM_TOLERANCE) -> bool:
+        """Whether the group carries a learning signal under this estimator (the reward filter's
+        test): the entry's own `group_signal`, else a reward spread of at least `tolerance`."""
         if self.spec.group_signal is not None:
             return bool(self.spec.group_signal(runs, **self.params))
-        return len({float(run[0].reward) for run in runs}) > 1
+        return not rewards_uniform((run[0].reward for run in runs), tolerance)
 
 
-def make_advantage(name: str = "grpo", params: Optional[Mapping[str, Any]] = None) -> Advantage:
-    """Estimator `name` with `params` over its defaults; ValueError on an unknown name or hyper-parameter."""
+def make_advantage(
+    name: str = "grpo", params: Optional[Mapping[str, Any]] = None, component_keys: Sequence[str] = ()
+) -> Advantage:
+    """Estimator `name` with `params` over its defaults (`component_keys`: `Advantage.component_keys`);
+    ValueError on an unknown name or hyper-parameter."""
     spec = get_advantage(name)
     check_advantage_params(name, params or {})
-    return Advantage(spec, {**spec.defaults, **(params or {})})
+    return Advantage(spec, {**spec.defaults, **(params or {})}, tuple(component_keys))
 
 
-def compute(name: str, rewards_G: torch.Tensor | Sequence[float], **params: Any) -> torch.Tensor:
-    """The advantages of one group of G scalar rewards under a per-sequence estimator. Shape: [G] -> [G], float32."""
-    advantage = make_advantage(name, params)
+def _not_per_token(advantage: Advantage) -> Advantage:
     if advantage.per_token:
+        name = advantage.spec.name
         raise ValueError(f"advantage {name!r} is per token: it needs the group's samples (Advantage.token_advantages)")
+    return advantage
+
+
+def compute(name: str, rewards_G: torch.Tensor | Sequence, **params: Any) -> torch.Tensor:
+    """The advantages of one group of G scalar rewards (`gdpo`: [G, R] reward components); a
+    per-batch estimator takes the group as its whole batch. Shape: [G] -> [G], float32."""
+    advantage = _not_per_token(make_advantage(name, params))
     rewards = rewards_G.tolist() if isinstance(rewards_G, torch.Tensor) else list(rewards_G)
     return torch.tensor(advantage.run_advantages(rewards), dtype=torch.float32)
+
+
+def compute_batch(name: str, rewards_PG: Sequence[Sequence[float]], **params: Any) -> list[torch.Tensor]:
+    """The advantages of a step's P groups (sizes may differ), as training computes them: a
+    per-batch estimator (`batch_std`, `reinforce_pp`) sees them all. [P][G_p] -> P tensors [G_p]."""
+    advantage = _not_per_token(make_advantage(name, params))
+    rewards = [g.tolist() if isinstance(g, torch.Tensor) else list(g) for g in rewards_PG]
+    return [torch.tensor(a, dtype=torch.float32) for a in advantage.batch_advantages(rewards)]
 
 
 # ---------------------------------------------------------------------------------- built-ins
@@ -261,6 +340,19 @@ def grpo_advantages(rewards_G: torch.Tensor, *, eps: float) -> torch.Tensor:
     """A = (r - mean) / (std + eps), std the group's unbiased (n - 1) standard deviation; a group
     whose std is below eps (default 1e-8: equal rewards) gets zeros (`group_advantages`, `std`)."""
     return group_advantages(rewards_G[None], "std", eps)[0]
+
+
+def _positive_int(value: Any) -> Optional[str]:
+    ok = isinstance(value, int) and not isinstance(value, bool) and value >= 1
+    return None if ok else f"must be an integer >= 1, got {value!r}"
+
+
+_positive_eps = {"eps": _positive}
+register_advantage("rloo")(rloo_advantages)
+register_advantage("batch_std", batch=True, checks=_positive_eps, eps=_STD_FLOOR)(batch_std_advantages)
+register_advantage("reinforce_pp", batch=True, checks=_positive_eps, eps=_STD_FLOOR)(reinforce_pp_advantages)
+register_advantage("passk", checks={"k": _positive_int}, k=4)(passk_advantages)
+register_advantage("gdpo", components=True, checks=_positive_eps, weights=None, eps=_STD_FLOOR)(gdpo_advantages)
 
 
 @register_advantage("dr_grpo")

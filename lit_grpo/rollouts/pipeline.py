@@ -21,7 +21,7 @@ from typing import Optional
 
 import torch
 
-from lit_grpo.maths.advantages import Advantage, make_advantage
+from lit_grpo.maths.advantages import Advantage, make_advantage, rewards_uniform
 from lit_grpo.maths.health import rollout_health
 from lit_grpo.maths.igpo import turn_metric_values
 from lit_grpo.rollouts.checks import check_sample
@@ -152,14 +152,16 @@ def make_batch(
     """The step's batch of `accepted` groups, with its `RolloutRecord` (over every `sampled` group)
     attached. `version` is the trainer's policy version now. Needs at least one accepted group.
     `advantage` (`advantage=<name>`, `lit_grpo.maths.advantages`; None: grpo) computes each group's
-    advantages: one per run, shared by its segments, or (a per-token estimator such as igpo) one per
-    token in `advantages_BT`."""
+    advantages: one per run, shared by its segments (a per-batch estimator sees all of `accepted`:
+    this rank's groups), or (a per-token estimator such as igpo) one per token in `advantages_BT`."""
     advantage = advantage or make_advantage("grpo")
     if advantage.per_token:
         token_advantages = [a for g in accepted for a in advantage.token_advantages(g.runs)]
         batch = collate_groups(accepted, [], pad_id, token_advantages)
     else:
-        batch = collate_groups(accepted, [g.per_sample(advantage.run_advantages(g.rewards)) for g in accepted], pad_id)
+        # One call for the step's groups: a per-batch estimator (batch_std, reinforce_pp) needs them all.
+        per_group = advantage.batch_advantages([advantage.rewards_of(g.runs) for g in accepted])
+        batch = collate_groups(accepted, [g.per_sample(a) for g, a in zip(accepted, per_group)], pad_id)
     batch.record = RolloutRecord(
         rewards=[r for g in sampled for r in g.rewards],
         completion_tokens=[sum(sum(s.loss_mask) for s in run) for g in sampled for run in g.runs],
@@ -170,7 +172,7 @@ def make_batch(
             **sample_metric_values(s for g in sampled for s in g.samples),
             **turn_metric_values(run for g in sampled for run in g.runs),
         },
-        zero_spread=[len(set(g.rewards)) == 1 for g in sampled if len(g.rewards) >= 2],
+        zero_spread=[rewards_uniform(g.rewards) for g in sampled if len(g.rewards) >= 2],
         finish_reasons=[str(s.finish_reason) for g in accepted for s in g.samples],
         trained_tokens=[sum(s.loss_mask) for g in accepted for s in g.samples],
     )

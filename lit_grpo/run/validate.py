@@ -36,6 +36,7 @@ def validate(cfg: DictConfig | TrainConfig) -> TrainConfig:
     check_reward(c.reward)
     check_policy_loss(c.policy_loss)
     check_advantage(c.advantage)
+    check_components(c.advantage, c.reward)
     check_task(c)
     return c
 
@@ -66,6 +67,20 @@ def check_reward(r: RewardConfig) -> None:
             )
     if why := check_weights(r.weights, max(len(specs), 1)):
         require(False, "reward.weights", why)
+
+
+def check_components(a: AdvantageConfig, r: RewardConfig) -> None:
+    """An estimator of reward components (gdpo) given its own weights has one per component of `reward.fn`."""
+    weights = a.params.get("weights")
+    if get_advantage(a.name).components and weights is not None:
+        count = len(component_names(r.specs()))
+        require(
+            count > 1,
+            "advantage.params.weights",
+            f"weighs reward components, and the reward has one (reward.fn is {r.fn!r}): leave it null",
+        )
+        if why := check_weights(list(weights), count):
+            require(False, "advantage.params.weights", why)
 
 
 def check_advantage(a: AdvantageConfig) -> None:
