@@ -241,6 +241,9 @@ class RolloutRecord:
     """`finish_reason` of each trained sequence (the accepted groups' samples), parallel to `trained_tokens`."""
     trained_tokens: list[int] = field(default_factory=list)
     """Loss-masked tokens of each trained sequence (`rollout/truncated_frac`, `rollout/length_<reason>`)."""
+    truncated_masked: Optional[int] = None
+    """How many trained sequences `rollout.mask_truncated` masked out of the loss (None: it is off);
+    `rollout/truncated_masked_frac` is their share of all ranks' trained sequences."""
 
 
 @dataclass

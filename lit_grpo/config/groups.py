@@ -92,15 +92,37 @@ class DataConfig:
 
 @dataclass
 class RolloutConfig:
-    """The rollout function: the user's extension point."""
+    """The rollout function (the user's extension point), and the length controls applied to what
+    every rollout function returns (`lit_grpo.rollouts.pipeline`)."""
 
     factory: str = "lit_grpo.rollouts.rollout:make_rollout_fn"
     """`module:function` of a `make_rollout_fn(setup) -> rollout_fn`, importable from the working directory."""
     extras: dict = field(default_factory=dict)
     """Anything the factory needs, handed over as `setup.extras` (next to `reward_fn`)."""
+    mask_truncated: bool = False
+    """Zero the loss mask of every sequence whose `finish_reason` is `length` (DAPO's overlong
+    filtering). They still count in their group's rewards and advantages, as sampled (as TRL's
+    `mask_truncated_completions`); `rollout/truncated_masked_frac` logs the share masked."""
+    overlong_buffer_len: int = 0
+    """DAPO's soft overlong penalty (0: off): a run of L generated tokens (its segments' loss-masked
+    tokens) gets `min(0, (L_max - buffer - L) / buffer) * overlong_penalty_factor` added to its reward,
+    at most `-factor`, where L_max is `sampler.max_completion_tokens`; logged as `reward/overlong_penalty`."""
+    overlong_penalty_factor: float = 1.0
+    """The overlong penalty at L >= L_max (taken negative): `-overlong_penalty_factor`."""
 
     def __post_init__(self) -> None:
         require(":" in self.factory, "rollout.factory", f"must be 'module:function', got {self.factory!r}")
+        require(
+            self.overlong_buffer_len >= 0,
+            "rollout.overlong_buffer_len",
+            f"must be >= 0 (0: no overlong penalty), got {self.overlong_buffer_len}",
+        )
+        require_finite(self.overlong_penalty_factor, "rollout.overlong_penalty_factor")
+        require(
+            self.overlong_penalty_factor >= 0,
+            "rollout.overlong_penalty_factor",
+            f"must be >= 0 (the penalty is subtracted), got {self.overlong_penalty_factor}",
+        )
 
 
 @dataclass

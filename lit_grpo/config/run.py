@@ -214,6 +214,12 @@ class TrainConfig:
             "ppo_n_minibatches",
             f"must be <= the sequences per step (prompt_groups_per_step × completions_per_prompt = {batch_size})",
         )
+        require(
+            self.rollout.overlong_buffer_len < self.sampler.max_completion_tokens,
+            "rollout.overlong_buffer_len",
+            f"must be < sampler.max_completion_tokens ({self.sampler.max_completion_tokens}): the penalty starts "
+            f"at max_completion_tokens - overlong_buffer_len generated tokens, got {self.rollout.overlong_buffer_len}",
+        )
         if self.sampler.kind == "vllm" and self.model.kind in BUILT_KINDS:
             head_dim = self.model.hidden_size // self.model.num_heads
             require(

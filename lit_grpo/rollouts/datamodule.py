@@ -46,8 +46,11 @@ class RolloutStream(IterableDataset):
         max_steps: int,
         pad_id: int,
         advantage: Optional[Advantage] = None,
+        mask_truncated: bool = False,
     ) -> None:
         self.scheduler, self.groups = scheduler, groups
+        self.mask_truncated = mask_truncated
+        """`rollout.mask_truncated`: sequences that hit the length limit train no tokens."""
         self.max_steps, self.pad_id = max_steps, pad_id
         self.advantage = advantage
         """The advantage estimator (`advantage=<name>`; None: grpo)."""
@@ -71,6 +74,7 @@ class RolloutStream(IterableDataset):
                 counts=self.groups.take_counts(),
                 timings=step.timings,
                 advantage=self.advantage,
+                mask_truncated=self.mask_truncated,
             )
             if self.rest_between_steps is not None:
                 self.rest_between_steps()
@@ -127,6 +131,9 @@ class RolloutDataModule(L.LightningDataModule):
             rollout_timeout_s=c.rollout_timeout_s,
             max_retries=c.rollout_max_retries,
             max_rows_without_progress=c.max_rows_without_progress,
+            max_completion_tokens=c.sampler.max_completion_tokens,
+            overlong_buffer_len=c.rollout.overlong_buffer_len,
+            overlong_penalty_factor=c.rollout.overlong_penalty_factor,
         )
         # The sampler's calls get the same bounds as the rollouts.
         sampler.bound_calls(
@@ -146,7 +153,12 @@ class RolloutDataModule(L.LightningDataModule):
                 max_concurrency=c.max_concurrency_rollout_sample,
             )
         self.stream = RolloutStream(
-            self.scheduler, self.groups, max_steps=c.max_steps, pad_id=tokenizer.pad_token_id, advantage=advantage
+            self.scheduler,
+            self.groups,
+            max_steps=c.max_steps,
+            pad_id=tokenizer.pad_token_id,
+            advantage=advantage,
+            mask_truncated=c.rollout.mask_truncated,
         )
         if c.synchronous_training:
             # A colocated vLLM frees its memory (it wakes itself for the next sync or sample); an hf

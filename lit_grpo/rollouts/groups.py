@@ -17,7 +17,7 @@ from typing import Optional
 from lit_grpo.rollouts.checks import CircuitBreaker, ProgressGuard, short_reason
 from lit_grpo.rollouts.context import RolloutCalls
 from lit_grpo.rollouts.deadlines import call_rollout, function_name, gather_or_cancel
-from lit_grpo.rollouts.pipeline import GroupFilter, checked_samples, error_key, group_verdict
+from lit_grpo.rollouts.pipeline import GroupFilter, checked_samples, error_key, group_verdict, penalize_overlong
 from lit_grpo.rollouts.rollout import RolloutFn, group_rollout_fn
 from lit_grpo.tasks.rows import row_label
 from lit_grpo.types import PromptGroup
@@ -32,7 +32,11 @@ class GroupSampler:
     `max_retries` times (`lit_grpo.rollouts.deadlines.call_rollout`); a row whose prompt
     (`prompt_token_ids`) leaves no room for a completion within `max_seq_len` is never sampled;
     token ids are checked against `[0, vocab_size)` when it is given; `max_rows_without_progress`
-    rows in a row without an accepted group raise `NoProgressError`.
+    rows in a row without an accepted group raise `NoProgressError`. With `overlong_buffer_len` > 0,
+    each kept run's reward gets DAPO's overlong penalty against `max_completion_tokens`
+    (`lit_grpo.rollouts.pipeline.penalize_overlong`): here, because every training rollout (the
+    default one, a user's `rollout_fn` or `sample_group`) passes here before the group's filters,
+    statistics and advantages see its rewards.
     """
 
     def __init__(
@@ -47,6 +51,9 @@ class GroupSampler:
         rollout_timeout_s: float = 300.0,
         max_retries: int = 2,
         max_rows_without_progress: int = 1000,
+        max_completion_tokens: int = 0,
+        overlong_buffer_len: int = 0,
+        overlong_penalty_factor: float = 1.0,
     ) -> None:
         self.rollout_fn, self.G = rollout_fn, completions_per_prompt
         self.calls = RolloutCalls(rollout_fn)
@@ -59,6 +66,8 @@ class GroupSampler:
         self.max_seq_len, self.min_group_size, self.vocab_size = max_seq_len, min_group_size, vocab_size
         self.timeout_s, self.max_retries = rollout_timeout_s, max_retries
         self.filters = filters
+        self.max_completion_tokens = max_completion_tokens
+        self.overlong_buffer_len, self.overlong_penalty_factor = overlong_buffer_len, overlong_penalty_factor
         """Group predicates, all of which must keep a group (the uniform-reward filter registers here)."""
         self.breaker = CircuitBreaker()
         self.guard = ProgressGuard(max_rows_without_progress, max_seq_len=max_seq_len)
@@ -103,6 +112,10 @@ class GroupSampler:
             )
         )
         samples, run_sizes, counts, details = checked_samples(results, self.max_seq_len, self.vocab_size)
+        if self.overlong_buffer_len > 0:
+            samples = penalize_overlong(
+                samples, run_sizes, self.max_completion_tokens, self.overlong_buffer_len, self.overlong_penalty_factor
+            )
         self._note(row, counts, details)
         for result in results:
             failed = isinstance(result, BaseException) and error_key(result) == "rollout/failures"

@@ -13,6 +13,7 @@ Nothing here waits, samples or keeps state; the schedulers (`lit_grpo.rollouts.s
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from array import array
 from collections import Counter
@@ -88,6 +89,42 @@ def checked_samples(
     return samples, run_sizes, counts, details
 
 
+def overlong_penalty(length: int, max_length: int, buffer_len: int, factor: float) -> float:
+    """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13): 0 while `length` <= `max_length` -
+    `buffer_len`, then falling linearly to `-factor` at `max_length`, and `-factor` beyond it (a
+    multi-segment run can generate more than one call's limit). 0.0 when `buffer_len` is 0 (off)."""
+    if buffer_len <= 0:
+        return 0.0
+    return factor * max(-1.0, min(0.0, (max_length - buffer_len - length) / buffer_len))
+
+
+def penalize_overlong(
+    samples: list[RolloutSample], run_sizes: list[int], max_length: int, buffer_len: int, factor: float
+) -> list[RolloutSample]:
+    """The samples with each run's `overlong_penalty` added to its reward and kept in its `metrics`
+    as `reward/overlong_penalty` (logged as the step's mean). A run's length is the generated
+    (loss-masked) tokens of all its segments; its segments keep one shared reward. The rollout's
+    own objects are left as they were (copies are returned)."""
+    penalized: list[RolloutSample] = []
+    start = 0
+    for size in run_sizes:
+        run = samples[start : start + size]
+        start += size
+        penalty = overlong_penalty(sum(sum(s.loss_mask) for s in run), max_length, buffer_len, factor)
+        penalized += [
+            dataclasses.replace(
+                s, reward=float(s.reward) + penalty, metrics={**s.metrics, "reward/overlong_penalty": penalty}
+            )
+            for s in run
+        ]
+    return penalized
+
+
+def truncated_rows(samples: Iterable[RolloutSample]) -> list[int]:
+    """Indices of the samples that hit the length limit (`finish_reason` `length`)."""
+    return [i for i, s in enumerate(samples) if s.finish_reason == "length"]
+
+
 def group_verdict(group: PromptGroup, min_group_size: int, filters: Iterable[GroupFilter]) -> Optional[str]:
     """None when the group trains, else the metric key that counts why not: too few valid
     samples (`rollout/dropped_small_group`) or a filter said no (`rollout/filtered_groups`)."""
@@ -148,12 +185,16 @@ def make_batch(
     counts: Counter,
     timings: dict[str, float],
     advantage: Optional[Advantage] = None,
+    mask_truncated: bool = False,
 ) -> RolloutBatch:
     """The step's batch of `accepted` groups, with its `RolloutRecord` (over every `sampled` group)
     attached. `version` is the trainer's policy version now. Needs at least one accepted group.
     `advantage` (`advantage=<name>`, `lit_grpo.maths.advantages`; None: grpo) computes each group's
     advantages: one per run, shared by its segments (a per-batch estimator sees all of `accepted`:
-    this rank's groups), or (a per-token estimator such as igpo) one per token in `advantages_BT`."""
+    this rank's groups), or (a per-token estimator such as igpo) one per token in `advantages_BT`.
+    `mask_truncated` (`rollout.mask_truncated`) then zeroes the loss mask of the sequences that hit
+    the length limit: advantages come first, so they still count in their group's statistics (as
+    TRL's `mask_truncated_completions`), only their own gradient is dropped."""
     advantage = advantage or make_advantage("grpo")
     if advantage.per_token:
         token_advantages = [a for g in accepted for a in advantage.token_advantages(g.runs)]
@@ -162,6 +203,10 @@ def make_batch(
         # One call for the step's groups: a per-batch estimator (batch_std, reinforce_pp) needs them all.
         per_group = advantage.batch_advantages([advantage.rewards_of(g.runs) for g in accepted])
         batch = collate_groups(accepted, [g.per_sample(a) for g, a in zip(accepted, per_group)], pad_id)
+    masked = truncated_rows(s for g in accepted for s in g.samples) if mask_truncated else []
+    if masked:
+        batch.loss_mask_BT[masked] = 0.0
+        batch.sampler_logprobs_BT[masked] = 0.0  # 0.0 off the trained tokens, as collate_groups leaves them
     batch.record = RolloutRecord(
         rewards=[r for g in sampled for r in g.rewards],
         completion_tokens=[sum(sum(s.loss_mask) for s in run) for g in sampled for run in g.runs],
@@ -175,6 +220,7 @@ def make_batch(
         zero_spread=[rewards_uniform(g.rewards) for g in sampled if len(g.rewards) >= 2],
         finish_reasons=[str(s.finish_reason) for g in accepted for s in g.samples],
         trained_tokens=[sum(s.loss_mask) for g in accepted for s in g.samples],
+        truncated_masked=len(masked) if mask_truncated else None,
     )
     return batch
 
@@ -239,6 +285,10 @@ def rollout_metrics(records: list[RolloutRecord]) -> dict[str, float]:
             [n for rec in records for n in rec.trained_tokens],
         )
     )
+    if any(rec.truncated_masked is not None for rec in records):  # rollout.mask_truncated is on
+        trained = sum(len(rec.finish_reasons) for rec in records)
+        masked = sum(rec.truncated_masked or 0 for rec in records)
+        metrics["rollout/truncated_masked_frac"] = masked / max(trained, 1)
     sample_s = metrics.get("perf/sample_s", 0.0)
     metrics["perf/sample_tokens_per_s"] = sum(lengths) / max(sample_s, 1e-9)
     return metrics
