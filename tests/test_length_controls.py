@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import compose_config
 
-from lit_grpo.config import ConfigError
+from lit_grpo.config import ConfigError, ineffective_knobs
 from lit_grpo.rollouts import GroupSampler, make_batch, rollout_metrics
 from lit_grpo.rollouts.pipeline import overlong_penalty, penalize_overlong
 from lit_grpo.run.validate import validate
@@ -172,6 +172,13 @@ def test_both_switches_are_off_by_default_and_a_buffer_below_the_limit_validates
         compose_config("sampler.max_completion_tokens=8", "rollout.overlong_buffer_len=7", output_dir=tmp_path)
     )
     assert c.rollout.overlong_buffer_len == 7
+    assert ineffective_knobs(c) == []
+
+
+@pytest.mark.timeout(120)
+def test_a_penalty_factor_without_a_buffer_is_named_as_ineffective(tmp_path):
+    [knob] = ineffective_knobs(validate(compose_config("rollout.overlong_penalty_factor=2.0", output_dir=tmp_path)))
+    assert "rollout.overlong_penalty_factor=2.0" in knob and "overlong_buffer_len=0" in knob
 
 
 # ------------------------------------------------------------------ the real training loop

@@ -267,6 +267,11 @@ def ineffective_knobs(c: TrainConfig) -> list[str]:
                     f"data.{name}={getattr(c.data, name)} has no effect: "
                     "neither data.path nor data.eval_path is a dataset"
                 )
+    if c.rollout.overlong_buffer_len == 0 and c.rollout.overlong_penalty_factor != 1.0:
+        knobs.append(
+            f"rollout.overlong_penalty_factor={c.rollout.overlong_penalty_factor} has no effect with "
+            "rollout.overlong_buffer_len=0: the overlong penalty is off"
+        )
     default_keep = TrainConfig.__dataclass_fields__["dcp_keep_last"].default
     if c.dcp_save_interval == 0 and c.dcp_keep_last != default_keep:
         knobs.append(f"dcp_keep_last={c.dcp_keep_last} has no effect with dcp_save_interval=0: no checkpoint is saved")
