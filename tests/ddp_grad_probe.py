@@ -106,6 +106,8 @@ class Probe(L.Callback):
         self.train = train
         self.grads: list[dict[str, torch.Tensor]] = []
         self.weights: dict[str, torch.Tensor] = {}
+        self.losses: list[float] = []
+        """Each step's loss on this rank: its share of the step's loss (the normalizers are global)."""
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         step = pl_module.rollout_step  # (with `dataloader_iter`, batch_idx lags the steps)
@@ -118,6 +120,10 @@ class Probe(L.Callback):
         self.grads.append({k: full(p.grad).detach().clone() for k, p in pl_module.policy.named_parameters()})
         for p in pl_module.policy.parameters():
             p.grad = None
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if outputs:
+            self.losses.append(float(pl_module.last_step.train_metrics["train/loss"]))
 
     def on_train_end(self, trainer, pl_module) -> None:
         self.weights = {k: full(p).detach().clone() for k, p in pl_module.policy.named_parameters()}
@@ -171,6 +177,7 @@ def main() -> None:
     )
     trainer.fit(GRPOModule(policy, c), datamodule=FixedData(sizes, len(tokenizer)))
     kind = "weights" if train else "grads"
+    torch.save(probe.losses, out / f"losses_{strategy}_world{devices}_rank{trainer.global_rank}.pt")
     torch.save(
         probe.weights if train else probe.grads, out / f"{kind}_{strategy}_world{devices}_rank{trainer.global_rank}.pt"
     )

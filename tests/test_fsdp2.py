@@ -43,6 +43,12 @@ def test_sharded_training_ends_with_the_weights_of_one_process_on_the_union(tmp_
         run_probe(tmp_path, devices, "4,6", "fsdp2", "0.01", "train")
     single = torch.load(tmp_path / "weights_fsdp2_world1_rank0.pt")
     ranks = [torch.load(tmp_path / f"weights_fsdp2_world2_rank{r}.pt") for r in (0, 1)]
+    # Each rank's loss is its share of the step's (global normalizers): the two add up to one process's.
+    single_losses = torch.load(tmp_path / "losses_fsdp2_world1_rank0.pt")
+    rank_losses = [torch.load(tmp_path / f"losses_fsdp2_world2_rank{r}.pt") for r in (0, 1)]
+    assert len(single_losses) == 3 and all(loss != 0.0 for loss in single_losses)
+    for step, (whole, a, b) in enumerate(zip(single_losses, *rank_losses)):
+        assert abs(a + b - whole) <= 1e-6, f"step {step}: {a} + {b} != {whole}"
     moved = 0
     for name, expected in single.items():
         for rank in ranks:
