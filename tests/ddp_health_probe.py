@@ -42,7 +42,7 @@ def main() -> None:
                 "micro_batch_size=3",
                 "grad_clip_norm=0.5",
                 "policy_loss.kl_beta=0",
-                "policy_loss.tis_cap=1.5",
+                "correction.cap=1.5",
                 "logger=none",
                 f"output_dir={out}",
                 "max_steps=1",

@@ -78,22 +78,20 @@ def test_over_cap_fraction_is_token_level_tis_clip_frac():
         sampler_logprobs=sampler,
         advantages=torch.ones(4),
         mask=mask,
-        tis_cap=1.5,
-        tis_level="token",
+        correction_params={"cap": 1.5, "level": "token"},
         kl_beta=0.0,
     )
     drift = drift_metrics(old, sampler, mask, tis_cap=1.5)
-    assert drift["drift/over_tis_cap_frac"].item() == pytest.approx(metrics["tis/clip_frac"].item())
+    assert drift["drift/over_tis_cap_frac"].item() == pytest.approx(metrics["correction/capped_frac"].item())
     assert 0.0 < drift["drift/over_tis_cap_frac"].item() < 1.0
 
 
 @pytest.mark.timeout(60)
-def test_drift_cap_is_the_losses_or_the_default():
-    from lit_grpo.maths.losses import _TIS_DEFAULTS
-
-    assert drift_tis_cap("grpo", {"tis_cap": 7.5}) == 7.5
-    assert drift_tis_cap("grpo", {}) == _TIS_DEFAULTS["tis_cap"]
-    assert drift_tis_cap("reinforce", {"kl_beta": 0.0}) == _TIS_DEFAULTS["tis_cap"]  # no TIS: the default cap
+def test_drift_cap_is_the_corrections_or_the_default():
+    assert drift_tis_cap("tis", {"cap": 7.5}) == 7.5
+    assert drift_tis_cap("tis", {}) == 5.0
+    assert drift_tis_cap("mask", {}) == 3.0  # mask's own default cap
+    assert drift_tis_cap("icepop", {"low": 0.2}) == 5.0  # no cap: the default TIS one
 
 
 @pytest.mark.timeout(60)
@@ -204,8 +202,8 @@ def test_grad_norm_clipped_and_tokens_by_hand(tmp_path):
 @pytest.mark.parametrize(
     "loss, overrides, over_cap",
     [
-        ("grpo", ("policy_loss.tis_cap=10.0", "ppo_n_minibatches=2"), 0.0),  # old logprobs from their own forward
-        ("reinforce", (), 1.0),  # no TIS in the loss: the default cap (below e^2)
+        ("grpo", ("correction.cap=10.0", "ppo_n_minibatches=2"), 0.0),  # old logprobs from their own forward
+        ("reinforce", (), 1.0),  # no TIS weight in the loss: the correction's default cap 5 (below e^2)
     ],
 )
 def test_drift_by_hand_in_the_training_loop(tmp_path, monkeypatch, loss, overrides, over_cap):

@@ -15,6 +15,7 @@ import torch
 from omegaconf import OmegaConf
 from torch.testing import assert_close
 
+from lit_grpo.maths.correction import get_correction
 from lit_grpo.maths.losses import (
     POLICY_LOSSES,
     aggregate_loss,
@@ -188,7 +189,7 @@ def test_reinforce_off_policy_ratio_to_the_sampler():
     assert_close(loss, t(-2.625))
     assert_close(grad, t([[-1.875, -0.75, 0.0]]))
     assert_close(metrics["ratio_mean"], t(0.875))
-    assert not any(key.startswith("tis/") for key in metrics)
+    assert "correction/weight_mean" not in metrics
     loss_old, grad_old, _ = run("reinforce", old_logprobs=pi.detach() + 1.0, **common)
     assert_close(loss_old, loss)
     assert_close(grad_old, grad)
@@ -230,37 +231,39 @@ def test_tis_token_and_sequence_level():
     pi = leaf([[-1.0, -2.0, -0.5], [-1.5, -0.7, -2.5]])
     sampler = pi.detach() - torch.log(t([[2.0, 8.0, 100.0], [4.0, 16.0, 64.0]]))
     mask = t([[1, 1, 0], [1, 1, 1]])
-    common = dict(pi=pi, sampler_logprobs=sampler, advantages=t([1.0, -2.0]), mask=mask, tis_cap=5.0)
+    common = dict(pi=pi, sampler_logprobs=sampler, advantages=t([1.0, -2.0]), mask=mask, correction_params={"cap": 5.0})
     loss, grad, metrics = run("importance_sampling", **common)
     assert_close(loss, t(21.0))
     assert_close(grad, t([[-2.0, -5.0, 0.0], [8.0, 10.0, 10.0]]))
-    assert_close(metrics["tis/weight_mean"], t(21 / 5))
-    assert_close(metrics["tis/clip_frac"], t(3 / 5))
-    loss, grad, metrics = run("importance_sampling", tis_level="sequence", **common)
+    assert_close(metrics["correction/weight_mean"], t(21 / 5))
+    assert_close(metrics["correction/capped_frac"], t(3 / 5))
+    loss, grad, metrics = run(
+        "importance_sampling", **{**common, "correction_params": {"cap": 5.0, "level": "sequence"}}
+    )
     assert_close(loss, t(22.0))
     assert_close(grad, t([[-4.0, -4.0, 0.0], [10.0, 10.0, 10.0]]))
-    assert_close(metrics["tis/weight_mean"], t(23 / 5))
-    assert_close(metrics["tis/clip_frac"], t(3 / 5))
+    assert_close(metrics["correction/weight_mean"], t(23 / 5))
+    assert_close(metrics["correction/capped_frac"], t(3 / 5))
 
 
 def test_tis_cap_defaults_to_5():
-    # The cookbook's TISConfig.cap. importance_sampling on-policy (r = 1), A = 1, no tis_cap given:
+    # The cookbook's TISConfig.cap. importance_sampling on-policy (r = 1), A = 1, no cap given:
     # old - inf = [ln 4, ln 8, ln 100] -> w = [4, 5, 5]; L = -w, sum -14, grad -w; capped 2/3.
-    assert all(policy_loss_defaults(n)["tis_cap"] == 5.0 for n in BUILTIN if n != "reinforce")
+    assert get_correction("tis").defaults == {"level": "token", "cap": 5.0}
     pi = leaf([[-1.0, -2.0, -0.5]])
     sampler = pi.detach() - torch.log(t([[4.0, 8.0, 100.0]]))
     loss, grad, metrics = run("importance_sampling", pi=pi, sampler_logprobs=sampler, advantages=t([1.0]))
     assert_close(loss, t(-14.0))
     assert_close(grad, t([[-4.0, -5.0, -5.0]]))
-    assert_close(metrics["tis/clip_frac"], t(2 / 3))
+    assert_close(metrics["correction/capped_frac"], t(2 / 3))
 
 
 def test_tis_without_sampler_logprobs_is_one():
     pi = leaf([[-1.0, -2.0]])
-    loss, grad, metrics = run("importance_sampling", pi=pi, advantages=t([1.0]), tis_cap=0.5)
+    loss, grad, metrics = run("importance_sampling", pi=pi, advantages=t([1.0]), correction_params={"cap": 0.5})
     assert_close(grad, t([[-1.0, -1.0]]))
-    assert_close(metrics["tis/weight_mean"], t(1.0))
-    assert_close(metrics["tis/clip_frac"], t(0.0))
+    assert_close(metrics["correction/weight_mean"], t(1.0))
+    assert_close(metrics["correction/capped_frac"], t(0.0))
 
 
 def test_k3_kl_term_value_and_gradient():
@@ -345,11 +348,11 @@ def grad_of(name, x, normalization="token_mean", **hyperparams):
 
 
 def tis_levels(name):
-    return ["token", "sequence"] if "tis_level" in policy_loss_defaults(name) else [None]
+    return ["token", "sequence"] if POLICY_LOSSES[name].uses_tis else [None]
 
 
 def level_kwargs(level):
-    return {} if level is None else {"tis_level": level}
+    return {} if level is None else {"correction_params": {"level": level}}
 
 
 @pytest.fixture(params=available_policy_losses())
@@ -359,7 +362,7 @@ def name(request):
 
 def test_builtin_variants_registered():
     assert set(BUILTIN) <= set(available_policy_losses())
-    assert "tis_cap" not in policy_loss_defaults("reinforce")
+    assert not POLICY_LOSSES["reinforce"].uses_tis  # its ratio is to the sampler already
     assert policy_loss_defaults("grpo")["kl_beta"] == 0.001
     assert all(policy_loss_defaults(n)["kl_beta"] == 0.0 for n in BUILTIN if n != "grpo")
 
@@ -419,7 +422,7 @@ def test_metrics_are_detached_scalars(name):
     _, _, metrics = grad_of(name, x, kl_beta=0.01)
     expected = {"clip_frac", "ratio_mean", "ppo_kl", "ref_kl"}
     if POLICY_LOSSES[name].uses_tis:
-        expected |= {"tis/weight_mean", "tis/clip_frac"}
+        expected |= {"correction/weight_mean", "correction/capped_frac"}
     assert expected <= metrics.keys()
     for key, value in metrics.items():
         assert isinstance(value, torch.Tensor) and value.ndim == 0 and not value.requires_grad, key
@@ -451,7 +454,7 @@ def test_uniform_tis_weight_scales_loss(variant):
     x["sampler"] = x["old"] - math.log(1.5)
     loss_w, grad_w, metrics = grad_of(variant, x, kl_beta=0.0)
     loss_1, grad_1, _ = grad_of(variant, dict(x, sampler=None), kl_beta=0.0)
-    assert_close(metrics["tis/weight_mean"], t(1.5))
+    assert_close(metrics["correction/weight_mean"], t(1.5))
     assert_close(loss_w, 1.5 * loss_1)
     assert_close(grad_w, 1.5 * grad_1)
 
@@ -498,9 +501,10 @@ def test_unsupported_hyperparameter_named(variant, key):
 
 
 def test_invalid_shared_hyperparameter_values():
-    for params in ({"kl_beta": -1.0}, {"tis_cap": 0.0}, {"tis_level": "batch"}):
-        with pytest.raises(ValueError, match=next(iter(params))):
-            check_policy_loss_hyperparams("grpo", params)
+    with pytest.raises(ValueError, match="kl_beta"):
+        check_policy_loss_hyperparams("grpo", {"kl_beta": -1.0})
+    with pytest.raises(ValueError, match="its own group: correction=tis"):  # the former loss knob says where it went
+        check_policy_loss_hyperparams("grpo", {"tis_cap": 2.0})
 
 
 def test_kl_without_reference_raises():
@@ -540,13 +544,13 @@ def test_user_registered_variant(scaled_pg):
     # L = -scale·π·A·w: scale 3, A = 1, w = [2 (old - inf = ln2, under the cap 5), 1]; π = [-1, -2]
     # sum = 3·(1·2 + 2·1) = 12, grad = -3·w = [-6, -3].
     assert scaled_pg in available_policy_losses()
-    assert policy_loss_defaults(scaled_pg) == {"kl_beta": 0.0, "tis_cap": 5.0, "tis_level": "token", "scale": 2.0}
+    assert policy_loss_defaults(scaled_pg) == {"kl_beta": 0.0, "scale": 2.0}
     pi = leaf([[-1.0, -2.0]])
     sampler = pi.detach() - t([[LN2, 0.0]])
     loss, grad, metrics = run(scaled_pg, pi=pi, sampler_logprobs=sampler, advantages=t([1.0]), scale=3.0)
     assert_close(loss, t(12.0))
     assert_close(grad, t([[-6.0, -3.0]]))
-    assert_close(metrics["tis/weight_mean"], t(1.5))
+    assert_close(metrics["correction/weight_mean"], t(1.5))
     assert_close(metrics["scale"], torch.tensor(3.0))
     with pytest.raises(ValueError, match="does not take eps_clip"):
         check_policy_loss_hyperparams(scaled_pg, {"eps_clip": 0.2})

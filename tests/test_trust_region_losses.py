@@ -28,13 +28,13 @@ LN3 = math.log(3.0)
 
 def test_defaults():
     assert policy_loss_defaults("sapo") == {
-        "kl_beta": 0.0, "tis_cap": 5.0, "tis_level": "token", "sapo_tau_pos": 1.0, "sapo_tau_neg": 1.05,
+        "kl_beta": 0.0, "sapo_tau_pos": 1.0, "sapo_tau_neg": 1.05,
     }  # fmt: skip
     assert policy_loss_defaults("gmpo") == {
-        "kl_beta": 0.0, "tis_cap": 5.0, "tis_level": "token", "eps_clip": 0.4, "eps_clip_high": 0.4,
+        "kl_beta": 0.0, "eps_clip": 0.4, "eps_clip_high": 0.4,
     }  # fmt: skip
     assert policy_loss_defaults("dppo") == {
-        "kl_beta": 0.0, "tis_cap": 5.0, "tis_level": "token", "dppo_divergence": "tv",
+        "kl_beta": 0.0, "dppo_divergence": "tv",
         "dppo_tv_threshold": 0.2, "dppo_kl_threshold": 0.05, "dppo_ratio_cap": 20.0,
     }  # fmt: skip
 
@@ -54,7 +54,7 @@ def test_sapo_gate_by_hand():
     # sum = -1.5 - 1 + 1 = -1.5 over 5 tokens; seq_mean = (-2.5/2 + 1/1 + 0)/3 = -0.25/3, its
     # gradient each sequence's divided by its length and by B = 3.
     # gate_weight_mean = (3/4 + 1 + 3/4 + 3/4 + 1)/5 = 0.85 (0.9 had seq 2 taken τ_pos);
-    # tis/weight_mean = 6/5.
+    # correction/weight_mean = 6/5.
     r_pos, r_neg = 1 + LN3 / 2, 1 - LN3 / 4
     pi = leaf([[-1.0, -2.0], [-0.5, -1.5], [-3.0, -0.2]])
     old = pi.detach() - torch.log(t([[r_pos, 1.0], [r_neg, 100.0], [r_neg, 1.0]]))
@@ -67,7 +67,7 @@ def test_sapo_gate_by_hand():
     assert_close(loss, t(-1.5))
     assert_close(grad, t([[-0.75 * r_pos, -1.0], [3 * r_neg, 0.0], [0.0, 0.0]]))
     assert_close(metrics["sapo/gate_weight_mean"], t(0.85))
-    assert_close(metrics["tis/weight_mean"], t(6 / 5))
+    assert_close(metrics["correction/weight_mean"], t(6 / 5))
     assert_close(metrics["clip_frac"], t(0.0))
     loss, grad, _ = run("sapo", normalization="seq_mean", **common)
     assert_close(loss, t(-0.25 / 3))
@@ -226,7 +226,7 @@ def test_config_knows_the_same_divergences():
         ("sapo", {"sapo_tau_pos": 3.0, "sapo_tau_neg": 0.5}),
         # A token-level TIS weight w_t multiplies only token t's gradient term of gmpo's shared R (as
         # for gspo): a chosen surrogate, not the derivative of the value. Sequence weights are.
-        ("gmpo", {"tis_level": "sequence"}),
+        ("gmpo", {"correction_params": {"level": "sequence"}}),
     ],
 )
 @pytest.mark.parametrize("normalization", ["token_mean", "seq_mean", "sum"])

@@ -4,6 +4,7 @@
     model.py        ModelConfig, LoraConfig: the policy and its adapters
     sampler.py      SamplerConfig: the engine, how it samples, the vLLM servers' fields
     groups.py       data, rollout, reward, advantage, policy loss, trainer
+    controls.py     what applies around every loss: the mismatch correction, the entropy controls
     run.py          TrainConfig (the whole run), `parse` (a composed DictConfig into it), the ConfigStore node
     keys.py         keys the schema does not have (a misspelt `+key=value`)
     sources.py      a data file's kind; a model or dataset that cannot be reached from here
@@ -21,6 +22,7 @@ from lit_grpo.config.checks import (
     require,
     require_finite,
 )
+from lit_grpo.config.controls import CorrectionConfig, EntropyConfig
 from lit_grpo.config.groups import (
     AdvantageConfig,
     DataConfig,
@@ -41,7 +43,9 @@ __all__ = [
     "MAX_LEARNING_RATE",
     "MAX_TEMPERATURE",
     "ConfigError",
+    "CorrectionConfig",
     "DataConfig",
+    "EntropyConfig",
     "LoraConfig",
     "ModelConfig",
     "PolicyLossConfig",

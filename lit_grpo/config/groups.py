@@ -233,10 +233,8 @@ NAMED_LOSS_HYPERPARAMS = (
     "dppo_tv_threshold",
     "dppo_kl_threshold",
     "dppo_ratio_cap",
-    "tis_cap",
-    "tis_level",
 )
-_FLOAT_LOSS_HYPERPARAMS = tuple(k for k in NAMED_LOSS_HYPERPARAMS if k not in ("tis_level", "dppo_divergence"))
+_FLOAT_LOSS_HYPERPARAMS = (*(k for k in NAMED_LOSS_HYPERPARAMS if k != "dppo_divergence"), "tis_cap")
 _POSITIVE_LOSS_HYPERPARAMS = (
     "sapo_tau_pos",
     "sapo_tau_neg",
@@ -295,9 +293,9 @@ class PolicyLossConfig:
     dppo_ratio_cap: Optional[float] = None
     """dppo's truncation of the detached ratio that weighs each kept token."""
     tis_cap: Optional[float] = None
-    """Cap of the truncated importance weight against the sampler's logprobs."""
+    """Deprecated (`correction=tis correction.cap=...`): read as that correction."""
     tis_level: Optional[str] = None
-    """`token` or `sequence` TIS weights (`lit_grpo.maths.loss_terms.TIS_LEVELS`)."""
+    """Deprecated (`correction=tis correction.level=...`): read as that correction."""
     params: dict = field(default_factory=dict)
     """Any other hyper-parameter of the registered loss, by the name it was registered with
     (`register_policy_loss("mine", scale=1.0)`: `+policy_loss.params.scale=3.0`)."""

@@ -21,6 +21,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
 from lit_grpo.config.checks import DEFINES_STATE, MAX_LEARNING_RATE, ConfigError, require, require_finite
+from lit_grpo.config.controls import CorrectionConfig, EntropyConfig, adopt_legacy_tis
 from lit_grpo.config.groups import (
     AdvantageConfig,
     DataConfig,
@@ -34,6 +35,9 @@ from lit_grpo.config.keys import unknown_keys, unknown_keys_message
 from lit_grpo.config.model import BUILT_KINDS, ModelConfig
 from lit_grpo.config.sampler import SamplerConfig, sampler_copy_reason
 from lit_grpo.config.sources import source_kind
+
+ANCHORS = ("old_policy", "rollout")
+"""`anchor_logp`: the trainer's logprobs before the update, or the sampler's."""
 
 
 @dataclass
@@ -56,6 +60,12 @@ class TrainConfig:
     `module.path:name`, with its `params`. The deprecated `policy_loss.advantage`,
     `policy_loss.advantage_scale`, `policy_loss.igpo_gamma` and `policy_loss.igpo_skip_last_ig`
     are read into it here (`lit_grpo.config.groups.adopt_legacy_advantage`)."""
+    correction: CorrectionConfig = field(default_factory=CorrectionConfig)
+    """The training–inference mismatch correction applied to every loss (`conf/correction/<mode>.yaml`):
+    none, tis (the default), mask, icepop, geo_mask, kl_reject; and the off-policy mask's δ. The
+    deprecated `policy_loss.tis_cap` / `policy_loss.tis_level` are read into it here."""
+    entropy: EntropyConfig = field(default_factory=EntropyConfig)
+    """Entropy controls: a bonus (fixed, decaying or adaptive), top-entropy tokens only, an alarm."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     callbacks: dict = field(default_factory=dict)
@@ -106,6 +116,11 @@ class TrainConfig:
     The gradient is the same either way; the memory of a forward follows the budget, not the longest sample."""
     ppo_n_minibatches: int = field(default=1, metadata=DEFINES_STATE)
     """K: optimizer steps per rollout batch, each on 1/K of it, all against the same old policy."""
+    anchor_logp: str = "old_policy"
+    """What the loss's ratio is anchored on ("old"): `old_policy`, the trainer's logprobs before
+    this batch's first update (a no-gradient forward when ppo_n_minibatches > 1); or `rollout`, the
+    sampler's logprobs, which skips that forward and makes the mismatch correction an identity
+    (the cookbook's `anchor_logp`, verl's bypass mode)."""
     output_dir: str = "."
     """Run folder: logs, plots, checkpoints. Set by Hydra to its run directory."""
     summary_metric: str = "reward/mean"
@@ -131,6 +146,11 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         self.advantage = adopt_legacy_advantage(self.policy_loss, self.advantage)
+        self.correction = adopt_legacy_tis(self.policy_loss.tis_cap, self.policy_loss.tis_level, self.correction)
+        self.policy_loss.tis_cap = self.policy_loss.tis_level = None
+        require(
+            self.anchor_logp in ANCHORS, "anchor_logp", f"must be one of {', '.join(ANCHORS)}, got {self.anchor_logp!r}"
+        )
         require(self.max_steps == -1 or self.max_steps > 0, "max_steps", "must be -1 (until data is exhausted) or > 0")
         for name in (
             "learning_rate",
@@ -272,9 +292,24 @@ def ineffective_knobs(c: TrainConfig) -> list[str]:
             f"rollout.overlong_penalty_factor={c.rollout.overlong_penalty_factor} has no effect with "
             "rollout.overlong_buffer_len=0: the overlong penalty is off"
         )
+    knobs += _ineffective_entropy_knobs(c.entropy)
     default_keep = TrainConfig.__dataclass_fields__["dcp_keep_last"].default
     if c.dcp_save_interval == 0 and c.dcp_keep_last != default_keep:
         knobs.append(f"dcp_keep_last={c.dcp_keep_last} has no effect with dcp_save_interval=0: no checkpoint is saved")
+    return knobs
+
+
+def _ineffective_entropy_knobs(e: EntropyConfig) -> list[str]:
+    defaults = EntropyConfig()
+    knobs = []
+    if (e.coef_final is None) != (e.decay_steps == 0):
+        set_ = f"coef_final={e.coef_final}" if e.coef_final is not None else f"decay_steps={e.decay_steps}"
+        knobs.append(f"entropy.{set_} has no effect alone: a decay needs entropy.coef_final and decay_steps > 0")
+    if not e.adaptive:
+        for name in ("adapt_step", "coef_max"):
+            if getattr(e, name) != getattr(defaults, name):
+                value = getattr(e, name)
+                knobs.append(f"entropy.{name}={value} has no effect without entropy.target (the adaptive bonus)")
     return knobs
 
 

@@ -150,7 +150,7 @@ class Config:
 
 IGNORED_FIELDS = (
     "renderer_name", "router_replay", "router_replay_completion_only", "grad_accumulation_normalization",
-    "pipeline_chunks_per_step", "max_incomplete_group_retries", "anchor_logp", "weight_sync_timeout", "cleanup_on_exit",
+    "pipeline_chunks_per_step", "max_incomplete_group_retries", "weight_sync_timeout", "cleanup_on_exit",
     "save_final_checkpoint", "trainer", "infra",
 )  # fmt: skip
 _DEPLOYMENT_IGNORED = tuple(f.name for f in dataclasses.fields(DeployConfig) if f.name != "tokenizer_model")
@@ -256,6 +256,7 @@ def to_hydra_config(cfg: Config) -> DictConfig:
             "sampler.max_completion_tokens": cfg.max_completion_tokens,
             "sampler.temperature": cfg.temperature,
             "policy_loss.kl_beta": cfg.kl_beta,
+            "anchor_logp": cfg.anchor_logp,
         }
     )
     if not builtin:
@@ -290,12 +291,13 @@ def to_hydra_config(cfg: Config) -> DictConfig:
 
 
 def _set_loss_knobs(composed: DictConfig, values: dict, cfg: Config) -> None:
-    """The clip range and TIS settings, on the losses that take them (others have them null)."""
+    """The clip range, on the losses that take it (others have it null), and the TIS settings: the
+    `correction=tis` every loss gets (the cookbook's `reinforce` has none: its ratio is to the sampler)."""
     loss = composed.policy_loss
     if loss.get("eps_clip") is not None:
         values["policy_loss.eps_clip"] = cfg.eps_clip
     if loss.get("eps_clip_high") is not None:
         values["policy_loss.eps_clip_high"] = cfg.eps_clip if cfg.eps_clip_high is None else cfg.eps_clip_high
-    if loss.get("tis_cap") is not None:
-        values["policy_loss.tis_cap"] = cfg.tis.cap
-        values["policy_loss.tis_level"] = cfg.tis.level
+    if composed.correction.name == "tis":
+        values["correction.cap"] = cfg.tis.cap
+        values["correction.level"] = cfg.tis.level

@@ -32,6 +32,7 @@ from transformers import PreTrainedModel
 from lit_grpo.config import TrainConfig
 from lit_grpo.errors import EnvironmentFault
 from lit_grpo.loop.distributed import all_reduce
+from lit_grpo.loop.entropy_control import EntropyControl
 from lit_grpo.loop.micro_batches import forward_counts, no_grad_logprobs, plan_forwards, with_fillers
 from lit_grpo.loop.optim import adamw, lr_multiplier
 from lit_grpo.loop.signals import StopRequested
@@ -74,8 +75,11 @@ class GRPOModule(L.LightningModule):
         )  # only the adapters train when model.lora.rank > 0
         self.config = config
         self.loss_hyperparams = config.policy_loss.hyperparams()
-        self.drift_tis_cap = drift_tis_cap(config.policy_loss.name, self.loss_hyperparams)
-        """The cap of `train/drift/over_tis_cap_frac`: the loss's tis_cap, else the default one."""
+        self.correction_params = config.correction.params()
+        self.drift_tis_cap = drift_tis_cap(config.correction.name, self.correction_params)
+        """The cap of `train/drift/over_tis_cap_frac`: the correction's cap, else the default TIS one."""
+        self.entropy_control = EntropyControl(config.entropy)
+        """The entropy bonus's coefficient step by step, and the entropy alarm (the step sequence feeds it)."""
         self.reference: Optional[PreTrainedModel] = None
         if self.loss_hyperparams.get("kl_beta", 0.0) > 0:
             # LoRA: the base model is the policy with its adapters off, no second copy.
@@ -155,10 +159,14 @@ class GRPOModule(L.LightningModule):
         )
         t_ref = time.perf_counter()
         # `old` is the policy before this batch's first update; with one minibatch it equals the
-        # current policy, so the training forward itself provides it (no extra forward).
-        old_logprobs_BT = (
-            no_grad_logprobs(self.policy, tokens, attention, temperature, plan.no_grad, mask_BT) if K > 1 else None
-        )
+        # current policy, so the training forward itself provides it (no extra forward). Anchored on
+        # the rollout, the sampler's logprobs are `old`: no forward at all.
+        if self.config.anchor_logp == "rollout":
+            old_logprobs_BT = sampler_logprobs_BT
+        elif K > 1:
+            old_logprobs_BT = no_grad_logprobs(self.policy, tokens, attention, temperature, plan.no_grad, mask_BT)
+        else:
+            old_logprobs_BT = None
 
         per_minibatch = [
             self._optimizer_step(
@@ -247,19 +255,22 @@ class GRPOModule(L.LightningModule):
                 attention_BT,
                 self.config.sampler.temperature,
                 first_scored=0 if micro.filler else first_scored_prediction(micro_mask_BT),
+                entropy_grad=self.config.entropy.differentiated,
             )
             last = i == len(micros) - 1
             if micro.filler:  # a zero gradient, for the sharded model's collectives only
                 with contextlib.nullcontext() if last else self._no_gradient_sync():
                     self.manual_backward(logprobs_BT.sum() * 0.0)
                 continue
-            # The trainer's logprobs before this step's update: what the ratio and the drift compare against.
-            trainer_old_BT = micro.predictions(old_logprobs_BT) if old_logprobs_BT is not None else logprobs_BT.detach()
+            # What the ratio is anchored on: the trainer's logprobs before this step's update, or the sampler's.
+            anchor_BT = micro.predictions(old_logprobs_BT) if old_logprobs_BT is not None else logprobs_BT.detach()
+            # The drift is always the trainer's against the sampler's (anchored on the rollout, the current policy's).
+            trainer_old_BT = logprobs_BT.detach() if self.config.anchor_logp == "rollout" else anchor_BT
             micro_sampler_BT = micro.predictions(sampler_logprobs_BT)
             loss, metrics = policy_loss(
                 self.config.policy_loss.name,
                 logprobs=logprobs_BT,
-                old_logprobs=trainer_old_BT,
+                old_logprobs=anchor_BT,
                 sampler_logprobs=micro_sampler_BT,
                 ref_logprobs=micro.predictions(ref_logprobs_BT) if ref_logprobs_BT is not None else None,
                 advantages=micro.predictions(advantages),
@@ -267,6 +278,12 @@ class GRPOModule(L.LightningModule):
                 normalization=self.config.policy_loss.loss_normalization,
                 num_tokens=num_tokens,
                 num_sequences=num_sequences,
+                correction=self.config.correction.name,
+                correction_params=self.correction_params,
+                off_policy_delta=self.config.correction.off_policy_delta,
+                entropy=entropy_BT,
+                entropy_coef=self.entropy_control.coef(self.rollout_step),
+                top_entropy_quantile=self.config.entropy.top_quantile,
                 **self.loss_hyperparams,
             )
             # DDP averages gradients over ranks; the loss is already a share of the global sum.
@@ -276,7 +293,7 @@ class GRPOModule(L.LightningModule):
             # they add up (over micro-batches and ranks) to the step's token means.
             weight = micro_mask_BT.sum() / num_tokens
             health = {
-                "entropy": entropy_BT,
+                "entropy": entropy_BT.detach(),
                 **drift_per_token(trainer_old_BT, micro_sampler_BT, micro_mask_BT, tis_cap=self.drift_tis_cap),
             }
             metrics = {**metrics, **masked_means(health, micro_mask_BT)}

@@ -121,6 +121,9 @@ class StepSequence:
         """Run the end of step `module.rollout_step`; returns its metrics (every rank gets them)."""
         step = module.rollout_step
         metrics = merge_step_metrics(result.record, result.train_metrics, result.timings)
+        # The entropy controls see the step's mean over every rank (the same on each: no collective).
+        if (control := getattr(module, "entropy_control", None)) is not None and control.config.watched:
+            metrics.update(control.after_step(metrics.get("train/entropy", 0.0), warn=trainer.global_rank == 0))
         metrics["train/lr"] = module.lr_schedulers().get_last_lr()[0]
         metrics["policy/version"] = float(self.datamodule.version)
         self.history.append(metrics)  # before the checkpoint, which saves the history
@@ -247,6 +250,7 @@ class StepSequence:
                 "sampler_holds_policy": holds_policy,
                 "datamodule": data_state if data_state is not None else self.datamodule.state_dict(),
                 "sequence": self.state_dict(),
+                "entropy_control": module.entropy_control.state_dict() if hasattr(module, "entropy_control") else {},
                 "callbacks": {cb.state_key: cb.state_dict() for cb in trainer.callbacks if cb.state_dict()},
             },
             rng=rng,
@@ -265,6 +269,8 @@ class StepSequence:
         module.rollout_step = state["step"]
         self.datamodule.load_state_dict(state["datamodule"])
         self.load_state_dict(state["sequence"])
+        if hasattr(module, "entropy_control"):
+            module.entropy_control.load_state_dict(state.get("entropy_control"))
         for cb in trainer.callbacks:
             if cb.state_key in state["callbacks"]:
                 cb.load_state_dict(state["callbacks"][cb.state_key])

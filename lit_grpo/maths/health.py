@@ -18,21 +18,18 @@ from typing import Any
 
 import torch
 
+from lit_grpo.maths.correction import get_correction
 from lit_grpo.maths.loss_terms import masked_means
 
-# exp() of a log-ratio beyond ±20 only overflows; the same clamp as the loss's ratio and TIS.
+# exp() of a log-ratio beyond ±20 only overflows; the same clamp as the loss's ratio and the correction's.
 _LOG_RATIO_CLAMP = 20.0
 
 
-def drift_tis_cap(loss_name: str, hyperparams: Mapping[str, Any]) -> float:
-    """The cap `drift/over_tis_cap_frac` compares against: the loss's `tis_cap` if it takes one
-    (configured, else its registered default), else the default TIS cap (5.0) for losses without
-    TIS (`reinforce`)."""
-    from lit_grpo.maths.losses import _TIS_DEFAULTS, policy_loss_defaults
-
-    if "tis_cap" in hyperparams:
-        return float(hyperparams["tis_cap"])
-    return float(policy_loss_defaults(loss_name).get("tis_cap", _TIS_DEFAULTS["tis_cap"]))
+def drift_tis_cap(correction: str, params: Mapping[str, Any]) -> float:
+    """The cap `drift/over_tis_cap_frac` compares against: the correction's `cap` if it takes one
+    (configured, else its registered default), else the default TIS cap (5.0)."""
+    defaults = get_correction(correction).defaults
+    return float(params.get("cap", defaults.get("cap", get_correction("tis").defaults["cap"])))
 
 
 def drift_metrics(
@@ -45,8 +42,8 @@ def drift_metrics(
     - `drift/k3` = mean(exp(r) − 1 − r) with r = π_trainer − π_sampler (r clamped to ±20;
       computed as expm1(r) − r): the k3 estimate of the same KL, >= 0 on every token.
     - `drift/over_tis_cap_frac` = the fraction of tokens whose per-token importance weight
-      exp(π_trainer − π_sampler) exceeds `tis_cap` (what TIS would truncate at `tis_level=token`;
-      for a token-level TIS loss it equals `tis/clip_frac`).
+      exp(π_trainer − π_sampler) exceeds `tis_cap` (what `correction=tis` truncates at `level=token`,
+      where it equals `correction/capped_frac`).
 
     Masked-out positions may hold anything (padding): they are zeroed before any arithmetic.
     Every value is 0 when no token is masked in. Detached scalars.
@@ -69,7 +66,7 @@ def drift_per_token(
     return {
         "drift/k1": -r_BT,
         "drift/k3": torch.expm1(r_BT) - r_BT,  # expm1: >= 0 even at float noise
-        "drift/over_tis_cap_frac": torch.exp(r_BT) > tis_cap,  # the TIS weight's own test (`tis_weights`)
+        "drift/over_tis_cap_frac": torch.exp(r_BT) > tis_cap,  # `correction=tis`'s own test at level=token
     }
 
 

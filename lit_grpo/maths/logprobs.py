@@ -12,7 +12,8 @@ token, V wide) are processed a chunk at a time, in the forward and again in the 
   logits' dtype, the only logits-sized allocation (autograd needs it anyway).
 
 Besides the logits and their gradient, the memory used is two float32 chunks in the forward and
-one in the backward. The entropy is detached (it is a metric, never differentiated).
+one in the backward (two when the entropy is differentiated too, for an entropy bonus; else
+the entropy is detached, a metric).
 """
 
 from __future__ import annotations
@@ -98,16 +99,26 @@ def _chunk_grad(
     log_sum_exp_C: torch.Tensor,
     grad_C: torch.Tensor,
     temperature: float,
+    entropy_grad: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """Gradient of `sum(grad * selected logprob)` with respect to a chunk of (unscaled) logits.
+    """Gradient of `sum(grad * selected logprob)` (plus `sum(grad_H * entropy)` when
+    `entropy_grad = (grad_H_C, entropy_C, work_CV)`) with respect to a chunk of (unscaled) logits.
 
     `(g * onehot(target) - g * softmax) / temperature`, computed in place in `scaled_CV`, with the
     softmax rebuilt exactly as the forward's (same max, same log-sum-exp, same order of operations)
-    so the result rounds like autograd's `log_softmax` backward.
+    so the result rounds like autograd's `log_softmax` backward. The entropy's own term is
+    `-g_H * p * (log p + H) / temperature` (dH/dz_i = -p_i (log p_i + H)), built in `work_CV`.
     Shapes: scaled `[C, V]` float32, targets / row_max / log_sum_exp / grad `[C]` -> `[C, V]` float32.
     """
-    softmax_CV = scaled_CV.sub_(row_max_C[:, None]).sub_(log_sum_exp_C[:, None]).exp_()
-    grad_CV = softmax_CV.mul_(-grad_C[:, None]).scatter_add_(-1, targets_C[:, None], grad_C[:, None])
+    logp_CV = scaled_CV.sub_(row_max_C[:, None]).sub_(log_sum_exp_C[:, None])
+    if entropy_grad is None:
+        grad_CV = logp_CV.exp_().mul_(-grad_C[:, None])
+    else:
+        grad_H_C, entropy_C, work_CV = entropy_grad
+        # p * (-g - g_H * (log p + H)): the selected logprob's softmax term and the entropy's, together.
+        factor_CV = torch.add(logp_CV, entropy_C[:, None], out=work_CV).mul_(-grad_H_C[:, None]).sub_(grad_C[:, None])
+        grad_CV = logp_CV.exp_().mul_(factor_CV)
+    grad_CV = grad_CV.scatter_add_(-1, targets_C[:, None], grad_C[:, None])
     return grad_CV.div_(temperature)
 
 
@@ -115,7 +126,9 @@ class _SelectedLogprobs(torch.autograd.Function):
     """Autograd for `selected_logprobs_and_entropy`; saves the logits (no copy), not their softmax."""
 
     @staticmethod
-    def forward(ctx, logits_BTV: torch.Tensor, targets_BT: torch.Tensor, temperature: float, chunk_rows: int):
+    def forward(
+        ctx, logits_BTV: torch.Tensor, targets_BT: torch.Tensor, temperature: float, chunk_rows: int, entropy_grad: bool
+    ):
         B, T, V = logits_BTV.shape
         n_rows = B * T
         targets_N = targets_BT.reshape(n_rows)
@@ -131,42 +144,62 @@ class _SelectedLogprobs(torch.autograd.Function):
                 chunk_CV, targets_N[rows], work_CV[: stop - start]
             )
             selected_BT.view(n_rows)[rows], entropy_BT.view(n_rows)[rows] = selected_C, entropy_C
-        ctx.save_for_backward(logits_BTV, targets_N, row_max_N, log_sum_exp_N)
+        ctx.save_for_backward(logits_BTV, targets_N, row_max_N, log_sum_exp_N, entropy_BT.view(n_rows))
         ctx.temperature, ctx.chunk_rows = temperature, chunk_rows
-        ctx.mark_non_differentiable(entropy_BT)
+        ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None, not zeros
+        if not entropy_grad:
+            ctx.mark_non_differentiable(entropy_BT)
         return selected_BT, entropy_BT
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad_selected_BT: torch.Tensor | None, _grad_entropy_BT: torch.Tensor | None):
-        if grad_selected_BT is None or not ctx.needs_input_grad[0]:
-            return None, None, None, None
-        logits_BTV, targets_N, row_max_N, log_sum_exp_N = ctx.saved_tensors
+    def backward(ctx, grad_selected_BT: torch.Tensor | None, grad_entropy_BT: torch.Tensor | None):
+        if (grad_selected_BT is None and grad_entropy_BT is None) or not ctx.needs_input_grad[0]:
+            return None, None, None, None, None
+        logits_BTV, targets_N, row_max_N, log_sum_exp_N, entropy_N = ctx.saved_tensors
         B, T, V = logits_BTV.shape
         n_rows, chunk_rows = B * T, ctx.chunk_rows
-        grad_N = grad_selected_BT.reshape(n_rows).float()
+        grad_N = (
+            grad_selected_BT.reshape(n_rows).float()
+            if grad_selected_BT is not None
+            else torch.zeros(n_rows, device=logits_BTV.device)
+        )
+        grad_H_N = None if grad_entropy_BT is None else grad_entropy_BT.reshape(n_rows).float()
         # The one logits-sized allocation: the gradient itself, in the logits' dtype.
         grad_logits_BTV = torch.empty(B, T, V, dtype=logits_BTV.dtype, device=logits_BTV.device)
         scaled_CV = torch.empty(min(chunk_rows, n_rows), V, dtype=torch.float32, device=logits_BTV.device)
+        work_CV = torch.empty_like(scaled_CV) if grad_H_N is not None else None
         for start in range(0, n_rows, chunk_rows):
             stop = min(start + chunk_rows, n_rows)
             rows = slice(start, stop)
             chunk_CV = _load_scaled_chunk(logits_BTV, start, stop, ctx.temperature, scaled_CV)
+            entropy_grad = None if grad_H_N is None else (grad_H_N[rows], entropy_N[rows], work_CV[: stop - start])
             grad_CV = _chunk_grad(
-                chunk_CV, targets_N[rows], row_max_N[rows], log_sum_exp_N[rows], grad_N[rows], ctx.temperature
+                chunk_CV,
+                targets_N[rows],
+                row_max_N[rows],
+                log_sum_exp_N[rows],
+                grad_N[rows],
+                ctx.temperature,
+                entropy_grad,
             )
             _store_chunk(grad_CV, grad_logits_BTV, start, stop)
-        return grad_logits_BTV, None, None, None
+        return grad_logits_BTV, None, None, None, None
 
 
 def selected_logprobs_and_entropy(
-    logits_BTV: torch.Tensor, targets_BT: torch.Tensor, temperature: float = 1.0, chunk_rows: int | None = None
+    logits_BTV: torch.Tensor,
+    targets_BT: torch.Tensor,
+    temperature: float = 1.0,
+    chunk_rows: int | None = None,
+    entropy_grad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Logprob of each target token and the entropy of each position's tempered distribution.
 
     Equals `log_softmax(logits.float() / temperature, -1).gather(-1, targets[..., None])[..., 0]`
     and `-(p * log p).sum(-1)` of that distribution, with gradients (to the logits, in their
-    dtype) for the logprob only; the entropy is detached. Computed `chunk_rows` tokens (rows of
+    dtype) for the logprob, and for the entropy too with `entropy_grad` (an entropy bonus; the
+    backward then needs a second float32 chunk); else the entropy is detached. Computed `chunk_rows` tokens (rows of
     the flattened `B * T`) at a time, so no float32 tensor larger than `[chunk_rows, V]` is made
     besides the outputs; `None` picks rows for a ~32 MiB chunk (`default_chunk_rows`).
     Every target must be a valid id, padding included (its logprob is simply ignored by the caller).
@@ -181,7 +214,7 @@ def selected_logprobs_and_entropy(
     rows = chunk_rows if chunk_rows is not None else default_chunk_rows(logits_BTV.shape[-1])
     if rows < 1:
         raise ValueError(f"chunk_rows must be positive, got {rows}")
-    return _SelectedLogprobs.apply(logits_BTV, targets_BT.long(), float(temperature), rows)
+    return _SelectedLogprobs.apply(logits_BTV, targets_BT.long(), float(temperature), rows, entropy_grad)
 
 
 def token_logprobs(
@@ -190,12 +223,14 @@ def token_logprobs(
     attention_mask_BT: torch.Tensor,
     temperature: float,
     first_scored: int = 0,
+    entropy_grad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Next-token logprobs of each token and the policy's entropy at each position.
 
     A forward over T tokens predicts T-1 of them: position t of the output scores token t+1.
     Logits are divided by the sampling temperature so the logprobs are those of the
-    distribution the sampler drew from. Shapes: [B, T] -> ([B, T-1], [B, T-1]); entropy is detached.
+    distribution the sampler drew from. Shapes: [B, T] -> ([B, T-1], [B, T-1]); the entropy is
+    detached unless `entropy_grad` (an entropy bonus differentiates it).
     Computed a chunk of tokens at a time (`lit_grpo.maths.logprobs`): no [B, T, V] float32 copy of the logits.
 
     `first_scored` > 0 skips the LM head for the predictions before it (a prompt nobody trains on):
@@ -210,7 +245,9 @@ def token_logprobs(
     # Scored over every position kept (the last one against a dummy target, then dropped): the
     # gradient of a `logits[:, :-1]` slice would cost a zero-filled [B, K, V] tensor and a copy in backward.
     targets_BK = torch.cat([tokens_BT[:, first_scored + 1 :], tokens_BT[:, :1]], dim=1)
-    logprobs_BK, entropy_BK = selected_logprobs_and_entropy(logits_BKV, targets_BK, temperature)
+    logprobs_BK, entropy_BK = selected_logprobs_and_entropy(
+        logits_BKV, targets_BK, temperature, entropy_grad=entropy_grad
+    )
     if not first_scored:
         return logprobs_BK[:, :-1], entropy_BK[:, :-1]
     skipped = logprobs_BK.new_zeros(tokens_BT.shape[0], first_scored)

@@ -1,4 +1,4 @@
-"""The pieces every policy loss shares: the ratio, k3 KL, TIS weights, masked means, aggregation.
+"""The pieces every policy loss shares: the ratio, k3 KL, masked means, aggregation.
 
 Pure tensor functions, no `.item()` (a GPU sync per micro-batch). `lit_grpo.maths.losses` builds the
 registered variants from them; the formulas are tabled in docs/guides/policy-losses.md.
@@ -56,50 +56,6 @@ def k3(ref_logprobs_BT: torch.Tensor, logprobs_BT: torch.Tensor) -> torch.Tensor
     """
     log_ratio_BT = ref_logprobs_BT - logprobs_BT
     return torch.exp(log_ratio_BT) - log_ratio_BT - 1
-
-
-def _token_log_weights(log_w_BT: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
-    return log_w_BT
-
-
-def _sequence_log_weights(log_w_BT: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
-    return masked_seq_mean(log_w_BT, mask_BT)[:, None].expand_as(log_w_BT)
-
-
-TIS_LEVELS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
-    "token": _token_log_weights,
-    "sequence": _sequence_log_weights,
-}
-"""`tis_level` -> the log-weight each token gets from the per-token old - inf: its own (`token`),
-or its sequence's masked mean, broadcast (`sequence`). Shape: [B, T], [B, T] -> [B, T]."""
-
-
-def tis_weights(
-    *,
-    old_logprobs: torch.Tensor,
-    sampler_logprobs: torch.Tensor | None,
-    mask: torch.Tensor,
-    tis_cap: float,
-    tis_level: str,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Truncated importance weights correcting for the sampler drifting from the trainer.
-
-    `token`: w = min(exp(clamp(old - inf, -20, 20)), tis_cap) per token. `sequence`: the same
-    with the sequence's masked mean of old - inf, broadcast over its tokens. Masked-out tokens
-    get 1, and so does everything when `sampler_logprobs` is None (sampler assumed exact).
-    Returns `(w, capped)`: the detached weights and a bool mask of the masked-in tokens whose
-    weight hit the cap. Shapes: [B, T] each.
-    """
-    if tis_level not in TIS_LEVELS:
-        raise ValueError(f"unknown tis_level {tis_level!r}; valid: {', '.join(TIS_LEVELS)}")
-    keep_BT = mask > 0
-    if sampler_logprobs is None:
-        return torch.ones_like(old_logprobs), torch.zeros_like(keep_BT)
-    log_w_BT = TIS_LEVELS[tis_level]((old_logprobs - sampler_logprobs).detach(), mask)
-    raw_BT = torch.exp(log_w_BT.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP))
-    # `where`, not a product with the mask: garbage at padded positions must not leak in.
-    w_BT = torch.where(keep_BT, raw_BT.clamp(max=tis_cap), torch.ones_like(raw_BT))
-    return w_BT, keep_BT & (raw_BT > tis_cap)
 
 
 Count = int | float | torch.Tensor | None

@@ -4,10 +4,12 @@ Each variant (grpo, dapo, gspo, cispo, importance_sampling, dro, reinforce; and 
 whose functions live in `trust_region_losses`) is a function of keyword-only `[B, T]` tensors
 returning `(loss_BT, metrics)`, registered by name with its default hyper-parameters
 (`register_policy_loss`; a user's module can add its own). What the variants share, and nothing
-that depends on which variant it is, lives in `per_token_policy_loss`: input checks, the truncated
-importance weights against the sampler (for variants registered with `uses_tis=True`; a variant
-that declares a `sampler_logprobs` keyword gets those logprobs themselves), the k3 KL penalty to
-the reference when `kl_beta > 0`, and the common metrics. `policy_loss` then reduces the matrix
+that depends on which variant it is, lives in `per_token_policy_loss`: input checks, the
+training–inference mismatch correction (`lit_grpo.maths.correction`: its weights for variants
+registered with `uses_tis=True`, its dropped tokens for all; a variant that declares a
+`sampler_logprobs` keyword gets those logprobs themselves), the off-policy mask, the entropy
+bonus and top-entropy mask, the k3 KL penalty to the reference when `kl_beta > 0`, and the
+common metrics. `policy_loss` then reduces the matrix
 with `aggregate_loss` in the configured normalization. The formulas and the defaults are tabled in
 docs/guides/policy-losses.md. Every function taking a loss `name` also accepts `module.path:name`,
 which imports `module.path` (the module that registers the loss) first, so a user's loss is usable
@@ -27,16 +29,16 @@ from typing import Any
 
 import torch
 
+from lit_grpo.maths.correction import correction_weights, off_policy_mask
+from lit_grpo.maths.entropy import top_entropy_mask
 from lit_grpo.maths.loss_terms import (
     LOSS_NORMALIZATIONS,
-    TIS_LEVELS,
     aggregate_loss,
     k3,
     masked_mean,
     masked_means,
     masked_seq_mean,
     ratio,
-    tis_weights,
 )
 from lit_grpo.maths.trust_region_losses import dppo_loss, gmpo_loss, sapo_loss
 from lit_grpo.registry import lookup
@@ -57,9 +59,6 @@ __all__ = [
 
 PolicyLossFn = Callable[..., "tuple[torch.Tensor, dict[str, torch.Tensor]]"]
 
-# TIS hyper-parameters: `per_token_policy_loss` consumes them (as it does kl_beta) and hands the
-# variant only the resulting `tis_weight`. The cap is the cookbook's default (its TISConfig.cap).
-_TIS_DEFAULTS = {"tis_cap": 5.0, "tis_level": "token"}
 _SHARED_TENSORS = ("logprobs", "old_logprobs", "advantages", "mask")
 # Tensors a variant gets only if its signature names them (the sampler's logprobs, for a loss
 # whose ratio is to the behaviour policy itself), and that no hyper-parameter may be called.
@@ -78,10 +77,11 @@ class PolicyLossSpec:
     (`[B, T]`, detached, 0 on masked-out tokens; or None) if `takes_sampler_logprobs`, and its own
     hyper-parameters; returns the per-token loss `[B, T]` and a dict of metric tensors."""
     defaults: Mapping[str, Any]
-    """Every hyper-parameter the variant takes, with its default; always includes `kl_beta`,
-    and `tis_cap`/`tis_level` when `uses_tis`."""
+    """Every hyper-parameter the variant takes, with its default; always includes `kl_beta`."""
     uses_tis: bool
-    """Whether the loss is multiplied by truncated importance weights against the sampler."""
+    """Whether the loss is multiplied by the mismatch correction's weights (`tis_weight`, from
+    `lit_grpo.maths.correction`); a loss without (its ratio is to the sampler already) still has
+    the tokens the correction drops taken out."""
     takes_sampler_logprobs: bool = False
     """Whether the function's signature names `sampler_logprobs` (then it receives them)."""
 
@@ -94,22 +94,20 @@ def register_policy_loss(
 ) -> Callable[[PolicyLossFn], PolicyLossFn]:
     """Decorator registering a policy loss under `name` with its default hyper-parameters.
 
-    `kl_beta` defaults to 0.0 and, with `uses_tis`, `tis_cap` to 5.0 and `tis_level` to "token",
-    unless given here. Every other default names a keyword argument of the function, checked now
-    so that a typo fails at import rather than at the first training step. A function whose
-    signature names `sampler_logprobs` (explicitly, not through `**kwargs`) receives the sampler's
-    logprobs, with or without `uses_tis`.
+    `kl_beta` defaults to 0.0 unless given here. Every other default names a keyword argument of
+    the function, checked now so that a typo fails at import rather than at the first training
+    step. With `uses_tis` the function takes `tis_weight`, the correction's per-token weight. A
+    function whose signature names `sampler_logprobs` (explicitly, not through `**kwargs`)
+    receives the sampler's logprobs, with or without `uses_tis`.
     """
     if name in POLICY_LOSSES:
         raise ValueError(f"policy loss {name!r} is already registered")
-    if not uses_tis and set(_TIS_DEFAULTS) & set(default_hyperparams):
-        raise ValueError(f"policy loss {name!r}: tis_cap/tis_level need uses_tis=True")
     if clash := sorted(set(_TENSOR_NAMES) & set(default_hyperparams)):
         raise ValueError(f"policy loss {name!r}: {', '.join(clash)} is an input tensor, not a hyper-parameter")
-    defaults = {"kl_beta": 0.0, **(_TIS_DEFAULTS if uses_tis else {}), **default_hyperparams}
+    defaults = {"kl_beta": 0.0, **default_hyperparams}
 
     def decorator(fn: PolicyLossFn) -> PolicyLossFn:
-        own = set(defaults) - {"kl_beta", *_TIS_DEFAULTS}
+        own = set(defaults) - {"kl_beta"}
         wanted = {*_SHARED_TENSORS, *own, *(["tis_weight"] if uses_tis else [])}
         params = inspect.signature(fn).parameters
         if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
@@ -145,25 +143,22 @@ def policy_loss_defaults(name: str) -> dict[str, Any]:
 
 
 def check_policy_loss_hyperparams(name: str, params: Mapping[str, Any]) -> None:
-    """Raise ValueError if `name` is unknown, `params` has a key the loss does not take, or a
-    shared hyper-parameter (kl_beta, tis_cap, tis_level) has an invalid value.
+    """Raise ValueError if `name` is unknown, `params` has a key the loss does not take, or
+    `kl_beta` is negative.
 
     Cheap and tensor-free, so config validation calls it before any model loads.
     """
     defaults = get_policy_loss(name).defaults
     unknown = sorted(set(params) - set(defaults))
     if unknown:
+        moved = " (the mismatch correction is its own group: correction=tis correction.cap=... correction.level=...)"
         raise ValueError(
             f"policy loss {name!r} does not take {', '.join(unknown)}; "
             f"valid hyper-parameters: {', '.join(sorted(defaults))}"
+            + (moved if {"tis_cap", "tis_level"} & set(unknown) else "")
         )
     if "kl_beta" in params and not params["kl_beta"] >= 0:
         raise ValueError(f"policy loss {name!r}: kl_beta must be >= 0, got {params['kl_beta']}")
-    if "tis_cap" in params and not params["tis_cap"] > 0:
-        raise ValueError(f"policy loss {name!r}: tis_cap must be > 0, got {params['tis_cap']}")
-    if "tis_level" in params and params["tis_level"] not in TIS_LEVELS:
-        valid = ", ".join(TIS_LEVELS)
-        raise ValueError(f"policy loss {name!r}: tis_level must be one of {valid}, got {params['tis_level']!r}")
 
 
 def per_token_policy_loss(
@@ -175,25 +170,45 @@ def per_token_policy_loss(
     ref_logprobs: torch.Tensor | None = None,
     advantages: torch.Tensor,
     mask: torch.Tensor,
+    correction: str = "tis",
+    correction_params: Mapping[str, Any] | None = None,
+    off_policy_delta: float | None = None,
+    entropy: torch.Tensor | None = None,
+    entropy_coef: float = 0.0,
+    top_entropy_quantile: float | None = None,
     **hyperparams: Any,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The per-token loss of variant `name` (KL term included), zero on masked-out tokens.
+    """The per-token loss of variant `name` (KL and entropy terms included), zero on masked-out tokens.
 
-    `logprobs` carries the gradient; `old_logprobs`, `sampler_logprobs` (None: no TIS, and None
-    to a variant that takes them) and `ref_logprobs` (read only when kl_beta > 0) are detached
-    here. Hyper-parameters not given take the registered defaults. Metrics are detached scalars:
-    `clip_frac`, `ratio_mean`, `ppo_kl` (k3 of π against old), `ref_kl` when kl_beta > 0,
-    `tis/weight_mean` and `tis/clip_frac` for TIS variants, plus the variant's own. Shapes: [B, T]
-    tensors, advantages [B] or [B, T]; returns [B, T].
+    `logprobs` carries the gradient; `old_logprobs`, `sampler_logprobs` (None: no correction, and
+    None to a variant that takes them) and `ref_logprobs` (read only when kl_beta > 0) are detached
+    here. Hyper-parameters not given take the registered defaults.
+
+    What every variant gets the same way, around its own per-token term L_t:
+    - the mismatch correction `correction` (`lit_grpo.maths.correction`, with `correction_params`):
+      its weight is the variant's `tis_weight`, and the tokens it drops are taken out of L_t;
+    - `off_policy_delta` (None: off): DeepSeek-V3.2's off-policy mask drops the negative-advantage
+      tokens of sequences the policy has moved past δ from the sampler (`old` without sampler logprobs);
+    - `top_entropy_quantile` q (None: off): L_t only on the tokens whose `entropy` is in the top q
+      of these masked tokens;
+    - then `+ kl_beta·k3(ref, π)` and `− entropy_coef·H_t` (`entropy` [B, T], differentiable for a
+      bonus), on every masked token.
+    A dropped token stays in the normalizer's count: the loss is that of the others, at the same scale.
+    Metrics are detached scalars: `clip_frac`, `ratio_mean`, `ppo_kl` (k3 of π against old),
+    `ref_kl` when kl_beta > 0, `correction/weight_mean`, `correction/capped_frac`,
+    `correction/masked_frac` (loss variants with `uses_tis`: the first; all: the others),
+    `correction/off_policy_frac`, `entropy/kept_frac` with a quantile, plus the variant's own.
+    Shapes: [B, T] tensors, advantages [B] or [B, T]; returns [B, T].
     """
     spec = get_policy_loss(name)
     check_policy_loss_hyperparams(name, hyperparams)
     params = {**spec.defaults, **hyperparams}
     kl_beta = params.pop("kl_beta")
-    tis_params = {key: params.pop(key) for key in _TIS_DEFAULTS if key in params}
     _check_shapes(logprobs, old_logprobs, sampler_logprobs, ref_logprobs, advantages, mask)
     if kl_beta > 0 and ref_logprobs is None:
         raise ValueError(f"policy loss {name!r} has kl_beta={kl_beta} > 0 but no ref_logprobs were given")
+    if (entropy_coef != 0 or top_entropy_quantile is not None) and entropy is None:
+        raise ValueError("an entropy bonus or top_entropy_quantile needs the per-token `entropy`")
 
     mask_BT = mask.to(logprobs.dtype)
     keep_BT = mask_BT > 0
@@ -207,16 +222,37 @@ def per_token_policy_loss(
     sampler_BT = None if sampler_logprobs is None else torch.where(keep_BT, sampler_logprobs.detach(), 0.0)
     advantages_BT = torch.where(keep_BT, advantages_BT, 0.0)
     pi_BT = logprobs.detach()
-    per_token = {"ratio_mean": ratio(pi_BT, old_BT), "ppo_kl": k3(old_BT, pi_BT)}
+    w_BT, dropped_BT, capped_BT = correction_weights(
+        correction, old_logprobs=old_BT, sampler_logprobs=sampler_BT, mask=mask_BT, **(correction_params or {})
+    )
+    per_token = {
+        "ratio_mean": ratio(pi_BT, old_BT),
+        "ppo_kl": k3(old_BT, pi_BT),
+        "correction/capped_frac": capped_BT,
+        "correction/masked_frac": dropped_BT,
+    }
+    if spec.uses_tis:
+        per_token["correction/weight_mean"] = w_BT
+    if off_policy_delta is not None:
+        behaviour_BT = old_BT if sampler_BT is None else sampler_BT
+        far_BT = off_policy_mask(
+            logprobs=pi_BT, behaviour_logprobs=behaviour_BT, advantages=advantages_BT, mask=mask_BT,
+            delta=off_policy_delta,
+        )  # fmt: skip
+        per_token["correction/off_policy_frac"] = far_BT
+        dropped_BT = dropped_BT | far_BT
+    if top_entropy_quantile is not None:
+        low_entropy_BT = ~top_entropy_mask(entropy.detach(), mask_BT, top_entropy_quantile) & keep_BT
+        per_token["entropy/kept_frac"] = ~low_entropy_BT
+        dropped_BT = dropped_BT | low_entropy_BT
     tensors = {"logprobs": logprobs, "old_logprobs": old_BT, "advantages": advantages_BT, "mask": mask_BT}
     if spec.uses_tis:
-        w_BT, capped_BT = tis_weights(old_logprobs=old_BT, sampler_logprobs=sampler_BT, mask=mask_BT, **tis_params)
-        tensors["tis_weight"] = w_BT
-        per_token["tis/weight_mean"], per_token["tis/clip_frac"] = w_BT, capped_BT
+        tensors["tis_weight"] = torch.where(dropped_BT, 0.0, w_BT)
     if spec.takes_sampler_logprobs:
         tensors["sampler_logprobs"] = sampler_BT
 
     loss_BT, variant_metrics = spec.fn(**tensors, **params)
+    loss_BT = torch.where(dropped_BT, 0.0, loss_BT)  # a dropped token's whole policy term, penalties included
     metrics = {
         "clip_frac": torch.zeros((), dtype=logprobs.dtype, device=logprobs.device),
         **masked_means(per_token, mask_BT),
@@ -226,6 +262,8 @@ def per_token_policy_loss(
         kl_BT = k3(torch.where(keep_BT, ref_logprobs.detach(), 0.0), logprobs)
         loss_BT = loss_BT + kl_beta * kl_BT
         metrics["ref_kl"] = masked_mean(kl_BT.detach(), mask_BT)
+    if entropy_coef != 0:
+        loss_BT = loss_BT - entropy_coef * torch.where(keep_BT, entropy, 0.0)
     loss_BT = torch.where(keep_BT, loss_BT, 0.0)  # a user's variant may put loss on padding
     return loss_BT, {key: value.detach() for key, value in metrics.items()}
 
@@ -242,18 +280,19 @@ def policy_loss(
     normalization: str = "token_mean",
     num_tokens: int | float | torch.Tensor | None = None,
     num_sequences: int | float | torch.Tensor | None = None,
-    **hyperparams: Any,
+    **kwargs: Any,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The scalar loss of variant `name`, reduced by `aggregate_loss(…, normalization)`.
 
-    See `per_token_policy_loss` for the tensors, hyper-parameters and metrics, and
-    `aggregate_loss` for `num_tokens`/`num_sequences`. Shape: [B, T] inputs -> [].
+    See `per_token_policy_loss` for the tensors, the shared controls (correction, off-policy mask,
+    entropy), the hyper-parameters and metrics, and `aggregate_loss` for
+    `num_tokens`/`num_sequences`. Shape: [B, T] inputs -> [].
     """
     if normalization not in LOSS_NORMALIZATIONS:
         raise ValueError(f"unknown loss normalization {normalization!r}; valid: {', '.join(LOSS_NORMALIZATIONS)}")
     loss_BT, metrics = per_token_policy_loss(
         name, logprobs=logprobs, old_logprobs=old_logprobs, sampler_logprobs=sampler_logprobs,
-        ref_logprobs=ref_logprobs, advantages=advantages, mask=mask, **hyperparams,
+        ref_logprobs=ref_logprobs, advantages=advantages, mask=mask, **kwargs,
     )  # fmt: skip
     loss = aggregate_loss(loss_BT, mask, normalization, num_tokens=num_tokens, num_sequences=num_sequences)
     return loss, metrics

@@ -66,7 +66,7 @@ def gmpo_loss(*, logprobs, old_logprobs, advantages, mask, tis_weight, eps_clip,
     clipped). With `loss_normalization=seq_mean` the gradient is that of the paper's -R·A per
     sequence, R's own ∇R = R·mean_t ∇c_t; `token_mean` weighs each sequence by its length, as
     GSPO-token does here. With token-level TIS weights each token's gradient term carries its own
-    w_t (the value's derivative would spread the sequence's mean weight); `tis_level=sequence`
+    w_t (the value's derivative would spread the sequence's mean weight); `correction.level=sequence`
     gives every token of a sequence its geometric-mean weight, verl's choice. The paper's default
     range is (-0.4, 0.4) in log space (ratios within [e^-0.4, e^0.4]), hence eps_clip =
     eps_clip_high = 0.4; a token exactly on an edge is not clipped. verl calls it `geo_mean` (its

@@ -1,7 +1,7 @@
 """A composed config checked whole, before anything loads: the schema and each group's bounds
 (`lit_grpo.config.parse`), then every check that needs a registry: the sampler kind, the reward
 functions, the policy loss and its hyper-parameters, the advantage estimator and its
-hyper-parameters, and the task's options.
+hyper-parameters, the mismatch correction and its parameters, and the task's options.
 
 It sits above the registries (samplers, rewards, losses, tasks), so the config's dataclasses
 import nothing above them. Raises `ConfigError` naming the field.
@@ -14,6 +14,7 @@ from omegaconf import DictConfig
 from lit_grpo.config import (
     AdvantageConfig,
     ConfigError,
+    CorrectionConfig,
     PolicyLossConfig,
     RewardConfig,
     SamplerConfig,
@@ -21,8 +22,10 @@ from lit_grpo.config import (
     parse,
     require,
 )
+from lit_grpo.config.controls import CORRECTION_PARAMS
 from lit_grpo.config.groups import NAMED_LOSS_HYPERPARAMS
 from lit_grpo.maths.advantages import advantage_param_problems, get_advantage
+from lit_grpo.maths.correction import correction_param_problems, get_correction
 from lit_grpo.maths.losses import LOSS_NORMALIZATIONS, check_policy_loss_hyperparams, policy_loss_defaults
 from lit_grpo.rewards.combine import RESERVED_NAMES, check_weights, component_names
 from lit_grpo.samplers import available_samplers
@@ -37,6 +40,7 @@ def validate(cfg: DictConfig | TrainConfig) -> TrainConfig:
     check_policy_loss(c.policy_loss)
     check_advantage(c.advantage)
     check_components(c.advantage, c.reward)
+    check_correction(c.correction)
     check_task(c)
     return c
 
@@ -91,6 +95,17 @@ def check_advantage(a: AdvantageConfig) -> None:
         raise ConfigError(f"config field `advantage.name`: {err}") from None
     for key, why in advantage_param_problems(a.name, a.params):
         require(False, f"advantage.params.{key}", f"advantage {a.name!r}: {why}")
+
+
+def check_correction(c: CorrectionConfig) -> None:
+    """The mode is registered and takes every parameter that is set, within its bounds."""
+    try:
+        defaults = get_correction(c.name).defaults  # imports a user's module: a missing one is named here
+    except ValueError as err:
+        raise ConfigError(f"config field `correction.name`: {err}") from None
+    for key, why in correction_param_problems(c.name, c.params()):
+        takes = ", ".join(k for k in CORRECTION_PARAMS if k in defaults) or "no parameter"
+        require(False, f"correction.{key}", f"{why} (correction={c.name} takes {takes})")
 
 
 def check_policy_loss(p: PolicyLossConfig) -> None:

@@ -1,0 +1,154 @@
+"""The controls applied around every policy loss alike: the training–inference mismatch correction
+(`correction=<mode>`, `conf/correction/<mode>.yaml`) and the entropy controls (`entropy.*`).
+The maths is `lit_grpo.maths.correction` and `lit_grpo.maths.entropy`; the mode names and their
+parameters are checked against the correction registry in `lit_grpo.run.validate`.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from lit_grpo.config.checks import require, require_finite
+
+log = logging.getLogger(__name__)
+
+CORRECTION_PARAMS = ("level", "cap", "low", "high", "estimator", "threshold")
+"""CorrectionConfig's fields that are a mode's parameters (the registry says which mode takes which)."""
+
+
+@dataclass
+class CorrectionConfig:
+    """How the loss corrects for the sampler not being the trainer: every mode weighs or drops
+    tokens by r = exp(old − sampler), the trainer's probability of a token before this batch's
+    update over the sampler's. Parameters left null take the mode's registered default."""
+
+    name: str = "tis"
+    """none | tis (min(r, cap); the default, as the cookbook's TISConfig) | mask (r, or 0 past the cap:
+    TRL's) | icepop (r inside [low, high], else 0) | geo_mask (a sequence whose geometric-mean r is
+    outside [low, high] is dropped) | kl_reject (a token or sequence whose KL estimate passes
+    `threshold` is dropped) | `module.path:name` for a user's mode."""
+    level: Optional[str] = None
+    """`token`: each token its own r; `sequence`: the sequence's geometric-mean r (tis, mask, kl_reject)."""
+    cap: Optional[float] = None
+    """tis: the truncation (default 5.0); mask: the largest kept ratio (default 3.0)."""
+    low: Optional[float] = None
+    """icepop, geo_mask: the band's lower edge (kept, inclusive)."""
+    high: Optional[float] = None
+    """icepop, geo_mask: the band's upper edge (kept, inclusive)."""
+    estimator: Optional[str] = None
+    """kl_reject: k1 | k2 | k3, the estimate of KL(sampler ‖ trainer) compared with `threshold`."""
+    threshold: Optional[float] = None
+    """kl_reject: the largest kept KL estimate."""
+    off_policy_delta: Optional[float] = None
+    """DeepSeek-V3.2's off-policy mask, a switch apart from the mode (null: off): the tokens with
+    A < 0 of a sequence whose mean log-ratio sampler − current policy exceeds δ are dropped."""
+
+    def params(self) -> dict[str, Any]:
+        """The mode's parameters that are set (the others take the registered defaults)."""
+        return {key: getattr(self, key) for key in CORRECTION_PARAMS if getattr(self, key) is not None}
+
+    def __post_init__(self) -> None:
+        require(
+            isinstance(self.name, str) and bool(self.name.strip()), "correction.name", "must name a correction mode"
+        )
+        for key in ("cap", "low", "high", "threshold", "off_policy_delta"):
+            if getattr(self, key) is not None:
+                require_finite(getattr(self, key), f"correction.{key}")
+        if self.off_policy_delta is not None:
+            require(self.off_policy_delta >= 0, "correction.off_policy_delta", "must be >= 0 (null: off)")
+
+
+def adopt_legacy_tis(tis_cap: Optional[float], tis_level: Optional[str], c: CorrectionConfig) -> CorrectionConfig:
+    """The correction that the deprecated `policy_loss.tis_cap` / `policy_loss.tis_level` ask for:
+    `correction=tis` with that cap and level (they win, as they did); `c` when neither is set."""
+    if tis_cap is None and tis_level is None:
+        return c
+    require(
+        c.name in ("tis", "none"),
+        "policy_loss.tis_cap",
+        f"is the deprecated form of correction=tis; it cannot go with correction={c.name} (drop one of them)",
+    )
+    new = CorrectionConfig(
+        name="tis",
+        level=tis_level if tis_level is not None else c.level,
+        cap=tis_cap if tis_cap is not None else c.cap,
+        off_policy_delta=c.off_policy_delta,
+    )
+    log.warning(
+        "deprecated: policy_loss.tis_cap / policy_loss.tis_level are read as correction=tis%s%s; "
+        "use the `correction` group",
+        f" correction.cap={new.cap}" if new.cap is not None else "",
+        f" correction.level={new.level}" if new.level is not None else "",
+    )
+    return new
+
+
+@dataclass
+class EntropyConfig:
+    """Acting on the policy's entropy (it is logged as `train/entropy` either way): a bonus, fixed,
+    decaying or adaptive; training on the high-entropy tokens only; an alarm. All off by default."""
+
+    coef: float = 0.0
+    """The entropy bonus: `− coef·H_t` is added to each token's loss (0: off). The entropy is then
+    differentiated (a second float32 chunk in the logprob backward)."""
+    coef_final: Optional[float] = None
+    """With `decay_steps` > 0: the bonus moves linearly from `coef` to this over that many rollout steps."""
+    decay_steps: int = 0
+    """Rollout steps of the linear decay to `coef_final` (0: no decay)."""
+    target: Optional[float] = None
+    """Adaptive bonus (null: off): the coefficient rises by `adapt_step` after a step whose mean
+    entropy was below the target and falls otherwise, within [0, coef_max] (Skywork-OR1); it starts at `coef`."""
+    adapt_step: float = 0.001
+    """The adaptive coefficient's change per rollout step."""
+    coef_max: float = 0.05
+    """The adaptive coefficient's ceiling."""
+    top_quantile: Optional[float] = None
+    """Train the policy term only on the tokens whose entropy is in the top q of each micro-batch's
+    loss-masked tokens (null: all tokens; 0.2: the "80/20" paper's)."""
+    floor: Optional[float] = None
+    """The alarm: a warning (once) and `train/entropy_alarm` = 1 when the step's mean entropy falls below this."""
+    ceiling: Optional[float] = None
+    """The alarm's upper side: the same when the step's mean entropy rises past this."""
+
+    @property
+    def adaptive(self) -> bool:
+        return self.target is not None
+
+    @property
+    def differentiated(self) -> bool:
+        """Whether the loss differentiates the entropy (a bonus is or may become non-zero)."""
+        return self.coef != 0 or self.adaptive or bool(self.coef_final)
+
+    @property
+    def watched(self) -> bool:
+        """Whether each step's global mean entropy is needed (the adaptive bonus, the alarm)."""
+        return self.adaptive or self.floor is not None or self.ceiling is not None
+
+    def __post_init__(self) -> None:
+        for key in ("coef", "coef_final", "target", "adapt_step", "coef_max", "floor", "ceiling"):
+            if getattr(self, key) is not None:
+                require_finite(getattr(self, key), f"entropy.{key}")
+        require(self.coef >= 0, "entropy.coef", f"must be >= 0 (0: no bonus), got {self.coef}")
+        final = self.coef_final
+        require(final is None or final >= 0, "entropy.coef_final", f"must be >= 0, got {final}")
+        require(self.decay_steps >= 0, "entropy.decay_steps", f"must be >= 0, got {self.decay_steps}")
+        require(
+            not (self.adaptive and self.decay_steps > 0),
+            "entropy.decay_steps",
+            "cannot go with the adaptive bonus (entropy.target): choose a decay or a target",
+        )
+        require(self.target is None or self.target > 0, "entropy.target", f"must be > 0, got {self.target}")
+        require(self.adapt_step > 0, "entropy.adapt_step", f"must be > 0, got {self.adapt_step}")
+        require(self.coef_max >= self.coef, "entropy.coef_max", f"must be >= entropy.coef ({self.coef})")
+        require(
+            self.top_quantile is None or 0 < self.top_quantile <= 1,
+            "entropy.top_quantile",
+            f"must be in (0, 1] (null: every token), got {self.top_quantile}",
+        )
+        require(
+            self.floor is None or self.ceiling is None or self.floor < self.ceiling,
+            "entropy.floor",
+            f"must be below entropy.ceiling ({self.ceiling}), got {self.floor}",
+        )
