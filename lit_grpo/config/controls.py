@@ -141,7 +141,11 @@ class EntropyConfig:
         )
         require(self.target is None or self.target > 0, "entropy.target", f"must be > 0, got {self.target}")
         require(self.adapt_step > 0, "entropy.adapt_step", f"must be > 0, got {self.adapt_step}")
-        require(self.coef_max >= self.coef, "entropy.coef_max", f"must be >= entropy.coef ({self.coef})")
+        require(
+            not self.adaptive or self.coef_max >= self.coef,
+            "entropy.coef_max",
+            f"must be >= entropy.coef ({self.coef}), where the adaptive coefficient starts",
+        )
         require(
             self.top_quantile is None or 0 < self.top_quantile <= 1,
             "entropy.top_quantile",
