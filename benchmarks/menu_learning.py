@@ -40,10 +40,8 @@ def summarize(steps: list[dict[str, float]]) -> dict[str, float | None]:
     seconds of steps until then, and the mean reward of the last `FINAL` steps."""
     rewards = [s["reward/mean"] for s in steps]
     seconds = [s.get("perf/step_s", 0.0) for s in steps]
-    reached = next(
-        (i + 1 for i in range(WINDOW - 1, len(rewards)) if statistics.fmean(rewards[i + 1 - WINDOW : i + 1]) >= THRESHOLD),
-        None,
-    )
+    means = [statistics.fmean(rewards[i + 1 - WINDOW : i + 1]) for i in range(WINDOW - 1, len(rewards))]
+    reached = next((i + WINDOW for i, mean in enumerate(means) if mean >= THRESHOLD), None)
     return {
         "step": reached,
         "seconds": sum(seconds[:reached]) if reached else None,
@@ -70,12 +68,14 @@ def run_one(arm: str, seed: int, max_steps: int, root: Path, timeout_s: float) -
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout_s, stdin=subprocess.DEVNULL)
     if done.returncode != 0:
         raise RuntimeError(f"{arm} seed {seed} exited {done.returncode}:\n{done.stderr[-3000:]}")
-    return {"arm": arm, "seed": seed, "wall_s": time.perf_counter() - start, **summarize(read_steps(out / "metrics.csv"))}
+    summary = summarize(read_steps(out / "metrics.csv"))
+    return {"arm": arm, "seed": seed, "wall_s": time.perf_counter() - start, **summary}
 
 
 def table(results: list[dict]) -> str:
     lines = [
-        f"| arm | seed | 10-step mean ≥ {THRESHOLD} at step | seconds of steps until then | last-{FINAL} mean | steps |",
+        f"| arm | seed | 10-step mean ≥ {THRESHOLD} at step | seconds of steps until then "
+        f"| last-{FINAL} mean | steps |",
         "|---|---|---|---|---|---|",
     ]
     for r in results:
