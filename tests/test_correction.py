@@ -258,3 +258,61 @@ def test_legacy_tis_cap_is_read_as_the_correction(caplog):
     assert "deprecated: policy_loss.tis_cap" in caplog.text
     with pytest.raises(ConfigError, match=r"policy_loss\.tis_cap.*correction=icepop"):
         validate(compose_config("policy_loss.tis_cap=2.5", "correction=icepop"))
+
+
+# --------------------------------------------------------------------------- in the training loop
+
+
+def _fit_shifted(tmp_path, monkeypatch, *overrides):
+    """One step of the arithmetic experiment whose sampler logprobs are the trainer's minus 2 on
+    every trained token (r = e² ≈ 7.39 everywhere), counting the no-gradient policy forwards."""
+    import lit_grpo.loop.module
+    import lit_grpo.rollouts.datamodule
+    from lit_grpo.build import build_run
+
+    monkeypatch.undo()  # a second call wraps the real functions, not the first call's wrappers
+    real_make_batch = lit_grpo.rollouts.datamodule.make_batch
+    real_no_grad = lit_grpo.loop.module.no_grad_logprobs
+    forwards = []
+
+    def shifted(*args, **kwargs):
+        batch = real_make_batch(*args, **kwargs)
+        batch.sampler_logprobs_BT = batch.sampler_logprobs_BT - 2.0 * batch.loss_mask_BT
+        return batch
+
+    def counted(*args, **kwargs):
+        forwards.append(1)
+        return real_no_grad(*args, **kwargs)
+
+    monkeypatch.setattr(lit_grpo.rollouts.datamodule, "make_batch", shifted)
+    monkeypatch.setattr(lit_grpo.loop.module, "no_grad_logprobs", counted)
+    c = validate(
+        compose_config(
+            "+experiment=arithmetic", "trainer.fast_dev_run=2", "trainer.enable_progress_bar=false",
+            "~callbacks.reward_filter", "ppo_n_minibatches=2", "policy_loss.kl_beta=0", *overrides,
+            output_dir=tmp_path,
+        )
+    )  # fmt: skip
+    trainer, module, datamodule = build_run(c)
+    trainer.fit(module, datamodule=datamodule)
+    [step] = module.step_sequence.history.steps
+    return step, len(forwards)
+
+
+@pytest.mark.timeout(300)
+def test_anchor_on_the_rollout_skips_the_old_forward(tmp_path, monkeypatch):
+    # old_policy: `old` is a forward of the policy before the update, so the ratio π/old starts at 1
+    # and the correction sees r = e² > cap 5 on every token: weight 5, all capped.
+    step, forwards = _fit_shifted(tmp_path / "old", monkeypatch)
+    assert forwards == 1
+    assert step["train/ratio_mean"] == pytest.approx(1.0, abs=0.05)
+    assert step["train/correction/weight_mean"] == pytest.approx(5.0)
+    assert step["train/correction/capped_frac"] == pytest.approx(1.0)
+    # rollout: no such forward; `old` is the sampler's logprobs, so the ratio is π/π_sampler ≈ e²
+    # (the first minibatch exactly, the second after one small update) and the correction is identity.
+    step, forwards = _fit_shifted(tmp_path / "rollout", monkeypatch, "anchor_logp=rollout")
+    assert forwards == 0
+    assert step["train/ratio_mean"] == pytest.approx(math.exp(2.0), rel=0.02)
+    assert step["train/correction/weight_mean"] == pytest.approx(1.0)
+    assert step["train/correction/capped_frac"] == 0.0
+    assert step["train/drift/k1"] == pytest.approx(-2.0, abs=0.05)  # the drift is still the trainer's vs the sampler's
