@@ -5,7 +5,8 @@ below, function-level imports included, and `tests/test_layers.py` holds it to t
 
     types, errors, registry   the public data types, user errors, registry name lookup
     config/      the dataclasses of every config group (bounds and types only)
-    maths/       losses, advantages, IGPO, logprobs, health signals: pure tensor functions
+    maths/       losses, mismatch correction, entropy, logprobs, health signals: pure tensor functions
+    advantages/  the advantage estimators (grpo, rloo, ..., IGPO) and `compute`: pure functions too
     models/      the policy built or loaded, LoRA, its full weights for a sampler
     samplers/    one protocol: hf, vllm in-process; samplers/server/, the vLLM server wing
     rewards/     the reward registry and the run's weighted reward
@@ -25,7 +26,7 @@ from lit_grpo.types import Completion, PromptGroup, RolloutBatch, RolloutSample,
 LAYERS = (
     ("lit_grpo", "lit_grpo.types", "lit_grpo.errors", "lit_grpo.registry"),
     ("lit_grpo.config",),
-    ("lit_grpo.maths",),
+    ("lit_grpo.maths", "lit_grpo.advantages"),
     ("lit_grpo.models",),
     ("lit_grpo.samplers",),
     ("lit_grpo.rewards",),

@@ -20,6 +20,7 @@ import lightning as L
 from hydra.utils import instantiate
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from lit_grpo.advantages.registry import Advantage, get_advantage, make_advantage
 from lit_grpo.callbacks.export import HFExport
 from lit_grpo.config import ConfigError, TrainConfig, UserInputs
 from lit_grpo.loop.distributed import FSDP2Strategy
@@ -27,7 +28,6 @@ from lit_grpo.loop.evaluation import Evaluator, GreedyEvaluator, RolloutEvaluato
 from lit_grpo.loop.module import GRPOModule
 from lit_grpo.loop.signals import StopSignals
 from lit_grpo.loop.step_sequence import StepSequence
-from lit_grpo.maths.advantages import Advantage, get_advantage, make_advantage
 from lit_grpo.models.load import load_policy, load_tokenizer
 from lit_grpo.rewards.combine import component_names
 from lit_grpo.rollouts.datamodule import RolloutDataModule

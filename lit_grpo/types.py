@@ -45,7 +45,7 @@ class RolloutSample:
     ranges into `tokens` of each assistant turn, in order, not overlapping."""
     turn_rewards: Optional[list[float]] = None
     """Optional, parallel to `turn_spans`: each turn's reward (IGPO: its information gain,
-    `lit_grpo.maths.igpo.information_gains`); the outcome stays in `reward`."""
+    `lit_grpo.advantages.igpo.information_gains`); the outcome stays in `reward`."""
 
 
 @dataclass

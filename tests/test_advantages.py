@@ -13,10 +13,8 @@ from conftest import compose_config
 from omegaconf import OmegaConf
 from torch.testing import assert_close
 
-import lit_grpo.maths.advantages as advantages_module
-from lit_grpo.callbacks.reward_filter import UniformRewardFilter, has_reward_variance
-from lit_grpo.config import ConfigError
-from lit_grpo.maths.advantages import (
+import lit_grpo.advantages.registry as advantages_module
+from lit_grpo.advantages.registry import (
     ADVANTAGES,
     advantage_defaults,
     available_advantages,
@@ -27,6 +25,8 @@ from lit_grpo.maths.advantages import (
     make_advantage,
     ragged_group_advantages,
 )
+from lit_grpo.callbacks.reward_filter import UniformRewardFilter, has_reward_variance
+from lit_grpo.config import ConfigError
 from lit_grpo.rollouts.pipeline import make_batch
 from lit_grpo.run.validate import validate
 from lit_grpo.train import train
@@ -161,7 +161,7 @@ def isolated_advantages(monkeypatch):
 
 def test_a_users_estimator_from_its_module_drives_the_batch(isolated_advantages, tmp_path, monkeypatch):
     (tmp_path / "my_cwd_advantages.py").write_text(
-        "from lit_grpo.maths.advantages import register_advantage\n"
+        "from lit_grpo.advantages.registry import register_advantage\n"
         "@register_advantage('scaled', factor=2.0)\n"
         "def scaled(rewards_G, *, factor):\n"
         "    return factor * (rewards_G - rewards_G.min())\n"

@@ -8,10 +8,10 @@ from collections import Counter
 import pytest
 import torch
 
+from lit_grpo.advantages.igpo import information_gains_from_logprobs, turn_advantages, turn_token_advantages
+from lit_grpo.advantages.registry import make_advantage
 from lit_grpo.config import ConfigError, PolicyLossConfig, TrainConfig
 from lit_grpo.loop.module import align_to_predictions, token_logprobs
-from lit_grpo.maths.advantages import make_advantage
-from lit_grpo.maths.igpo import information_gains_from_logprobs, turn_advantages, turn_token_advantages
 from lit_grpo.maths.losses import policy_loss
 from lit_grpo.rollouts.pipeline import checked_samples, make_batch, rollout_metrics
 from lit_grpo.samplers.hf import HFSampler

@@ -12,12 +12,12 @@ import pytest
 import torch
 from conftest import compose_config
 
+from lit_grpo.advantages.igpo import IGPOSettings, has_turn_signal
+from lit_grpo.advantages.registry import make_advantage
 from lit_grpo.callbacks.reward_filter import UniformRewardFilter, has_reward_variance
 from lit_grpo.config import ConfigError
 from lit_grpo.envs.lookup import make_rollout_fn
 from lit_grpo.loop.module import token_logprobs
-from lit_grpo.maths.advantages import make_advantage
-from lit_grpo.maths.igpo import IGPOSettings, has_turn_signal
 from lit_grpo.rollouts.rollout import Trajectory
 from lit_grpo.samplers.hf import HFSampler
 from lit_grpo.tasks import get_task

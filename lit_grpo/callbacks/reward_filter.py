@@ -8,7 +8,7 @@ from typing import Optional
 
 import lightning as L
 
-from lit_grpo.maths.advantages import UNIFORM_TOLERANCE, rewards_uniform
+from lit_grpo.advantages.registry import UNIFORM_TOLERANCE, rewards_uniform
 from lit_grpo.types import PromptGroup
 
 
@@ -28,7 +28,7 @@ class UniformRewardFilter(L.Callback):
     spread (max - min) is below it, not only one whose floats are all equal.
     `keep_turn_signal` (with the default test, under an advantage estimator that registered its own
     `group_signal`): keep the groups that estimator says carry a signal (`advantage=igpo`: equal
-    outcomes whose turns' information gains differ, `lit_grpo.maths.igpo.has_turn_signal`). Off by
+    outcomes whose turns' information gains differ, `lit_grpo.advantages.igpo.has_turn_signal`). Off by
     default: on the lookup game (`+experiment=igpo_lookup`, seed 0, 1000 steps) it ended at a mean
     reward of 0.36 against 0.96 without: the groups it adds train on z-scores of IG differences
     alone, which normalization blows up to unit size however small they are.

@@ -160,7 +160,7 @@ class RewardConfig:
 class AdvantageConfig:
     """How a group's rewards become advantages (`advantage=<name>`, `conf/advantage/<name>.yaml`).
 
-    `name` is a registered estimator (`lit_grpo.maths.advantages`: grpo, dr_grpo, rloo, batch_std,
+    `name` is a registered estimator (`lit_grpo.advantages.registry`: grpo, dr_grpo, rloo, batch_std,
     reinforce_pp, passk, gdpo, igpo) or
     `module.path:name` for a user's (its module's `@register_advantage("name")` registers it);
     `params` its hyper-parameters, checked against the registry in `lit_grpo.run.validate`.

@@ -22,7 +22,7 @@ from __future__ import annotations
 import functools
 from typing import Optional
 
-from lit_grpo.maths.igpo import information_gains_from_logprobs
+from lit_grpo.advantages.igpo import information_gains_from_logprobs
 from lit_grpo.rewards import score_with_parts
 from lit_grpo.rollouts.rollout import RolloutFn, Trajectory, text_prompt_tokens
 from lit_grpo.tasks.lookup import ANSWER_CUE, reply

@@ -2,10 +2,11 @@
 
 losses.py      the policy-loss registry (grpo, dapo, gspo, cispo, ...) and `policy_loss`
 trust_region_losses.py  sapo, gmpo, dppo (registered by losses.py): soft gate, geometric mean, divergence mask
-loss_terms.py  what every loss shares: ratio, k3 KL, TIS weights, masked means, aggregation
-advantages.py  the advantage registry (grpo, dr_grpo, rloo, batch_std, ...) and group-relative advantages
-estimators.py  the newer estimators' maths (rloo, batch_std, reinforce_pp, passk, gdpo), the uniform-group test
-igpo.py        IGPO's turn-level credit: information gains, discounted turn returns (the igpo entry)
-logprobs.py    selected-token logprobs and entropy without a [B, T, V] float32 temporary
+loss_terms.py  what every loss shares: ratio, k3 KL, masked means, aggregation
+correction.py  training–inference mismatch correction (none, tis, mask, icepop, geo_mask, kl_reject), off-policy mask
+entropy.py     the entropy bonus's coefficient (decay, adaptive) and the top-entropy token mask
+logprobs.py    selected-token logprobs and entropy (differentiable on demand) without a [B, T, V] float32 temporary
 health.py      trainer-sampler drift and the shape of the rollouts, logged every step
+
+The advantage estimators, pure functions too, are their own package beside this one: `lit_grpo.advantages`.
 """

@@ -16,9 +16,9 @@ from typing import Any, Optional
 import lightning as L
 from torch.utils.data import DataLoader, IterableDataset
 
+from lit_grpo.advantages.registry import Advantage
 from lit_grpo.config import TrainConfig
 from lit_grpo.config.sampler import engine_on_loop
-from lit_grpo.maths.advantages import Advantage
 from lit_grpo.rollouts import (
     GroupFilter,
     GroupSampler,

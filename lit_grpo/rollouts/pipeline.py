@@ -22,9 +22,9 @@ from typing import Optional
 
 import torch
 
-from lit_grpo.maths.advantages import Advantage, make_advantage, rewards_uniform
+from lit_grpo.advantages.igpo import turn_metric_values
+from lit_grpo.advantages.registry import Advantage, make_advantage, rewards_uniform
 from lit_grpo.maths.health import rollout_health
-from lit_grpo.maths.igpo import turn_metric_values
 from lit_grpo.rollouts.checks import check_sample
 from lit_grpo.samplers.arguments import PromptTooLong
 from lit_grpo.types import PromptGroup, RolloutBatch, RolloutRecord, RolloutRun, RolloutSample
@@ -189,7 +189,7 @@ def make_batch(
 ) -> RolloutBatch:
     """The step's batch of `accepted` groups, with its `RolloutRecord` (over every `sampled` group)
     attached. `version` is the trainer's policy version now. Needs at least one accepted group.
-    `advantage` (`advantage=<name>`, `lit_grpo.maths.advantages`; None: grpo) computes each group's
+    `advantage` (`advantage=<name>`, `lit_grpo.advantages.registry`; None: grpo) computes each group's
     advantages: one per run, shared by its segments (a per-batch estimator sees all of `accepted`:
     this rank's groups), or (a per-token estimator such as igpo) one per token in `advantages_BT`.
     `mask_truncated` (`rollout.mask_truncated`) then zeroes the loss mask of the sequences that hit

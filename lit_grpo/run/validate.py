@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from omegaconf import DictConfig
 
+from lit_grpo.advantages.registry import advantage_param_problems, get_advantage
 from lit_grpo.config import (
     AdvantageConfig,
     ConfigError,
@@ -24,7 +25,6 @@ from lit_grpo.config import (
 )
 from lit_grpo.config.controls import CORRECTION_PARAMS
 from lit_grpo.config.groups import NAMED_LOSS_HYPERPARAMS
-from lit_grpo.maths.advantages import advantage_param_problems, get_advantage
 from lit_grpo.maths.correction import correction_param_problems, get_correction
 from lit_grpo.maths.losses import LOSS_NORMALIZATIONS, check_policy_loss_hyperparams, policy_loss_defaults
 from lit_grpo.rewards.combine import RESERVED_NAMES, check_weights, component_names

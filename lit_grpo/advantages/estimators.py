@@ -1,5 +1,5 @@
 """The advantage estimators beyond GRPO's, as pure float64 tensor functions (registered by
-`lit_grpo.maths.advantages`), and the one test of a uniform group that every part of the package
+`lit_grpo.advantages.registry`), and the one test of a uniform group that every part of the package
 shares (`rewards_uniform`).
 
 Per group (`rewards_G` [G] -> [G]): `rloo_advantages`, `passk_advantages`, `gdpo_advantages`

@@ -27,7 +27,7 @@ DEFAULT_GAMMA = 0.95
 
 @dataclass(frozen=True)
 class IGPOSettings:
-    """How a group's turn rewards become advantages (`advantage=igpo`, `lit_grpo.maths.advantages`)."""
+    """How a group's turn rewards become advantages (`advantage=igpo`, `lit_grpo.advantages.registry`)."""
 
     gamma: float = DEFAULT_GAMMA
     """Discount of the return over later turns."""

@@ -21,8 +21,8 @@ without one, a group carries a signal when its reward spread reaches `UNIFORM_TO
 
 Built-ins: `grpo` (r - mean) / (std + eps), `dr_grpo` r - mean (Dr. GRPO), `rloo`, `batch_std`,
 `reinforce_pp`, `passk`, `gdpo` (reward components `[G, R]`, `components=True`),
-`igpo` (IGPO's turn credit, `lit_grpo.maths.igpo`); the maths of the newer ones is in
-`lit_grpo.maths.estimators`. For scalar rewards: `compute("grpo", rewards_G) -> advantages_G`.
+`igpo` (IGPO's turn credit, `lit_grpo.advantages.igpo`); the maths of the newer ones is in
+`lit_grpo.advantages.estimators`. For scalar rewards: `compute("grpo", rewards_G) -> advantages_G`.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from typing import Any, Optional
 
 import torch
 
-from lit_grpo.maths.estimators import (
+from lit_grpo.advantages.estimators import (
     UNIFORM_TOLERANCE,
     batch_std_advantages,
     gdpo_advantages,
@@ -45,7 +45,7 @@ from lit_grpo.maths.estimators import (
     rloo_advantages,
     uniform_rows,
 )
-from lit_grpo.maths.igpo import DEFAULT_GAMMA, IGPOSettings, group_token_advantages, has_turn_signal
+from lit_grpo.advantages.igpo import DEFAULT_GAMMA, IGPOSettings, group_token_advantages, has_turn_signal
 from lit_grpo.registry import lookup
 from lit_grpo.types import RolloutSample
 
@@ -379,7 +379,7 @@ def _igpo_signal(runs: Runs, *, gamma: float, skip_last_ig: bool, eps: float) ->
     eps=1e-6,
 )
 def igpo_advantages(runs: Runs, *, gamma: float, skip_last_ig: bool, eps: float) -> list[list[float]]:
-    """IGPO's turn credit (`lit_grpo.maths.igpo.group_token_advantages`): the group's information
+    """IGPO's turn credit (`lit_grpo.advantages.igpo.group_token_advantages`): the group's information
     gains (each segment's `turn_rewards`) and its outcomes (the runs' rewards) z-normalized apart
     (population std, zeros below eps), combined per turn, discounted backwards by gamma over each
     run's turns (across its segments), each turn's return on its `turn_spans` tokens. `skip_last_ig`:
