@@ -463,3 +463,32 @@ def test_each_new_estimator_trains(overrides, tmp_path):
         )
     )
     assert summary["steps"] == 2
+
+
+def test_the_public_call_covers_every_scalar_estimator():
+    # `lit_grpo.advantages.compute(name, rewards_G, **params)` for every built-in that works on a
+    # group's scalar rewards; each against its own formula on [1, 0, 0, 0] (G = 4, mean 1/4, the
+    # unbiased std 1/2): grpo (r − 1/4)/(1/2); dr_grpo r − 1/4; rloo r − mean of the other three;
+    # batch_std and reinforce_pp take the one group as the batch, so they equal grpo; passk with
+    # k = 2 (see test_passk_by_hand) gives [1, −1/3, −1/3, −1/3]; gdpo with one component is a
+    # z-score of a z-score, grpo's again. igpo needs the group's samples and says so.
+    import lit_grpo.advantages
+
+    rewards = [1.0, 0.0, 0.0, 0.0]
+    expected = {
+        "grpo": [1.5, -0.5, -0.5, -0.5],
+        "dr_grpo": [0.75, -0.25, -0.25, -0.25],
+        "rloo": [1.0, -1 / 3, -1 / 3, -1 / 3],
+        "batch_std": [1.5, -0.5, -0.5, -0.5],
+        "reinforce_pp": [1.5, -0.5, -0.5, -0.5],
+        "passk": [1.0, -1 / 3, -1 / 3, -1 / 3],
+    }
+    params = {"passk": {"k": 2}}
+    for name, want in expected.items():
+        got = lit_grpo.advantages.compute(name, torch.tensor(rewards), **params.get(name, {}))
+        assert_close(got, torch.tensor(want), msg=name)
+    gdpo = lit_grpo.advantages.compute("gdpo", torch.tensor(rewards)[:, None])
+    assert_close(gdpo, torch.tensor(expected["grpo"]), atol=1e-5, rtol=1e-5)
+    assert set(expected) | {"gdpo", "igpo"} <= set(lit_grpo.advantages.available_advantages())
+    with pytest.raises(ValueError, match="per token"):
+        lit_grpo.advantages.compute("igpo", rewards)
