@@ -16,42 +16,6 @@ Pure functions like `lit_grpo.maths`, in the same layer; they import only `lit_g
 `lit_grpo.registry`.
 """
 
-from lit_grpo.advantages.registry import (
-    ADVANTAGE_SCALES,
-    ADVANTAGES,
-    UNIFORM_TOLERANCE,
-    Advantage,
-    AdvantageSpec,
-    advantage_defaults,
-    advantage_param_problems,
-    available_advantages,
-    check_advantage_params,
-    compute,
-    compute_batch,
-    get_advantage,
-    group_advantages,
-    make_advantage,
-    ragged_group_advantages,
-    register_advantage,
-    rewards_uniform,
-)
-
-__all__ = [
-    "ADVANTAGES",
-    "ADVANTAGE_SCALES",
-    "UNIFORM_TOLERANCE",
-    "Advantage",
-    "AdvantageSpec",
-    "advantage_defaults",
-    "advantage_param_problems",
-    "available_advantages",
-    "check_advantage_params",
-    "compute",
-    "compute_batch",
-    "get_advantage",
-    "group_advantages",
-    "make_advantage",
-    "ragged_group_advantages",
-    "register_advantage",
-    "rewards_uniform",
-]
+# The package's public names are the registry module's, listed once, in its `__all__`.
+from lit_grpo.advantages.registry import *  # noqa: F403
+from lit_grpo.advantages.registry import __all__  # noqa: F401
