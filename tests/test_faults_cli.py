@@ -465,10 +465,11 @@ def test_open_groups_take_any_key(tmp_path):
     "overrides",
     [
         *[[f"+experiment={p.stem}"] for p in sorted((REPO / "conf" / "experiment").glob("*.yaml"))],
+        *[[f"+menu={p.stem}"] for p in sorted((REPO / "conf" / "menu").glob("*.yaml"))],
         *[
             [f"{p.parent.name}={p.stem}"]
             for p in sorted((REPO / "conf").glob("*/*.yaml"))
-            if p.parent.name != "experiment"
+            if p.parent.name not in ("experiment", "menu")  # the groups added with `+`
         ],
     ],
     ids=lambda o: o[0],

@@ -125,10 +125,10 @@ def test_ppo_old_logprobs_are_the_policy_before_the_first_minibatch(tmp_path, mo
         calls.append({k: kwargs[k].detach().clone() for k in ("logprobs", "old_logprobs", "sampler_logprobs", "mask")})
         return policy_loss(name, **kwargs)
 
-    def recording_logprobs(model, tokens, attention, temperature, first_scored=0):
+    def recording_logprobs(model, tokens, attention, temperature, first_scored=0, **kwargs):
         if torch.is_grad_enabled():  # the training forwards, one per minibatch here (no micro-batches)
             forwards.append((tokens.clone(), attention.clone()))
-        return token_logprobs(model, tokens, attention, temperature, first_scored)
+        return token_logprobs(model, tokens, attention, temperature, first_scored, **kwargs)
 
     monkeypatch.setattr(module_py, "policy_loss", recording_loss)
     monkeypatch.setattr(module_py, "token_logprobs", recording_logprobs)
