@@ -30,6 +30,7 @@ from lit_grpo.loop.signals import StopSignals
 from lit_grpo.loop.step_sequence import StepSequence
 from lit_grpo.models.load import load_policy, load_tokenizer
 from lit_grpo.rewards.combine import component_names
+from lit_grpo.rewards.scoring import RewardScorer
 from lit_grpo.rollouts.datamodule import RolloutDataModule
 from lit_grpo.rollouts.rollout import load_rollout_factory
 from lit_grpo.run.checkpoint import CheckpointStore
@@ -93,7 +94,13 @@ def build_datamodule(
             "top_p": 1.0,
             "top_k": 0,
         },
-        extras={"reward_fn": reward, "prompt_field": c.data.prompt_field, **c.rollout.extras, **inputs.rollout_extras},
+        extras={
+            "reward_fn": reward,
+            "reward_scorer": run_reward_scorer(c, reward),
+            "prompt_field": c.data.prompt_field,
+            **c.rollout.extras,
+            **inputs.rollout_extras,
+        },
         completions_per_prompt=c.data.completions_per_prompt,
         model=c.model.name_or_path or c.model.kind,
         tokenizer_id=c.model.name_or_path or c.model.kind,
@@ -155,6 +162,14 @@ def build_step_sequence(
     )
 
 
+def run_reward_scorer(c: TrainConfig, reward: RewardFn) -> RewardScorer:
+    """The run's reward under `reward.max_concurrency` and `reward.timeout_s` (`lit_grpo.rewards.scoring`)."""
+    r = c.reward
+    return RewardScorer(
+        reward, max_concurrency=r.max_concurrency, timeout_s=r.timeout_s, timeout_reward=r.timeout_reward
+    )
+
+
 def evaluators(
     c: TrainConfig,
     datamodule: RolloutDataModule,
@@ -168,7 +183,7 @@ def evaluators(
             datamodule.sampler,
             datamodule.tokenizer,
             eval_rows if reward is not None else [],
-            reward,
+            run_reward_scorer(c, reward) if reward is not None else None,
             interval=c.eval_interval,
             max_tokens=c.sampler.max_completion_tokens,
             batch_size=c.sampler.max_batch_size,

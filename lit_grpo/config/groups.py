@@ -136,6 +136,14 @@ class RewardConfig:
     `reward(completion_text, row) -> float | None` (None: not applicable to this row)."""
     weights: Optional[list[float]] = None
     """One weight per component of `fn` (null: all 1.0)."""
+    max_concurrency: int = 64
+    """Most reward components running at once (an `async def` judge's requests in flight, plain
+    functions on worker threads), per event loop."""
+    timeout_s: float = 60.0
+    """Deadline of one component's call, the wait for a slot included; past it the component
+    scores `timeout_reward` and the sample counts in `reward/timed_out`."""
+    timeout_reward: float = 0.0
+    """The value of a component that missed its deadline."""
 
     def specs(self) -> list[str]:
         """`fn` as a list of names (empty when null)."""
@@ -154,6 +162,10 @@ class RewardConfig:
                 "reward.fn",
                 f"must be reward names or 'module:function', got {spec!r}",
             )
+        require(self.max_concurrency >= 1, "reward.max_concurrency", f"must be >= 1, got {self.max_concurrency}")
+        require_finite(self.timeout_s, "reward.timeout_s")
+        require(self.timeout_s > 0, "reward.timeout_s", f"must be > 0 seconds, got {self.timeout_s}")
+        require_finite(self.timeout_reward, "reward.timeout_reward")
 
 
 @dataclass

@@ -23,17 +23,18 @@ import functools
 from typing import Optional
 
 from lit_grpo.advantages.igpo import information_gains_from_logprobs
-from lit_grpo.rewards import score_with_parts
+from lit_grpo.rewards import reward_scorer
 from lit_grpo.rollouts.rollout import RolloutFn, Trajectory, text_prompt_tokens
 from lit_grpo.tasks.lookup import ANSWER_CUE, reply
 from lit_grpo.types import RolloutSample, RolloutSetup
 
 
 def make_rollout_fn(setup: RolloutSetup) -> RolloutFn:
-    """The lookup game's rollout function; `setup.extras`: `reward_fn`, `score_turns` (default true)."""
+    """The lookup game's rollout function; `setup.extras`: the run's reward (`reward_scorer`),
+    `score_turns` (default true)."""
     sampler, tokenizer = setup.sampler, setup.tokenizer
     sample_kwargs = {**setup.sample_kwargs, "max_tokens": 1}  # one-token moves
-    reward_fn = setup.extras["reward_fn"]
+    scorer = reward_scorer(setup.extras)
     score_turns = bool(setup.extras.get("score_turns", True))
 
     @functools.lru_cache(maxsize=4096)  # a handful of distinct texts (prompts, replies, answers)
@@ -60,8 +61,8 @@ def make_rollout_fn(setup: RolloutSetup) -> RolloutFn:
             history_ends.append(len(traj.tokens))
             traj.add_environment(list(encode(text[-1])))
         moves.append(await move(traj))
-        reward, parts = score_with_parts(reward_fn, moves[-1], row)
-        if reward is None:
+        result = await scorer.score(moves[-1], row)
+        if result.value is None:
             return None
         gains = None
         if score_turns:
@@ -69,9 +70,11 @@ def make_rollout_fn(setup: RolloutSetup) -> RolloutFn:
             prefixes = [traj.tokens[:end] + cue for end in history_ends] + [traj.tokens + cue]
             gains = information_gains_from_logprobs(await sampler.score([(p, answer) for p in prefixes]))
         sample = traj.to_sample(
-            reward, text=tokenizer.decode(traj.tokens[history_ends[0] :], skip_special_tokens=True), turn_rewards=gains
+            result.value,
+            text=tokenizer.decode(traj.tokens[history_ends[0] :], skip_special_tokens=True),
+            turn_rewards=gains,
         )
-        sample.metrics.update(parts)
+        sample.metrics.update(result.metrics)
         if queries:  # was the first query a key, the target (the informative move)?
             sample.metrics["lookup/queried_key"] = float(moves[0] in row["table"])
             sample.metrics["lookup/queried_target"] = float(moves[0] == row["target"])

@@ -22,6 +22,7 @@ from typing import Any, Optional, Protocol
 import torch
 
 from lit_grpo.loop.distributed import all_reduce
+from lit_grpo.rewards.scoring import RewardScorer
 from lit_grpo.rollouts.context import make_evaluation_rollout_fn
 from lit_grpo.rollouts.rollout import row_prompt_tokens
 
@@ -58,15 +59,16 @@ def greedy_reward_sum(
 ) -> tuple[float, int]:
     """Sum of the rewards of one greedy completion per row, and how many rows were scored (a
     reward of None, not applicable to its row, counts in neither). Prompts are made as the
-    default rollout makes them (`row_prompt_tokens`)."""
+    default rollout makes them (`row_prompt_tokens`). `reward_fn`: a `RewardScorer` (async
+    rewards, deadlines), or a plain reward function."""
+    scorer = reward_fn if isinstance(reward_fn, RewardScorer) else RewardScorer(reward_fn)
     total, scored = 0.0, 0
     for start in range(0, len(rows), batch_size):
         chunk = rows[start : start + batch_size]
         completions = sampler.generate([row_prompt_tokens(r, tokenizer, prompt_field) for r in chunk], 0.0, max_tokens)
-        for c, row in zip(completions, chunk):
-            reward = reward_fn(c.text, row)
-            if reward is not None:
-                total, scored = total + float(reward), scored + 1
+        for result in scorer.score_all_blocking([(c.text, row) for c, row in zip(completions, chunk)]):
+            if result.value is not None:
+                total, scored = total + result.value, scored + 1
     return total, scored
 
 

@@ -1,5 +1,6 @@
-"""Rewards: `reward(completion_text, row) -> float | None`, a registry of them (`registry.py`),
-and the run's reward, one of them or a weighted sum (`combine.py`).
+"""Rewards: `reward(completion_text, row) -> float | None` (or `async def`), a registry of them
+(`registry.py`), the run's reward, one of them or a weighted sum (`combine.py`), and how a
+completion is scored: concurrently, under a limit, each call under a deadline (`scoring.py`).
 
 Built-ins: `arithmetic` (the demo's leading-number match), `gsm8k` (final-number match) and
 `exact_match` (the whole completion, stripped).
@@ -13,11 +14,14 @@ from lit_grpo.rewards.registry import (
     RewardRowError,
     available_rewards,
     get_reward,
+    inline_reward,
     register_reward,
     reward_name,
 )
+from lit_grpo.rewards.scoring import RewardScorer, Scored, is_async_reward, reward_scorer
 
 __all__ = [
-    "REWARDS", "RewardFn", "RewardRowError", "WeightedReward", "available_rewards", "build_reward", "get_reward",
-    "register_reward", "reward_name", "score_with_parts",
+    "REWARDS", "RewardFn", "RewardRowError", "RewardScorer", "Scored", "WeightedReward", "available_rewards",
+    "build_reward", "get_reward", "inline_reward", "is_async_reward", "register_reward", "reward_name",
+    "reward_scorer", "score_with_parts",
 ]  # fmt: skip

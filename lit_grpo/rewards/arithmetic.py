@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from lit_grpo.rewards.registry import reference_field, register_reward
+from lit_grpo.rewards.registry import inline_reward, reference_field, register_reward
 
 _LEADING_INT = re.compile(r"\s*(-?\d+)")
 
@@ -19,6 +19,7 @@ def score(completion: str, answer: str) -> float:
 
 
 @register_reward("arithmetic")
+@inline_reward
 def arithmetic(completion_text: str, row: dict) -> float:
     """`score` of the completion against the row's `answer`."""
     return score(completion_text, row[reference_field(row, ("answer",), "arithmetic")])

@@ -29,7 +29,7 @@ import re
 from decimal import Decimal
 from fractions import Fraction
 
-from lit_grpo.rewards.registry import RewardRowError, reference_field, register_reward
+from lit_grpo.rewards.registry import RewardRowError, inline_reward, reference_field, register_reward
 
 _ANNOTATION = re.compile(r"<<[^<>]*>>")
 # Not preceded by a word character or '.', so the "3" of "x3" or of "1.3" is no number of its
@@ -141,6 +141,7 @@ ANSWER_FIELDS = ("answer", "ground_truth", "solution")
 
 
 @register_reward("gsm8k")
+@inline_reward
 def gsm8k(completion_text: str, row: dict) -> float:
     """`score` of the completion against the row's reference, read as stored from the first of
     `answer`, `ground_truth`, `solution`: a number, a solution ending `#### N`, or `\\boxed{N}`."""

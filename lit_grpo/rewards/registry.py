@@ -42,6 +42,17 @@ def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
     return register
 
 
+INLINE_ATTRIBUTE = "lit_grpo_inline"
+
+
+def inline_reward(fn: RewardFn) -> RewardFn:
+    """Mark a plain reward as cheap and pure (a string match, a parse): it is called on the rollouts'
+    event loop itself, with no thread and no deadline (`lit_grpo.rewards.scoring`). Every built-in
+    is; leave anything that may take long (a subprocess, a network call, a big regex) unmarked."""
+    setattr(fn, INLINE_ATTRIBUTE, True)
+    return fn
+
+
 def available_rewards() -> list[str]:
     """Names of the registered rewards, sorted (the built-ins are registered by the package's
     `__init__`, which Python runs before this module)."""

@@ -11,6 +11,7 @@ engine, and the sample is counted as `rollout/dropped_prompt_too_long`.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 from collections.abc import Awaitable, Callable
 from typing import Optional
@@ -109,38 +110,39 @@ def group_rollout_fn(
 
 def make_rollout_fn(setup: RolloutSetup) -> RolloutFn:
     """One completion of the row's prompt (`row_prompt_tokens`, with `setup.extras["prompt_field"]`),
-    scored by `setup.extras["reward_fn"]`; a None reward drops the sample. A weighted reward's
-    components go in the sample's `metrics` (`reward/<name>`). With an in-process sampler it also
+    scored by the run's reward (`lit_grpo.rewards.scoring`: async or not, under its limit and deadline);
+    a None reward drops the sample. A weighted reward's components go in the sample's `metrics`
+    (`reward/<name>`), and so does `reward/timed_out`. With an in-process sampler it also
     samples a whole group in one request (`sample_group`, see GROUP_ATTRIBUTE)."""
-    from lit_grpo.rewards import score_with_parts
+    from lit_grpo.rewards import reward_scorer
 
     sampler, tokenizer, sample_kwargs = setup.sampler, setup.tokenizer, dict(setup.sample_kwargs)
-    reward_fn = setup.extras["reward_fn"]
+    scorer = reward_scorer(setup.extras)
     prompt_field = setup.extras.get("prompt_field")
     # The G calls of a row tokenize the same text: once is enough (~40 µs a call on the demo's tokenizer).
     cached_text_tokens = functools.lru_cache(maxsize=PROMPT_CACHE_SIZE)(
         lambda text: tuple(text_prompt_tokens(tokenizer, text))
     )
 
-    def scored(c: Completion, row: dict) -> Optional[RolloutSample]:
-        reward, parts = score_with_parts(reward_fn, c.text, row)
-        if reward is None:  # not applicable to this row: counted as rollout/dropped_none
+    async def scored(c: Completion, row: dict) -> Optional[RolloutSample]:
+        result = await scorer.score(c.text, row)
+        if result.value is None:  # not applicable to this row: counted as rollout/dropped_none
             return None
-        sample = sample_from_completion(c, reward)
-        sample.metrics.update(parts)
+        sample = sample_from_completion(c, result.value)
+        sample.metrics.update(result.metrics)
         return sample
 
     async def rollout_fn(row: dict) -> Optional[RolloutSample]:
         prompt = row_prompt_tokens(row, tokenizer, prompt_field, text_tokens=cached_text_tokens)
         completions = await sampler.sample_with_prompt_tokens(prompt, n=1, **sample_kwargs)
-        return scored(completions[0], row) if completions else None
+        return await scored(completions[0], row) if completions else None
 
     async def sample_group(row: dict, n: int) -> list[Optional[RolloutSample]]:
         prompt = row_prompt_tokens(row, tokenizer, prompt_field, text_tokens=cached_text_tokens)
         completions = await sampler.sample_with_prompt_tokens(prompt, n=n, **sample_kwargs)
         if len(completions) != n:
             raise RuntimeError(f"the sampler returned {len(completions)} completions for a request of n={n}")
-        return [scored(c, row) for c in completions]
+        return list(await asyncio.gather(*(scored(c, row) for c in completions)))
 
     # A sampler whose n completions may fail one by one is called per sample: a failure costs one
     # sample, not the group's.

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from lit_grpo.config import require
+from lit_grpo.rewards.registry import inline_reward
 from lit_grpo.tasks.registry import RewardFn, register_task
 
 KEYS = "abcdefgh"
@@ -118,6 +119,7 @@ def reply(row: dict, move: str, queries_left: int) -> str:
     return f"={row['table'].get(move, UNKNOWN)}{QUERY_CUE if queries_left > 0 else ANSWER_CUE}"
 
 
+@inline_reward
 def answer_reward(completion_text: str, row: dict) -> float:
     """1.0 when the final move is the row's answer, else 0.0."""
     return 1.0 if completion_text.strip() == row["answer"] else 0.0

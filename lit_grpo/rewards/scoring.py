@@ -1,0 +1,177 @@
+"""Scoring completions with the run's reward without ever blocking the rollouts or waiting forever.
+
+A reward component may be a plain function or an `async def` (an LLM judge, a sandboxed code
+runner, a reward server). `RewardScorer.score` runs a completion's components concurrently:
+
+- an `async def` component is awaited on the rollouts' event loop; a plain one marked
+  `inline_reward` (every built-in: cheap and pure) is called right there; any other plain one runs on a daemon
+  thread of its own, so a slow one (a regex over a long text, a subprocess) does not stall the
+  loop, and one that never returns cannot keep the process from exiting;
+- at most `max_concurrency` components run at once in one event loop (a semaphore): a judge
+  server sees a bounded number of requests whatever the rollout concurrency;
+- each component has `timeout_s` (the wait for a slot included): past it, the component's value is
+  `timeout_reward` and the sample's `reward/timed_out` metric is 1 (logged as the step's mean). A
+  plain function past its deadline keeps its thread until it returns (Python cannot stop a
+  thread), outside the limit: prefer `async def` for anything that may hang.
+
+An exception from a component is not swallowed: it is a bug in the reward, and the rollout that
+called it fails (then the run stops with its message).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import inspect
+import threading
+import weakref
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+from lit_grpo.rewards.combine import WeightedReward
+from lit_grpo.rewards.registry import INLINE_ATTRIBUTE
+
+SyncOrAsyncReward = Callable[[str, dict], Union[Optional[float], Awaitable[Optional[float]]]]
+
+TIMED_OUT_METRIC = "reward/timed_out"
+"""Each sample's 1.0 (a component hit its deadline) or 0.0; the step logs the mean."""
+
+
+def is_async_reward(fn: object) -> bool:
+    """Whether calling `fn` returns an awaitable (an `async def`, or an object whose `__call__` is one)."""
+    call = type(fn).__call__ if callable(fn) and not inspect.isfunction(fn) else None
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(call)
+
+
+@dataclass
+class Scored:
+    """A completion's reward (None: not applicable to its row), its per-component metrics, and
+    whether any component timed out (its value was the fallback)."""
+
+    value: Optional[float]
+    parts: dict[str, float] = field(default_factory=dict)
+    timed_out: bool = False
+
+    @property
+    def metrics(self) -> dict[str, float]:
+        return {**self.parts, TIMED_OUT_METRIC: float(self.timed_out)}
+
+
+def _as_value(name: str, value: object) -> Optional[float]:
+    if value is None:
+        return None
+    try:
+        return float(value)
+    except (TypeError, ValueError):  # a bug in the reward: stops the run with this message
+        raise TypeError(
+            f"reward {name!r} returned {type(value).__name__} {str(value)[:40]!r}, not a number or None"
+        ) from None
+
+
+async def in_daemon_thread(fn: Callable, *args):
+    """`fn(*args)` on a thread of its own, awaited. A daemon thread, not the loop's executor: a
+    reward that never returns must neither hold up the loop's shutdown nor the process's exit."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future = loop.create_future()
+
+    def settle(outcome: Callable[[], None]) -> None:
+        if not done.done():  # the awaiting side may have given up (its deadline)
+            outcome()
+
+    def run() -> None:
+        try:
+            result = fn(*args)
+        except BaseException as err:  # handed to the awaiting side, which raises it
+            report = functools.partial(settle, functools.partial(done.set_exception, err))
+        else:
+            report = functools.partial(settle, functools.partial(done.set_result, result))
+        try:
+            loop.call_soon_threadsafe(report)
+        except RuntimeError:  # the loop has closed: nobody is waiting any more
+            pass
+
+    threading.Thread(target=run, name=f"reward-{getattr(fn, '__name__', 'fn')}", daemon=True).start()
+    return await done
+
+
+class RewardScorer:
+    """The run's reward (`lit_grpo.rewards.combine`: one function or a `WeightedReward`), scored
+    under a concurrency limit and a deadline per component."""
+
+    def __init__(
+        self,
+        reward_fn: SyncOrAsyncReward,
+        *,
+        max_concurrency: int = 64,
+        timeout_s: float = 60.0,
+        timeout_reward: float = 0.0,
+    ) -> None:
+        if max_concurrency < 1:
+            raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        self.reward_fn = reward_fn
+        self.max_concurrency, self.timeout_s, self.timeout_reward = max_concurrency, timeout_s, float(timeout_reward)
+        if isinstance(reward_fn, WeightedReward):
+            self.components, self.weights = reward_fn.components, reward_fn.weights
+        else:
+            self.components, self.weights = [("reward", reward_fn)], [1.0]
+        # One semaphore per event loop (the rollouts' loop, an evaluation's `asyncio.run`): an
+        # asyncio primitive belongs to the loop it was first used in.
+        self._limits: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def _limit(self) -> asyncio.Semaphore:
+        loop = asyncio.get_running_loop()
+        if loop not in self._limits:
+            self._limits[loop] = asyncio.Semaphore(self.max_concurrency)
+        return self._limits[loop]
+
+    async def _component(self, name: str, fn: SyncOrAsyncReward, text: str, row: dict) -> tuple[Optional[float], bool]:
+        if getattr(fn, INLINE_ATTRIBUTE, False):  # cheap and pure (`inline_reward`): no thread, no deadline
+            return _as_value(name, fn(text, row)), False
+
+        async def call() -> Optional[float]:
+            async with self._limit():
+                if is_async_reward(fn):
+                    return await fn(text, row)
+                return await in_daemon_thread(fn, text, row)
+
+        try:
+            value = await asyncio.wait_for(call(), self.timeout_s)
+        except TimeoutError:
+            return self.timeout_reward, True
+        return _as_value(name, value), False
+
+    async def score(self, completion_text: str, row: dict) -> Scored:
+        """The weighted sum over the components that return a number (None when none does); with
+        several components, each one's value in `parts` as `reward/<name>`."""
+        results = await asyncio.gather(
+            *(self._component(name, fn, completion_text, row) for name, fn in self.components)
+        )
+        total, parts, timed_out = 0.0, {}, False
+        for (name, _), weight, (value, late) in zip(self.components, self.weights, results):
+            timed_out |= late
+            if value is None:
+                continue
+            parts[f"reward/{name}"] = value
+            total += weight * value
+        if not parts:
+            return Scored(None, {}, timed_out)
+        return Scored(total, parts if len(self.components) > 1 else {}, timed_out)
+
+    def score_all_blocking(self, items: list[tuple[str, dict]]) -> list[Scored]:
+        """`score` of each `(completion_text, row)`, concurrently, from code that is not in an event
+        loop (an evaluation on the training thread)."""
+
+        async def all_of() -> list[Scored]:
+            return list(await asyncio.gather(*(self.score(text, row) for text, row in items)))
+
+        return asyncio.run(all_of()) if items else []
+
+
+def reward_scorer(extras: dict) -> RewardScorer:
+    """The run's scorer from a rollout's `setup.extras` (`reward_scorer`, which the run builds from
+    the `reward` config), or a default one around `extras["reward_fn"]` (a rollout built by hand)."""
+    scorer = extras.get("reward_scorer")
+    return scorer if scorer is not None else RewardScorer(extras["reward_fn"])

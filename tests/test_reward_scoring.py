@@ -1,0 +1,199 @@
+"""Scoring with the run's reward (`lit_grpo.rewards.scoring`): async and plain components, the
+concurrency limit, the deadline and its fallback, weighted components, a bug in a reward, and a
+training run whose reward is an `async def`."""
+
+from __future__ import annotations
+
+import asyncio
+import csv
+import threading
+import time
+
+import pytest
+from conftest import compose_config
+
+from lit_grpo.rewards import RewardScorer, WeightedReward, get_reward, inline_reward, is_async_reward
+from lit_grpo.rewards.scoring import TIMED_OUT_METRIC
+from lit_grpo.train import train
+
+
+class InFlight:
+    """Counts the calls running at once (from any thread) and the most seen."""
+
+    def __init__(self) -> None:
+        self.now = self.most = 0
+        self.lock = threading.Lock()
+
+    def enter(self) -> None:
+        with self.lock:
+            self.now += 1
+            self.most = max(self.most, self.now)
+
+    def leave(self) -> None:
+        with self.lock:
+            self.now -= 1
+
+
+def test_async_and_plain_rewards_are_told_apart():
+    async def judge(text, row):
+        return 1.0
+
+    class Judge:
+        async def __call__(self, text, row):
+            return 1.0
+
+    assert is_async_reward(judge) and is_async_reward(Judge())
+    assert not is_async_reward(lambda text, row: 1.0) and not is_async_reward(len)
+
+
+@pytest.mark.timeout(30)
+def test_64_async_rewards_with_a_limit_of_8_never_run_more_than_8():
+    seen = InFlight()
+
+    async def slow_judge(text, row):
+        seen.enter()
+        await asyncio.sleep(0.02)
+        seen.leave()
+        return float(len(text))
+
+    scorer = RewardScorer(slow_judge, max_concurrency=8, timeout_s=10.0)
+    results = scorer.score_all_blocking([("x" * i, {}) for i in range(64)])
+    assert [r.value for r in results] == [float(i) for i in range(64)]
+    assert seen.most == 8  # the limit is reached, never passed
+
+
+@pytest.mark.timeout(30)
+def test_plain_rewards_run_on_threads_under_the_same_limit():
+    seen = InFlight()
+
+    def slow_regex(text, row):
+        seen.enter()
+        time.sleep(0.02)
+        seen.leave()
+        return 1.0
+
+    scorer = RewardScorer(slow_regex, max_concurrency=3, timeout_s=10.0)
+    start = time.perf_counter()
+    results = scorer.score_all_blocking([("a", {})] * 12)
+    assert all(r.value == 1.0 and not r.timed_out for r in results)
+    assert 1 < seen.most <= 3  # concurrent (threads), bounded
+    assert time.perf_counter() - start < 12 * 0.02  # faster than one after another
+
+
+@pytest.mark.timeout(30)
+def test_a_reward_past_its_deadline_gives_the_fallback_never_a_stall():
+    async def hung_judge(text, row):
+        await asyncio.sleep(3600)
+
+    def hung_plain(text, row):
+        time.sleep(2)  # a plain function cannot be stopped: its thread finishes later, the score does not wait
+        return 1.0
+
+    for fn in (hung_judge, hung_plain):
+        scorer = RewardScorer(fn, timeout_s=0.2, timeout_reward=-1.0)
+        start = time.perf_counter()
+        [result] = scorer.score_all_blocking([("a", {})])
+        assert time.perf_counter() - start < 1.5
+        assert result.value == -1.0 and result.timed_out
+        assert result.metrics[TIMED_OUT_METRIC] == 1.0
+
+
+@pytest.mark.timeout(30)
+def test_weighted_components_each_under_their_deadline():
+    # 2·fast + 0.5·slow: slow times out with fallback 0 -> 2·1 + 0.5·0 = 2; parts per component.
+    async def fast(text, row):
+        return 1.0
+
+    async def slow(text, row):
+        await asyncio.sleep(3600)
+
+    scorer = RewardScorer(WeightedReward([("fast", fast), ("slow", slow)], [2.0, 0.5]), timeout_s=0.2)
+    [result] = scorer.score_all_blocking([("a", {})])
+    assert result.value == 2.0 and result.timed_out
+    assert result.parts == {"reward/fast": 1.0, "reward/slow": 0.0}
+
+
+@pytest.mark.timeout(30)
+def test_none_is_not_applicable_and_a_bad_value_is_a_bug():
+    async def not_applicable(text, row):
+        return None
+
+    [result] = RewardScorer(not_applicable).score_all_blocking([("a", {})])
+    assert result.value is None and not result.timed_out
+    with pytest.raises(TypeError, match="returned str 'high', not a number or None"):
+        RewardScorer(lambda text, row: "high").score_all_blocking([("a", {})])
+    with pytest.raises(ZeroDivisionError):  # a bug in the reward is not swallowed
+        RewardScorer(lambda text, row: 1 / 0).score_all_blocking([("a", {})])
+
+
+@pytest.mark.timeout(30)
+def test_inline_rewards_run_on_the_loop_others_on_a_thread_of_their_own():
+    threads = {}
+
+    def plain(text, row):
+        threads["plain"] = threading.current_thread()
+        return 1.0
+
+    @inline_reward
+    def cheap(text, row):
+        threads["cheap"] = threading.current_thread()
+        return 1.0
+
+    for fn in (plain, cheap):
+        RewardScorer(fn).score_all_blocking([("a", {})])
+    assert threads["cheap"] is threading.main_thread()  # `asyncio.run`'s loop runs on the calling thread
+    assert threads["plain"] is not threading.main_thread() and threads["plain"].daemon
+    assert all(getattr(get_reward(name), "lit_grpo_inline", False) for name in ("arithmetic", "gsm8k", "exact_match"))
+
+
+def test_bad_limits_are_refused():
+    with pytest.raises(ValueError, match="max_concurrency"):
+        RewardScorer(len, max_concurrency=0)
+    with pytest.raises(ValueError, match="timeout_s"):
+        RewardScorer(len, timeout_s=0.0)
+
+
+# --------------------------------------------------------------------------- in a run
+
+
+async def async_arithmetic(completion_text: str, row: dict) -> float:
+    """The demo's reward behind an await, as a judge would be (importable as test_reward_scoring:...)."""
+    from lit_grpo.rewards.arithmetic import arithmetic
+
+    await asyncio.sleep(0)
+    return arithmetic(completion_text, row)
+
+
+async def never_answers(completion_text: str, row: dict) -> float:
+    await asyncio.sleep(3600)
+
+
+def _steps(tmp_path, *overrides):
+    train(
+        compose_config(
+            "+experiment=arithmetic", "max_steps=3", "trainer.enable_progress_bar=false", "~callbacks.reward_filter",
+            *overrides, output_dir=tmp_path,
+        )
+    )  # fmt: skip
+    with open(tmp_path / "metrics.csv") as f:
+        return [{k: float(v) for k, v in row.items() if v != ""} for row in csv.DictReader(f) if row.get("reward/mean")]
+
+
+@pytest.mark.timeout(300)
+def test_an_async_reward_trains_like_the_plain_one(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(__import__("pathlib").Path(__file__).parent))
+    plain = _steps(tmp_path / "plain")
+    awaited = _steps(tmp_path / "async", "reward.fn=test_reward_scoring:async_arithmetic")
+    assert [s["reward/mean"] for s in awaited] == [s["reward/mean"] for s in plain]
+    assert all(s[TIMED_OUT_METRIC] == 0.0 for s in awaited)
+
+
+@pytest.mark.timeout(300)
+def test_a_reward_that_never_answers_costs_its_deadline_not_the_run(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(__import__("pathlib").Path(__file__).parent))
+    start = time.perf_counter()
+    steps = _steps(
+        tmp_path, "reward.fn=test_reward_scoring:never_answers", "reward.timeout_s=0.3", "reward.timeout_reward=0.25"
+    )
+    assert len(steps) == 3 and time.perf_counter() - start < 120
+    assert all(s[TIMED_OUT_METRIC] == 1.0 and s["reward/mean"] == 0.25 for s in steps)
