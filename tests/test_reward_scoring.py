@@ -120,8 +120,11 @@ def test_none_is_not_applicable_and_a_bad_value_is_a_bug():
 
     [result] = RewardScorer(not_applicable).score_all_blocking([("a", {})])
     assert result.value is None and not result.timed_out
-    with pytest.raises(TypeError, match="returned str 'high', not a number or None"):
-        RewardScorer(lambda text, row: "high").score_all_blocking([("a", {})])
+    # A lone reward's value goes on as it came (the rollout checks drop a non-number, counted); a
+    # weighted component's must be a number.
+    assert RewardScorer(lambda text, row: "high").score_all_blocking([("a", {})])[0].value == "high"
+    with pytest.raises(TypeError, match="reward 'bad' returned str 'high', not a number or None"):
+        RewardScorer(WeightedReward([("bad", lambda text, row: "high")], [1.0])).score_all_blocking([("a", {})])
     with pytest.raises(ZeroDivisionError):  # a bug in the reward is not swallowed
         RewardScorer(lambda text, row: 1 / 0).score_all_blocking([("a", {})])
 

@@ -15,7 +15,9 @@ runner, a reward server). `RewardScorer.score` runs a completion's components co
   thread), outside the limit: prefer `async def` for anything that may hang.
 
 An exception from a component is not swallowed: it is a bug in the reward, and the rollout that
-called it fails (then the run stops with its message).
+called it fails (then the run stops with its message). A lone reward's value goes on as it came
+(a non-number or NaN drops its sample in the rollout checks, counted); a weighted component's must
+be a number or None.
 """
 
 from __future__ import annotations
@@ -113,7 +115,8 @@ class RewardScorer:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.reward_fn = reward_fn
         self.max_concurrency, self.timeout_s, self.timeout_reward = max_concurrency, timeout_s, float(timeout_reward)
-        if isinstance(reward_fn, WeightedReward):
+        self.weighted = isinstance(reward_fn, WeightedReward)
+        if self.weighted:
             self.components, self.weights = reward_fn.components, reward_fn.weights
         else:
             self.components, self.weights = [("reward", reward_fn)], [1.0]
@@ -129,7 +132,7 @@ class RewardScorer:
 
     async def _component(self, name: str, fn: SyncOrAsyncReward, text: str, row: dict) -> tuple[Optional[float], bool]:
         if getattr(fn, INLINE_ATTRIBUTE, False):  # cheap and pure (`inline_reward`): no thread, no deadline
-            return _as_value(name, fn(text, row)), False
+            return self._value(name, fn(text, row)), False
 
         async def call() -> Optional[float]:
             async with self._limit():
@@ -141,7 +144,13 @@ class RewardScorer:
             value = await asyncio.wait_for(call(), self.timeout_s)
         except TimeoutError:
             return self.timeout_reward, True
-        return _as_value(name, value), False
+        return self._value(name, value), False
+
+    def _value(self, name: str, value: object):
+        """A weighted component's value as a float (anything else is a bug in the reward: TypeError);
+        a lone reward's as it came, for the rollout checks to drop a non-number
+        (`rollout/dropped_nonnumeric_reward`), as with any rollout's reward."""
+        return _as_value(name, value) if self.weighted else value
 
     async def score(self, completion_text: str, row: dict) -> Scored:
         """The weighted sum over the components that return a number (None when none does); with
@@ -149,6 +158,9 @@ class RewardScorer:
         results = await asyncio.gather(
             *(self._component(name, fn, completion_text, row) for name, fn in self.components)
         )
+        if not self.weighted:
+            [(value, late)] = results
+            return Scored(value, {}, late)
         total, parts, timed_out = 0.0, {}, False
         for (name, _), weight, (value, late) in zip(self.components, self.weights, results):
             timed_out |= late
