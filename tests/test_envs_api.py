@@ -176,3 +176,50 @@ def test_bad_extras_are_named(tokenizer):
         make_env_rollout_fn(
             RolloutSetup(ScriptedSampler(tokenizer, []), tokenizer, {"max_tokens": 4}, {"environment": "nope:Env"})
         )
+
+
+# --------------------------------------------------------------------------- in a training run
+
+
+class TwoGuesses:
+    """The demo's sums as an environment: a right first answer earns 1 and ends; a wrong one gets
+    the reply "-" and a second guess worth 0.5 (importable as `test_envs_api:TwoGuesses`)."""
+
+    async def reset(self, row: dict) -> str:
+        self.answer = row["answer"]
+        return row["prompt"]
+
+    async def step(self, turn: Turn) -> StepResult:
+        right = turn.text.strip() == self.answer
+        if turn.index == 0 and not right:
+            return StepResult(reply="-", reward=0.0, metrics={"guess/second": 1.0})
+        return StepResult(reward=(1.0 if turn.index == 0 else 0.5) * right, done=True)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("advantage", ["grpo", "igpo"])
+def test_an_environment_trains_through_the_generic_rollout(tmp_path, monkeypatch, advantage):
+    # IGPO credits each turn with the environment's reward part: any environment gets turn credit.
+    import csv
+    from pathlib import Path
+
+    from conftest import compose_config
+
+    from lit_grpo.train import train
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))
+    train(
+        compose_config(
+            "+experiment=arithmetic", "max_steps=3", "trainer.enable_progress_bar=false", f"advantage={advantage}",
+            "rollout.factory=lit_grpo.envs.rollout:make_env_rollout_fn",
+            "+rollout.extras.environment=test_envs_api:TwoGuesses", "+rollout.extras.max_turns=2",
+            output_dir=tmp_path,
+        )
+    )  # fmt: skip
+    with open(tmp_path / "metrics.csv") as f:
+        steps = [{k: float(v) for k, v in row.items() if v != ""} for row in csv.DictReader(f) if row.get("train/loss")]
+    assert len(steps) == 3
+    for step in steps:
+        assert 1.0 <= step["env/turns"] <= 2.0 and step["env/tool_calls"] == 0.0
+        assert 0.0 <= step["reward/mean"] <= 1.0
+    assert any(step["env/turns"] > 1.0 for step in steps)  # second guesses were played and trained
