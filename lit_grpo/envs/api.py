@@ -1,6 +1,7 @@
 """The environment API: a game, a tool or a user the policy talks to, turn by turn.
 
-An environment is an object with two coroutines (a `Protocol`, nothing to subclass):
+An environment is an object with two coroutines (a `Protocol`, nothing to subclass), and an
+optional third, `finish` (`finish_of`):
 
     class MyEnv:
         async def reset(self, row: dict) -> str | list[int]: ...        # the prompt: text, or token ids
@@ -57,13 +58,29 @@ class StepResult:
     reply: Union[str, list[int], None] = None
     """The environment's next message, as text (tokenized without special tokens) or token ids,
     appended after the turn and not trained on; None or empty: nothing to add."""
-    reward: float = 0.0
+    reward: Optional[float] = 0.0
     """This turn's reward part. The episode's reward is the sum of its turns' parts; each part is
-    also the turn's `turn_rewards` entry (for `advantage=igpo`)."""
+    also the turn's `turn_rewards` entry (for `advantage=igpo`) unless `finish` says otherwise.
+    None: the episode's reward does not apply to its row (the sample is dropped, counted as
+    `rollout/dropped_none`, as a reward of None is)."""
     done: bool = False
     """The episode ends after this turn (its reply, if any, is still appended)."""
     metrics: dict[str, float] = field(default_factory=dict)
     """Values to log (their mean over the step's samples); later turns overwrite earlier keys."""
+    finish_reason: Optional[str] = None
+    """The episode's finish reason when it ends here (None: the last turn's, as the sampler said)."""
+
+
+@dataclass(frozen=True)
+class Episode:
+    """A finished episode, for an environment's optional `finish`."""
+
+    row: dict
+    tokens: list[int]
+    """Every token: the prompt, the policy's turns, the environment's replies."""
+    turn_spans: list[tuple[int, int]]
+    """The `[start, end)` range in `tokens` of each policy turn."""
+    turns: list[Turn]
 
 
 @runtime_checkable
@@ -73,6 +90,15 @@ class Environment(Protocol):
 
     async def step(self, turn: Turn) -> StepResult:
         """The environment's answer to the policy's turn."""
+
+
+async def finish_of(env: Environment, episode: Episode) -> Optional[list[float]]:
+    """An environment may also define `async def finish(self, episode) -> list[float] | None`: each
+    policy turn's credit for `advantage=igpo` computed from the whole episode (the lookup game's
+    information gains), in place of the turns' reward parts (None: the parts). The episode's
+    reward stays the sum of the parts."""
+    finish = getattr(env, "finish", None)
+    return None if finish is None else await finish(episode)
 
 
 def parse_tool_calls(text: str) -> tuple[tuple[ToolCall, ...], Optional[str]]:

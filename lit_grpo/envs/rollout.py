@@ -8,13 +8,15 @@
 
 | key | default | |
 |---|---|---|
-| `environment` | (needed) | `module:callable` returning a fresh environment per episode |
+| `environment` | (needed) | `module:callable` making each episode's environment (given `setup=` if it takes it) |
 | `environment_kwargs` | `{}` | keyword arguments of that call |
 | `max_turns` | 8 | policy turns; the episode ends after the last (`env/limit_turns`) |
 | `max_tokens` | `max_turns` × `max_completion_tokens` | generated tokens in all (`env/limit_tokens`) |
 | `max_seconds` | none | wall-clock seconds per episode, `step` calls included (`env/limit_seconds`) |
 | `parse_error_penalty` | -1.0 | the reward part of a turn whose tool call cannot be parsed; the episode ends there |
 | `stop` | none | stop strings of each turn (e.g. `</tool_call>`: a turn ends with its call) |
+| `turn_tokens` | `sampler.max_completion_tokens` | the most tokens of one turn |
+| `report_turns` | true | report `turn_spans` and `turn_rewards` (false: a plain sample, for GRPO) |
 
 The episode's reward is the sum of its turns' parts (`StepResult.reward`); the sample reports
 `turn_spans` and `turn_rewards` (the parts) so `advantage=igpo` credits turns. An episode that
@@ -25,11 +27,12 @@ Metrics per sample: `env/turns`, `env/tool_calls`, `env/parse_error`, and the li
 from __future__ import annotations
 
 import asyncio
+import inspect
 import time
 from collections.abc import Callable
 from typing import Any, Optional
 
-from lit_grpo.envs.api import Environment, StepResult, Turn, parse_tool_calls
+from lit_grpo.envs.api import Environment, Episode, StepResult, Turn, finish_of, parse_tool_calls
 from lit_grpo.errors import UserError, import_user_object
 from lit_grpo.rollouts.rollout import RolloutFn, Trajectory, text_prompt_tokens
 from lit_grpo.samplers.arguments import PromptTooLong
@@ -49,8 +52,9 @@ def _is_positive_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
-def environment_factory(extras: dict) -> Callable[[], Environment]:
-    """`rollout.extras.environment` as a no-argument maker of episodes' environments."""
+def environment_factory(extras: dict, setup: Optional[RolloutSetup] = None) -> Callable[[], Environment]:
+    """`rollout.extras.environment` as a no-argument maker of episodes' environments (handing it
+    `setup=` when it takes that keyword: the sampler, the tokenizer, the run's reward)."""
     spec = extras.get("environment")
     if spec is None:
         raise UserError(
@@ -60,14 +64,23 @@ def environment_factory(extras: dict) -> Callable[[], Environment]:
     kwargs = _extra(extras, "environment_kwargs", {}, lambda v: isinstance(v, dict), "a mapping")
     if not callable(maker):
         raise UserError(f"config field `rollout.extras.environment`: {spec!r} is not callable")
+    try:
+        takes_setup = "setup" in inspect.signature(maker).parameters
+    except (TypeError, ValueError):  # a builtin or C callable: no signature to read
+        takes_setup = False
+    if takes_setup:
+        kwargs = {**kwargs, "setup": setup}
     return lambda: maker(**kwargs)
 
 
 def make_env_rollout_fn(setup: RolloutSetup) -> RolloutFn:
     """One episode of `rollout.extras.environment` per call (see the module docstring)."""
     extras, sampler, tokenizer = setup.extras, setup.sampler, setup.tokenizer
-    new_environment = environment_factory(extras)
-    turn_tokens = int(setup.sample_kwargs.get("max_tokens", 64))
+    new_environment = environment_factory(extras, setup)
+    turn_tokens = _extra(
+        extras, "turn_tokens", int(setup.sample_kwargs.get("max_tokens", 64)), _is_positive_int, "an integer >= 1"
+    )
+    report_turns = _extra(extras, "report_turns", True, lambda v: isinstance(v, bool), "true or false")
     max_turns = _extra(extras, "max_turns", DEFAULT_MAX_TURNS, _is_positive_int, "an integer >= 1")
     max_tokens = _extra(extras, "max_tokens", max_turns * turn_tokens, _is_positive_int, "an integer >= 1")
     max_seconds = _extra(
@@ -93,6 +106,7 @@ def make_env_rollout_fn(setup: RolloutSetup) -> RolloutFn:
         prompt = await within_time(env.reset(row))
         traj = Trajectory(list(prompt) if isinstance(prompt, (list, tuple)) else text_prompt_tokens(tokenizer, prompt))
         parts: list[float] = []
+        turns: list[Turn] = []
         metrics = {"env/tool_calls": 0.0, "env/parse_error": 0.0}
         generated, ended_by, finish_reason, texts = 0, None, "stop", []
         for index in range(max_turns):
@@ -118,14 +132,18 @@ def make_env_rollout_fn(setup: RolloutSetup) -> RolloutFn:
                 ended_by = "parse_error"
                 break
             turn = Turn(c.text, calls, None, index, c.finish_reason)
+            turns.append(turn)
             try:
                 result: StepResult = await within_time(env.step(turn))
             except TimeoutError:
                 parts.append(0.0)
                 ended_by = "seconds"
                 break
+            if result.reward is None:  # not applicable to this row: dropped, as a reward of None
+                return None
             parts.append(float(result.reward))
             metrics.update(result.metrics)
+            finish_reason = result.finish_reason or finish_reason
             if result.reply:
                 traj.add_environment(encode(result.reply))
             if result.done:
@@ -140,7 +158,15 @@ def make_env_rollout_fn(setup: RolloutSetup) -> RolloutFn:
         metrics["env/turns"] = float(len(parts))
         if ended_by is not None and ended_by != "parse_error":
             metrics[f"env/limit_{ended_by}"] = 1.0
-        sample = traj.to_sample(sum(parts), finish_reason, text="\n".join(texts), turn_rewards=parts)
+        credit = None
+        if report_turns:
+            episode = Episode(row, list(traj.tokens), list(traj.turn_spans), turns)
+            try:  # out of time: the parts stand as the turns' credit
+                credit = None if ended_by == "seconds" else await within_time(finish_of(env, episode))
+            except TimeoutError:
+                credit = None
+            credit = parts if credit is None else credit
+        sample = traj.to_sample(sum(parts), finish_reason, text="\n".join(texts), turn_rewards=credit)
         sample.metrics.update(metrics)
         return sample
 
