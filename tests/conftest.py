@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,13 @@ from lit_grpo.train import compose_config as lit_compose
 def compose_config(*overrides: str, output_dir: Path | str = ".") -> DictConfig:
     """The config `python -m lit_grpo.train <overrides>` would run, with output in `output_dir`."""
     return lit_compose([*overrides, f"output_dir={output_dir}"])
+
+
+def trained_steps(run_dir: Path | str, key: str = "train/loss") -> list[dict[str, float]]:
+    """The rows of a run's `metrics.csv` that have `key` (the trained steps), as floats."""
+    with open(Path(run_dir) / "metrics.csv") as f:
+        rows = [{k: float(v) for k, v in row.items() if v != ""} for row in csv.DictReader(f)]
+    return [row for row in rows if key in row]
 
 
 @pytest.fixture

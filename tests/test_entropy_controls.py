@@ -10,7 +10,7 @@ import math
 
 import pytest
 import torch
-from conftest import compose_config
+from conftest import compose_config, trained_steps
 from torch.testing import assert_close
 
 from lit_grpo.config import ConfigError, EntropyConfig, ineffective_knobs
@@ -163,10 +163,7 @@ def _run(tmp_path, *overrides):
         *overrides, output_dir=tmp_path,
     )  # fmt: skip
     train(c)
-    import csv
-
-    with open(tmp_path / "metrics.csv") as f:
-        return [{k: float(v) for k, v in row.items() if v != ""} for row in csv.DictReader(f) if row.get("train/loss")]
+    return trained_steps(tmp_path)
 
 
 @pytest.mark.timeout(600)

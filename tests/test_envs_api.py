@@ -200,10 +200,9 @@ class TwoGuesses:
 @pytest.mark.parametrize("advantage", ["grpo", "igpo"])
 def test_an_environment_trains_through_the_generic_rollout(tmp_path, monkeypatch, advantage):
     # IGPO credits each turn with the environment's reward part: any environment gets turn credit.
-    import csv
     from pathlib import Path
 
-    from conftest import compose_config
+    from conftest import compose_config, trained_steps
 
     from lit_grpo.train import train
 
@@ -216,8 +215,7 @@ def test_an_environment_trains_through_the_generic_rollout(tmp_path, monkeypatch
             output_dir=tmp_path,
         )
     )  # fmt: skip
-    with open(tmp_path / "metrics.csv") as f:
-        steps = [{k: float(v) for k, v in row.items() if v != ""} for row in csv.DictReader(f) if row.get("train/loss")]
+    steps = trained_steps(tmp_path)
     assert len(steps) == 3
     for step in steps:
         assert 1.0 <= step["env/turns"] <= 2.0 and step["env/tool_calls"] == 0.0

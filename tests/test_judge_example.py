@@ -7,13 +7,12 @@ logs both components. Without vLLM this test fails, it never skips."""
 
 from __future__ import annotations
 
-import csv
 import importlib.util
 import sys
 from pathlib import Path
 
 import pytest
-from conftest import compose_config
+from conftest import compose_config, trained_steps
 from test_sampler_vllm_server import _served_requests
 
 from lit_grpo.config import ModelConfig
@@ -74,8 +73,7 @@ def test_a_run_weighs_the_judge_beside_exact_match(judge, judge_module, tmp_path
             output_dir=tmp_path,
         )
     )  # fmt: skip
-    with open(tmp_path / "metrics.csv") as f:
-        steps = [{k: float(v) for k, v in row.items() if v != ""} for row in csv.DictReader(f) if row.get("train/loss")]
+    steps = trained_steps(tmp_path)
     assert len(steps) == 2
     for step in steps:
         assert {"reward/arithmetic", "reward/judge_reward"} <= set(step)

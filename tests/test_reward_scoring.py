@@ -5,12 +5,11 @@ training run whose reward is an `async def`."""
 from __future__ import annotations
 
 import asyncio
-import csv
 import threading
 import time
 
 import pytest
-from conftest import compose_config
+from conftest import compose_config, trained_steps
 
 from lit_grpo.rewards import RewardScorer, WeightedReward, get_reward, inline_reward, is_async_reward
 from lit_grpo.rewards.scoring import TIMED_OUT_METRIC
@@ -178,8 +177,7 @@ def _steps(tmp_path, *overrides):
             *overrides, output_dir=tmp_path,
         )
     )  # fmt: skip
-    with open(tmp_path / "metrics.csv") as f:
-        return [{k: float(v) for k, v in row.items() if v != ""} for row in csv.DictReader(f) if row.get("reward/mean")]
+    return trained_steps(tmp_path, "reward/mean")
 
 
 @pytest.mark.timeout(300)
