@@ -32,7 +32,7 @@ from lit_grpo.models.load import load_policy, load_tokenizer
 from lit_grpo.rewards.combine import component_names
 from lit_grpo.rewards.scoring import RewardScorer
 from lit_grpo.rollouts.datamodule import RolloutDataModule
-from lit_grpo.rollouts.rollout import load_rollout_factory
+from lit_grpo.rollouts.rollout import built_rollout_fn, load_rollout_factory
 from lit_grpo.run.checkpoint import CheckpointStore
 from lit_grpo.run.loggers import finish_runs
 from lit_grpo.run.state import RunCheckpointer
@@ -110,7 +110,11 @@ def build_datamodule(
         rows=rows,
         tokenizer=tokenizer,
         sampler=sampler,
-        rollout_fn=(inputs.rollout_factory or load_rollout_factory(c.rollout.factory))(setup),
+        rollout_fn=built_rollout_fn(
+            inputs.rollout_factory or load_rollout_factory(c.rollout.factory),
+            setup,
+            "the Python caller's rollout factory" if inputs.rollout_factory else repr(c.rollout.factory),
+        ),
         advantage=run_advantage(c),
         rank=rank,
         world_size=world_size,

@@ -10,6 +10,7 @@ import errno
 import io
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -113,6 +114,47 @@ def test_a_config_hydra_cannot_compose_exits_2(tmp_path, override, needle):
     proc, _ = _cli(tmp_path, override, f"hydra.run.dir={tmp_path / 'run'}")
     assert proc.returncode == EXIT_USER_ERROR, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr and needle in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "override,field,needle",
+    [
+        ("trainer.fast_dev_run=banana", "trainer.fast_dev_run", "a number of steps"),
+        ("trainer.precision=bogus", "trainer.precision", "bf16-mixed"),
+        ("trainer.accelerator=tpx", "trainer.accelerator", "must be one of auto, cpu, gpu"),
+        ("seed=-1", "seed", "[0, 2147483647]"),
+        ("seed=4294967295", "seed", "the ranks' offsets"),
+    ],
+)
+def test_trainer_values_lightning_would_refuse_late_are_named_first(override, field, needle):
+    # Each of these used to pass validation and fail with a traceback once the model was built.
+    from lit_grpo.config import ConfigError
+    from lit_grpo.run.validate import validate
+
+    with pytest.raises(ConfigError, match=re.escape(f"config field `{field}`")) as err:
+        validate(compose_config("+experiment=arithmetic", override))
+    assert needle in str(err.value)
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks a machine without a GPU")
+def test_a_gpu_on_a_machine_without_one_is_named_first(tmp_path):
+    # The config itself is valid (a GPU run's); the machine is not: refused before a model loads.
+    from lit_grpo.config import ConfigError
+    from lit_grpo.train import train
+
+    with pytest.raises(ConfigError, match=r"trainer.accelerator=gpu: this machine has no CUDA GPU"):
+        train(compose_config("+experiment=arithmetic", "trainer=gpu", output_dir=tmp_path))
+
+
+@pytest.mark.timeout(300)
+def test_a_rollout_factory_that_returns_nothing_is_named(tmp_path, monkeypatch):
+    from lit_grpo.config import ConfigError
+    from lit_grpo.train import train
+
+    (tmp_path / "forgetful.py").write_text("def make(setup):\n    async def rollout_fn(row):\n        return None\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ConfigError, match=r"`rollout.factory`: 'forgetful:make' returned NoneType None"):
+        train(compose_config("+experiment=arithmetic", "rollout.factory=forgetful:make", output_dir=tmp_path / "run"))
 
 
 @pytest.mark.timeout(300)

@@ -3,7 +3,8 @@
     checks.py       ConfigError, `require`, the bounds every group shares
     model.py        ModelConfig, LoraConfig: the policy and its adapters
     sampler.py      SamplerConfig: the engine, how it samples, the vLLM servers' fields
-    groups.py       data, rollout, reward, advantage, policy loss, trainer
+    groups.py       data, rollout, reward, advantage, policy loss
+    trainer.py      TrainerConfig: the Lightning Trainer's arguments
     controls.py     what applies around every loss: the mismatch correction, the entropy controls
     run.py          TrainConfig (the whole run), `parse` (a composed DictConfig into it), the ConfigStore node
     keys.py         keys the schema does not have (a misspelt `+key=value`)
@@ -29,11 +30,11 @@ from lit_grpo.config.groups import (
     PolicyLossConfig,
     RewardConfig,
     RolloutConfig,
-    TrainerConfig,
 )
 from lit_grpo.config.model import LORA_DEFAULT_TARGETS, LoraConfig, ModelConfig
 from lit_grpo.config.run import TrainConfig, ineffective_knobs, parse
 from lit_grpo.config.sampler import SamplerConfig
+from lit_grpo.config.trainer import TrainerConfig
 from lit_grpo.config.user_inputs import UserInputs
 
 __all__ = [

@@ -1,6 +1,7 @@
-"""The config groups' dataclasses: data, rollout, reward, advantage, policy loss, trainer (the
-model's in `lit_grpo.config.model`, the sampler's in `lit_grpo.config.sampler`, the shared checks
-in `lit_grpo.config.checks`); `lit_grpo.config.run` composes them into `TrainConfig`.
+"""The config groups' dataclasses: data, rollout, reward, advantage, policy loss (the model's in
+`lit_grpo.config.model`, the sampler's in `lit_grpo.config.sampler`, the trainer's in
+`lit_grpo.config.trainer`, the shared checks in `lit_grpo.config.checks`); `lit_grpo.config.run`
+composes them into `TrainConfig`.
 
 Every field has a docstring, and `__post_init__` checks what one group can check alone, naming
 the field; `ConfigError` is what a user sees.
@@ -363,36 +364,3 @@ class PolicyLossConfig:
         """The hyper-parameters to call the loss with: the named ones that are set, `params`, kl_beta."""
         named = {n: getattr(self, n) for n in NAMED_LOSS_HYPERPARAMS if getattr(self, n) is not None}
         return {**named, **self.params, "kl_beta": self.kl_beta}
-
-
-FSDP2_PRECISIONS = ("32-true", "32", "bf16-mixed", "bf16-true", "16-true")
-"""What Lightning's ModelParallelStrategy (trainer.strategy=fsdp2) accepts."""
-
-
-@dataclass
-class TrainerConfig:
-    """Arguments of `lightning.Trainer` that lit_grpo exposes; `extra` passes any other one."""
-
-    accelerator: str = "auto"
-    devices: Any = 1
-    strategy: str = "auto"
-    """Any Lightning strategy name (`auto`, `ddp`, ...), or `fsdp2`: the policy and the reference
-    sharded per decoder layer with FSDP2 (Lightning's `ModelParallelStrategy`; GPUs or CPUs)."""
-    precision: str = "32-true"
-    max_epochs: int = 1
-    """One Lightning epoch is the whole rollout stream (all data epochs)."""
-    fast_dev_run: Any = False
-    """True or N: run 1 (or N) steps as a smoke test, no checkpoints, no plots."""
-    log_every_n_steps: int = 1
-    enable_progress_bar: bool = True
-    enable_model_summary: bool = False
-    deterministic: bool = False
-    extra: dict = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if self.strategy == "fsdp2":
-            require(
-                self.precision in FSDP2_PRECISIONS,
-                "trainer.precision",
-                f"must be one of {', '.join(FSDP2_PRECISIONS)} with trainer.strategy=fsdp2, got {self.precision!r}",
-            )

@@ -28,14 +28,16 @@ from lit_grpo.config.groups import (
     PolicyLossConfig,
     RewardConfig,
     RolloutConfig,
-    TrainerConfig,
     adopt_legacy_advantage,
 )
 from lit_grpo.config.keys import unknown_keys, unknown_keys_message
 from lit_grpo.config.model import BUILT_KINDS, ModelConfig
 from lit_grpo.config.sampler import SamplerConfig, sampler_copy_reason
 from lit_grpo.config.sources import source_kind
+from lit_grpo.config.trainer import TrainerConfig
 
+MAX_SEED = 2**31 - 1
+"""The largest `seed`: numpy takes seeds below 2**32, and rank r seeds with `seed + 1_000_003·r`."""
 ANCHORS = ("old_policy", "rollout")
 """`anchor_logp`: the trainer's logprobs before the update, or the sampler's."""
 
@@ -152,6 +154,11 @@ class TrainConfig:
             self.anchor_logp in ANCHORS, "anchor_logp", f"must be one of {', '.join(ANCHORS)}, got {self.anchor_logp!r}"
         )
         require(self.max_steps == -1 or self.max_steps > 0, "max_steps", "must be -1 (until data is exhausted) or > 0")
+        require(
+            isinstance(self.seed, int) and 0 <= self.seed <= MAX_SEED,
+            "seed",
+            f"must be an integer in [0, {MAX_SEED}] (numpy's bound less the ranks' offsets), got {self.seed!r}",
+        )
         for name in (
             "learning_rate",
             "adam_beta1",

@@ -38,6 +38,20 @@ def load_rollout_factory(path: str) -> Callable[[RolloutSetup], RolloutFn]:
     return factory
 
 
+def built_rollout_fn(factory: Callable[[RolloutSetup], RolloutFn], setup: RolloutSetup, name: str) -> RolloutFn:
+    """`factory(setup)`, checked: a factory that returns something other than a rollout function
+    (a forgotten `return`) is named here, not at the first rollout."""
+    from lit_grpo.config import ConfigError
+
+    rollout_fn = factory(setup)
+    if not callable(rollout_fn):
+        raise ConfigError(
+            f"config field `rollout.factory`: {name} returned {type(rollout_fn).__name__} {rollout_fn!r:.60}, "
+            "not a rollout function; it must return `async def rollout_fn(row)` (did it forget a `return`?)"
+        )
+    return rollout_fn
+
+
 def sample_from_completion(c: Completion, reward: float) -> RolloutSample:
     """Flatten a single-turn completion: prompt tokens masked out, generated tokens trained on."""
     generated = len(c.full_tokens) - c.prompt_len

@@ -116,11 +116,25 @@ def server_sampler_problems(c: TrainConfig) -> list[str]:
     return problems
 
 
+def accelerator_problem(c: TrainConfig) -> Optional[str]:
+    """A GPU asked for on a machine without one (Lightning would find out only once the model is built)."""
+    if c.trainer.accelerator not in ("gpu", "cuda"):
+        return None
+    import torch
+
+    if torch.cuda.is_available():
+        return None
+    return (
+        f"trainer.accelerator={c.trainer.accelerator}: this machine has no CUDA GPU torch can use; "
+        "use trainer=cpu (or trainer.accelerator=auto)"
+    )
+
+
 def check_sources(c: TrainConfig) -> None:
     """Raise one `ConfigError` listing every unreachable model, data file or dataset (with the
     overrides that point at local copies), a sampler backend that is not installed (or a vLLM outside the
-    tested versions, or without an API lit_grpo calls), a rollout factory that cannot be imported, and an
-    output folder that cannot be written."""
+    tested versions, or without an API lit_grpo calls), a rollout factory that cannot be imported, an
+    output folder that cannot be written, and a GPU asked for on a machine without one."""
     from lit_grpo.samplers import get_sampler
     from lit_grpo.tasks import source_problems
 
@@ -144,6 +158,8 @@ def check_sources(c: TrainConfig) -> None:
     if why := rollout_factory_problem(c.rollout.factory):
         problems.append(why)
     if why := output_dir_problem(c.output_dir):
+        problems.append(why)
+    if why := accelerator_problem(c):
         problems.append(why)
     if problems:
         raise ConfigError("cannot start this run:" + "".join(f"\n  - {p}" for p in problems))

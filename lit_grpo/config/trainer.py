@@ -1,0 +1,67 @@
+"""The Lightning `Trainer` arguments a run exposes (`trainer=cpu|gpu`, `conf/trainer/`), checked
+before anything loads: a value Lightning would refuse only once the model is built is named here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from lit_grpo.config.checks import require
+
+PRECISIONS = (
+    "64-true", "64", "32-true", "32", "16-mixed", "16", "bf16-mixed", "bf16", "16-true", "bf16-true",
+    "transformer-engine", "transformer-engine-float16",
+)  # fmt: skip
+"""What `lightning.Trainer(precision=...)` accepts (Lightning 2.x's `_PRECISION_INPUT_STR`)."""
+FSDP2_PRECISIONS = ("32-true", "32", "bf16-mixed", "bf16-true", "16-true")
+"""What Lightning's ModelParallelStrategy (trainer.strategy=fsdp2) accepts."""
+ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "mps", "tpu")
+"""Lightning's accelerator names (whether this machine has one is checked in `lit_grpo.run.validate`)."""
+
+
+@dataclass
+class TrainerConfig:
+    """Arguments of `lightning.Trainer` that lit_grpo exposes; `extra` passes any other one."""
+
+    accelerator: str = "auto"
+    """`auto`, `cpu`, or `gpu`/`cuda` (refused before anything loads on a machine without one)."""
+    devices: Any = 1
+    strategy: str = "auto"
+    """Any Lightning strategy name (`auto`, `ddp`, ...), or `fsdp2`: the policy and the reference
+    sharded per decoder layer with FSDP2 (Lightning's `ModelParallelStrategy`; GPUs or CPUs)."""
+    precision: str = "32-true"
+    """A Lightning precision (`PRECISIONS`): `32-true`, `bf16-mixed`, `16-mixed`, `bf16-true`, ..."""
+    max_epochs: int = 1
+    """One Lightning epoch is the whole rollout stream (all data epochs)."""
+    fast_dev_run: Any = False
+    """True or N: run 1 (or N) steps as a smoke test, no checkpoints, no plots."""
+    log_every_n_steps: int = 1
+    enable_progress_bar: bool = True
+    enable_model_summary: bool = False
+    deterministic: bool = False
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.precision = str(self.precision)  # `trainer.precision=32` arrives as an int
+        require(
+            self.precision in PRECISIONS,
+            "trainer.precision",
+            f"must be one of {', '.join(PRECISIONS)}, got {self.precision!r}",
+        )
+        if self.strategy == "fsdp2":
+            require(
+                self.precision in FSDP2_PRECISIONS,
+                "trainer.precision",
+                f"must be one of {', '.join(FSDP2_PRECISIONS)} with trainer.strategy=fsdp2, got {self.precision!r}",
+            )
+        require(
+            self.accelerator in ACCELERATORS,
+            "trainer.accelerator",
+            f"must be one of {', '.join(ACCELERATORS)}, got {self.accelerator!r}",
+        )
+        fast = self.fast_dev_run
+        require(
+            isinstance(fast, bool) or (isinstance(fast, int) and fast >= 0),
+            "trainer.fast_dev_run",
+            f"must be true, false or a number of steps >= 0, got {fast!r}",
+        )
