@@ -20,6 +20,19 @@ RESERVED_NAMES = ("mean", "std", "max", "histogram")
 """`reward/<name>` keys the run logs already: no component may take them."""
 
 
+def as_number(name: str, value: object) -> Optional[float]:
+    """A weighted component's value as a float (None stays None); anything else is a bug in
+    reward `name`: a TypeError that stops the run with this message."""
+    if value is None:
+        return None
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise TypeError(
+            f"reward {name!r} returned {type(value).__name__} {str(value)[:40]!r}, not a number or None"
+        ) from None
+
+
 class WeightedReward:
     """`reward(completion_text, row)`: Σ weight·value over the components that return a number
     (a None is skipped: not applicable); None when none does. Callable like any reward, so a
@@ -33,19 +46,18 @@ class WeightedReward:
     def score(self, completion_text: str, row: dict) -> tuple[Optional[float], dict[str, float]]:
         """The weighted sum (None when every component returned None) and, with more than one
         component, `{"reward/<name>": value}` of those that returned a number."""
+        return self.combine([fn(completion_text, row) for _, fn in self.components])
+
+    def combine(self, values: list[object]) -> tuple[Optional[float], dict[str, float]]:
+        """`score` of the components' values, given in order (`lit_grpo.rewards.scoring` computes
+        them concurrently); a value that is neither a number nor None is a bug in its reward."""
         total, parts = 0.0, {}
-        for (name, fn), weight in zip(self.components, self.weights):
-            value = fn(completion_text, row)
-            if value is None:
+        for (name, _), weight, value in zip(self.components, self.weights, values):
+            number = as_number(name, value)
+            if number is None:
                 continue
-            try:
-                value = float(value)
-            except (TypeError, ValueError):  # a bug in the reward: stops the run with this message
-                raise TypeError(
-                    f"reward {name!r} returned {type(value).__name__} {str(value)[:40]!r}, not a number or None"
-                ) from None
-            parts[f"reward/{name}"] = value
-            total += weight * value
+            parts[f"reward/{name}"] = number
+            total += weight * number
         if not parts:
             return None, {}
         return total, (parts if len(self.components) > 1 else {})

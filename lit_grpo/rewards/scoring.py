@@ -60,17 +60,6 @@ class Scored:
         return {**self.parts, TIMED_OUT_METRIC: float(self.timed_out)}
 
 
-def _as_value(name: str, value: object) -> Optional[float]:
-    if value is None:
-        return None
-    try:
-        return float(value)
-    except (TypeError, ValueError):  # a bug in the reward: stops the run with this message
-        raise TypeError(
-            f"reward {name!r} returned {type(value).__name__} {str(value)[:40]!r}, not a number or None"
-        ) from None
-
-
 async def in_daemon_thread(fn: Callable, *args):
     """`fn(*args)` on a thread of its own, awaited. A daemon thread, not the loop's executor: a
     reward that never returns must neither hold up the loop's shutdown nor the process's exit."""
@@ -130,11 +119,12 @@ class RewardScorer:
             self._limits[loop] = asyncio.Semaphore(self.max_concurrency)
         return self._limits[loop]
 
-    async def _component(self, name: str, fn: SyncOrAsyncReward, text: str, row: dict) -> tuple[Optional[float], bool]:
+    async def _component(self, fn: SyncOrAsyncReward, text: str, row: dict) -> tuple[object, bool]:
+        """The component's value as it came (or the fallback), and whether it timed out."""
         if getattr(fn, INLINE_ATTRIBUTE, False):  # cheap and pure (`inline_reward`): no thread, no deadline
-            return self._value(name, fn(text, row)), False
+            return fn(text, row), False
 
-        async def call() -> Optional[float]:
+        async def call() -> object:
             async with self._limit():
                 if is_async_reward(fn):
                     return await fn(text, row)
@@ -144,33 +134,17 @@ class RewardScorer:
             value = await asyncio.wait_for(call(), self.timeout_s)
         except TimeoutError:
             return self.timeout_reward, True
-        return self._value(name, value), False
-
-    def _value(self, name: str, value: object):
-        """A weighted component's value as a float (anything else is a bug in the reward: TypeError);
-        a lone reward's as it came, for the rollout checks to drop a non-number
-        (`rollout/dropped_nonnumeric_reward`), as with any rollout's reward."""
-        return _as_value(name, value) if self.weighted else value
+        return value, False
 
     async def score(self, completion_text: str, row: dict) -> Scored:
         """The weighted sum over the components that return a number (None when none does); with
         several components, each one's value in `parts` as `reward/<name>`."""
-        results = await asyncio.gather(
-            *(self._component(name, fn, completion_text, row) for name, fn in self.components)
-        )
-        if not self.weighted:
+        results = await asyncio.gather(*(self._component(fn, completion_text, row) for _, fn in self.components))
+        if not self.weighted:  # as it came: the rollout checks drop a non-number (`rollout/dropped_nonnumeric_reward`)
             [(value, late)] = results
             return Scored(value, {}, late)
-        total, parts, timed_out = 0.0, {}, False
-        for (name, _), weight, (value, late) in zip(self.components, self.weights, results):
-            timed_out |= late
-            if value is None:
-                continue
-            parts[f"reward/{name}"] = value
-            total += weight * value
-        if not parts:
-            return Scored(None, {}, timed_out)
-        return Scored(total, parts if len(self.components) > 1 else {}, timed_out)
+        total, parts = self.reward_fn.combine([value for value, _ in results])  # a weighted non-number: TypeError
+        return Scored(total, parts, any(late for _, late in results))
 
     def score_all_blocking(self, items: list[tuple[str, dict]]) -> list[Scored]:
         """`score` of each `(completion_text, row)`, concurrently, from code that is not in an event
