@@ -16,6 +16,14 @@ machine's cores, which this one leaves out. It is timed with every group kept, a
 that keeps each group with probability 1/2 (the real run's filter keeps about half): the bound is
 the same, and the excess over it is what the filter's oversampling and refills cost.
 
+A third table is the partial-rollouts workload (`--tool-steps`, 0: skipped): each row first
+waits on a slow, uneven tool (one row in `--slow-every` waits `--slow-s`, the others
+`--fast-s`; the same row always waits the same), then answers. Synchronous training waits for the
+slowest row of every step. With O = 1 a slow row's group counts at the version its call began at,
+so it is usually stale by the time its tokens exist, and sampled again; with partial rollouts it
+counts at its tokens' version (generated after the tool answered), so it trains. Each mode's
+stale groups are shown beside its step time.
+
     python -m benchmarks.bench_async --steps 150 --latency 0.05 --repeats 3   # from the repository root
 """
 
@@ -28,6 +36,7 @@ import random
 import statistics
 import tempfile
 import time
+import zlib
 
 from lit_grpo.build import fit
 from lit_grpo.rollouts import GroupSampler, OffPolicyScheduler, RowCursor, SynchronousScheduler
@@ -57,7 +66,31 @@ def make_latency_rollout_fn(setup):
     return rollout_fn
 
 
-def run_mode(overrides: list[str], steps: int, latency: float, warmup: int) -> dict[str, float]:
+PARTIAL_MODES = {
+    "sync": ["synchronous_training=true"],
+    "async O=1": ["synchronous_training=false", "max_head_offpolicy_versions=1"],
+    "O=1 partial": ["synchronous_training=false", "max_head_offpolicy_versions=1", "partial_rollouts=true"],
+}
+
+
+def make_slow_tool_rollout_fn(setup):
+    """A slow, uneven tool call, then the default rollout: one row in `extras["slow_every"]` waits
+    `extras["slow_s"]`, the others `extras["fast_s"]` (chosen by the row's contents, so a row
+    sampled again waits as long again)."""
+    inner = make_rollout_fn(setup)
+    slow_s, fast_s = float(setup.extras["slow_s"]), float(setup.extras["fast_s"])
+    every = int(setup.extras["slow_every"])
+
+    async def rollout_fn(row):
+        await asyncio.sleep(slow_s if zlib.crc32(repr(sorted(row.items())).encode()) % every == 0 else fast_s)
+        return await inner(row)
+
+    return rollout_fn
+
+
+def run_mode(
+    overrides: list[str], steps: int, latency: float, warmup: int, rollout: tuple[str, ...] = ()
+) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as out:
         c = validate(
             compose_config(
@@ -68,8 +101,13 @@ def run_mode(overrides: list[str], steps: int, latency: float, warmup: int) -> d
                     "output_model_id=null",
                     "~callbacks.reward_curve",
                     "trainer.enable_progress_bar=false",
-                    "rollout.factory=benchmarks.bench_async:make_latency_rollout_fn",
-                    f"+rollout.extras.env_latency_s={latency}",
+                    *(
+                        rollout
+                        or (
+                            "rollout.factory=benchmarks.bench_async:make_latency_rollout_fn",
+                            f"+rollout.extras.env_latency_s={latency}",
+                        )
+                    ),
                     f"output_dir={out}",
                     *overrides,
                 ]
@@ -96,6 +134,8 @@ def run_mode(overrides: list[str], steps: int, latency: float, warmup: int) -> d
         "offset_max": max([s.get("async/version_offset_max", 0.0) for s in steps_after]),
         "trainer_wait_s": med("perf/trainer_wait_s"),
         "overlap": med("perf/overlap_ratio"),
+        "stale_groups": sum(s.get("rollout/stale_groups", 0.0) for s in history.steps),
+        "spans_a_sync": statistics.mean([s.get("async/spans_a_sync", 0.0) for s in steps_after]),
     }
 
 
@@ -162,6 +202,40 @@ def run_rounds(repeats: int, steps: int, latency: float, warmup: int) -> list[di
     return rounds
 
 
+def print_partial_rollouts(args: argparse.Namespace) -> None:
+    """The partial-rollouts table: the slow, uneven tool workload in the three modes, `--repeats`
+    rounds in alternating order, ratios within a round."""
+    rollout = (
+        "rollout.factory=benchmarks.bench_async:make_slow_tool_rollout_fn",
+        f"+rollout.extras.slow_s={args.slow_s}",
+        f"+rollout.extras.fast_s={args.fast_s}",
+        f"+rollout.extras.slow_every={args.slow_every}",
+    )
+    rounds = []
+    for i in range(max(args.repeats, 1)):
+        order = list(PARTIAL_MODES) if i % 2 == 0 else list(reversed(PARTIAL_MODES))
+        done = {name: run_mode(PARTIAL_MODES[name], args.tool_steps, 0.0, args.warmup, rollout) for name in order}
+        rounds.append(done)
+    print(
+        f"\npartial rollouts: arithmetic, {args.tool_steps} steps; a tool before each answer waits "
+        f"{args.slow_s:g} s for one row in {args.slow_every}, {args.fast_s:g} s for the others; "
+        f"{len(rounds)} round(s), medians (ratio: step_s / sync's in the same round)"
+    )
+    print(f"{'mode':<13}{'step_s':>8}{'ratio':>7}{'reward first→last':>19}{'stale groups':>13}{'spans a sync':>13}")
+    for name in PARTIAL_MODES:
+        med = {key: statistics.median(r[name][key] for r in rounds) for key in rounds[0][name]}
+        ratio = statistics.median(r[name]["step_s"] / r["sync"]["step_s"] for r in rounds)
+        print(
+            f"{name:<13}{med['step_s']:>8.3f}{ratio:>6.2f}x"
+            f"{med['first_reward']:>10.2f} → {med['final_reward']:.2f}"
+            f"{med['stale_groups']:>13.0f}{med['spans_a_sync']:>13.2f}"
+        )
+    if len(rounds) > 1:
+        for name in list(PARTIAL_MODES)[1:]:
+            each = "  ".join(f"{r[name]['step_s'] / r['sync']['step_s']:.2f}x" for r in rounds)
+            print(f"{name + ' ratio of each round':<32}{each}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=150)
@@ -179,7 +253,15 @@ def main() -> None:
     parser.add_argument(
         "--scheduler-steps", type=int, default=40, help="steps of each mode in the schedulers-alone table"
     )
+    parser.add_argument("--tool-steps", type=int, default=60, help="steps of the partial-rollouts table (0: skip)")
+    parser.add_argument("--slow-s", type=float, default=1.0, help="the slow tool's latency, seconds")
+    parser.add_argument("--fast-s", type=float, default=0.05, help="the other rows' tool latency, seconds")
+    parser.add_argument("--slow-every", type=int, default=8, help="one row in this many waits --slow-s")
+    parser.add_argument("--only-partial", action="store_true", help="run the partial-rollouts table alone")
     args = parser.parse_args()
+    if args.only_partial:
+        print_partial_rollouts(args)
+        return
     rounds = run_rounds(args.repeats, args.steps, args.latency, args.warmup)
     ratios = {name: [r[name]["step_s"] / r["sync"]["step_s"] for r in rounds] for name in MODES}
     print(
@@ -204,6 +286,8 @@ def main() -> None:
         for name in list(MODES)[1:]:
             print(f"{name + ' ratio of each round':<30}{'  '.join(f'{x:.2f}x' for x in ratios[name])}")
     print_scheduler_only(args.latency, args.train_s, args.scheduler_steps)
+    if args.tool_steps > 0:
+        print_partial_rollouts(args)
 
 
 if __name__ == "__main__":

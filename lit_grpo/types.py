@@ -46,6 +46,28 @@ class RolloutSample:
     turn_rewards: Optional[list[float]] = None
     """Optional, parallel to `turn_spans`: each turn's reward (IGPO: its information gain,
     `lit_grpo.advantages.igpo.information_gains`); the outcome stays in `reward`."""
+    token_versions: Optional[list[int]] = None
+    """Optional, parallel to `tokens`: the policy version of the weights that generated each token
+    (`Completion.token_versions`), -1 where the policy generated none (prompt, environment). With
+    partial rollouts a trajectory spans weight syncs; the off-policy gate counts its group at the
+    oldest version among its tokens (`oldest_token_version`)."""
+
+
+def oldest_token_version(samples: list[RolloutSample]) -> Optional[int]:
+    """The oldest version among the generated tokens of `samples` (None: none reports versions)."""
+    versions = [v for s in samples if s.token_versions for v in s.token_versions if v >= 0]
+    return min(versions) if versions else None
+
+
+def versions_spanned(samples: list[RolloutSample]) -> int:
+    """The most versions one sample's generated tokens span: newest - oldest + 1 (1: no sample
+    spans a weight sync, or none reports versions)."""
+    spans = [1]
+    for s in samples:
+        versions = [v for v in s.token_versions or () if v >= 0]
+        if versions:
+            spans.append(max(versions) - min(versions) + 1)
+    return max(spans)
 
 
 @dataclass
@@ -94,6 +116,9 @@ class Completion:
     policy; equal to `sampling_logprobs` at temperature 1; None when the engine does not report it."""
     stop_reason: Optional[str] = None
     """The stop string that ended the completion, when one did."""
+    token_versions: Optional[list[int]] = None
+    """Parallel to the generated tokens: the version of the weights that generated each one (a
+    sampler with partial rollouts, whose completions span weight syncs); None: not reported."""
     logprobs_echoed: bool = False
     """Always False: lit_grpo's samplers report logprobs of the generated tokens only, never the prompt's."""
 
@@ -175,7 +200,7 @@ class RolloutSetup:
 
 @dataclass
 class PromptGroup:
-    """The G trajectories of one row, all sampled at one policy version."""
+    """The G trajectories of one row, and the policy version they count at."""
 
     row: dict
     """The dataset row the group was sampled from."""
@@ -183,7 +208,8 @@ class PromptGroup:
     """The trainable sequences of the runs that passed the checks, run after run (None, malformed
     and failed results already dropped); a `RolloutRun` of k segments contributes k of them."""
     version: int
-    """Policy version (number of weight syncs) when the row was submitted."""
+    """Policy version (number of weight syncs) when the row was submitted; with partial rollouts
+    (samples that report `token_versions`), the oldest version among the samples' tokens."""
     dropped: Counter = field(default_factory=Counter)
     """Why the row's other rollout calls gave no sample, by metric key (`rollout/dropped_none`,
     `rollout/failures`, ...)."""

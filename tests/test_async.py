@@ -257,3 +257,70 @@ def test_interval_zero_keeps_admitting_rows(tmp_path):
         )
     )
     assert summary["steps"] == 5
+
+
+def _straggler_run(versions_of, *, offpolicy: int, max_rollout_versions: int = 0):
+    """Row 0's first group outlasts several steps of fast rows; every sample reports its tokens'
+    versions as `versions_of(version at the call, version at the end)` says. Returns the rows
+    trained, the version offsets and the counts."""
+    calls: dict[int, int] = {}
+    box: dict = {}
+
+    async def rollout_fn(row):
+        calls[row["id"]] = calls.get(row["id"], 0) + 1
+        began = box["scheduler"].version
+        await asyncio.sleep(0.5 if row["id"] == 0 and calls[0] <= 2 else 0.005)
+        return RolloutSample(
+            tokens=[1, 100 + row["id"], 2],
+            logprobs=[0.0, -1.0, -1.0],
+            loss_mask=[0, 1, 1],
+            reward=float(row["id"] % 2),
+            token_versions=[-1, *versions_of(began, box["scheduler"].version)],
+        )
+
+    groups = GroupSampler(rollout_fn, 2, max_seq_len=64, min_group_size=2, filters=[])
+    scheduler = box["scheduler"] = OffPolicyScheduler(
+        RowCursor([{"id": i} for i in range(8)], 1, 0, False),
+        groups,
+        1,
+        max_head_offpolicy_versions=offpolicy,
+        max_concurrency=64,
+        max_rollout_versions=max_rollout_versions,
+    )
+    trained, offsets, counts = [], [], {}
+    try:
+        for batch in RolloutStream(scheduler, groups, max_steps=-1, pad_id=0):
+            trained += [int(t) - 100 for t in batch.tokens_BT[::2, 1]]
+            offsets += batch.record.version_offsets
+            for key, value in batch.record.counts.items():
+                counts[key] = counts.get(key, 0) + value
+            scheduler.advance_version()
+    finally:
+        scheduler.close()
+    return trained, offsets, counts, calls
+
+
+@pytest.mark.timeout(60)
+def test_a_group_counts_at_its_oldest_tokens_version():
+    """The straggler's tokens were all generated at the end (its requests waited): its group counts
+    at that version, so it trains in time, not as stale; one whose first token came at the call is
+    stale, as without versions."""
+    trained, offsets, counts, calls = _straggler_run(lambda began, now: [now, now], offpolicy=1)
+    assert sorted(trained) == list(range(8)) and max(offsets) <= 1
+    assert counts.get("rollout/stale_groups", 0) == 0 and calls[0] == 2
+    trained, offsets, counts, calls = _straggler_run(lambda began, now: [began, now], offpolicy=1)
+    assert sorted(trained) == list(range(8)) and max(offsets) <= 1
+    assert counts.get("rollout/stale_groups", 0) == 1 and calls[0] == 4
+
+
+@pytest.mark.timeout(60)
+def test_max_rollout_versions_samples_a_long_spanning_group_again():
+    """O = 20 lets the straggler train, but its tokens span more than max_rollout_versions = 2
+    versions: its row is sampled again (`rollout/span_groups`), and every row trains once."""
+    trained, offsets, counts, calls = _straggler_run(
+        lambda began, now: [began, now], offpolicy=20, max_rollout_versions=2
+    )
+    assert sorted(trained) == list(range(8))
+    assert counts.get("rollout/span_groups", 0) == 1 and calls[0] == 4
+    trained, _, counts, calls = _straggler_run(lambda began, now: [began, now], offpolicy=20)
+    assert sorted(trained) == list(range(8)) and not counts.get("rollout/span_groups") and calls[0] == 2

@@ -123,6 +123,13 @@ def test_wrong_type_fails_at_compose_naming_it(tmp_path):
         ("max_nonfinite_steps=0", "max_nonfinite_steps"),
         ("trainer.strategy=fsdp2 trainer.precision=16-mixed", "trainer.precision"),
         ("micro_batch_max_tokens=-1", "micro_batch_max_tokens"),
+        ("max_rollout_versions=-1", "max_rollout_versions"),
+        ("partial_rollouts=true sampler=vllm synchronous_training=false", "partial_rollouts`: needs sampler"),
+        ("partial_rollouts=true sampler=vllm_server synchronous_training=true", "partial_rollouts`: needs synchronous"),
+        (
+            "partial_rollouts=true sampler=vllm_server synchronous_training=false weight_sync_interval=0",
+            "partial_rollouts`: needs weight syncs",
+        ),
     ],
 )
 def test_bad_value_fails_validation_naming_the_field(override, field, tmp_path):

@@ -106,6 +106,15 @@ class TrainConfig:
     """Sample a step's groups, then train, then sync: no overlap (the on-policy baseline)."""
     max_head_offpolicy_versions: int = 0
     """O: a sample may be trained at most O weight-sync versions after it was sampled (0: on-policy)."""
+    partial_rollouts: bool = False
+    """In-flight weight updates (asynchronous training): every generated token is tagged with the
+    version of the weights that produced it, and a group counts at its oldest token's version. With
+    `sampler.kind=vllm_server` a weight sync interrupts the completions being generated and each
+    goes on after it on the new weights; with `hf` a sync waits for the running generate call, so a
+    completion has one version, and a multi-turn rollout's turns each their own."""
+    max_rollout_versions: int = 0
+    """With partial rollouts: the most weight versions one trajectory may span (a group with one
+    that spans more is sampled again); 0: no bound but the off-policy gate's."""
     max_concurrency_rollout_sample: int = 256
     """Most rollout calls in flight at once (asynchronous mode)."""
     micro_batch_size: int = 0
@@ -221,6 +230,20 @@ class TrainConfig:
             "scheduler (synchronous_training=false): the gate admits rows at most that many versions ahead, so a "
             "longer sync window would wait forever for rollouts",
         )
+        require(self.max_rollout_versions >= 0, "max_rollout_versions", "must be >= 0 (0: no bound)")
+        if self.partial_rollouts:
+            require(
+                self.sampler.kind in ("vllm_server", "hf"),
+                "partial_rollouts",
+                f"needs sampler.kind=vllm_server (completions interrupted by a sync and continued) or hf "
+                f"(tokens tagged by generate call); sampler.kind={self.sampler.kind} does not tag its tokens' versions",
+            )
+            require(
+                not self.synchronous_training,
+                "partial_rollouts",
+                "needs synchronous_training=false: a synchronous step has no rollout in flight at a weight sync",
+            )
+            require(self.weight_sync_interval > 0, "partial_rollouts", "needs weight syncs (weight_sync_interval > 0)")
         copy_reason = self.why_the_sampler_copies_the_policy()
         require(
             self.sampler.share_policy_weights != "true" or copy_reason is None,

@@ -153,6 +153,9 @@ def check_sample(sample: object, max_seq_len: int, vocab_size: Optional[int] = N
     tokens, logprobs, mask = sample.tokens, sample.logprobs, sample.loss_mask
     if not len(tokens) == len(logprobs) == len(mask):
         return "length_mismatch", f"{len(tokens)} tokens, {len(logprobs)} logprobs, {len(mask)} mask values"
+    versions = sample.token_versions
+    if versions is not None and (not isinstance(versions, list) or len(versions) != len(tokens)):
+        return "length_mismatch", f"{len(tokens)} tokens; token_versions is not a list of as many versions"
     if not _all_zero_or_one(mask):
         odd_mask = [m for m in mask if not (isinstance(m, numbers.Real) and m in (0, 1))]  # True/False are fine
         return "bad_mask", f"loss_mask values {sorted(set(map(repr, odd_mask)))[:4]}"

@@ -151,7 +151,11 @@ class RolloutDataModule(L.LightningDataModule):
                 data.prompt_groups_per_step,
                 max_head_offpolicy_versions=c.max_head_offpolicy_versions,
                 max_concurrency=c.max_concurrency_rollout_sample,
+                max_rollout_versions=c.max_rollout_versions,
             )
+        self.partial_rollouts = c.partial_rollouts
+        if c.partial_rollouts:
+            sampler.enable_partial_rollouts()
         self.stream = RolloutStream(
             self.scheduler,
             self.groups,
@@ -191,7 +195,14 @@ class RolloutDataModule(L.LightningDataModule):
 
     def push_weights(self, named_tensors) -> None:
         """Load `(name, full tensor)` pairs of the policy into the sampler."""
+        self._align_sampler_version()  # the sync makes it version + 1, as advance_version does here
         self.sampler.update_weights(named_tensors)
+
+    def _align_sampler_version(self) -> None:
+        """With partial rollouts the sampler tags tokens with its weights' version: it counts as the
+        scheduler does (a resumed run's scheduler starts at the saved version)."""
+        if self.partial_rollouts:
+            self.sampler.version = self.scheduler.version
 
     def advance_version(self) -> None:
         """Later rows are sampled at the next policy version (the gate admits accordingly)."""
@@ -204,6 +215,7 @@ class RolloutDataModule(L.LightningDataModule):
     def load_state_dict(self, state: dict) -> None:
         self.stream.steps_done = state["steps_done"]
         self.scheduler.load_state_dict(state["scheduler"])
+        self._align_sampler_version()
 
     def close(self) -> None:
         """Stop the scheduler's event loop, then the sampler's worker."""

@@ -20,7 +20,7 @@ from lit_grpo.rollouts.deadlines import call_rollout, function_name, gather_or_c
 from lit_grpo.rollouts.pipeline import GroupFilter, checked_samples, error_key, group_verdict, penalize_overlong
 from lit_grpo.rollouts.rollout import RolloutFn, group_rollout_fn
 from lit_grpo.tasks.rows import row_label
-from lit_grpo.types import PromptGroup
+from lit_grpo.types import PromptGroup, oldest_token_version, versions_spanned
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +120,12 @@ class GroupSampler:
         for result in results:
             failed = isinstance(result, BaseException) and error_key(result) == "rollout/failures"
             self.breaker.record(failed, result if failed else None)
+        # With partial rollouts a sample's tokens span weight syncs: the group counts at its oldest token.
+        oldest = oldest_token_version(samples)
+        version = version if oldest is None else oldest
+        for sample in samples:
+            if sample.token_versions is not None:
+                sample.metrics["async/spans_a_sync"] = float(versions_spanned([sample]) > 1)
         return PromptGroup(row=row, samples=samples, version=version, dropped=counts, run_sizes=run_sizes)
 
     async def _call_group(self, row: dict) -> list[object]:

@@ -16,6 +16,12 @@ that rejects half the groups does not refill a step in a chain of rounds of one 
 each. A group accepted past its budget (the surplus, or a straggler) is not trained: its row goes
 back to the cursor and is sampled again, later (`rollout/stale_groups`).
 
+With partial rollouts (`partial_rollouts: true`) a trajectory may go on across weight syncs; its
+group counts at the oldest version among its tokens (`PromptGroup.version`), so it still trains at
+most O versions after its first token. `max_rollout_versions` (K > 0) also bounds how many
+versions one trajectory may span: a group with one that spans more is sampled again
+(`rollout/span_groups`).
+
 The interface, and the bounds on every wait, are those of `lit_grpo.rollouts.schedulers`.
 """
 
@@ -33,7 +39,7 @@ from lit_grpo.rollouts.deadlines import Heartbeat, RolloutStalled, heartbeat_per
 from lit_grpo.rollouts.groups import GroupSampler
 from lit_grpo.rollouts.schedulers import StepGroups
 from lit_grpo.samplers.worker import THREAD_PREFIX, join_thread
-from lit_grpo.types import PromptGroup
+from lit_grpo.types import PromptGroup, versions_spanned
 
 _DONE = None  # queue sentinel: no more groups will come (rows used up, or an error)
 
@@ -49,8 +55,10 @@ class OffPolicyScheduler:
         *,
         max_head_offpolicy_versions: int,
         max_concurrency: int,
+        max_rollout_versions: int = 0,
     ) -> None:
         self.cursor, self.groups, self.P = cursor, groups, prompt_groups_per_step
+        self.max_rollout_versions = max_rollout_versions
         self.G = groups.G
         self.B = self.P * self.G
         self.max_head_offpolicy_versions, self.max_concurrency = max_head_offpolicy_versions, max_concurrency
@@ -166,7 +174,9 @@ class OffPolicyScheduler:
             self.rollout_intervals.append((started, time.perf_counter()))
             self._wake.set()
         self.accept_rate = 0.9 * self.accept_rate + 0.1 * float(keep)
-        if keep and self.accepted_samples + self.G > self.budget(version):
+        if keep and 0 < self.max_rollout_versions < versions_spanned(group.samples):
+            self._sample_again_later(position, group, "rollout/span_groups")
+        elif keep and self.accepted_samples + self.G > self.budget(group.version):
             self._sample_again_later(position, group)
         elif keep:
             self.accepted_samples += self.G
@@ -176,12 +186,13 @@ class OffPolicyScheduler:
                 self._unfinished.discard(position)  # a rejected row is used up, like a trained one
             self._rejected.append(group)
 
-    def _sample_again_later(self, position: Position, group: PromptGroup) -> None:
-        """An accepted group past its version's budget would train > O versions late: resample its row."""
+    def _sample_again_later(self, position: Position, group: PromptGroup, why: str = "rollout/stale_groups") -> None:
+        """An accepted group past its version's budget would train > O versions late (or one of its
+        trajectories spans more than `max_rollout_versions`): resample its row."""
         with self._lock:
             self._unfinished.discard(position)
             self.cursor.sample_again(position)
-        self.groups.count("rollout/stale_groups")
+        self.groups.count(why)
         self._rejected.append(group)  # sampled, not trained: still in the step's reward metrics
 
     # ---------------------------------------------------------------- trainer thread

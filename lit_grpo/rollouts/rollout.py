@@ -62,6 +62,7 @@ def sample_from_completion(c: Completion, reward: float) -> RolloutSample:
         reward=float(reward),
         finish_reason=c.finish_reason,
         text=c.text,
+        token_versions=None if c.token_versions is None else [-1] * c.prompt_len + list(c.token_versions),
     )
 
 
@@ -179,12 +180,16 @@ class Trajectory:
         self.loss_mask = [0] * len(self.tokens)
         self.turn_spans: list[tuple[int, int]] = []
         """The `[start, end)` range in `tokens` of each sampled turn's generated tokens, in order."""
+        self.token_versions = [-1] * len(self.tokens)
+        """Each token's weight version (-1: not generated, or not reported by the sampler)."""
+        self._versioned = False
 
     def add_environment(self, tokens: list[int]) -> None:
         """Tokens the policy did not generate (user or tool turns): not trained on."""
         self.tokens += tokens
         self.logprobs += [0.0] * len(tokens)
         self.loss_mask += [0] * len(tokens)
+        self.token_versions += [-1] * len(tokens)
 
     def add_completion(self, c: Completion) -> None:
         """A sampled turn whose prompt was exactly this trajectory so far."""
@@ -197,6 +202,8 @@ class Trajectory:
         self.tokens += generated
         self.logprobs += list(c.sampling_logprobs)
         self.loss_mask += [1] * len(generated)
+        self.token_versions += list(c.token_versions) if c.token_versions is not None else [-1] * len(generated)
+        self._versioned = self._versioned or c.token_versions is not None
 
     def to_sample(
         self, reward: float, finish_reason: str = "stop", text: str = "", turn_rewards: Optional[list[float]] = None
@@ -218,4 +225,5 @@ class Trajectory:
             text,
             turn_spans=spans,
             turn_rewards=turn_rewards,
+            token_versions=list(self.token_versions) if self._versioned else None,
         )

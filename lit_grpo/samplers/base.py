@@ -362,9 +362,11 @@ class BatchingSampler(ABC):
         *,
         inference_logprobs: Optional[list[float]] = None,
         stop_reason: Optional[str] = None,
+        token_versions: Optional[list[int]] = None,
     ) -> Completion:
         """A `Completion` of `generated`, cut after the first eos. `stop_reason`: the stop string
-        `generated` already ends at (its completing token included) and `text` is already cut before."""
+        `generated` already ends at (its completing token included) and `text` is already cut before.
+        `token_versions`: parallel to `generated`, the weight version of each token (None: not known)."""
         eos_id = self.eos_token_id
         end = generated.index(eos_id) + 1 if eos_id in generated else len(generated)
         stopped = stop_reason is not None or eos_id in generated[:end]
@@ -376,4 +378,5 @@ class BatchingSampler(ABC):
             text=text,
             inference_logprobs=None if inference_logprobs is None else list(inference_logprobs[:end]),
             stop_reason=stop_reason,
+            token_versions=None if token_versions is None else list(token_versions[:end]),
         )

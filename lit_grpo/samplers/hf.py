@@ -58,6 +58,9 @@ class HFSampler(BatchingSampler):
     ) -> None:
         super().__init__(tokenizer, max_batch_size=max_batch_size)
         self.shares_weights = share_weights
+        self.version = 0
+        """Weight syncs loaded, unless set (the run's policy version: `enable_partial_rollouts`)."""
+        self.partial_rollouts = False
         if share_weights:
             self.model = model.eval()  # GRPOModule keeps its policy in eval mode too (no dropout)
             # Re-entrant: a generate call on the thread that holds the weights for training (a callback
@@ -103,8 +106,15 @@ class HFSampler(BatchingSampler):
         already generates with them) and let generation go on."""
         try:
             super().update_weights(named_tensors)
+            self.version += 1
         finally:
             self._release_weights()
+
+    def enable_partial_rollouts(self) -> None:
+        """Tag every generated token with the version of the weights it came from. A generate call
+        is never interrupted (a sync waits for it), so a completion's tokens share one version; the
+        turns of a multi-turn rollout carry each its own."""
+        self.partial_rollouts = True
 
     def close(self) -> None:
         self._release_weights()  # a step that failed before its sync: queued calls end instead of waiting
@@ -213,8 +223,12 @@ class HFSampler(BatchingSampler):
             match = find_stop(row, stop, self._decode, text) if stop else None
             if match is not None:
                 row, text = row[: match.num_tokens], match.text
+            versions = [self.version] * len(row) if self.partial_rollouts else None  # generate holds the weights
+            stop_reason = match.stop if match else None
             completions.append(
-                self.completion(p, row, lp, text, inference_logprobs=raw, stop_reason=match.stop if match else None)
+                self.completion(
+                    p, row, lp, text, inference_logprobs=raw, stop_reason=stop_reason, token_versions=versions
+                )
             )
         return completions
 

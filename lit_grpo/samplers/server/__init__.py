@@ -2,8 +2,10 @@
 
 sampler.py          VLLMServerSampler: completions and scores over HTTP from server replicas
 requests.py         routing, bounded concurrency, retries and failover across replicas
-answers.py          the requests sent to a server and the reading of its answers (completions, scores)
-weight_files.py     weight syncs through a safetensors file the servers reload
+answers.py          the requests sent to a server and the reading of its answers (completions, streamed chunks, scores)
+partial.py          partial rollouts: streams a weight sync interrupts, continued on the new weights
+scoring.py          IGPO's scoring of target tokens over the servers
+weight_files.py     weight syncs: through a safetensors file the servers reload, every replica phase by phase
 weight_transfer.py  weight syncs through vLLM's weight-transfer API (gloo on CPU, nccl on GPU)
 pool.py             local servers as subprocesses, each in its own process group
 serve.py            `python -m lit_grpo.serve`: a vLLM OpenAI server set up for lit_grpo

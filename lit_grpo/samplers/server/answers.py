@@ -1,5 +1,6 @@
 """The requests lit_grpo sends a vLLM OpenAI server, and the reading of their answers: the served
-model (`/v1/models`), a completion's token ids and logprobs, and the logprobs of target tokens.
+model (`/v1/models`), a completion's token ids and logprobs (whole, or streamed chunk by chunk),
+and the logprobs of target tokens.
 
 A completion asks for the token ids (`return_token_ids`) and the sampled tokens' logprobs
 (`logprobs=0`), untruncated (`top_p=1`, `top_k=0`). For scoring, the server is sent prompt +
@@ -15,6 +16,7 @@ same numbers through `logprobs.token_logprobs`, but detokenizes the whole prompt
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from lit_grpo.samplers.server.weight_files import ServerError
@@ -64,6 +66,63 @@ def read_completion(url: str, prompt: list[int], choice: dict) -> tuple[list[int
     stop_reason = choice.get("stop_reason")
     stop_reason = stop_reason if isinstance(stop_reason, str) else None  # an int would be a stop token id
     return list(tokens), list(logprobs), choice.get("text") or "", stop_reason
+
+
+@dataclass
+class PartialChoice:
+    """One completion as its streamed chunks build it: the tokens so far, their logprobs and the
+    weight version of each, across every request that generated a part of it."""
+
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    text: str = ""
+    """The server's text of the request that generated all of it (only read when no sync interrupted it)."""
+    finish_reason: Optional[str] = None
+    """None while the completion may still grow."""
+    stop_reason: Optional[str] = None
+    requests: int = 0
+    """How many requests generated a part of it (1: never interrupted)."""
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def whole_text(self) -> Optional[str]:
+        """The server's text, when one request generated all of it (None: it came in parts)."""
+        return self.text if self.requests == 1 else None
+
+
+def read_chunk(url: str, chunk: dict, choices: list[PartialChoice], version: int, prompt: list[int]) -> None:
+    """Add one streamed `/v1/completions` chunk to `choices` (indexed by the chunk's choice
+    index), its tokens tagged with `version`. `ServerError` naming `url` for an error chunk or a
+    chunk without the token ids and logprobs of its tokens."""
+    if "error" in chunk:
+        raise ServerError(f"vLLM server {url} failed a streamed completion: {str(chunk['error'])[:500]}")
+    for part in chunk.get("choices") or []:
+        index = int(part.get("index", 0))
+        if not 0 <= index < len(choices):
+            raise ServerError(f"vLLM server {url} streamed choice {index} of a request for {len(choices)}")
+        served_prompt = part.get("prompt_token_ids")
+        if served_prompt is not None and list(served_prompt) != prompt:
+            raise ServerError(f"vLLM server {url} sampled from other prompt tokens than were sent")
+        tokens = list(part.get("token_ids") or [])
+        logprobs = list((part.get("logprobs") or {}).get("token_logprobs") or [])
+        if len(tokens) != len(logprobs) or any(lp is None for lp in logprobs):
+            raise ServerError(
+                f"vLLM server {url} streamed {len(tokens)} token ids with {len(logprobs)} logprobs "
+                "(a vLLM without `return_token_ids` in streams?)"
+            )
+        c = choices[index]
+        c.tokens += tokens
+        c.logprobs += [float(lp) for lp in logprobs]
+        c.versions += [version] * len(tokens)
+        c.text += part.get("text") or ""
+        if part.get("finish_reason") is not None:
+            c.finish_reason = str(part["finish_reason"])
+            reason = part.get("stop_reason")
+            c.stop_reason = reason if isinstance(reason, str) else None  # an int would be a stop token id
 
 
 def score_request(prompt: list[int], target: list[int]) -> dict[str, Any]:

@@ -8,6 +8,7 @@ It speaks HTTP through an `httpx.AsyncClient` and never imports vLLM.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import Awaitable, Callable, Hashable
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from lit_grpo.samplers.arguments import SamplerTimeout
+from lit_grpo.samplers.server.answers import PartialChoice, read_chunk
 from lit_grpo.samplers.server.weight_files import ServerError
 
 log = logging.getLogger("lit_grpo.samplers.server.sampler")
@@ -47,9 +49,11 @@ class Replica:
 class TransientError(Exception):
     """An error worth retrying (connection refused or reset, 5xx, 429, a timeout)."""
 
-    def __init__(self, message: str, *, unreachable: bool) -> None:
+    def __init__(self, message: str, *, unreachable: bool, replica: Optional[Replica] = None) -> None:
         super().__init__(message)
         self.unreachable = unreachable
+        self.replica = replica
+        """The replica that failed, where the raiser names it (`ReplicaRouter.stream`)."""
 
 
 class ReplicaRouter:
@@ -134,7 +138,7 @@ class ReplicaRouter:
                                     f"vLLM server {replica.url} failed a completion request {failures} "
                                     f"times; last: {err}"
                                 ) from None
-                            await self._drop(replica, f"unreachable after {failures} tries: {err}")
+                            await self.drop(replica, f"unreachable after {failures} tries: {err}")
                             break
                         backoff = min(self.retry_backoff_s * 2 ** (failures - 1), MAX_BACKOFF_S)
                         if deadline is not None:
@@ -142,6 +146,61 @@ class ReplicaRouter:
                         await asyncio.sleep(backoff)
             finally:
                 await self._release(replica, n)
+
+    async def stream(
+        self, body: dict, choices: list[PartialChoice], version: int, deadline: Optional[float]
+    ) -> Replica:
+        """One streamed `/v1/completions` request for `len(choices)` completions (`body` without
+        `model`, `n` and `stream`) on the least loaded live replica, its chunks read into `choices`
+        as they arrive, their tokens tagged with `version` (`partial.read_chunk`). No retries here:
+        a transient failure raises `TransientError` naming the replica, with what was read kept in
+        `choices`, and the caller goes on from there (`VLLMServerSampler`); cancelling it closes
+        the stream, and the server then drops the request."""
+        n = len(choices)
+        replica = await self._acquire(n)
+        try:
+            timeout = self.request_timeout_s
+            if deadline is not None:
+                timeout = min(timeout, deadline - time.monotonic())
+                if timeout <= 0:
+                    raise SamplerTimeout(f"no completion within http_timeout (server {replica.url})")
+            request = {**body, "model": replica.model, "n": n, "stream": True}
+            try:
+                async with self.client.stream(
+                    "POST", f"{replica.url}/v1/completions", json=request, timeout=timeout
+                ) as response:
+                    if response.status_code >= 300:
+                        text = (await response.aread()).decode(errors="replace")
+                        self._raise_for_status(replica, response.status_code, text)
+                    async for line in response.aiter_lines():
+                        if not line.startswith("data:"):
+                            continue
+                        data = line[len("data:") :].strip()
+                        if data == "[DONE]":
+                            break
+                        read_chunk(replica.url, json.loads(data), choices, version, body["prompt"])
+            except self.httpx.TimeoutException:
+                raise TransientError(
+                    f"{replica.url}: no chunk within {timeout:g} s", unreachable=False, replica=replica
+                ) from None
+            except self.httpx.TransportError as err:  # refused, reset, closed mid-stream
+                why = f"{type(err).__name__}: {err or 'connection failed'}"
+                raise TransientError(f"{replica.url}: {why}", unreachable=True, replica=replica) from None
+            if not all(c.finished for c in choices):
+                raise TransientError(
+                    f"{replica.url}: the stream ended before its completions did", unreachable=False, replica=replica
+                )
+            replica.completed += n
+            return replica
+        finally:
+            await self._release(replica, n)
+
+    @staticmethod
+    def _raise_for_status(r: Replica, status: int, text: str) -> None:
+        """A 5xx or 429 is worth retrying (`TransientError`); any other refusal is final (`ServerError`)."""
+        if status >= 500 or status == 429:
+            raise TransientError(f"{r.url} answered {status}: {text[:300]}", unreachable=False, replica=r)
+        raise ServerError(f"vLLM server {r.url} refused a completion request ({status}): {text[:500]}")
 
     async def _post(self, r: Replica, body: dict, timeout: float) -> list[dict]:
         try:
@@ -152,12 +211,8 @@ class ReplicaRouter:
             raise TransientError(
                 f"{r.url}: {type(err).__name__}: {err or 'connection failed'}", unreachable=True
             ) from None
-        if response.status_code >= 500 or response.status_code == 429:
-            raise TransientError(f"{r.url} answered {response.status_code}: {response.text[:300]}", unreachable=False)
-        if response.status_code >= 300:  # a request the server will never accept: no retry
-            raise ServerError(
-                f"vLLM server {r.url} refused a completion request ({response.status_code}): {response.text[:500]}"
-            )
+        if response.status_code >= 300:
+            self._raise_for_status(r, response.status_code, response.text)
         return list(response.json()["choices"])
 
     async def _acquire(self, n: int) -> Replica:
@@ -179,7 +234,7 @@ class ReplicaRouter:
             r.in_flight -= n
             self._slots.notify_all()
 
-    async def _drop(self, r: Replica, why: str) -> None:
+    async def drop(self, r: Replica, why: str) -> None:
         """Take `r` out of use (its requests go to the others), saying so."""
         async with self._slots:
             if r.down is None:

@@ -17,6 +17,9 @@ Requests go to the live replica with the fewest completions in flight, are retri
 replica, loads the new weights (from a safetensors file in `weight_sync_dir`, or streamed by
 vLLM's weight-transfer API), then resumes them (`lit_grpo.samplers.server.weight_files`): a
 replica that fails a sync is dropped, and losing the last raises `WeightSyncError` naming it.
+With `partial_rollouts` (`enable_partial_rollouts`), completions are streamed and a sync
+interrupts them; each goes on after it on the new weights, every token tagged with the version
+that produced it (`Completion.token_versions`; `lit_grpo.samplers.server.partial`).
 
 This module does not import vLLM; it needs `httpx` (`pip install 'lit_grpo[server]'`). The servers
 need the dev-mode endpoints (`VLLM_SERVER_DEV_MODE=1`, set by `lit_grpo.samplers.server.serve`).
@@ -30,25 +33,25 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Awaitable, Iterable, Sequence
+from collections.abc import Awaitable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, TypeVar
 
-import torch
 from transformers import PreTrainedTokenizerBase
 
-from lit_grpo.samplers.arguments import PromptTooLong, SamplerTimeout, check_sample_kwargs, check_score_pairs
+from lit_grpo.samplers.arguments import PromptTooLong, SamplerTimeout, check_sample_kwargs
 from lit_grpo.samplers.base import BatchingSampler
 from lit_grpo.samplers.server.answers import (
     completion_request,
     describe_replica,
     read_completion,
-    score_request,
-    target_logprobs,
 )
+from lit_grpo.samplers.server.partial import InFlightStreams, stream_completions
 from lit_grpo.samplers.server.requests import Coalescer, Replica, ReplicaRouter
+from lit_grpo.samplers.server.scoring import ServerScoring
 from lit_grpo.samplers.server.weight_files import (  # noqa: F401 (ServerError, WeightSyncError re-exported)
     ServerError,
+    ServerWeightSync,
     WeightSyncError,
     served_versions,
     sync_replicas,
@@ -71,7 +74,7 @@ here (`stops.find_stop`, vLLM's rule), after the server generated past the stop 
 INSTALL_HINT = "sampler=vllm_server needs httpx: pip install 'lit_grpo[server]'"
 
 
-class VLLMServerSampler(BatchingSampler):
+class VLLMServerSampler(ServerScoring, ServerWeightSync, BatchingSampler):
     """Implements the `Sampler` protocol over vLLM OpenAI servers at `urls` (see the module docstring).
 
     All HTTP runs on one event loop in a daemon thread of its own, so rollouts on any event loop,
@@ -128,8 +131,10 @@ class VLLMServerSampler(BatchingSampler):
             from lit_grpo.samplers.server.weight_transfer import WeightTransport
 
             self.transport = WeightTransport(weight_transfer, timeout_s=sync_timeout_s, address=weight_transfer_address)
-        self.version = 0
-        """Weight syncs done: the version every live replica serves."""
+        self.partial_rollouts = False
+        """True: completions are streamed; a weight sync interrupts and continues them (`enable_partial_rollouts`)."""
+        self.max_retries = max_retries
+        self._streams = InFlightStreams()
         self._closed = False
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
@@ -145,6 +150,26 @@ class VLLMServerSampler(BatchingSampler):
     @property
     def replicas(self) -> list[Replica]:
         return self.router.replicas
+
+    @property
+    def version(self) -> int:
+        """The version of the weights every live replica serves: weight syncs done, unless set
+        (the run's policy version, so that token versions and the off-policy gate count alike)."""
+        return self._streams.version
+
+    @version.setter
+    def version(self, value: int) -> None:
+        self._streams.version = int(value)
+
+    @property
+    def interruptions(self) -> int:
+        """Completions a weight sync interrupted (and continued) so far."""
+        return self._streams.interruptions
+
+    def enable_partial_rollouts(self) -> None:
+        """Stream completions, and let a weight sync interrupt them: each goes on after the sync on
+        the new weights, its tokens tagged with the version of the weights that produced them."""
+        self.partial_rollouts = True
 
     @property
     def failovers(self) -> list[str]:
@@ -260,21 +285,54 @@ class VLLMServerSampler(BatchingSampler):
         n: int,
         deadline: Optional[float],
     ) -> list[Completion]:
-        """`n` completions of `prompt` from one request (see `ReplicaRouter.complete`)."""
-        body = completion_request(prompt, temperature, max_tokens, stop if len(stop) <= MAX_SERVER_STOPS else ())
+        """`n` completions of `prompt` from one request (see `ReplicaRouter.complete`), or, with
+        partial rollouts, from streamed requests that a weight sync may interrupt (`_complete_partial`)."""
+        server_stop = stop if len(stop) <= MAX_SERVER_STOPS else ()
+        if self.partial_rollouts:
+            args = (temperature, max_tokens, server_stop)
+            eos, retries = self.eos_token_id, self.max_retries
+            parts = await stream_completions(
+                self.router, self._streams, prompt, args, n, deadline, eos_id=eos, max_retries=retries
+            )
+            return [
+                self._cut(
+                    prompt,
+                    p.tokens,
+                    p.logprobs,
+                    p.text if p.requests == 1 else None,
+                    p.stop_reason,
+                    temperature,
+                    stop,
+                    p.versions,
+                )
+                for p in parts
+            ]
+        body = completion_request(prompt, temperature, max_tokens, server_stop)
         replica, choices = await self.router.complete(body, n, deadline)
-        return [self._to_completion(replica, prompt, c, temperature, stop) for c in choices]
+        return [self._cut(prompt, *read_completion(replica.url, prompt, c), temperature, stop) for c in choices]
 
-    def _to_completion(
-        self, r: Replica, prompt: list[int], choice: dict, temperature: float, stop: tuple[str, ...] = ()
+    def _cut(
+        self,
+        prompt: list[int],
+        tokens: list[int],
+        logprobs: list[float],
+        text: Optional[str],
+        stop_reason: Optional[str],
+        temperature: float,
+        stop: tuple[str, ...],
+        versions: Optional[list[int]] = None,
     ) -> Completion:
-        tokens, logprobs, text, stop_reason = read_completion(r.url, prompt, choice)
-        if len(stop) > MAX_SERVER_STOPS:  # the server was sent none: cut here, by the same rule
-            eos_id = self.tokenizer.eos_token_id
+        """The completion of `tokens`. It is cut here, by the servers' rule (`stops.find_stop`),
+        where the server did not see the stop strings (more than it takes) or not the whole text
+        (`text` None: a completion a weight sync interrupted, continued by a second request)."""
+        if len(stop) > MAX_SERVER_STOPS or text is None:
+            eos_id = self.eos_token_id
             end = tokens.index(eos_id) + 1 if eos_id in tokens else len(tokens)
-            match = find_stop(tokens[:end], stop, self._decode)
+            match = find_stop(tokens[:end], stop, self._decode) if stop else None
             if match is not None:
                 tokens, text, stop_reason = tokens[: match.num_tokens], match.text, match.stop
+            elif text is None:
+                text, stop_reason = self._decode(tokens[:end]), None
         raw_known = temperature in (0.0, 1.0)  # processed logprobs == raw ones there (see the module docstring)
         return self.completion(
             prompt,
@@ -283,92 +341,11 @@ class VLLMServerSampler(BatchingSampler):
             text,
             stop_reason=stop_reason,
             inference_logprobs=list(logprobs) if raw_known else None,
+            token_versions=versions,
         )
 
     def _decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
-
-    # ------------------------------------------------------------------ scoring (IGPO)
-
-    async def score(self, pairs: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[list[float]]:
-        """`BatchingSampler.score` over the servers (`answers.score_request`): one request per pair,
-        all in flight together on the client's loop, waited for at most `call_timeout_s`. A weight sync
-        pauses the servers (`mode=keep`) and resets their prefix cache, so a frozen scoring request
-        is recomputed after the reload."""
-        checked = check_score_pairs(pairs)
-        self._check_open()
-        future = asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._score_all(checked), self._loop))
-        try:
-            return await asyncio.wait_for(future, self.call_timeout_s)
-        except TimeoutError:
-            raise SamplerTimeout(
-                f"{len(checked)} scoring requests to the vLLM servers did not all complete within "
-                f"{self.call_timeout_s} s (rollout_timeout_s)"
-            ) from None
-
-    def score_pairs(self, pairs: list[tuple[list[int], list[int]]]) -> list[list[float]]:
-        """`score` from a thread without an event loop (blocking)."""
-        checked = check_score_pairs(pairs)
-        try:
-            return self._run(self._score_all(checked), timeout=self.call_timeout_s)
-        except TimeoutError:
-            raise SamplerTimeout(
-                f"{len(checked)} scoring requests did not complete within {self.call_timeout_s} s"
-            ) from None
-
-    async def _score_all(self, pairs: list[tuple[list[int], list[int]]]) -> list[list[float]]:
-        async def one(prompt: list[int], target: list[int]) -> list[float]:
-            replica, choices = await self.router.complete(score_request(prompt, target), 1, None)
-            return target_logprobs(replica.url, choices[0], prompt, target)
-
-        return list(await asyncio.gather(*(one(p, t) for p, t in pairs)))
-
-    # ------------------------------------------------------------------ weight sync
-
-    @torch.no_grad()
-    def _load(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Every live replica to the next version, phase by phase (`sync_replicas`): reloaded from a
-        safetensors file in `weight_sync_dir`, or with a transport streamed the tensors."""
-        start, version = time.perf_counter(), self.version + 1
-        live = [r for r in self.replicas if r.down is None]
-        if not live:
-            raise WeightSyncError("no vLLM server left to sync weights to: " + "; ".join(self.failovers))
-        transport, transfer = self.transport, None
-        if transport is None:  # written tensor by tensor: a sharded policy's are gathered one at a time
-            if not write_weight_file(named_tensors, self.weight_sync_dir):
-                raise WeightSyncError("the weight sync was given no tensors")
-        else:  # streamed while the servers are paused (`weight_transfer`)
-            named = [(n, t.detach()) for n, t in named_tensors]
-            if not named:
-                raise WeightSyncError("the weight sync was given no tensors")
-            transfer = lambda urls: transport.send(urls, named)  # noqa: E731 (run on a worker thread)
-        folder = str(self.weight_sync_dir.resolve())
-        try:
-            # Each server call has its own deadline (sync_timeout_s); this bound is only for a stuck
-            # client loop: cancelling between phases could leave a server paused.
-            sync = sync_replicas(self.router.call, live, version, folder, self.sync_timeout_s, transfer=transfer)
-            self._run(sync, timeout=8 * self.sync_timeout_s)
-        except TimeoutError:
-            raise WeightSyncError(
-                f"weight sync to version {version} did not finish within "
-                f"{8 * self.sync_timeout_s:g} s: the servers may hold stale weights"
-            ) from None
-        self.version = version
-        served = sum(r.down is None for r in self.replicas)
-        log.debug("weight sync %d: %d server(s) in %.3f s", version, served, time.perf_counter() - start)
-
-    def set_version(self, version: int) -> None:
-        """Tell every live replica that it serves `version` (the servers this sampler started from
-        the policy's own weights), checked by reading it back."""
-        live = [r for r in self.replicas if r.down is None]
-        self._run(
-            tag_version(self.router.call, live, version, self.request_timeout_s), timeout=self.request_timeout_s + 5.0
-        )
-        self.version = version
-
-    def served_versions(self) -> dict[str, Optional[str]]:
-        """What each replica reports serving now (`/weight_info`), by URL (None: no answer)."""
-        return self._run(served_versions(self.router.call, self.replicas), timeout=15.0)
 
     # ------------------------------------------------------------------ end
 

@@ -1,11 +1,14 @@
-"""The policy's weights as a file the vLLM servers reload: one safetensors file, replaced atomically."""
+"""A weight sync to the vLLM servers: the policy's weights as a file they reload (one safetensors
+file, replaced atomically) or streamed to them, every replica paused, loaded and resumed phase by
+phase (`sync_replicas`), and the sampler's side of it (`ServerWeightSync`)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import os
-from collections.abc import Callable, Iterable
+import time
+from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
 from typing import Any, Optional
 
@@ -184,3 +187,66 @@ async def served_versions(call: Callable[..., Any], replicas: list[Any]) -> dict
             return None
 
     return dict(zip([r.url for r in replicas], await asyncio.gather(*(ask(r) for r in replicas))))
+
+
+class ServerWeightSync:
+    """The weight sync of `VLLMServerSampler`: its `_load`, and the version its replicas serve."""
+
+    @torch.no_grad()
+    def _load(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Every live replica to the next version, phase by phase (`sync_replicas`): reloaded from a
+        safetensors file in `weight_sync_dir`, or with a transport streamed the tensors."""
+        start, version = time.perf_counter(), self.version + 1
+        live = [r for r in self.replicas if r.down is None]
+        if not live:
+            raise WeightSyncError("no vLLM server left to sync weights to: " + "; ".join(self.failovers))
+        transport, transfer = self.transport, None
+        if transport is None:  # written tensor by tensor: a sharded policy's are gathered one at a time
+            if not write_weight_file(named_tensors, self.weight_sync_dir):
+                raise WeightSyncError("the weight sync was given no tensors")
+        else:  # streamed while the servers are paused (`weight_transfer`)
+            named = [(n, t.detach()) for n, t in named_tensors]
+            if not named:
+                raise WeightSyncError("the weight sync was given no tensors")
+            transfer = lambda urls: transport.send(urls, named)  # noqa: E731 (run on a worker thread)
+        folder = str(self.weight_sync_dir.resolve())
+        try:
+            # Each server call has its own deadline (sync_timeout_s); this bound is only for a stuck
+            # client loop: cancelling between phases could leave a server paused.
+            sync = sync_replicas(self.router.call, live, version, folder, self.sync_timeout_s, transfer=transfer)
+            self._run(self._interrupting(sync, version), timeout=8 * self.sync_timeout_s)
+        except TimeoutError:
+            raise WeightSyncError(
+                f"weight sync to version {version} did not finish within "
+                f"{8 * self.sync_timeout_s:g} s: the servers may hold stale weights"
+            ) from None
+        self.version = version
+        served = sum(r.down is None for r in self.replicas)
+        log.debug("weight sync %d: %d server(s) in %.3f s", version, served, time.perf_counter() - start)
+
+    async def _interrupting(self, sync: Awaitable[None], version: int) -> None:
+        """`sync`, with partial rollouts between closing every stream in flight and letting
+        requests start again, at `version` (or, if it failed, at the version before)."""
+        if not self.partial_rollouts:
+            await sync
+            return
+        await self._streams.interrupt()
+        synced = False
+        try:
+            await sync
+            synced = True
+        finally:
+            self._streams.reopen(version if synced else version - 1)
+
+    def set_version(self, version: int) -> None:
+        """Tell every live replica that it serves `version` (the servers this sampler started from
+        the policy's own weights), checked by reading it back."""
+        live = [r for r in self.replicas if r.down is None]
+        self._run(
+            tag_version(self.router.call, live, version, self.request_timeout_s), timeout=self.request_timeout_s + 5.0
+        )
+        self.version = version
+
+    def served_versions(self) -> dict[str, Optional[str]]:
+        """What each replica reports serving now (`/weight_info`), by URL (None: no answer)."""
+        return self._run(served_versions(self.router.call, self.replicas), timeout=15.0)
