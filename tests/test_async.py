@@ -324,3 +324,30 @@ def test_max_rollout_versions_samples_a_long_spanning_group_again():
     assert counts.get("rollout/span_groups", 0) == 1 and calls[0] == 4
     trained, _, counts, calls = _straggler_run(lambda began, now: [began, now], offpolicy=20)
     assert sorted(trained) == list(range(8)) and not counts.get("rollout/span_groups") and calls[0] == 2
+
+
+@pytest.mark.timeout(240)
+def test_partial_rollouts_on_the_hf_sampler_count_from_the_resumed_version(tmp_path):
+    """With the hf sampler each token carries its generate call's version; a resumed run's sampler
+    counts from the saved version, not from 0 (else every group would look stale and be resampled)."""
+    from conftest import trained_steps
+
+    common = [
+        "+experiment=arithmetic",
+        "synchronous_training=false",
+        "max_head_offpolicy_versions=1",
+        "partial_rollouts=true",
+        "dcp_save_interval=2",
+        "lr_decay=constant",
+        "trainer.enable_progress_bar=false",
+        "output_model_id=null",
+    ]
+    train(compose_config(*common, "max_steps=4", output_dir=tmp_path))
+    summary = train(compose_config(*common, "max_steps=8", "resume=auto", output_dir=tmp_path))
+    assert summary["steps"] == 8
+    steps = trained_steps(tmp_path)
+    resumed = [s for s in steps if s["policy/version"] >= 4]
+    assert len(resumed) >= 4
+    assert all(s["async/version_offset_max"] <= 1 for s in steps)
+    assert all(s.get("async/spans_a_sync", -1.0) == 0.0 for s in steps)  # one-token completions: one call each
+    assert sum(s.get("rollout/stale_groups", 0.0) for s in resumed) <= 2

@@ -313,3 +313,5 @@ def test_ineffective_knobs_are_named(tmp_path):
     assert len(knobs) == 2
     assert "max_head_offpolicy_versions=2" in knobs[0] and "synchronous_training=true" in knobs[0]
     assert "eval_interval=5" in knobs[1] and "data.eval_rows=0" in knobs[1]
+    knobs = ineffective_knobs(validate(compose_config("max_rollout_versions=3", output_dir=tmp_path)))
+    assert len(knobs) == 1 and "max_rollout_versions=3" in knobs[0] and "partial_rollouts=false" in knobs[0]

@@ -302,6 +302,37 @@ def test_a_training_run_attached_to_the_servers(servers, tmp_path):
     assert len(set(served.values())) == 1 and int(next(iter(served.values()))) >= 5, served
 
 
+@pytest.mark.timeout(240)
+def test_an_asynchronous_run_with_partial_rollouts_attached_to_the_servers(servers, tmp_path):
+    """O = 1 with partial rollouts over the two servers: completions long enough to be in flight
+    at the syncs are interrupted and continued, and the run trains every step."""
+    pool, _, _ = servers
+    urls = ",".join(f"'{u}'" for u in pool.urls)
+    summary = train(
+        compose_config(
+            "+experiment=arithmetic",
+            "sampler=vllm_server",
+            f"sampler.server_urls=[{urls}]",
+            "sampler.max_completion_tokens=48",
+            "data.max_seq_len=96",
+            "model.num_heads=2",
+            "max_steps=6",
+            "lr_decay=constant",
+            "synchronous_training=false",
+            "max_head_offpolicy_versions=1",
+            "partial_rollouts=true",
+            "trainer.enable_progress_bar=false",
+            output_dir=tmp_path,
+        )
+    )
+    assert summary["steps"] == 6
+    rows = list(csv.DictReader(open(tmp_path / "metrics.csv")))
+    spans = [float(r["async/spans_a_sync"]) for r in rows if r.get("async/spans_a_sync")]
+    offsets = [float(r["async/version_offset_max"]) for r in rows if r.get("async/version_offset_max")]
+    print(f"share of samples whose tokens span a sync, per step: {spans}; version offsets: {offsets}")
+    assert len(spans) == 6 and 0 <= min(offsets) and max(offsets) <= 1
+
+
 @pytest.mark.timeout(420)
 def test_two_ddp_ranks_each_sync_their_own_server_with_the_same_weights(servers, tmp_path):
     """Two trainer processes (gloo), one server each: every step both ranks' servers are synced;

@@ -303,6 +303,11 @@ def ineffective_knobs(c: TrainConfig) -> list[str]:
             "has no effect with synchronous_training=true: "
             "every rollout is drained before each step, so none is ever off-policy"
         )
+    if c.max_rollout_versions > 0 and not c.partial_rollouts:
+        knobs.append(
+            f"max_rollout_versions={c.max_rollout_versions} has no effect with partial_rollouts=false: "
+            "no sampler reports its tokens' versions"
+        )
     if c.eval_interval > 0 and c.data.eval_rows == 0:
         knobs.append(
             f"eval_interval={c.eval_interval} has no effect with data.eval_rows=0: there is nothing to evaluate"

@@ -156,6 +156,7 @@ class RolloutDataModule(L.LightningDataModule):
         self.partial_rollouts = c.partial_rollouts
         if c.partial_rollouts:
             sampler.enable_partial_rollouts()
+            self._align_sampler_version()  # servers attached at build were synced once already
         self.stream = RolloutStream(
             self.scheduler,
             self.groups,

@@ -120,9 +120,10 @@ class GroupSampler:
         for result in results:
             failed = isinstance(result, BaseException) and error_key(result) == "rollout/failures"
             self.breaker.record(failed, result if failed else None)
-        # With partial rollouts a sample's tokens span weight syncs: the group counts at its oldest token.
+        # With partial rollouts a sample's tokens span weight syncs: the group counts at its oldest
+        # token. None can be older than the row's submission: a lower number is another count's.
         oldest = oldest_token_version(samples)
-        version = version if oldest is None else oldest
+        version = version if oldest is None else max(version, oldest)
         for sample in samples:
             if sample.token_versions is not None:
                 sample.metrics["async/spans_a_sync"] = float(versions_spanned([sample]) > 1)
