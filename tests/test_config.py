@@ -234,7 +234,7 @@ def test_the_task_options_are_checked_strictly_naming_the_key(tmp_path):
         validate(compose_config("task.num_rows=many", output_dir=tmp_path))
     with pytest.raises(ConfigError, match=r"task\.path.*arithmetic"):  # a gsm8k option on the arithmetic task
         validate(compose_config("+task.path=train.jsonl", output_dir=tmp_path))
-    with pytest.raises(ConfigError, match=r"task\.name.*unknown task 'countdown'; valid: arithmetic, gsm8k"):
+    with pytest.raises(ConfigError, match=r"task\.name.*unknown task 'countdown'; valid: arithmetic, calculator, gsm8k"):
         validate(compose_config("task.name=countdown", output_dir=tmp_path))
 
 
@@ -272,7 +272,7 @@ def test_a_user_task_is_a_registry_entry_with_its_own_options(tmp_path, monkeypa
     assert build_rows(c)[0] == {"prompt": "say hi", "answer": "hihi"}
     with pytest.raises(ConfigError, match=r"task\.repeats.*could not be converted"):
         validate(compose_config("task=user", "task.name=echo", "+task.repeats=twice", output_dir=tmp_path))
-    with pytest.raises(ConfigError, match=r"task\.name.*valid: arithmetic, echo, gsm8k"):
+    with pytest.raises(ConfigError, match=r"task\.name.*valid: arithmetic, calculator, echo, gsm8k"):
         validate(compose_config("task=user", "task.name=ech", output_dir=tmp_path))
 
 

@@ -99,8 +99,9 @@ class ModelConfig:
     rms_norm_eps: float = 1e-6
     """Built model: epsilon of the RMS norms."""
     alphabet: str = "printable"
-    """Tiny model: characters of the tokenizer; `printable` (ASCII), `arithmetic` (digits, signs) or
-    `lookup` (digits, keys a..h, `?=>-`: the lookup game's)."""
+    """Tiny model: characters of the tokenizer; `printable` (ASCII), `arithmetic` (digits, signs),
+    `lookup` (digits, keys a..h, `?=>-`: the lookup game's) or `calculator` (arithmetic and the JSON
+    of tool calls: the calculator task's)."""
     init_std: Optional[float] = None
     """Built model: std of the random init (null: transformers' 0.02). LoRA leaves the embeddings and
     norms as initialised, and at 0.02 they cap every logit near ±1.3: no answer can be confident."""
@@ -120,9 +121,9 @@ class ModelConfig:
         )
         require(self.dtype in ("float32", "bfloat16", "float16"), "model.dtype", f"unknown dtype {self.dtype!r}")
         require(
-            self.alphabet in ("printable", "arithmetic", "lookup"),
+            self.alphabet in ("printable", "arithmetic", "lookup", "calculator"),
             "model.alphabet",
-            "must be 'printable', 'arithmetic' or 'lookup'",
+            "must be 'printable', 'arithmetic', 'lookup' or 'calculator'",
         )
         for name in ("hidden_size", "num_layers", "num_heads", "intermediate_size", "max_position_embeddings"):
             require(getattr(self, name) > 0, f"model.{name}", f"must be > 0, got {getattr(self, name)}")

@@ -34,6 +34,8 @@ ALPHABETS = {
     "printable": string.digits + string.ascii_letters + string.punctuation + " \n",
     "arithmetic": string.digits + "+-*= \n",
     "lookup": string.digits + "abcdefgh" + "?=>-",  # the lookup game (lit_grpo.tasks.lookup): values, keys, cues
+    # the calculator task (lit_grpo.tasks.calculator): arithmetic, cues, JSON tool calls and responses
+    "calculator": string.digits + '+-*/%()?=<>_{}":, \n' + "acegilmnoprstux",
 }
 # Roles are single special tokens; every turn ends with <|end|> (the generation stop token is eos).
 CHAT_TEMPLATE = (

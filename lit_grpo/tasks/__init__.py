@@ -1,6 +1,6 @@
 """Tasks: each makes dataset rows and names the reward that scores them (a registry, see
-`lit_grpo.tasks.registry`). The built-ins are `arithmetic` (the CPU demo), `gsm8k`, and `lookup`
-(a multi-turn game for IGPO).
+`lit_grpo.tasks.registry`). The built-ins are `arithmetic` (the CPU demo), `gsm8k`, `lookup`
+(a multi-turn game for IGPO) and `calculator` (problems answered through a tool).
 
 What the training entry point calls, all from the validated `TrainConfig` (`lit_grpo.tasks.rows` calls
 the first two only when `data.path` / `data.eval_path` give no rows of the user's own):
@@ -14,7 +14,7 @@ import dataclasses
 from typing import Optional
 
 from lit_grpo.config import TrainConfig
-from lit_grpo.tasks import arithmetic, gsm8k, lookup  # noqa: F401  (registers the built-in tasks)
+from lit_grpo.tasks import arithmetic, calculator, gsm8k, lookup  # noqa: F401  (registers the built-in tasks)
 from lit_grpo.tasks.registry import (
     TASKS,
     RewardFn,
