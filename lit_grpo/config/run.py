@@ -231,6 +231,13 @@ class TrainConfig:
             "longer sync window would wait forever for rollouts",
         )
         require(self.max_rollout_versions >= 0, "max_rollout_versions", "must be >= 0 (0: no bound)")
+        if self.adapter_sync:
+            require(
+                self.synchronous_training or self.sampler.max_loras >= self.max_head_offpolicy_versions + 2,
+                "sampler.max_loras",
+                f"must be >= max_head_offpolicy_versions + 2 = {self.max_head_offpolicy_versions + 2} with adapter "
+                "sync: the rollouts still running on older adapters keep them loaded",
+            )
         if self.partial_rollouts:
             require(
                 self.sampler.kind in ("vllm_server", "hf"),
@@ -278,6 +285,11 @@ class TrainConfig:
                 f"vLLM's CPU attention needs a head size >= 32, got {head_dim}; "
                 f"try model.num_heads={max(self.model.hidden_size // 32, 1)}",
             )
+
+    @property
+    def adapter_sync(self) -> bool:
+        """Whether a weight sync sends only the LoRA adapter (`sampler.lora_sync`)."""
+        return self.model.lora.rank > 0 and self.sampler.lora_sync_mode == "adapter"
 
     def why_the_sampler_copies_the_policy(self) -> Optional[str]:
         """Why the sampler needs a copy of the policy's weights (None: it can generate with the policy itself)."""

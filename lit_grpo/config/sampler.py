@@ -13,6 +13,8 @@ from lit_grpo.config.checks import MAX_TEMPERATURE, require, require_finite
 ENGINE_THREADS = ("auto", "worker", "loop")
 """`sampler.engine_thread`."""
 
+LORA_SYNCS = ("auto", "adapter", "merged")
+"""`sampler.lora_sync`."""
 SHARE_POLICY_WEIGHTS = ("auto", "true", "false")
 """`sampler.share_policy_weights`."""
 
@@ -114,6 +116,22 @@ class SamplerConfig:
     """vllm_server: how weights reach the servers at each sync: `reload` (safetensors in
     `weight_sync_dir`), or streamed by vLLM's weight-transfer API, `gloo` (CPU) or `nccl` (GPU);
     servers attached by `server_urls` must run `lit_grpo.samplers.server.serve --weight-transfer` with the same."""
+    lora_sync: str = "auto"
+    """A LoRA policy's weight sync: `adapter` sends only the adapter weights, which the vLLM servers
+    load as a new adapter and serve from then on (older adapters stay loaded for the requests
+    still running on them); `merged` sends every weight, the adapters merged in; `auto`: `adapter`
+    with `vllm_server` and `weight_transfer=reload`, else `merged`. Servers attached by
+    `server_urls` must run with runtime LoRA loading on (`python -m lit_grpo.serve --lora-rank R`)."""
+    max_loras: int = 4
+    """vllm_server with adapter sync: adapters a server keeps loaded (`--max-loras`): the newest
+    one and those older rollouts may still run on; must exceed max_head_offpolicy_versions + 1."""
+
+    @property
+    def lora_sync_mode(self) -> str:
+        """`lora_sync` with `auto` resolved (for a LoRA policy; a full one always syncs whole)."""
+        if self.lora_sync != "auto":
+            return self.lora_sync
+        return "adapter" if self.kind == "vllm_server" and self.weight_transfer == "reload" else "merged"
 
     @property
     def servers_to_start(self) -> int:
@@ -184,3 +202,20 @@ def _check_server_fields(cfg: SamplerConfig) -> None:
         "sampler.weight_transfer",
         f"{cfg.weight_transfer} streams weights to vLLM servers: only sampler=vllm_server takes it, not {cfg.kind}",
     )
+    require(
+        cfg.lora_sync in LORA_SYNCS,
+        "sampler.lora_sync",
+        f"must be one of {', '.join(LORA_SYNCS)}, got {cfg.lora_sync!r}",
+    )
+    require(
+        cfg.lora_sync_mode == "merged" or cfg.kind == "vllm_server",
+        "sampler.lora_sync",
+        f"adapter sync needs sampler=vllm_server (servers that load adapters); sampler={cfg.kind} takes merged weights",
+    )
+    require(
+        cfg.lora_sync_mode == "merged" or cfg.weight_transfer == "reload",
+        "sampler.lora_sync",
+        f"adapter sync writes the adapter to a file the servers load; it does not stream (sampler.weight_transfer="
+        f"{cfg.weight_transfer}): set sampler.lora_sync=merged to stream merged weights",
+    )
+    require(cfg.max_loras >= 2, "sampler.max_loras", f"must be >= 2, got {cfg.max_loras}")

@@ -43,6 +43,7 @@ from lit_grpo.loop.distributed import all_reduce
 from lit_grpo.loop.evaluation import Evaluator
 from lit_grpo.loop.metrics import MetricHistory, merge_step_metrics
 from lit_grpo.loop.signals import StopSignals
+from lit_grpo.models.lora import adapter_config
 from lit_grpo.models.weights import PolicyWeights, first_nonfinite
 from lit_grpo.run.state import RunCheckpointer, capture_rng, restore_rng
 from lit_grpo.types import PromptGroup, RolloutRecord
@@ -218,7 +219,13 @@ class StepSequence:
         if self.weight_sync_interval > 0:
             self.sync_sampler(module)
         self.datamodule.advance_version()
-        return {"perf/weight_sync_s": time.perf_counter() - start} if self.weight_sync_interval > 0 else {}
+        if self.weight_sync_interval == 0:
+            return {}
+        metrics = {"perf/weight_sync_s": time.perf_counter() - start}
+        sent = getattr(self.datamodule.sampler, "last_sync_bytes", None)
+        if sent:  # a sampler that knows what it sent (vLLM servers: the weights file, or the adapter's)
+            metrics["perf/weight_sync_mb"] = sent / 2**20
+        return metrics
 
     def sync_sampler(self, module: L.LightningModule) -> None:
         """The policy's full weights into this rank's sampler: gathered tensor by tensor when the
@@ -228,7 +235,10 @@ class StepSequence:
         if self._policy_weights is None or self._policy_weights.model is not model:
             self._policy_weights = PolicyWeights(model, prefix="policy.")
         with torch.no_grad():
-            self.datamodule.push_weights(self._policy_weights.named_tensors())
+            if self.datamodule.adapter_sync:  # a LoRA policy's adapter alone (`sampler.lora_sync=adapter`)
+                self.datamodule.push_adapter(self._policy_weights.adapter_tensors(), adapter_config(module.policy))
+            else:
+                self.datamodule.push_weights(self._policy_weights.named_tensors())
 
     def _save(
         self,

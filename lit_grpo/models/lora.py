@@ -10,6 +10,10 @@
   time from the streamed tensors (never the live model, never a whole copy), so it works on the
   full tensors `lit_grpo.models.weights.full_named_tensors` gathers under any strategy.
 
+- `adapter_tensors(named)` / `base_tensors(named)`: the same stream split the other way, for a
+  sampler that serves the adapter on top of the base model (vLLM's runtime LoRA): the adapters
+  alone under the names peft saves them with, or the base model's own weights, unmerged.
+
 peft is imported only when LoRA is on (it is an optional dependency).
 """
 
@@ -169,3 +173,25 @@ def with_lora(policy: nn.Module, cfg: LoraConfig, seed: int) -> nn.Module:
     if cfg.rank == 0 or is_lora(policy):
         return policy
     return apply_lora(policy, cfg, seed)
+
+
+def adapter_tensors(named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The adapters of a peft model's `(name, tensor)` stream, named as peft saves them
+    (`base_model.model.x.q_proj.lora_A.weight`, the adapter's name dropped), for
+    `adapter_model.safetensors`; every other tensor is left out."""
+    for name, tensor in named:
+        for part in (".lora_A.", ".lora_B."):
+            if name.endswith(f"{part}{ADAPTER}.weight"):
+                yield name.replace(f"{part}{ADAPTER}.", part), tensor
+
+
+def base_tensors(named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """A peft model's stream as its base model's, the adapters left out (not merged)."""
+    for name, tensor in named:
+        if ".lora_" not in name:
+            yield base_name(name), tensor
+
+
+def adapter_config(policy: nn.Module):
+    """The peft `LoraConfig` of `policy`'s adapter (its `save_pretrained` writes `adapter_config.json`)."""
+    return policy.peft_config[ADAPTER]

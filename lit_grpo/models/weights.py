@@ -85,6 +85,16 @@ class PolicyWeights:
             stream = _stream(get_model_state_dict(self.model, options=full), self.prefix)
         return _merge_lora(stream, self._lora_layers)
 
+    def adapter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """A LoRA policy's adapters alone, named as peft saves them (`lit_grpo.models.lora.adapter_tensors`);
+        on every rank, consumed to the end (a sharded policy gathers its whole state)."""
+        from lit_grpo.models.lora import adapter_tensors
+
+        if self._plain is not None:
+            return adapter_tensors((name, tensor.detach()) for name, tensor in self._plain if ".lora_" in name)
+        full = StateDictOptions(full_state_dict=True, cpu_offload=False) if self._fsdp1 else None
+        return adapter_tensors(_stream(get_model_state_dict(self.model, options=full), self.prefix))
+
 
 def _lora_layers(model: nn.Module, prefix: str) -> dict:
     from lit_grpo.models.lora import lora_layers

@@ -153,6 +153,8 @@ class RolloutDataModule(L.LightningDataModule):
                 max_concurrency=c.max_concurrency_rollout_sample,
                 max_rollout_versions=c.max_rollout_versions,
             )
+        self.adapter_sync = c.adapter_sync
+        """A weight sync sends the LoRA adapter alone (`push_adapter`), not every weight."""
         self.partial_rollouts = c.partial_rollouts
         if c.partial_rollouts:
             sampler.enable_partial_rollouts()
@@ -198,6 +200,11 @@ class RolloutDataModule(L.LightningDataModule):
         """Load `(name, full tensor)` pairs of the policy into the sampler."""
         self._align_sampler_version()  # the sync makes it version + 1, as advance_version does here
         self.sampler.update_weights(named_tensors)
+
+    def push_adapter(self, named_tensors, config) -> None:
+        """Load the policy's LoRA adapter (peft-named tensors and its `LoraConfig`) into the sampler."""
+        self._align_sampler_version()
+        self.sampler.update_adapter(named_tensors, config)
 
     def _align_sampler_version(self) -> None:
         """With partial rollouts the sampler tags tokens with its weights' version: it counts as the

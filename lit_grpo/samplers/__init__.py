@@ -140,11 +140,12 @@ def _build_vllm(cfg, policy, tokenizer, *, model, work_dir, seed):
 def _build_vllm_server(cfg, policy, tokenizer, *, model, work_dir, seed):
     """Attached to `cfg.server_urls`, whose weights are replaced by the policy's at once (version
     1), or with local servers started from the policy's weights written under `work_dir`
-    (version 0; stopped when the sampler closes)."""
+    (version 0; stopped when the sampler closes). A LoRA policy with adapter sync
+    (`cfg.lora_sync`): the servers hold the base weights, unmerged, and serve its adapter."""
     import torch
 
     from lit_grpo.models.load import save_pretrained
-    from lit_grpo.models.lora import is_lora
+    from lit_grpo.models.lora import adapter_config, adapter_tensors, base_tensors, is_lora
     from lit_grpo.models.weights import full_named_tensors
     from lit_grpo.samplers.server.pool import start_servers
     from lit_grpo.samplers.server.sampler import VLLMServerSampler
@@ -161,21 +162,30 @@ def _build_vllm_server(cfg, policy, tokenizer, *, model, work_dir, seed):
     )
     if cfg.weight_transfer == "nccl" and not torch.cuda.is_available():
         raise RuntimeError("sampler.weight_transfer=nccl needs CUDA in the trainer and the servers; on CPU use gloo")
+    adapter = is_lora(policy) and cfg.lora_sync_mode == "adapter"
+
+    def serve_the_adapter(sampler: VLLMServerSampler) -> None:
+        sampler.enable_adapter_sync(cfg.max_loras)
+        sampler.update_adapter(adapter_tensors(policy.state_dict().items()), adapter_config(policy), sampler.version)
+
     num_servers = cfg.servers_to_start
     if not num_servers:
         sampler = VLLMServerSampler(tokenizer, list(cfg.server_urls), **options)
-        try:  # whatever they served before, they serve the policy now (a LoRA policy's merged weights)
-            sampler.update_weights(full_named_tensors(policy))
+        try:  # whatever they served before, they serve the policy now
+            if adapter:  # the base weights, then the adapter on them
+                sampler.update_weights(base_tensors(policy.state_dict().items()))
+                serve_the_adapter(sampler)
+            else:  # a LoRA policy's merged weights
+                sampler.update_weights(full_named_tensors(policy))
         except BaseException:
             sampler.close()
             raise
         return sampler
     if model is not None and model.kind == "hf" and Path(str(model.name_or_path)).expanduser().is_dir():
         source = Path(str(model.name_or_path)).expanduser()
-    elif is_lora(policy):  # the servers load the base model's names, with the adapters merged in
-        source = save_pretrained(
-            policy.get_base_model(), tokenizer, run / "sampler_init", state_dict=dict(full_named_tensors(policy))
-        )
+    elif is_lora(policy):  # the servers load the base model's names: its own weights, or the adapters merged in
+        weights = base_tensors(policy.state_dict().items()) if adapter else full_named_tensors(policy)
+        source = save_pretrained(policy.get_base_model(), tokenizer, run / "sampler_init", state_dict=dict(weights))
     else:  # a model built here, or a hub name: the servers load the policy from a folder written now
         source = save_pretrained(policy, tokenizer, run / "sampler_init")
     extra = ["--enforce-eager"] if cfg.enforce_eager else []
@@ -192,6 +202,8 @@ def _build_vllm_server(cfg, policy, tokenizer, *, model, work_dir, seed):
         extra_args=[*extra, *cfg.server_args],
         ready_timeout_s=cfg.server_startup_timeout_s,
         weight_transfer=cfg.weight_transfer,
+        lora_rank=adapter_config(policy).r if adapter else 0,
+        max_loras=cfg.max_loras,
     )
     try:
         sampler = VLLMServerSampler(tokenizer, pool.urls, pool=pool, **options)
@@ -200,6 +212,8 @@ def _build_vllm_server(cfg, policy, tokenizer, *, model, work_dir, seed):
         raise
     try:
         sampler.set_version(0)
+        if adapter:
+            serve_the_adapter(sampler)
     except BaseException:
         sampler.close()
         raise

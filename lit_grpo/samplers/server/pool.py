@@ -172,12 +172,15 @@ def start_servers(
     env: Optional[dict[str, str]] = None,
     ready_timeout_s: Optional[float] = 600.0,
     weight_transfer: str = "reload",
+    lora_rank: int = 0,
+    max_loras: int = 4,
 ) -> ServerPool:
     """Start `n` servers of `model_dir` on free ports (or `ports`), each in its own process group,
     logging to `log_dir/server_<i>.log`; wait for them unless `ready_timeout_s` is None. On CUDA
     with at least `n` GPUs server i gets GPU i; on CPU server i is pinned to `cpu_cores[i]`
     (default: round-robin over this process's cores). `weight_transfer`: `lit_grpo.samplers.server.serve
-    --weight-transfer` (reload, gloo or nccl). If any fails to start, all are stopped and the
+    --weight-transfer` (reload, gloo or nccl). `lora_rank` > 0: adapters of up to that rank
+    are loaded at run time, `max_loras` at once. If any fails to start, all are stopped and the
     error (naming it) is raised."""
     log_dir = Path(log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -213,6 +216,8 @@ def start_servers(
                 cmd += ["--max-model-len", str(max_model_len)]
             if weight_transfer != "reload":
                 cmd += ["--weight-transfer", weight_transfer]
+            if lora_rank > 0:
+                cmd += ["--lora-rank", str(lora_rank), "--max-loras", str(max_loras)]
             cmd += list(extra_args)
             child_env = {**os.environ, **(env or {})}
             if gpus >= n > 1:

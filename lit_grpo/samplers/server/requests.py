@@ -88,7 +88,7 @@ class ReplicaRouter:
         return [r for r in self.replicas if r.down is None]
 
     async def call(self, r: Replica, method: str, path: str, *, timeout: float, **kwargs: Any) -> Any:
-        """One HTTP call to replica `r`, no retries: its JSON (None when empty); `ServerError`
+        """One HTTP call to replica `r`, no retries: its JSON (its text if not JSON, None when empty); `ServerError`
         naming the server for a transport error or a non-2xx answer."""
         try:
             response = await self.client.request(method, f"{r.url}{path}", timeout=timeout, **kwargs)
@@ -102,7 +102,12 @@ class ReplicaRouter:
             raise ServerError(
                 f"vLLM server {r.url}: {method} {path} answered {response.status_code}: {response.text[:500]}"
             )
-        return response.json() if response.content else None
+        if not response.content:
+            return None
+        try:
+            return response.json()
+        except ValueError:  # a plain-text answer (`/v1/load_lora_adapter`: "Success: ...")
+            return response.text
 
     async def complete(self, body: dict, n: int, deadline: Optional[float]) -> tuple[Replica, list[dict]]:
         """The `n` choices of one `/v1/completions` request (`body` without `model` and `n`), in

@@ -41,6 +41,7 @@ from transformers import PreTrainedTokenizerBase
 
 from lit_grpo.samplers.arguments import PromptTooLong, SamplerTimeout, check_sample_kwargs
 from lit_grpo.samplers.base import BatchingSampler
+from lit_grpo.samplers.server.adapters import AdapterSync
 from lit_grpo.samplers.server.answers import (
     completion_request,
     describe_replica,
@@ -74,7 +75,7 @@ here (`stops.find_stop`, vLLM's rule), after the server generated past the stop 
 INSTALL_HINT = "sampler=vllm_server needs httpx: pip install 'lit_grpo[server]'"
 
 
-class VLLMServerSampler(ServerScoring, ServerWeightSync, BatchingSampler):
+class VLLMServerSampler(ServerScoring, AdapterSync, ServerWeightSync, BatchingSampler):
     """Implements the `Sampler` protocol over vLLM OpenAI servers at `urls` (see the module docstring).
 
     All HTTP runs on one event loop in a daemon thread of its own, so rollouts on any event loop,

@@ -20,6 +20,10 @@ What it sets, and why:
   (`--weight-transfer-config '{"backend": ...}'`; gloo is lit_grpo's CPU backend `lit_grpo_gloo`,
   registered through the `vllm.general_plugins` entry point), for `sampler.weight_transfer`.
   `reload` (the default) adds nothing: weights are reloaded from safetensors.
+- `--lora-rank R --max-loras K`: LoRA adapters loaded at run time (`/v1/load_lora_adapter`, which
+  `VLLM_ALLOW_RUNTIME_LORA_UPDATING` turns on), of rank up to R (rounded up to a rank vLLM takes),
+  K of them at once: an adapter-only weight sync (`sampler.lora_sync=adapter`) loads each new
+  adapter beside the older ones the rollouts in flight still use.
 
 One line, `lit_grpo.samplers.server.serve: ready at URL ...`, is printed when `/health` answers. A missing vLLM
 or a model folder that cannot be served exits with status 2 and a message, before vLLM starts.
@@ -47,6 +51,8 @@ from lit_grpo.samplers.vllm_boundary import installed_vllm_version, version_prob
 READY_PREFIX = "lit_grpo.samplers.server.serve: ready at "
 """The start of the line printed once the server answers `/health`."""
 WEIGHT_TRANSFER_BACKENDS = {"gloo": "lit_grpo_gloo", "nccl": "nccl"}
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The `--max-lora-rank` values vLLM accepts."""
 """`sampler.weight_transfer` (other than `reload`) -> the vLLM weight-transfer backend."""
 
 
@@ -160,7 +166,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="how the trainer syncs weights: reload (safetensors, default), or vLLM's weight-transfer "
         "API over gloo (CPU) or nccl (GPU)",
     )
+    parser.add_argument(
+        "--lora-rank", type=int, default=0, help="serve LoRA adapters up to this rank, loaded at run time (0: off)"
+    )
+    parser.add_argument("--max-loras", type=int, default=4, help="with --lora-rank: adapters loaded at once")
     return parser
+
+
+def lora_rank_for_vllm(rank: int) -> int:
+    """The smallest `--max-lora-rank` vLLM accepts that holds adapters of rank `rank`."""
+    fits = [r for r in VLLM_LORA_RANKS if r >= rank]
+    if not fits:
+        raise ValueError(f"vLLM serves LoRA adapters up to rank {VLLM_LORA_RANKS[-1]}, not {rank}")
+    return fits[0]
 
 
 def vllm_argv(args: argparse.Namespace, passthrough: Sequence[str]) -> list[str]:
@@ -187,6 +205,9 @@ def vllm_argv(args: argparse.Namespace, passthrough: Sequence[str]) -> list[str]
         argv += ["--max-model-len", str(args.max_model_len)]
     if args.weight_transfer != "reload":
         argv += ["--weight-transfer-config", json.dumps({"backend": WEIGHT_TRANSFER_BACKENDS[args.weight_transfer]})]
+    if args.lora_rank > 0:
+        rank = str(lora_rank_for_vllm(args.lora_rank))
+        argv += ["--enable-lora", "--max-lora-rank", rank, "--max-loras", str(args.max_loras)]
     return argv + list(passthrough)
 
 
@@ -197,6 +218,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             print(f"lit_grpo.samplers.server.serve: {why}", file=sys.stderr)
             raise SystemExit(2)
     os.environ["VLLM_SERVER_DEV_MODE"] = "1"
+    if args.lora_rank > 0:
+        os.environ["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
     if args.weight_transfer == "gloo" and os.environ.get("VLLM_PLUGINS"):  # an allow-list must let ours in
         os.environ["VLLM_PLUGINS"] += ",lit_grpo"
     if args.cpu_core is not None:

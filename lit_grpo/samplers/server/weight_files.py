@@ -22,10 +22,12 @@ WEIGHTS_FILE = "model.safetensors"
 log = logging.getLogger(__name__)
 
 
-def write_weight_file(named_tensors: Iterable[tuple[str, torch.Tensor]], folder: Path) -> int:
-    """Write the tensors (wrapper prefixes stripped) to `folder/model.safetensors`, replacing it
-    atomically (a server never reads a half-written file); returns how many were written (0:
-    nothing written). Tied weights are written under every name, each its own copy."""
+def write_weight_file(
+    named_tensors: Iterable[tuple[str, torch.Tensor]], folder: Path, filename: str = WEIGHTS_FILE
+) -> int:
+    """Write the tensors (wrapper prefixes stripped) to `folder/filename`, replacing it atomically
+    (a server never reads a half-written file); returns how many were written (0: nothing
+    written). Tied weights are written under every name, each its own copy."""
     from safetensors.torch import save_file
 
     tensors: dict[str, torch.Tensor] = {}
@@ -40,9 +42,9 @@ def write_weight_file(named_tensors: Iterable[tuple[str, torch.Tensor]], folder:
     if not tensors:
         return 0
     folder.mkdir(parents=True, exist_ok=True)
-    tmp = folder / f".{WEIGHTS_FILE}.{os.getpid()}.tmp"
+    tmp = folder / f".{filename}.{os.getpid()}.tmp"
     save_file(tensors, str(tmp), metadata={"format": "pt"})
-    os.replace(tmp, folder / WEIGHTS_FILE)
+    os.replace(tmp, folder / filename)
     return len(tensors)
 
 
@@ -192,6 +194,9 @@ async def served_versions(call: Callable[..., Any], replicas: list[Any]) -> dict
 class ServerWeightSync:
     """The weight sync of `VLLMServerSampler`: its `_load`, and the version its replicas serve."""
 
+    last_sync_bytes: int = 0
+    """What the last sync sent: the weights file's size, or the streamed tensors' bytes."""
+
     @torch.no_grad()
     def _load(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Every live replica to the next version, phase by phase (`sync_replicas`): reloaded from a
@@ -204,10 +209,12 @@ class ServerWeightSync:
         if transport is None:  # written tensor by tensor: a sharded policy's are gathered one at a time
             if not write_weight_file(named_tensors, self.weight_sync_dir):
                 raise WeightSyncError("the weight sync was given no tensors")
+            self.last_sync_bytes = (self.weight_sync_dir / WEIGHTS_FILE).stat().st_size
         else:  # streamed while the servers are paused (`weight_transfer`)
             named = [(n, t.detach()) for n, t in named_tensors]
             if not named:
                 raise WeightSyncError("the weight sync was given no tensors")
+            self.last_sync_bytes = sum(t.numel() * t.element_size() for _, t in named)
             transfer = lambda urls: transport.send(urls, named)  # noqa: E731 (run on a worker thread)
         folder = str(self.weight_sync_dir.resolve())
         try:
