@@ -29,6 +29,7 @@ from lit_grpo.loop.module import GRPOModule
 from lit_grpo.loop.signals import StopSignals
 from lit_grpo.loop.step_sequence import StepSequence
 from lit_grpo.models.load import load_policy, load_tokenizer
+from lit_grpo.models.lora import with_lora
 from lit_grpo.rewards.combine import component_names
 from lit_grpo.rewards.scoring import RewardScorer
 from lit_grpo.rollouts.datamodule import RolloutDataModule
@@ -251,6 +252,8 @@ def build_run(
     eval_rows = evaluation_rows(c, eval_rows)
     tokenizer = load_tokenizer(c.model)
     policy = load_policy(c.model, tokenizer, c.seed)  # the same on every rank
+    if c.adapter_sync:  # the servers serve its adapter from the start (the module adds none twice)
+        policy = with_lora(policy, c.model.lora, c.seed)
     callbacks = (
         [HFExport(Path(c.output_dir) / c.output_model_id, tokenizer)] if c.output_model_id else []
     )  # an absolute id stays absolute

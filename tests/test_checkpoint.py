@@ -442,3 +442,40 @@ def test_a_resume_from_the_checkpoint_at_an_epoch_end_trains_on_to_max_steps(tmp
     assert summary["stop_reason"] == "stopped: max_steps=12 reached"
     assert summary["reward_curve"] == json.loads((whole / "summary.json").read_text())["reward_curve"]
     assert_bit_identical(tensors(whole / "final_model"), tensors(run_dir / "final_model"))
+
+
+class _OpensAFile:
+    """Unpickling this creates `path`: what a hostile checkpoint could do with pickle."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+@pytest.mark.timeout(300)
+def test_resume_refuses_a_trainer_state_that_needs_unpickling_without_running_it(tmp_path):
+    """A checkpoint handed over by someone else: its trainer state carries one more entry whose
+    unpickling opens a file, and its manifest is rewritten to match (whoever hands over a folder
+    controls its manifest). Resuming from it is refused with one message, exit code 2, and the
+    file is never created."""
+    from lit_grpo.run.checkpoint import MANIFEST, read_manifest, write_manifest
+
+    run_dir = tmp_path / "run"
+    first = run_cli(run_dir, "max_steps=2", "output_model_id=null")
+    assert first.returncode == 0, first.stderr[-3000:]
+    folder = run_dir / "checkpoints" / "step_00000002"
+    state_file = folder / "trainer_state_rank0.pt"
+    state = torch.load(state_file, weights_only=True)  # what lit_grpo writes loads without unpickling objects
+    marker = tmp_path / "pwned"
+    state["extra"] = _OpensAFile(str(marker))
+    torch.save(state, state_file)
+    manifest, _ = read_manifest(folder)
+    (folder / MANIFEST).unlink()
+    write_manifest(folder, {k: v for k, v in manifest.items() if k != "files"})
+    resumed = run_cli(run_dir, "max_steps=4", "output_model_id=null", "resume=auto")
+    assert resumed.returncode == 2, resumed.stderr[-3000:]
+    assert not marker.exists()
+    assert "trainer_state_rank0.pt holds objects other than tensors and plain values" in resumed.stderr
+    assert "Traceback" not in resumed.stderr

@@ -24,6 +24,7 @@ from lit_grpo.run.validate import validate
 from lit_grpo.samplers.server.pool import start_servers
 from lit_grpo.samplers.server.sampler import VLLMServerSampler
 from lit_grpo.samplers.server.weight_files import write_weight_file
+from lit_grpo.train import train
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
@@ -190,3 +191,29 @@ def test_lora_sync_config():
                 "weight_sync_interval=1",
             )
         )
+
+
+@pytest.mark.timeout(300)
+def test_a_lora_run_syncs_its_adapter_to_the_servers_it_starts(tmp_path):
+    """The LoRA demo on one server it starts (runtime LoRA on): every sync sends the adapter alone,
+    a fraction of what the merged weights would weigh, and the run trains to the end."""
+    from conftest import trained_steps
+
+    summary = train(
+        compose_config(
+            "+experiment=arithmetic_lora",
+            "sampler=vllm_server",
+            "sampler.server_kv_cache_memory_bytes=64M",
+            "model.num_heads=2",
+            "max_steps=4",
+            "lr_decay=constant",
+            "trainer.enable_progress_bar=false",
+            output_dir=tmp_path,
+        )
+    )
+    assert summary["steps"] == 4
+    sent = [s["perf/weight_sync_mb"] for s in trained_steps(tmp_path)]
+    merged_mb = (tmp_path / "final_model" / "model.safetensors").stat().st_size / 2**20
+    print(f"adapter syncs: {[round(mb, 4) for mb in sent]} MiB; the merged model: {merged_mb:.4f} MiB")
+    assert len(sent) == 4 and max(sent) < merged_mb / 2
+    assert sorted(p.name for p in (tmp_path / "weight_sync").iterdir())[-1] == "adapter-v4"

@@ -5,7 +5,10 @@ What is saved (by the step sequence, after the step's weight sync):
   the optimizer state. The reference is not saved: it is the base model, rebuilt at start.
 - per rank, in `trainer_state_rank<R>.pt`: the step, the run id, the LR schedules, the RNG states
   (python, numpy, torch, CUDA) and what the step sequence hands over (data cursor, rows in flight,
-  scheduler version and gate counter, metric history, stateful callbacks).
+  scheduler version and gate counter, metric history, stateful callbacks). Only tensors and plain
+  values (numbers, strings, lists, tuples, dicts): it is read with `torch.load(weights_only=True)`,
+  so a checkpoint folder from elsewhere cannot run code when resumed from; one that holds any
+  other object is refused (`UnsafeCheckpoint`).
 
 Folders, manifests and pruning are `lit_grpo.run.checkpoint`'s job.
 """
@@ -25,6 +28,7 @@ import torch.distributed.checkpoint as dcp
 from omegaconf import OmegaConf
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from lit_grpo.errors import UserError
 from lit_grpo.run.checkpoint import (
     CONFIG_FILE,
     CheckpointStore,
@@ -36,14 +40,20 @@ from lit_grpo.run.checkpoint import (
 from lit_grpo.run.provenance import run_versions
 
 log = logging.getLogger(__name__)
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
+"""3: the trainer state holds tensors and plain values only (read without unpickling objects)."""
+
+
+class UnsafeCheckpoint(UserError):
+    """A checkpoint's trainer state holds something other than tensors and plain values."""
 
 
 def capture_rng() -> dict:
     """Every RNG a step draws from: python, numpy, torch CPU and (when present) each CUDA device."""
+    kind, keys, pos, has_gauss, cached_gaussian = np.random.get_state()
     return {
         "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached_gaussian)),
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
     }
@@ -51,10 +61,27 @@ def capture_rng() -> dict:
 
 def restore_rng(state: dict) -> None:
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    kind, keys, pos, has_gauss, cached_gaussian = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached_gaussian))
     torch.set_rng_state(state["torch"])
     if state["cuda"] and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def read_trainer_state(file: Path) -> dict:
+    """A rank's trainer state, unpickling nothing but tensors and plain values (`torch.load`'s
+    `weights_only`): a file that needs more is refused, never run."""
+    import pickle
+
+    try:
+        return torch.load(file, weights_only=True, map_location="cpu")
+    except pickle.UnpicklingError as err:
+        detail = str(err).split("WeightsUnpickler error: ")[-1].split(".")[0]
+        raise UnsafeCheckpoint(
+            f"checkpoint {file.parent}: {file.name} holds objects other than tensors and plain values "
+            f"({detail}); lit_grpo does not unpickle them, since a checkpoint from elsewhere could run code "
+            f"that way. Resume from a checkpoint written by this version of lit_grpo (format {FORMAT_VERSION})"
+        ) from None
 
 
 class RunCheckpointer:
@@ -121,7 +148,7 @@ class RunCheckpointer:
 
     def load(self, path: Path, trainer: L.Trainer, module: L.LightningModule) -> dict:
         """Load the policy, the optimizer and the LR schedules from `path`; return this rank's state."""
-        state = torch.load(path / trainer_state_file(trainer.global_rank), weights_only=False, map_location="cpu")
+        state = read_trainer_state(path / trainer_state_file(trainer.global_rank))
         if state.get("format") != FORMAT_VERSION:
             raise RuntimeError(
                 f"checkpoint {path} has format {state.get('format')}, this version of lit_grpo reads {FORMAT_VERSION}"
