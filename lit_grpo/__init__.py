@@ -12,7 +12,7 @@ below, function-level imports included, and `tests/test_layers.py` holds it to t
     rewards/     the reward registry and the run's weighted reward
     tasks/       the task registry and the rows a run reads
     rollouts/    rows to training batches: rollout function, cursor, schedulers, checks, data module
-    envs/        multi-turn environments (the lookup game)
+    envs/        multi-turn environments (the lookup game, the calculator tool)
     run/         validation and preflight, the run folder, checkpoints, export, loggers, sweeps
     loop/        GRPOModule, the step sequence, metrics, evaluation, signals
     callbacks/   optional extras as Lightning callbacks

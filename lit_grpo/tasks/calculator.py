@@ -16,9 +16,9 @@ and its response in the prompt (answered at once, no decision): they teach a ran
 to read a response before it can learn that calling pays. Measured on seed 0: with an answer cue
 after the value (`\nv=`, or `<tool_response>v</tool_response>=`) the policy had not learnt to
 read it after 200-300 steps; with the answer move right after the value (repeating the last
-token) it had within 50. Operands always have two digits, so every row's layout is the same.
-Rows carry `prompt`, `expression`, `answer` and `shown`; held-out rows come from another seed and
-show nothing.
+token) it was reading within 40 and calling within 60. Operands always have two digits, so every
+row's layout is the same. Rows carry `prompt`, `expression`, `answer` and `shown`; held-out rows
+come from another seed and show nothing.
 """
 
 from __future__ import annotations
