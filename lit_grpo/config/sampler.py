@@ -5,6 +5,7 @@ of the vLLM ones (in-process and servers). `kind` is checked against the sampler
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -116,6 +117,10 @@ class SamplerConfig:
     """vllm_server: how weights reach the servers at each sync: `reload` (safetensors in
     `weight_sync_dir`), or streamed by vLLM's weight-transfer API, `gloo` (CPU) or `nccl` (GPU);
     servers attached by `server_urls` must run `lit_grpo.samplers.server.serve --weight-transfer` with the same."""
+    api_key_env: str = "LIT_GRPO_SERVER_KEY"
+    """vllm_server: the environment variable holding the servers' key, sent on every request (unset or
+    empty: no key is sent). The config names where the key is, never the key; servers started here
+    get it the same way (`python -m lit_grpo.serve` reads `LIT_GRPO_SERVER_KEY`)."""
     lora_sync: str = "auto"
     """A LoRA policy's weight sync: `adapter` sends only the adapter weights, which the vLLM servers
     load as a new adapter and serve from then on (older adapters stay loaded for the requests
@@ -219,3 +224,8 @@ def _check_server_fields(cfg: SamplerConfig) -> None:
         f"{cfg.weight_transfer}): set sampler.lora_sync=merged to stream merged weights",
     )
     require(cfg.max_loras >= 2, "sampler.max_loras", f"must be >= 2, got {cfg.max_loras}")
+    require(
+        bool(re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", cfg.api_key_env)),
+        "sampler.api_key_env",
+        f"must name an environment variable (the key itself never goes in the config), got {cfg.api_key_env!r}",
+    )

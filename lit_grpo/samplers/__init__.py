@@ -7,6 +7,7 @@ here. Config validation and the preflight check read the valid kinds from this r
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -144,6 +145,7 @@ def _build_vllm_server(cfg, policy, tokenizer, *, model, work_dir, seed):
     (`cfg.lora_sync`): the servers hold the base weights, unmerged, and serve its adapter."""
     import torch
 
+    from lit_grpo.config import ConfigError
     from lit_grpo.models.load import save_pretrained
     from lit_grpo.models.lora import adapter_config, adapter_tensors, base_tensors, is_lora
     from lit_grpo.models.weights import full_named_tensors
@@ -160,6 +162,13 @@ def _build_vllm_server(cfg, policy, tokenizer, *, model, work_dir, seed):
         max_batch_size=cfg.max_batch_size,
         weight_transfer=cfg.weight_transfer,
     )
+    api_key = os.environ.get(cfg.api_key_env) or None  # read here, never written anywhere
+    options["api_key"] = api_key
+    if api_key and cfg.weight_transfer != "reload":
+        raise ConfigError(
+            f"config field `sampler.weight_transfer`: {cfg.weight_transfer} goes through vLLM's weight-transfer "
+            f"client, which sends no key, and ${cfg.api_key_env} holds one: keyed servers take weight_transfer=reload"
+        )
     if cfg.weight_transfer == "nccl" and not torch.cuda.is_available():
         raise RuntimeError("sampler.weight_transfer=nccl needs CUDA in the trainer and the servers; on CPU use gloo")
     adapter = is_lora(policy) and cfg.lora_sync_mode == "adapter"
@@ -204,6 +213,7 @@ def _build_vllm_server(cfg, policy, tokenizer, *, model, work_dir, seed):
         weight_transfer=cfg.weight_transfer,
         lora_rank=adapter_config(policy).r if adapter else 0,
         max_loras=cfg.max_loras,
+        api_key=api_key,
     )
     try:
         sampler = VLLMServerSampler(tokenizer, pool.urls, pool=pool, **options)

@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from lit_grpo.samplers.server.keys import KEY_ENV
+
 log = logging.getLogger(__name__)
 
 STOP_GRACE_S = 10.0
@@ -174,14 +176,16 @@ def start_servers(
     weight_transfer: str = "reload",
     lora_rank: int = 0,
     max_loras: int = 4,
+    api_key: Optional[str] = None,
 ) -> ServerPool:
     """Start `n` servers of `model_dir` on free ports (or `ports`), each in its own process group,
     logging to `log_dir/server_<i>.log`; wait for them unless `ready_timeout_s` is None. On CUDA
     with at least `n` GPUs server i gets GPU i; on CPU server i is pinned to `cpu_cores[i]`
     (default: round-robin over this process's cores). `weight_transfer`: `lit_grpo.samplers.server.serve
     --weight-transfer` (reload, gloo or nccl). `lora_rank` > 0: adapters of up to that rank
-    are loaded at run time, `max_loras` at once. If any fails to start, all are stopped and the
-    error (naming it) is raised."""
+    are loaded at run time, `max_loras` at once. `api_key`: the key every request but
+    `/health` must carry, handed over in the servers' environment (never on their command line).
+    If any fails to start, all are stopped and the error (naming it) is raised."""
     log_dir = Path(log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
     ports = list(ports) if ports is not None else [free_port(host) for _ in range(n)]
@@ -220,6 +224,8 @@ def start_servers(
                 cmd += ["--lora-rank", str(lora_rank), "--max-loras", str(max_loras)]
             cmd += list(extra_args)
             child_env = {**os.environ, **(env or {})}
+            if api_key:
+                child_env[KEY_ENV] = api_key
             if gpus >= n > 1:
                 child_env["CUDA_VISIBLE_DEVICES"] = str(i)
             log_path = log_dir / f"server_{i}.log"

