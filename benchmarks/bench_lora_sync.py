@@ -76,7 +76,7 @@ def main() -> None:
             )
         ratio_mb = results["adapter"]["sync_mb"] / results["merged"]["sync_mb"]
         ratio_s = results["adapter"]["sync_s"] / results["merged"]["sync_s"]
-        print(f"{'':<26}{'adapter/merged':<14}{ratio_mb:>5.3f}x bytes, {ratio_s:.2f}x seconds")
+        print(f"{'':<26}adapter / merged: {ratio_mb:.3f}x the bytes, {ratio_s:.2f}x the seconds")
 
 
 if __name__ == "__main__":

@@ -210,3 +210,33 @@ def test_real_servers_killed_in_a_sync_and_while_sampling(model_dir, tmp_path):
         assert fresh.urls[0] in message and _stopped_and_resumable_at(message, sampling) == 3
     finally:
         fresh.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.timeout(240)
+def test_the_engine_stops_when_the_server_process_is_killed(model_dir, tmp_path):
+    """SIGKILL to the server's own process (not its group, as an OOM killer does): vLLM's engine and
+    worker processes, which outlived it before, are gone within seconds (the reaper)."""
+    import os
+    import signal
+    import time
+
+    from lit_grpo.samplers.server.reaper import _stat, descendants
+
+    pool = _start(model_dir, 1, tmp_path / "logs")
+    try:
+        server = pool.servers[0].process
+        children = descendants(server.pid)
+        assert len(children) >= 2, children  # the reaper and vLLM's engine core at least
+        os.kill(server.pid, signal.SIGKILL)
+        end = time.monotonic() + 20
+        while time.monotonic() < end:
+            alive = [pid for pid, start in children.items() if (_stat(pid) or (0, -1))[1] == start]
+            if not alive:
+                break
+            time.sleep(0.25)
+        print(f"{len(children)} processes under the server; left {time.monotonic() - end + 20:.1f} s after the kill")
+        assert not alive, f"still running after 20 s: {alive}"
+    finally:
+        pool.stop()

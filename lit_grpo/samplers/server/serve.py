@@ -20,6 +20,8 @@ What it sets, and why:
   servers and the trainer do not fight over the same cores.
 - `--exit-with-parent PID`: the server stops itself when that process is gone (set by
   `lit_grpo.samplers.server.pool`, so a killed training run leaves no server behind).
+- A watcher process (`lit_grpo.samplers.server.reaper`): if the server itself is killed (SIGKILL
+  included), vLLM's engine and worker processes are stopped within seconds, not left running.
 - `--weight-transfer gloo|nccl`: vLLM's weight-transfer engine with that backend
   (`--weight-transfer-config '{"backend": ...}'`; gloo is lit_grpo's CPU backend `lit_grpo_gloo`,
   registered through the `vllm.general_plugins` entry point), for `sampler.weight_transfer`.
@@ -42,6 +44,7 @@ import importlib.util
 import json
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -262,6 +265,11 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         os.sched_setaffinity(0, {args.cpu_core})  # inherited by the engine process
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(args.cpu_core)
     patch_vllm_version()
+    # A watcher beside the server: if this process dies without stopping vLLM's engine and workers
+    # (SIGKILL), it stops them (`lit_grpo.samplers.server.reaper`).
+    subprocess.Popen(
+        [sys.executable, "-m", "lit_grpo.samplers.server.reaper", str(os.getpid())], stdin=subprocess.DEVNULL
+    )
     if args.exit_with_parent is not None:
         threading.Thread(target=_exit_with_parent, args=(args.exit_with_parent,), daemon=True).start()
     host = "127.0.0.1" if args.host in ("0.0.0.0", "") else args.host
