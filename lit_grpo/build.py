@@ -23,6 +23,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lit_grpo.advantages.registry import Advantage, get_advantage, make_advantage
 from lit_grpo.callbacks.export import HFExport
 from lit_grpo.config import ConfigError, TrainConfig, UserInputs
+from lit_grpo.config.run import exception_class
 from lit_grpo.loop.distributed import FSDP2Strategy
 from lit_grpo.loop.evaluation import Evaluator, GreedyEvaluator, RolloutEvaluator
 from lit_grpo.loop.module import GRPOModule
@@ -99,6 +100,8 @@ def build_datamodule(
             "reward_fn": reward,
             "reward_scorer": run_reward_scorer(c, reward),
             "prompt_field": c.data.prompt_field,
+            "retry_on": tuple(exception_class(name) for name in c.rollout_retry_on),
+            "max_retries": c.rollout_max_retries,
             **c.rollout.extras,
             **inputs.rollout_extras,
         },

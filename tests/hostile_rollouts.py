@@ -101,6 +101,44 @@ def make_flaky_connection(setup: RolloutSetup):
     return rollout_fn
 
 
+def _row_number(row: dict) -> int:
+    import zlib
+
+    return zlib.crc32(str(row.get("prompt")).encode())
+
+
+def reward_fails_on_one_prompt_in_55(completion: str, row: dict) -> float:
+    """The arithmetic reward, which raises for the prompts whose checksum is 0 modulo 55."""
+    from lit_grpo.rewards import get_reward
+
+    if _row_number(row) % 55 == 0:
+        raise RuntimeError(f"the grader cannot read prompt {row.get('prompt')!r}")
+    return get_reward("arithmetic")(completion, row)
+
+
+def reward_always_fails(completion: str, row: dict) -> float:
+    raise RuntimeError("the grader is down")
+
+
+def _flaky(error: type[Exception]):
+    import random
+
+    rng = random.Random(0)
+
+    def reward(completion: str, row: dict) -> float:
+        from lit_grpo.rewards import get_reward
+
+        if rng.random() < 0.3:
+            raise error("30% of the grader's calls fail")
+        return get_reward("arithmetic")(completion, row)
+
+    return reward
+
+
+reward_flaky_runtime_error = _flaky(RuntimeError)
+reward_flaky_connection_error = _flaky(ConnectionError)
+
+
 if __name__ == "__main__":
     import sys
 

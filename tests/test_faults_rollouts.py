@@ -147,6 +147,49 @@ def test_a_flaky_environment_is_retried_and_training_goes_on(run, tmp_path):
     assert total("rollout/failures") == 0
 
 
+def _totals(tmp_path: Path, *keys: str) -> list[float]:
+    steps = list(csv.DictReader((tmp_path / "metrics.csv").open()))
+    return [sum(float(s[key]) for s in steps if s.get(key)) for key in keys]
+
+
+@pytest.mark.timeout(300)
+def test_a_reward_that_raises_for_one_prompt_in_55_drops_those_samples_and_trains_to_the_end(run, tmp_path):
+    summary, _ = run(
+        "reward.fn=hostile_rollouts:reward_fails_on_one_prompt_in_55", "max_steps=30", "~callbacks.reward_filter"
+    )
+    assert summary["steps"] == 30
+    (failures,) = _totals(tmp_path, "rollout/failures")
+    assert failures > 0  # the drops are counted
+
+
+@pytest.mark.timeout(120)
+def test_a_reward_that_always_raises_still_stops_the_run(run):
+    with pytest.raises(RolloutCircuitOpen, match=r"rows in a row.*the grader is down"):
+        run("reward.fn=hostile_rollouts:reward_always_fails")
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("error", ["runtime_error", "connection_error"])
+@pytest.mark.parametrize("retried", [False, True])
+def test_a_30_percent_flaky_reward_trains_through_retried_as_configured(run, tmp_path, error, retried):
+    """30 % of the reward's calls raise: each failing sample is dropped, or retried when its
+    exception is in rollout_retry_on (ConnectionError by default, RuntimeError when listed)."""
+    retry_on = "rollout_retry_on=[ConnectionError,RuntimeError]" if retried else "rollout_retry_on=[ConnectionError]"
+    summary, _ = run(
+        f"reward.fn=hostile_rollouts:reward_flaky_{error}",
+        retry_on,
+        "max_steps=6",
+        "~callbacks.reward_filter",
+        "rollout_timeout_s=30",  # a retry backs off 0.5 s, then 1 s
+    )
+    assert summary["steps"] == 6
+    failures, retries = _totals(tmp_path, "rollout/failures", "reward/retries")
+    if retried or error == "connection_error":  # retried per sample: few are left to drop
+        assert retries > 0 and failures <= 0.1 * 6 * 8
+    else:  # dropped, each one alone
+        assert retries == 0 and failures > 0.15 * 6 * 8
+
+
 @pytest.mark.timeout(120)
 def test_huge_rewards_keep_finite_statistics(run, tmp_path):
     run(_factory("huge_reward"), "synchronous_training=true", "~callbacks.reward_filter")

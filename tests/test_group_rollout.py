@@ -118,7 +118,7 @@ def _sample(reward: float) -> RolloutSample:
 
 
 @pytest.mark.timeout(30)
-def test_a_failing_group_call_counts_a_failure_and_its_retries_for_each_sample():
+def test_a_failing_group_call_counts_a_failure_and_its_retries_for_each_sample_and_one_failed_row():
     calls = []
 
     async def sample_group(row, n):
@@ -142,7 +142,7 @@ def test_a_failing_group_call_counts_a_failure_and_its_retries_for_each_sample()
     assert ok.rewards == [0.0, 1.0, 0.0, 1.0] and not ok.dropped
     assert failed.samples == [] and failed.dropped == {"rollout/failures": G}
     assert groups.take_counts() == {"rollout/retries": 2 * G, "rollout/failures": G}
-    assert groups.breaker.consecutive == G  # the breaker saw G failed samples, as from G single calls
+    assert groups.breaker.consecutive == 1  # the breaker counts rows: one failed row, whatever its G
 
 
 @pytest.mark.timeout(30)

@@ -171,10 +171,11 @@ def test_the_default_rollout_puts_components_in_metrics_and_drops_all_none(token
     )
     rollout = _rollout(tokenizer, reward, ["7"])
     sample = asyncio.run(rollout({"prompt": "3+4=", "answer": "7", "tag": True}))
-    # Every sample also says whether a component missed its deadline (`reward/timed_out`).
-    both = {"reward/exact_match": 1.0, "reward/only_tagged": 1.0, "reward/timed_out": 0.0}
+    # Every sample also says whether a component missed its deadline (`reward/timed_out`) and how
+    # often its reward was retried (`reward/retries`).
+    both = {"reward/exact_match": 1.0, "reward/only_tagged": 1.0, "reward/timed_out": 0.0, "reward/retries": 0.0}
     assert sample.reward == 1.5 and sample.metrics == both
-    one = {"reward/exact_match": 1.0, "reward/timed_out": 0.0}
+    one = {"reward/exact_match": 1.0, "reward/timed_out": 0.0, "reward/retries": 0.0}
     assert asyncio.run(rollout({"prompt": "3+4=", "answer": "7"})).metrics == one
     none_only = build_reward(RewardConfig(fn=["my_rewards:only_tagged", "my_rewards:brevity"]), lambda: None, "x")
     none_only.components[1] = ("brevity", lambda text, row: None)

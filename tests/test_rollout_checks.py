@@ -102,7 +102,7 @@ def test_circuit_breaker_trips_on_consecutive_failures():
     breaker.record(False)  # a success resets the run
     for _ in range(4):
         breaker.record(True)
-    with pytest.raises(RolloutCircuitOpen, match="5 times in a row"):
+    with pytest.raises(RolloutCircuitOpen, match="5 rows in a row"):
         breaker.record(True, ValueError("boom"))
 
 
@@ -110,8 +110,27 @@ def test_circuit_breaker_trips_on_failure_rate():
     breaker = CircuitBreaker(max_consecutive=100, window=20, max_failure_rate=0.5)
     for i in range(19):
         breaker.record(i % 2 == 0)  # 10 of 19 failed, window not full yet
-    with pytest.raises(RolloutCircuitOpen, match="of the last 20 calls"):
+    with pytest.raises(RolloutCircuitOpen, match="of the last 20 rows"):
         breaker.record(False)  # 10 of 20 = 50 %
+
+
+def test_a_row_fails_once_however_many_of_its_calls_raised_and_only_when_all_did():
+    """1 row in 5 raises on every call, another on one call in G: 60 rows train, the breaker never
+    opens (a group's failure counts once, not G times), and the drops are counted."""
+    calls: dict[int, int] = {}
+
+    async def rollout_fn(row):
+        calls[row["id"]] = calls.get(row["id"], 0) + 1
+        if row["id"] % 5 == 0 or (row["id"] % 5 == 1 and calls[row["id"]] == 1):
+            raise RuntimeError(f"the reward failed on row {row['id']}")
+        return RolloutSample(
+            tokens=[1, 2, 3], logprobs=[0.0, -1.0, -1.0], loss_mask=[0, 1, 1], reward=float(calls[row["id"]] % 2)
+        )
+
+    failures = 0
+    for batch in _stream([{"id": i} for i in range(60)], rollout_fn, G=4, max_retries=0):
+        failures += batch.record.counts.get("rollout/failures", 0)
+    assert failures == 12 * 4 + 12  # every call of 12 rows, one call of 12 others
 
 
 def test_training_stops_when_rollouts_keep_failing():

@@ -144,9 +144,18 @@ class TrainConfig:
     each batched sampler call, and how long the rollout event loop may go without running: a
     rollout that blocks it (`time.sleep` in an async rollout) stops the run with `RolloutStalled`."""
     rollout_max_retries: int = 2
-    """Retries of a rollout call that ended in a transient error (a timeout, `ConnectionError`,
-    `OSError`), with backoff 0.5 s, 1 s, 2 s, ...; counted in `rollout/retries`. A bug in the rollout
-    (`TypeError`, `KeyError`, ...) is never retried: it stops the run at once."""
+    """Retries of a rollout call that ended in a transient error (`rollout_retry_on`), with backoff
+    0.5 s, 1 s, 2 s, ...; counted in `rollout/retries`. A bug in the rollout (`TypeError`,
+    `KeyError`, ...) is never retried: it stops the run at once."""
+    rollout_retry_on: list[str] = field(default_factory=lambda: ["TimeoutError", "ConnectionError", "OSError"])
+    """The exceptions (builtin names, or `module.Class` paths) of a rollout call that are retried;
+    any other (not a bug) drops the call's sample, counted in `rollout/failures`."""
+    rollout_failure_share: float = 0.5
+    """The run stops when at least this share of the last `rollout_failure_window` rows failed (a
+    row fails when every rollout call of it raised), or 5 rows in a row did; below that a failed
+    row only drops its group (`rollout/failures`)."""
+    rollout_failure_window: int = 20
+    """The rows `rollout_failure_share` is taken over."""
     max_rows_without_progress: int = 1000
     """Consecutive rows sampled without one accepted group before the run stops with
     `NoProgressError`, whose message counts the rows per drop reason (None returned, malformed
@@ -195,6 +204,15 @@ class TrainConfig:
             f"must be in [0, 10], got {self.rollout_max_retries}",
         )
         require(self.max_rows_without_progress >= 1, "max_rows_without_progress", "must be >= 1")
+        require_finite(self.rollout_failure_share, "rollout_failure_share")
+        require(0 < self.rollout_failure_share <= 1, "rollout_failure_share", "must be in (0, 1]")
+        require(self.rollout_failure_window >= 1, "rollout_failure_window", "must be >= 1")
+        for name in self.rollout_retry_on:
+            require(
+                exception_class(name) is not None,
+                "rollout_retry_on",
+                f"{name!r} is not an exception class (a builtin name such as ConnectionError, or module.Class)",
+            )
         require(self.max_nonfinite_steps >= 1, "max_nonfinite_steps", "must be >= 1")
         require(self.warmup_steps >= 0, "warmup_steps", "must be >= 0")
         require(self.lr_decay in ("constant", "linear", "cosine"), "lr_decay", "must be constant, linear or cosine")
@@ -301,6 +319,21 @@ class TrainConfig:
     def sampler_shares_policy_weights(self) -> bool:
         """Whether the `hf` sampler generates with the policy itself: no copy of the weights, no sync copies."""
         return self.sampler.share_policy_weights != "false" and self.why_the_sampler_copies_the_policy() is None
+
+
+def exception_class(name: str) -> Optional[type[BaseException]]:
+    """The exception class `name` names (a builtin, or `module.Class`), or None."""
+    import builtins
+    import importlib
+
+    found = getattr(builtins, name, None)
+    if found is None and "." in name:
+        module, _, attr = name.rpartition(".")
+        try:
+            found = getattr(importlib.import_module(module), attr, None)
+        except ImportError:
+            found = None
+    return found if isinstance(found, type) and issubclass(found, BaseException) else None
 
 
 def ineffective_knobs(c: TrainConfig) -> list[str]:

@@ -3,7 +3,7 @@ and a search for usable groups that finds none.
 
 - A malformed `RolloutSample` is dropped with a named reason (counted as `rollout/dropped_<reason>`)
   instead of corrupting a batch (`sample_problem`).
-- A rollout function that keeps raising trips the circuit breaker (`CircuitBreaker`), which stops
+- A rollout function that keeps raising on whole rows trips the circuit breaker (`CircuitBreaker`), which stops
   training with a clear error rather than training on whatever trickles through.
 - Rows that never give an accepted group (every sample None or malformed, every group uniform,
   every prompt too long) stop the run after `max_rows_without_progress` rows (`ProgressGuard`),
@@ -222,8 +222,10 @@ class RolloutCircuitOpen(UserError, RuntimeError):
 
 
 class CircuitBreaker:
-    """Trips after `max_consecutive` failures in a row, or when at least `max_failure_rate` of
-    the last `window` calls failed (once `window` calls have been seen)."""
+    """Counts rows, not calls: a row fails when every rollout call of it raised. Trips after
+    `max_consecutive` failed rows in a row, or when at least `max_failure_rate` of the last
+    `window` rows failed (once `window` rows have been seen); a failed row alone only drops its
+    group."""
 
     def __init__(self, max_consecutive: int = 5, window: int = 20, max_failure_rate: float = 0.5) -> None:
         self.max_consecutive, self.max_failure_rate = max_consecutive, max_failure_rate
@@ -231,7 +233,7 @@ class CircuitBreaker:
         self.consecutive = 0
 
     def record(self, failed: bool, error: Optional[BaseException] = None) -> None:
-        """Count one rollout call; raise `RolloutCircuitOpen` when the breaker trips."""
+        """Count one row; raise `RolloutCircuitOpen` when the breaker trips."""
         self.recent.append(failed)
         self.consecutive = self.consecutive + 1 if failed else 0
         rate = sum(self.recent) / len(self.recent)
@@ -244,8 +246,9 @@ class CircuitBreaker:
                 else "fix the rollout function (or its environment) and resume"
             )
             raise RolloutCircuitOpen(
-                f"rollout_fn failed {self.consecutive} times in a row and {sum(self.recent)} of the last "
-                f"{len(self.recent)} calls; last error: {error!r}. Training stops: {hint}."
+                f"rollout_fn failed on {self.consecutive} rows in a row and on {sum(self.recent)} of the last "
+                f"{len(self.recent)} rows (every call of a failed row raised); last error: {error!r}. "
+                f"Training stops: {hint} (the limits: rollout_failure_share, rollout_failure_window)."
             ) from error
 
 

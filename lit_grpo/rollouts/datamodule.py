@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from lit_grpo.advantages.registry import Advantage
 from lit_grpo.config import TrainConfig
+from lit_grpo.config.run import exception_class
 from lit_grpo.config.sampler import engine_on_loop
 from lit_grpo.rollouts import (
     GroupFilter,
@@ -134,6 +135,9 @@ class RolloutDataModule(L.LightningDataModule):
             max_completion_tokens=c.sampler.max_completion_tokens,
             overlong_buffer_len=c.rollout.overlong_buffer_len,
             overlong_penalty_factor=c.rollout.overlong_penalty_factor,
+            retry_on=tuple(exception_class(name) for name in c.rollout_retry_on),
+            failure_share=c.rollout_failure_share,
+            failure_window=c.rollout_failure_window,
         )
         # The sampler's calls get the same bounds as the rollouts.
         sampler.bound_calls(

@@ -66,15 +66,15 @@ class RolloutStalled(UserError, RuntimeError):
     running for longer than `rollout_timeout_s`; the message names the function and the line."""
 
 
-def classify(err: BaseException) -> str:
+def classify(err: BaseException, retry_on: tuple[type[BaseException], ...] = TRANSIENT_ERRORS) -> str:
     """`bug` (stop at once), `fault` (something outside the rollout failed for good, a vLLM server
-    after its retries and failover: stop at once, naming it), `transient` (retry, then count as a
-    failure) or `failure` (count)."""
+    after its retries and failover: stop at once, naming it), `transient` (one of `retry_on`:
+    retry, then count as a failure) or `failure` (count)."""
     if isinstance(err, EnvironmentFault):
         return "fault"
     if isinstance(err, BUG_ERRORS):
         return "bug"
-    if isinstance(err, TRANSIENT_ERRORS):
+    if isinstance(err, retry_on):
         return "transient"
     return "failure"
 
@@ -100,11 +100,12 @@ async def call_rollout(
     timeout_s: float,
     max_retries: int,
     count: Callable[[str, BaseException], None],
+    retry_on: tuple[type[BaseException], ...] = TRANSIENT_ERRORS,
 ) -> Any:
     """`rollout_fn(row)`'s result, or the exception that ended the call (returned, not raised).
 
-    Each attempt is cancelled after `timeout_s` (a `RolloutTimeout`). Transient errors are
-    retried up to `max_retries` times, `count("rollout/retries", err)` each time. A bug is
+    Each attempt is cancelled after `timeout_s` (a `RolloutTimeout`, always retried). Errors of
+    `retry_on` are retried up to `max_retries` times, `count("rollout/retries", err)` each time. A bug is
     raised, with a note naming the function. The deadline does not wait for a rollout that
     ignores its cancellation.
     """
@@ -130,7 +131,7 @@ async def call_rollout(
                     f"rollout_timeout_s={timeout_s:g} s; it was cancelled"
                 ) from None
         except Exception as err:
-            kind = classify(err)
+            kind = "transient" if isinstance(err, RolloutTimeout) else classify(err, retry_on)
             if kind == "fault":
                 raise
             if kind == "bug":

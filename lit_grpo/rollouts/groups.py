@@ -16,7 +16,7 @@ from typing import Optional
 
 from lit_grpo.rollouts.checks import CircuitBreaker, ProgressGuard, short_reason
 from lit_grpo.rollouts.context import RolloutCalls
-from lit_grpo.rollouts.deadlines import call_rollout, function_name, gather_or_cancel
+from lit_grpo.rollouts.deadlines import TRANSIENT_ERRORS, call_rollout, function_name, gather_or_cancel
 from lit_grpo.rollouts.pipeline import GroupFilter, checked_samples, error_key, group_verdict, penalize_overlong
 from lit_grpo.rollouts.rollout import RolloutFn, group_rollout_fn
 from lit_grpo.tasks.rows import row_label
@@ -54,6 +54,9 @@ class GroupSampler:
         max_completion_tokens: int = 0,
         overlong_buffer_len: int = 0,
         overlong_penalty_factor: float = 1.0,
+        retry_on: tuple[type[BaseException], ...] = TRANSIENT_ERRORS,
+        failure_share: float = 0.5,
+        failure_window: int = 20,
     ) -> None:
         self.rollout_fn, self.G = rollout_fn, completions_per_prompt
         self.calls = RolloutCalls(rollout_fn)
@@ -69,7 +72,8 @@ class GroupSampler:
         self.max_completion_tokens = max_completion_tokens
         self.overlong_buffer_len, self.overlong_penalty_factor = overlong_buffer_len, overlong_penalty_factor
         """Group predicates, all of which must keep a group (the uniform-reward filter registers here)."""
-        self.breaker = CircuitBreaker()
+        self.retry_on = retry_on
+        self.breaker = CircuitBreaker(window=failure_window, max_failure_rate=failure_share)
         self.guard = ProgressGuard(max_rows_without_progress, max_seq_len=max_seq_len)
         self.rows_sampled = 0
         self._counts: Counter = Counter()
@@ -106,6 +110,7 @@ class GroupSampler:
                         timeout_s=self.timeout_s,
                         max_retries=self.max_retries,
                         count=self._count_event,
+                        retry_on=self.retry_on,
                     )
                     for i in range(self.G)
                 )
@@ -117,9 +122,9 @@ class GroupSampler:
                 samples, run_sizes, self.max_completion_tokens, self.overlong_buffer_len, self.overlong_penalty_factor
             )
         self._note(row, counts, details)
-        for result in results:
-            failed = isinstance(result, BaseException) and error_key(result) == "rollout/failures"
-            self.breaker.record(failed, result if failed else None)
+        # One count per row: a row fails when every call of it raised; a sample's error alone drops only it.
+        errors = [r for r in results if isinstance(r, BaseException) and error_key(r) == "rollout/failures"]
+        self.breaker.record(bool(results) and len(errors) == len(results), errors[-1] if errors else None)
         # With partial rollouts a sample's tokens span weight syncs: the group counts at its oldest
         # token. None can be older than the row's submission: a lower number is another count's.
         oldest = oldest_token_version(samples)
@@ -137,7 +142,12 @@ class GroupSampler:
             self._count_event(key, error, times=self.G)
 
         results = await call_rollout(
-            self._group_call, row, timeout_s=self.timeout_s, max_retries=self.max_retries, count=count_for_each
+            self._group_call,
+            row,
+            timeout_s=self.timeout_s,
+            max_retries=self.max_retries,
+            count=count_for_each,
+            retry_on=self.retry_on,
         )
         if isinstance(results, BaseException):
             return [results] * self.G

@@ -16,6 +16,7 @@ import functools
 from collections.abc import Awaitable, Callable
 from typing import Optional
 
+from lit_grpo.rollouts.deadlines import MAX_BACKOFF_S, RETRY_BACKOFF_S, TRANSIENT_ERRORS, classify
 from lit_grpo.samplers.arguments import chat_prompt_tokens
 from lit_grpo.tasks.rows import RowPromptError, bad_prompt_message, prompt_field_of
 from lit_grpo.types import Completion, RolloutSample, RolloutSetup
@@ -139,12 +140,24 @@ def make_rollout_fn(setup: RolloutSetup) -> RolloutFn:
         lambda text: tuple(text_prompt_tokens(tokenizer, text))
     )
 
+    retry_on = tuple(setup.extras.get("retry_on", TRANSIENT_ERRORS))
+    max_retries = int(setup.extras.get("max_retries", 2))
+
     async def scored(c: Completion, row: dict) -> Optional[RolloutSample]:
-        result = await scorer.score(c.text, row)
+        # A reward error of `retry_on` is retried here, for this sample alone (the completion is kept).
+        for attempt in range(max_retries + 1):
+            try:
+                result = await scorer.score(c.text, row)
+                break
+            except Exception as err:
+                if attempt == max_retries or classify(err, retry_on) != "transient":
+                    raise
+                await asyncio.sleep(min(RETRY_BACKOFF_S * 2**attempt, MAX_BACKOFF_S))
         if result.value is None:  # not applicable to this row: counted as rollout/dropped_none
             return None
         sample = sample_from_completion(c, result.value)
         sample.metrics.update(result.metrics)
+        sample.metrics["reward/retries"] = float(attempt)
         return sample
 
     async def rollout_fn(row: dict) -> Optional[RolloutSample]:
@@ -157,7 +170,14 @@ def make_rollout_fn(setup: RolloutSetup) -> RolloutFn:
         completions = await sampler.sample_with_prompt_tokens(prompt, n=n, **sample_kwargs)
         if len(completions) != n:
             raise RuntimeError(f"the sampler returned {len(completions)} completions for a request of n={n}")
-        return list(await asyncio.gather(*(scored(c, row) for c in completions)))
+        # A reward that raises drops its own sample, not the group's others (a bug still stops the run).
+        results = await asyncio.gather(*(scored(c, row) for c in completions), return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException) and not isinstance(result, Exception):
+                raise result  # a cancellation or an interrupt
+            if isinstance(result, Exception) and classify(result, retry_on) in ("bug", "fault"):
+                raise result
+        return list(results)
 
     # A sampler whose n completions may fail one by one is called per sample: a failure costs one
     # sample, not the group's.

@@ -7,7 +7,10 @@ partial.py          partial rollouts: streams a weight sync interrupts, continue
 scoring.py          IGPO's scoring of target tokens over the servers
 weight_files.py     weight syncs: through a safetensors file the servers reload, every replica phase by phase
 weight_transfer.py  weight syncs through vLLM's weight-transfer API (gloo on CPU, nccl on GPU)
+adapters.py         a LoRA policy's adapter-only sync: each version loaded as an adapter the requests name
 pool.py             local servers as subprocesses, each in its own process group
 serve.py            `python -m lit_grpo.serve`: a vLLM OpenAI server set up for lit_grpo
+keys.py             the server key: the middleware that guards every route but /health, the header sent
+reaper.py           the watcher that stops a killed server's engine and workers
 vllm_plugin/        the vLLM plugin (the `lit_grpo_gloo` weight-transfer backend)
 """
