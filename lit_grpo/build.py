@@ -42,6 +42,9 @@ from lit_grpo.samplers import build_sampler
 from lit_grpo.tasks import RewardFn, evaluation_rows, reward_fn, training_rows
 from lit_grpo.types import RolloutSetup
 
+RESCUED_MODEL_DIR = "exported_policy"
+"""Where, in the run folder, the trained policy goes when `output_model_id` cannot be written."""
+
 # Both are deliberate: the step pulls its own batch (no prefetch of stale rollouts), and the
 # policy runs in eval mode (no dropout, so trainer and sampler logprobs agree).
 warnings.filterwarnings("ignore", message=r".*`dataloader_iter`.*")
@@ -258,7 +261,9 @@ def build_run(
     if c.adapter_sync:  # the servers serve its adapter from the start (the module adds none twice)
         policy = with_lora(policy, c.model.lora, c.seed)
     callbacks = (
-        [HFExport(Path(c.output_dir) / c.output_model_id, tokenizer)] if c.output_model_id else []
+        [HFExport(Path(c.output_dir) / c.output_model_id, tokenizer, Path(c.output_dir) / RESCUED_MODEL_DIR)]
+        if c.output_model_id
+        else []
     )  # an absolute id stays absolute
     trainer = build_trainer(c, [*callbacks, *extra_callbacks])
     L.seed_everything(c.seed + RANK_SEED_STRIDE * trainer.global_rank, verbose=False)

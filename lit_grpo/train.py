@@ -23,7 +23,7 @@ import hydra
 from omegaconf import DictConfig
 
 from lit_grpo.config import ConfigError, TrainConfig, UserInputs, ineffective_knobs
-from lit_grpo.errors import run_cli, run_hydra_cli, user_message
+from lit_grpo.errors import EnvironmentFault, run_cli, run_hydra_cli, user_message
 from lit_grpo.loop.signals import StopRequested, StopSignals
 from lit_grpo.run.checkpoint import check_resumable
 from lit_grpo.run.console import stop_reason, tidy_lightning_logging
@@ -143,6 +143,9 @@ def train(cfg: DictConfig | TrainConfig, inputs: Optional[UserInputs] = None) ->
             )
             raise
         summary = write_summary(c, trainer, module, resume_from, time.perf_counter() - start, stop)
+        for problem in (getattr(cb, "problem", None) for cb in trainer.callbacks):
+            if problem:  # the export failed: the summary is written, the policy saved where it says
+                raise EnvironmentFault(problem)
     if stop.requested:
         raise StopRequested(stop.signum)  # after the summary and the metrics are written
     return summary

@@ -49,6 +49,45 @@ class KillDuringSave(L.Callback):
         CheckpointStore.publish = publish
 
 
+class DiskFullAtSave(L.Callback):
+    """The disk is full when the checkpoint of `step` is written: its shards half written, then
+    `No space left on device`."""
+
+    def __init__(self, step: int) -> None:
+        import errno
+
+        import lit_grpo.run.state as run_state
+
+        original = run_state.dcp.save
+
+        def save(state_dict, *, checkpoint_id, **kwargs):
+            if checkpoint_id.name.endswith(f"{step:08d}"):
+                (checkpoint_id / "__0_0.distcp").write_bytes(b"half a shard")
+                raise OSError(errno.ENOSPC, "No space left on device", str(checkpoint_id / "__0_0.distcp"))
+            return original(state_dict, checkpoint_id=checkpoint_id, **kwargs)
+
+        run_state.dcp.save = save
+
+
+class ExportDiskFull(L.Callback):
+    """The disk of `output_model_id` is full when the trained policy is exported (the rescue folder,
+    in the run folder, is on another disk)."""
+
+    def __init__(self, folder: str = "final_model") -> None:
+        import errno
+
+        import lit_grpo.callbacks.export as export
+
+        original = export.export_pretrained
+
+        def export_pretrained(model, tokenizer, out_dir, **kwargs):
+            if out_dir.name == folder:
+                raise OSError(errno.ENOSPC, "No space left on device", str(out_dir))
+            return original(model, tokenizer, out_dir, **kwargs)
+
+        export.export_pretrained = export_pretrained
+
+
 class SignalAfterStep(L.Callback):
     """Send this process `signum` at the end of rollout step `step` (before the step sequence runs).
     With `linger_s`, keep the step busy that long, and with `again_after_s` send the signal again

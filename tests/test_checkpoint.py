@@ -479,3 +479,26 @@ def test_resume_refuses_a_trainer_state_that_needs_unpickling_without_running_it
     assert not marker.exists()
     assert "trainer_state_rank0.pt holds objects other than tensors and plain values" in resumed.stderr
     assert "Traceback" not in resumed.stderr
+
+
+@pytest.mark.timeout(300)
+def test_a_full_disk_at_a_checkpoint_stops_with_one_message_and_keeps_the_earlier_ones(tmp_path):
+    run_dir = tmp_path / "run"
+    full = run_cli(run_dir, "output_model_id=null", "+callbacks.disk={_target_:fault_injection.DiskFullAtSave,step:4}")
+    assert full.returncode == 2, full.stderr[-3000:]
+    message = full.stderr
+    assert "step_00000004 could not be written (No space left on device" in message and "MiB free" in message
+    assert "the earlier checkpoints are kept (step_00000002)" in message and "Traceback" not in message
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir() if not p.name.endswith(".txt")) == [
+        "step_00000002"
+    ]  # no partial folder left
+    resumed = run_cli(run_dir, "output_model_id=null", "resume=auto", "max_steps=4")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+
+
+@pytest.mark.timeout(300)
+def test_resume_with_nothing_left_to_train_says_so(tmp_path):
+    run_dir = tmp_path / "run"
+    assert run_cli(run_dir, "max_steps=2", "output_model_id=null").returncode == 0
+    again = run_cli(run_dir, "max_steps=2", "output_model_id=null", "resume=auto")
+    assert again.returncode == 0 and "there is nothing left to train, no step will run" in again.stdout + again.stderr

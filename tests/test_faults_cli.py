@@ -560,3 +560,32 @@ def test_loading_a_missing_local_model_names_the_folder():
 
     with pytest.raises(ModelLoadError, match=r"model\.name_or_path=/no/such/folder: no such folder"):
         load_tokenizer(ModelConfig(kind="hf", name_or_path="/no/such/folder"))
+
+
+@pytest.mark.timeout(300)
+def test_an_export_folder_under_a_file_is_refused_before_training(tmp_path):
+    (tmp_path / "a_file").write_text("x")
+    proc, _ = _cli(
+        tmp_path,
+        "+experiment=arithmetic",
+        f"hydra.run.dir={tmp_path / 'run'}",
+        f"output_model_id={tmp_path / 'a_file' / 'model'}",
+    )
+    _assert_user_error(proc, f"output_model_id={tmp_path / 'a_file' / 'model'}: its folder", "is a file, not a folder")
+    assert not (tmp_path / "run" / "metrics.csv").exists()  # refused before any step
+
+
+@pytest.mark.timeout(300)
+def test_an_export_that_fails_after_training_saves_the_policy_in_the_run_folder(tmp_path):
+    run = tmp_path / "run"
+    proc, _ = _cli(
+        tmp_path,
+        "+experiment=arithmetic",
+        "max_steps=2",
+        f"hydra.run.dir={run}",
+        "+callbacks.full={_target_:fault_injection.ExportDiskFull}",
+        env={"PYTHONPATH": os.pathsep.join([str(REPO / "tests"), str(REPO)])},
+    )
+    message = _assert_user_error(proc, f"the export to {run / 'final_model'} failed (No space left on device)")
+    assert f"the trained policy was saved to {run / 'exported_policy'} instead" in message
+    assert (run / "exported_policy" / "model.safetensors").is_file() and (run / "summary.json").is_file()

@@ -294,6 +294,14 @@ class StepSequence:
         self._rng_to_restore = state["rng"]
         self._replay_history_into_csv(trainer)
         log.info("resumed from %s at step %d", self.resume_from, state["step"])
+        max_steps = self.datamodule.stream.max_steps
+        if trainer.is_global_zero and 0 < max_steps <= state["step"]:
+            log.warning(
+                "the checkpoint is at step %d and max_steps=%d: there is nothing left to train, no step will run "
+                "(raise max_steps to train on)",
+                state["step"],
+                max_steps,
+            )
 
     def before_step(self) -> None:
         """At each batch start; after a resume, the RNG states go back as late as possible:

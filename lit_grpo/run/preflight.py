@@ -75,6 +75,23 @@ def check_output_dir(
         raise OutputDirError(why)
 
 
+def export_dir_problem(c: TrainConfig) -> Optional[str]:
+    """Why the trained policy could not be exported to `output_model_id` once training ends (its
+    folder cannot be created or written there, or its disk is full), or None: checked now, so that
+    no run trains for hours towards a folder it cannot write."""
+    if not c.output_model_id:
+        return None
+    target = Path(c.output_dir).expanduser() / c.output_model_id  # an absolute id stays absolute
+    if target.exists() and not target.is_dir():
+        return f"output_model_id={c.output_model_id}: {target} is a file, not a folder; name another folder"
+    parent = target.parent
+    while not parent.exists() and parent != parent.parent:  # the folders the export would create
+        parent = parent.parent
+    why = output_dir_problem(parent, field="output_model_id")
+    shown = f"output_model_id={c.output_model_id}: its folder {parent}"
+    return None if why is None else why.replace(f"output_model_id={parent}", shown, 1)
+
+
 def rollout_factory_problem(factory: str) -> Optional[str]:
     """Why `rollout.factory` cannot be imported (or is not callable), or None; imports the user's module."""
     try:
@@ -158,6 +175,8 @@ def check_sources(c: TrainConfig) -> None:
     if why := rollout_factory_problem(c.rollout.factory):
         problems.append(why)
     if why := output_dir_problem(c.output_dir):
+        problems.append(why)
+    elif why := export_dir_problem(c):
         problems.append(why)
     if why := accelerator_problem(c):
         problems.append(why)

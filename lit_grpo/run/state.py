@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import random
+import shutil
 import time
 from pathlib import Path
 from typing import Optional
@@ -26,9 +27,10 @@ import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
 from omegaconf import OmegaConf
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from lit_grpo.errors import UserError
+from lit_grpo.errors import EnvironmentFault, UserError
 from lit_grpo.run.checkpoint import (
     CONFIG_FILE,
     CheckpointStore,
@@ -84,6 +86,11 @@ def read_trainer_state(file: Path) -> dict:
         ) from None
 
 
+class CheckpointWriteError(EnvironmentFault):
+    """A checkpoint could not be written (a full disk, a folder that went away); the message names
+    the folder, the free space and the checkpoints kept."""
+
+
 class RunCheckpointer:
     """Saves and loads whole-run checkpoints in a `CheckpointStore` (a collective on every rank)."""
 
@@ -118,6 +125,13 @@ class RunCheckpointer:
             self.store.begin(step)
         trainer.strategy.barrier("dcp_begin")
         model_sd, optim_sd = get_state_dict(module.policy, trainer.optimizers)
+        try:
+            return self._write(trainer, staging, step, model_sd, optim_sd, state, rng, start)
+        except (OSError, CheckpointException) as err:  # a full disk, a folder taken away
+            shutil.rmtree(staging, ignore_errors=True)
+            raise CheckpointWriteError(self._write_problem(step, err)) from None
+
+    def _write(self, trainer, staging: Path, step: int, model_sd, optim_sd, state: dict, rng, start: float) -> Path:
         dcp.save({"policy": model_sd, "optimizer": optim_sd}, checkpoint_id=staging)
         full_state = {
             "format": FORMAT_VERSION,
@@ -145,6 +159,23 @@ class RunCheckpointer:
         if trainer.is_global_zero:
             log.info("saved checkpoint %s in %.2f s", final, time.perf_counter() - start)
         return final
+
+    def _write_problem(self, step: int, err: BaseException) -> str:
+        root = self.store.root
+        try:
+            free = f"{shutil.disk_usage(root).free / 2**20:.0f} MiB free on its disk"
+        except OSError:
+            free = "its disk cannot be read"
+        kept = sorted(p.name for p in root.glob("step_*") if p.is_dir()) if root.is_dir() else []
+        if isinstance(err, OSError) and err.strerror:
+            reason = err.strerror + (f": {err.filename}" if err.filename else "")
+        else:  # DCP's CheckpointException: the ranks' errors, the last line the most telling
+            reason = str(err).strip().splitlines()[-1][:300] if str(err).strip() else type(err).__name__
+        return (
+            f"checkpoint {root / step_dir_name(step)} could not be written ({reason}); {free}. Its partial "
+            f"folder was removed; the earlier checkpoints are kept ({', '.join(kept) or 'none'}). Free some "
+            "space (or lower dcp_keep_last) and run again with resume=auto"
+        )
 
     def load(self, path: Path, trainer: L.Trainer, module: L.LightningModule) -> dict:
         """Load the policy, the optimizer and the LR schedules from `path`; return this rank's state."""
