@@ -180,7 +180,9 @@ def exit_past_stuck_threads(code: int, wait_s: float = 5.0) -> None:
     while (left := run_threads()) and time.monotonic() < deadline:
         left[0].join(max(deadline - time.monotonic(), 0.0))
     if left := run_threads():
-        log.warning(
+        # After a stop the error already said why (a blocked loop, a stuck engine): its line stays the last.
+        log.log(
+            logging.WARNING if code == 0 else logging.DEBUG,
             "threads still running after the run ended (%s): exiting with status %d without waiting for them",
             ", ".join(t.name for t in left),
             code,

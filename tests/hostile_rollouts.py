@@ -135,6 +135,21 @@ def _flaky(error: type[Exception]):
     return reward
 
 
+_SLOW_CALLS = {"n": 0}
+
+
+def reward_slow_once(completion: str, row: dict) -> float:
+    """A synchronous reward whose 5th call sleeps 20 s (a judge that hangs once)."""
+    import time
+
+    from lit_grpo.rewards import get_reward
+
+    _SLOW_CALLS["n"] += 1
+    if _SLOW_CALLS["n"] == 5:
+        time.sleep(20)
+    return get_reward("arithmetic")(completion, row)
+
+
 reward_flaky_runtime_error = _flaky(RuntimeError)
 reward_flaky_connection_error = _flaky(ConnectionError)
 

@@ -191,6 +191,41 @@ def test_a_30_percent_flaky_reward_trains_through_retried_as_configured(run, tmp
 
 
 @pytest.mark.timeout(120)
+def test_a_synchronous_reward_that_hangs_on_one_call_delays_only_its_own_sample(run, tmp_path):
+    """The 5th reward call sleeps 20 s, past rollout_timeout_s=10: it runs off the event loop, so
+    the other samples keep flowing; its sample is cut at the deadline and retried, and the run ends."""
+    summary, seconds = run(
+        "reward.fn=hostile_rollouts:reward_slow_once", "rollout_timeout_s=10", "max_steps=3", "~callbacks.reward_filter"
+    )
+    assert summary["steps"] == 3 and seconds < 60
+    (timeouts,) = _totals(tmp_path, "rollout/timeouts")
+    assert timeouts >= 1
+
+
+@pytest.mark.timeout(120)
+def test_a_rollout_that_blocks_its_loop_ends_with_one_message_and_nothing_after_it(tmp_path):
+    """From the command line: the watchdog's message is the last thing printed, with no asyncio
+    clean-up noise (pending tasks, exceptions never retrieved, a closed loop) after it."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), str(REPO)])}
+    args = [*SMALL, _factory("blocking"), "rollout_timeout_s=2", f"hydra.run.dir={tmp_path / 'run'}"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "lit_grpo.train", *args],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=110,
+    )
+    assert proc.returncode != 0
+    output = proc.stdout + proc.stderr
+    for noise in ("Task was destroyed", "never retrieved", "Event loop is closed", "Traceback"):
+        assert noise not in output, output[-3000:]
+    tail = output.strip().splitlines()[-1]
+    assert tail == "error: the rollout event loop was blocked", output[-3000:]
+    assert "time.sleep(10**6)" in output and "must not block its event loop" in output  # the line, and the fix
+
+
+@pytest.mark.timeout(120)
 def test_huge_rewards_keep_finite_statistics(run, tmp_path):
     run(_factory("huge_reward"), "synchronous_training=true", "~callbacks.reward_filter")
     steps = list(csv.DictReader((tmp_path / "metrics.csv").open()))
