@@ -267,3 +267,26 @@ def test_the_no_progress_message_names_the_dominant_reason_and_what_to_check():
     assert "1  filtered_groups" in message and "1  failures" in message
     assert "6  rollout/dropped_nonnumeric_reward" in message
     assert "Check: the reward must be a float" in message and "first seen: reward '1' (str)" in message
+
+
+@pytest.mark.timeout(60)
+def test_a_slow_step_says_what_it_waits_on(monkeypatch, caplog):
+    """One line a period while a step's groups are awaited: rows sampled, drops, rows still sampling."""
+    import logging
+
+    import lit_grpo.rollouts.waiting as waiting
+
+    monkeypatch.setattr(waiting, "WAIT_REPORT_S", 0.2)
+
+    async def rollout_fn(row):
+        if row["id"] == 0:
+            raise RuntimeError("a bad row")
+        await asyncio.sleep(1.0)
+        return RolloutSample(**{**GOOD, "reward": float(row["id"] % 2)})
+
+    with caplog.at_level(logging.INFO, logger="lit_grpo.rollouts.waiting"):
+        next(iter(_stream([{"id": i} for i in range(4)], rollout_fn, G=2, P=3)))
+    lines = [r.getMessage() for r in caplog.records if r.name == "lit_grpo.rollouts.waiting"]
+    assert lines and lines[0].startswith("step 1: waiting 0 s for its groups: ")
+    assert "rows sampled since it began" in lines[0]
+    assert "failures 2" in lines[-1] and "rows sampling now: 1, the oldest for" in lines[-1]

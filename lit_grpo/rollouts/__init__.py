@@ -7,6 +7,7 @@ schedulers.py  the Scheduler interface and SynchronousScheduler
 offpolicy.py   OffPolicyScheduler: the off-policy gate, sampling on a background loop
 checks.py      what makes a sample malformed; the circuit breaker; the no-progress guard
 deadlines.py   each rollout call's deadline and retries; a blocked event loop detected and named
+waiting.py     a line a minute, while a step's groups are awaited, saying what they wait on
 """
 
 from lit_grpo.rollouts.checks import NoProgressError, RolloutCircuitOpen

@@ -31,6 +31,7 @@ from lit_grpo.rollouts import (
 )
 from lit_grpo.rollouts.checks import NoProgressError
 from lit_grpo.rollouts.rollout import RolloutFn
+from lit_grpo.rollouts.waiting import WaitReport
 from lit_grpo.types import RolloutBatch
 
 log = logging.getLogger(__name__)
@@ -63,7 +64,8 @@ class RolloutStream(IterableDataset):
 
     def __iter__(self) -> Iterator[RolloutBatch]:
         while self.max_steps < 0 or self.steps_done < self.max_steps:
-            step = self.scheduler.next_groups()
+            with WaitReport(self.groups, self.steps_done + 1):  # a line a minute while the step's groups are awaited
+                step = self.scheduler.next_groups()
             if not step.accepted:
                 self._rows_ran_out()
                 return

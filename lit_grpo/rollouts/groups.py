@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import logging
 import threading
+import time
 from collections import Counter
 from typing import Optional
 
@@ -76,6 +77,7 @@ class GroupSampler:
         self.breaker = CircuitBreaker(window=failure_window, max_failure_rate=failure_share)
         self.guard = ProgressGuard(max_rows_without_progress, max_seq_len=max_seq_len)
         self.rows_sampled = 0
+        self._in_flight: dict[int, float] = {}  # rows sampling now -> when they began
         self._counts: Counter = Counter()
         self._lock = threading.Lock()  # the off-policy scheduler counts on its own thread
         self._warned: set[str] = set()
@@ -86,6 +88,24 @@ class GroupSampler:
         `rollout_idx`/`sample_index` (0..G-1) and `evaluation=False`. Raises when the circuit
         breaker trips, and a rollout's bug (`lit_grpo.rollouts.deadlines.BUG_ERRORS`) as it was raised."""
         self.rows_sampled += 1
+        token = object()
+        self._in_flight[id(token)] = time.monotonic()
+        try:
+            return await self._sample(row, version, context)
+        finally:
+            self._in_flight.pop(id(token), None)
+
+    def calls_in_flight(self) -> list[float]:
+        """How long (seconds) each row now sampling has been at it."""
+        now = time.monotonic()
+        return [now - start for start in list(self._in_flight.values())]
+
+    def peek_counts(self) -> Counter:
+        """The drop and failure counts since the last `take_counts`, left in place."""
+        with self._lock:
+            return Counter(self._counts)
+
+    async def _sample(self, row: dict, version: int, context: Optional[dict]) -> PromptGroup:
         prompt = row.get("prompt_token_ids")
         if prompt is not None and len(prompt) >= self.max_seq_len:  # no room left for one generated token
             counts = Counter({"rollout/dropped_prompt_too_long": self.G})
