@@ -589,3 +589,20 @@ def test_an_export_that_fails_after_training_saves_the_policy_in_the_run_folder(
     message = _assert_user_error(proc, f"the export to {run / 'final_model'} failed (No space left on device)")
     assert f"the trained policy was saved to {run / 'exported_policy'} instead" in message
     assert (run / "exported_policy" / "model.safetensors").is_file() and (run / "summary.json").is_file()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    "override,field",
+    [
+        ("trainer.fast_dev_run=banana", "trainer.fast_dev_run"),
+        ("trainer.precision=bogus", "trainer.precision"),
+        ("seed=-1", "seed"),
+        ("rollout_retry_on=[NoSuchError]", "rollout_retry_on"),
+        ("sampler.api_key_env=not-a-name", "sampler.api_key_env"),
+    ],
+)
+def test_the_last_bad_config_values_are_one_message_from_the_command_line(tmp_path, override, field):
+    proc, seconds = _cli(tmp_path, "+experiment=arithmetic", override, f"hydra.run.dir={tmp_path / 'run'}")
+    _assert_user_error(proc, f"config field `{field}`")
+    print(f"{override}: refused in {seconds:.1f} s")
