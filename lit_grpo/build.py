@@ -23,7 +23,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lit_grpo.advantages.registry import Advantage, get_advantage, make_advantage
 from lit_grpo.callbacks.export import HFExport
 from lit_grpo.config import ConfigError, TrainConfig, UserInputs
-from lit_grpo.config.run import exception_class
+from lit_grpo.config.checks import exception_class
 from lit_grpo.loop.distributed import FSDP2Strategy
 from lit_grpo.loop.evaluation import Evaluator, GreedyEvaluator, RolloutEvaluator
 from lit_grpo.loop.module import GRPOModule

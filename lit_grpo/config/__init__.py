@@ -7,6 +7,7 @@
     trainer.py      TrainerConfig: the Lightning Trainer's arguments
     controls.py     what applies around every loss: the mismatch correction, the entropy controls
     run.py          TrainConfig (the whole run), `parse` (a composed DictConfig into it), the ConfigStore node
+    knobs.py        `ineffective_knobs`: values a config sets that have no effect in it
     keys.py         keys the schema does not have (a misspelt `+key=value`)
     sources.py      a data file's kind; a model or dataset that cannot be reached from here
     user_inputs.py  what a Python caller hands a run beside its config (rows, functions)
@@ -31,8 +32,9 @@ from lit_grpo.config.groups import (
     RewardConfig,
     RolloutConfig,
 )
+from lit_grpo.config.knobs import ineffective_knobs
 from lit_grpo.config.model import LORA_DEFAULT_TARGETS, LoraConfig, ModelConfig
-from lit_grpo.config.run import TrainConfig, ineffective_knobs, parse
+from lit_grpo.config.run import TrainConfig, parse
 from lit_grpo.config.sampler import SamplerConfig
 from lit_grpo.config.trainer import TrainerConfig
 from lit_grpo.config.user_inputs import UserInputs

@@ -4,7 +4,7 @@ field, and the bounds and field metadata several groups use."""
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Optional
 
 from lit_grpo.errors import UserError
 
@@ -34,3 +34,18 @@ MAX_LEARNING_RATE = 1.0
 DEFINES_STATE = {"defines_state": True}
 """Field metadata: the field defines what a checkpoint's state means, so resuming with another
 value is refused (`lit_grpo.run.checkpoint.check_resumable`). On a sub-config: all of it."""
+
+
+def exception_class(name: str) -> Optional[type[BaseException]]:
+    """The exception class `name` names (a builtin, or `module.Class`), or None."""
+    import builtins
+    import importlib
+
+    found = getattr(builtins, name, None)
+    if found is None and "." in name:
+        module, _, attr = name.rpartition(".")
+        try:
+            found = getattr(importlib.import_module(module), attr, None)
+        except ImportError:
+            found = None
+    return found if isinstance(found, type) and issubclass(found, BaseException) else None

@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from lit_grpo.advantages.registry import Advantage
 from lit_grpo.config import TrainConfig
-from lit_grpo.config.run import exception_class
+from lit_grpo.config.checks import exception_class
 from lit_grpo.config.sampler import engine_on_loop
 from lit_grpo.rollouts import (
     GroupFilter,

@@ -1,0 +1,67 @@
+"""Knobs a config sets that have no effect in it: one warning each at start-up (`ineffective_knobs`)."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+
+from lit_grpo.config.controls import EntropyConfig
+from lit_grpo.config.groups import DataConfig
+from lit_grpo.config.run import TrainConfig
+from lit_grpo.config.sources import source_kind
+
+
+def ineffective_knobs(c: TrainConfig) -> list[str]:
+    """One message per knob that this config sets but that has no effect in it (logged at start-up).
+
+    A knob at its default is not reported: only values someone chose and that do nothing.
+    """
+    knobs = []
+    if c.synchronous_training and c.max_head_offpolicy_versions > 0:
+        knobs.append(
+            f"max_head_offpolicy_versions={c.max_head_offpolicy_versions} "
+            "has no effect with synchronous_training=true: "
+            "every rollout is drained before each step, so none is ever off-policy"
+        )
+    if c.max_rollout_versions > 0 and not c.partial_rollouts:
+        knobs.append(
+            f"max_rollout_versions={c.max_rollout_versions} has no effect with partial_rollouts=false: "
+            "no sampler reports its tokens' versions"
+        )
+    if c.eval_interval > 0 and c.data.eval_rows == 0:
+        knobs.append(
+            f"eval_interval={c.eval_interval} has no effect with data.eval_rows=0: there is nothing to evaluate"
+        )
+    if c.data.eval_path and c.data.eval_rows == 0:
+        knobs.append(f"data.eval_path={c.data.eval_path} has no effect with data.eval_rows=0: nothing is evaluated")
+    data_defaults = {f.name: f.default for f in fields(DataConfig)}
+    if not any(p and source_kind(p) == "dataset" for p in (c.data.path, c.data.eval_path)):
+        for name in ("split", "eval_split", "dataset_config"):
+            if getattr(c.data, name) != data_defaults[name]:
+                knobs.append(
+                    f"data.{name}={getattr(c.data, name)} has no effect: "
+                    "neither data.path nor data.eval_path is a dataset"
+                )
+    if c.rollout.overlong_buffer_len == 0 and c.rollout.overlong_penalty_factor != 1.0:
+        knobs.append(
+            f"rollout.overlong_penalty_factor={c.rollout.overlong_penalty_factor} has no effect with "
+            "rollout.overlong_buffer_len=0: the overlong penalty is off"
+        )
+    knobs += _ineffective_entropy_knobs(c.entropy)
+    default_keep = TrainConfig.__dataclass_fields__["dcp_keep_last"].default
+    if c.dcp_save_interval == 0 and c.dcp_keep_last != default_keep:
+        knobs.append(f"dcp_keep_last={c.dcp_keep_last} has no effect with dcp_save_interval=0: no checkpoint is saved")
+    return knobs
+
+
+def _ineffective_entropy_knobs(e: EntropyConfig) -> list[str]:
+    defaults = EntropyConfig()
+    knobs = []
+    if (e.coef_final is None) != (e.decay_steps == 0):
+        set_ = f"coef_final={e.coef_final}" if e.coef_final is not None else f"decay_steps={e.decay_steps}"
+        knobs.append(f"entropy.{set_} has no effect alone: a decay needs entropy.coef_final and decay_steps > 0")
+    if not e.adaptive:
+        for name in ("adapt_step", "coef_max"):
+            if getattr(e, name) != getattr(defaults, name):
+                value = getattr(e, name)
+                knobs.append(f"entropy.{name}={value} has no effect without entropy.target (the adaptive bonus)")
+    return knobs
