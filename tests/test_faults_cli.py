@@ -576,6 +576,24 @@ def test_an_export_folder_under_a_file_is_refused_before_training(tmp_path):
 
 
 @pytest.mark.timeout(300)
+def test_a_read_only_export_folder_is_refused_before_training(tmp_path):
+    locked = tmp_path / "locked"
+    wrap = _read_only(locked)
+    try:
+        proc, _ = _cli(
+            tmp_path,
+            "+experiment=arithmetic",
+            f"hydra.run.dir={tmp_path / 'run'}",
+            f"output_model_id={locked / 'model'}",
+            wrap=wrap,
+        )
+    finally:
+        locked.chmod(0o700)
+    _assert_user_error(proc, f"output_model_id={locked / 'model'}: its folder {locked}", "cannot write there")
+    assert not (tmp_path / "run" / "metrics.csv").exists()
+
+
+@pytest.mark.timeout(300)
 def test_an_export_that_fails_after_training_saves_the_policy_in_the_run_folder(tmp_path):
     run = tmp_path / "run"
     proc, _ = _cli(
