@@ -268,6 +268,16 @@ def _read_only(folder: Path) -> tuple[str, ...]:
     return _private_mount(f"mount --bind {folder} {folder}", f"mount -o remount,bind,ro {folder}")
 
 
+def _cli_with_read_only(locked: Path, cwd: Path, *overrides: str) -> subprocess.CompletedProcess:
+    """`_cli(cwd, *overrides)` with folder `locked` read-only for it (`_read_only`), writable again after."""
+    wrap = _read_only(locked)
+    try:
+        proc, _ = _cli(cwd, *overrides, wrap=wrap)
+    finally:
+        locked.chmod(0o700)
+    return proc
+
+
 @pytest.mark.timeout(300)
 def test_a_read_only_run_folder(tmp_path):
     # Needs the `RunDirCheck` Hydra callback in conf/train.yaml: Hydra writes to the run folder first.
@@ -283,17 +293,9 @@ def test_a_read_only_run_folder(tmp_path):
 @pytest.mark.timeout(300)
 def test_a_read_only_output_dir(tmp_path):
     locked = tmp_path / "locked"
-    wrap = _read_only(locked)
-    try:
-        proc, _ = _cli(
-            tmp_path,
-            "+experiment=arithmetic",
-            f"hydra.run.dir={tmp_path / 'run'}",
-            f"output_dir={locked / 'out'}",
-            wrap=wrap,
-        )
-    finally:
-        locked.chmod(0o700)
+    proc = _cli_with_read_only(
+        locked, tmp_path, "+experiment=arithmetic", f"hydra.run.dir={tmp_path / 'run'}", f"output_dir={locked / 'out'}"
+    )
     _assert_user_error(proc, f"output_dir={locked / 'out'}", "cannot write there", "output_dir=/path/to/folder")
 
 
@@ -578,17 +580,13 @@ def test_an_export_folder_under_a_file_is_refused_before_training(tmp_path):
 @pytest.mark.timeout(300)
 def test_a_read_only_export_folder_is_refused_before_training(tmp_path):
     locked = tmp_path / "locked"
-    wrap = _read_only(locked)
-    try:
-        proc, _ = _cli(
-            tmp_path,
-            "+experiment=arithmetic",
-            f"hydra.run.dir={tmp_path / 'run'}",
-            f"output_model_id={locked / 'model'}",
-            wrap=wrap,
-        )
-    finally:
-        locked.chmod(0o700)
+    proc = _cli_with_read_only(
+        locked,
+        tmp_path,
+        "+experiment=arithmetic",
+        f"hydra.run.dir={tmp_path / 'run'}",
+        f"output_model_id={locked / 'model'}",
+    )
     _assert_user_error(proc, f"output_model_id={locked / 'model'}: its folder {locked}", "cannot write there")
     assert not (tmp_path / "run" / "metrics.csv").exists()
 

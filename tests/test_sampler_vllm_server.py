@@ -255,22 +255,21 @@ def test_stop_strings_keep_the_completing_token_and_cut_the_text(servers, sample
         _sample(sampler, prompts[:1], top_k=5)
 
 
+def _train_attached(pool, tmp_path, *overrides: str) -> dict:
+    """The arithmetic demo (2 heads, constant learning rate) trained on the servers of `pool`."""
+    urls = ",".join(f"'{u}'" for u in pool.urls)
+    common = ["sampler=vllm_server", f"sampler.server_urls=[{urls}]", "model.num_heads=2", "lr_decay=constant"]
+    return train(
+        compose_config(
+            "+experiment=arithmetic", *common, *overrides, "trainer.enable_progress_bar=false", output_dir=tmp_path
+        )
+    )
+
+
 @pytest.mark.timeout(180)
 def test_a_training_run_attached_to_the_servers(servers, tmp_path):
     pool, _, _ = servers
-    urls = ",".join(f"'{u}'" for u in pool.urls)
-    summary = train(
-        compose_config(
-            "+experiment=arithmetic",
-            "sampler=vllm_server",
-            f"sampler.server_urls=[{urls}]",
-            "model.num_heads=2",
-            "max_steps=5",
-            "lr_decay=constant",
-            "trainer.enable_progress_bar=false",
-            output_dir=tmp_path,
-        )
-    )
+    summary = _train_attached(pool, tmp_path, "max_steps=5")
     assert summary["steps"] == 5
     rows = list(csv.DictReader(open(tmp_path / "metrics.csv")))
     sync_s = [float(r["perf/weight_sync_s"]) for r in rows if r.get("perf/weight_sync_s")]
@@ -290,23 +289,15 @@ def test_an_asynchronous_run_with_partial_rollouts_attached_to_the_servers(serve
     """O = 1 with partial rollouts over the two servers: completions long enough to be in flight
     at the syncs are interrupted and continued, and the run trains every step."""
     pool, _, _ = servers
-    urls = ",".join(f"'{u}'" for u in pool.urls)
-    summary = train(
-        compose_config(
-            "+experiment=arithmetic",
-            "sampler=vllm_server",
-            f"sampler.server_urls=[{urls}]",
-            "sampler.max_completion_tokens=48",
-            "data.max_seq_len=96",
-            "model.num_heads=2",
-            "max_steps=6",
-            "lr_decay=constant",
-            "synchronous_training=false",
-            "max_head_offpolicy_versions=1",
-            "partial_rollouts=true",
-            "trainer.enable_progress_bar=false",
-            output_dir=tmp_path,
-        )
+    summary = _train_attached(
+        pool,
+        tmp_path,
+        "sampler.max_completion_tokens=48",
+        "data.max_seq_len=96",
+        "max_steps=6",
+        "synchronous_training=false",
+        "max_head_offpolicy_versions=1",
+        "partial_rollouts=true",
     )
     assert summary["steps"] == 6
     rows = list(csv.DictReader(open(tmp_path / "metrics.csv")))
