@@ -114,20 +114,10 @@ class AdapterSync:
         self.last_sync_bytes = write_adapter(named_tensors, config, folder)
         load = load_adapter(self.router.call, live, version, str(folder.resolve()), self.max_loras, self.sync_timeout_s)
         try:
-            self._run(self._holding_requests(load, version), timeout=4 * self.sync_timeout_s)
+            self._run(self._streams.hold(load, version, interrupt=False), timeout=4 * self.sync_timeout_s)
         except TimeoutError:
             raise WeightSyncError(
                 f"adapter sync to version {version} did not finish within {4 * self.sync_timeout_s:g} s"
             ) from None
         self.version = version
         shutil.rmtree(adapter_folder(self.weight_sync_dir, version - self.max_loras), ignore_errors=True)
-
-    async def _holding_requests(self, load: Any, version: int) -> None:
-        """`load`, with no streamed request starting until it is done (then at `version`)."""
-        self._streams.open.clear()
-        loaded = False
-        try:
-            await load
-            loaded = True
-        finally:
-            self._streams.reopen(version if loaded else self.version)

@@ -76,6 +76,22 @@ class InFlightStreams:
         self.interruptions += len(tasks)
         return len(tasks)
 
+    async def hold(self, work: Awaitable[Any], version: int, *, interrupt: bool) -> None:
+        """`work` (a weight sync) with no request starting meanwhile; with `interrupt` the streams in
+        flight are closed first. After it requests start again, at `version` if `work` finished,
+        else at the version before."""
+        previous = self.version
+        if interrupt:
+            await self.interrupt()
+        else:
+            self.open.clear()
+        done = False
+        try:
+            await work
+            done = True
+        finally:
+            self.reopen(version if done else previous)
+
     def reopen(self, version: int) -> None:
         """Requests may start again, at `version`."""
         self.version = version

@@ -8,7 +8,7 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, Optional
 
@@ -221,7 +221,9 @@ class ServerWeightSync:
             # Each server call has its own deadline (sync_timeout_s); this bound is only for a stuck
             # client loop: cancelling between phases could leave a server paused.
             sync = sync_replicas(self.router.call, live, version, folder, self.sync_timeout_s, transfer=transfer)
-            self._run(self._interrupting(sync, version), timeout=8 * self.sync_timeout_s)
+            # With partial rollouts the streams in flight are closed first, and continue after it.
+            held = self._streams.hold(sync, version, interrupt=True) if self.partial_rollouts else sync
+            self._run(held, timeout=8 * self.sync_timeout_s)
         except TimeoutError:
             raise WeightSyncError(
                 f"weight sync to version {version} did not finish within "
@@ -230,20 +232,6 @@ class ServerWeightSync:
         self.version = version
         served = sum(r.down is None for r in self.replicas)
         log.debug("weight sync %d: %d server(s) in %.3f s", version, served, time.perf_counter() - start)
-
-    async def _interrupting(self, sync: Awaitable[None], version: int) -> None:
-        """`sync`, with partial rollouts between closing every stream in flight and letting
-        requests start again, at `version` (or, if it failed, at the version before)."""
-        if not self.partial_rollouts:
-            await sync
-            return
-        await self._streams.interrupt()
-        synced = False
-        try:
-            await sync
-            synced = True
-        finally:
-            self._streams.reopen(version if synced else version - 1)
 
     def set_version(self, version: int) -> None:
         """Tell every live replica that it serves `version` (the servers this sampler started from
