@@ -7,12 +7,18 @@ never skip."""
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
-from conftest import compose_config, start_test_servers, tiny_arithmetic_model
+from conftest import compose_config, start_test_servers, tiny_arithmetic_model, trained_steps
 
 from lit_grpo.config import LoraConfig
 from lit_grpo.loop.module import token_logprobs
@@ -20,12 +26,14 @@ from lit_grpo.models.load import save_pretrained
 from lit_grpo.models.lora import adapter_config, adapter_tensors, apply_lora, base_tensors
 from lit_grpo.models.weights import full_named_tensors
 from lit_grpo.run.validate import validate
+from lit_grpo.samplers.server.adapters import adapter_name
 from lit_grpo.samplers.server.sampler import VLLMServerSampler
 from lit_grpo.samplers.server.weight_files import write_weight_file
 from lit_grpo.train import train
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
+TESTS = Path(__file__).resolve().parent
 PROMPTS = ["1+2=", "12+3=", "7*8=", "5+5=", "9-4=", "3+3="]
 RANK = 8
 
@@ -91,7 +99,8 @@ def test_after_each_adapter_sync_the_served_logprobs_are_the_lora_policys(lora_s
             _push(sampler, policy, version if version == 0 else None)
             seconds.append(time.perf_counter() - start)
             sizes.append(sampler.last_sync_bytes)
-            assert sampler.version == version and sampler.replicas[0].model == f"policy-v{version}"
+            assert sampler.version == version
+            assert sampler.replicas[0].model == adapter_name(sampler.adapter_prefix, version)
             assert sampler.served_versions() == {pool.urls[0]: str(version)}
             completions = _sample(sampler, tokenizer, PROMPTS * 2, temperature=1.0, max_tokens=12)
             diff = _diff(policy, completions)
@@ -100,7 +109,8 @@ def test_after_each_adapter_sync_the_served_logprobs_are_the_lora_policys(lora_s
             print(f"v{version}: served vs LoRA policy mean |diff| {diff:.2e} (vs the base alone {base_diff:.2e})")
             assert diff < 1e-5 and base_diff > 1e-2
         # the older adapters' folders are removed once the servers no longer keep them
-        assert sorted(p.name for p in (tmp_path / "sync").iterdir()) == ["adapter-v2", "adapter-v3", "adapter-v4"]
+        kept = sorted(p.name for p in (tmp_path / "sync").iterdir())
+        assert kept == [adapter_name(sampler.adapter_prefix, v) for v in (2, 3, 4)]
         merged = write_weight_file(full_named_tensors(policy), tmp_path / "merged")
         merged_bytes = (tmp_path / "merged" / "model.safetensors").stat().st_size
         print(f"adapter sync: {sizes[-1]} bytes in {min(seconds):.3f} s; merged weights: {merged_bytes} bytes")
@@ -199,4 +209,93 @@ def test_a_lora_run_syncs_its_adapter_to_the_servers_it_starts(tmp_path):
     merged_mb = (tmp_path / "final_model" / "model.safetensors").stat().st_size / 2**20
     print(f"adapter syncs: {[round(mb, 4) for mb in sent]} MiB; the merged model: {merged_mb:.4f} MiB")
     assert len(sent) == 4 and max(sent) < merged_mb / 2
-    assert sorted(p.name for p in (tmp_path / "weight_sync").iterdir())[-1] == "adapter-v4"
+    assert sorted(p.name for p in (tmp_path / "weight_sync").iterdir())[-1].endswith("-v4")
+
+
+def _served_adapters(url: str) -> list[str]:
+    import httpx
+
+    models = httpx.get(f"{url}/v1/models", timeout=10).json()["data"]
+    return sorted(m["id"] for m in models if m.get("parent"))
+
+
+def _lora_run_args(url: str, *overrides: str) -> list[str]:
+    """The LoRA demo, attached to the fixture's server (rank 8, 3 adapters), 6 steps, checkpoints each step."""
+    return [
+        "+experiment=arithmetic_lora",
+        "sampler=vllm_server",
+        f"sampler.server_urls=['{url}']",
+        "sampler.max_loras=3",
+        "model.num_heads=2",
+        "model.lora.rank=8",
+        "model.lora.alpha=16",
+        "lr_decay=constant",
+        "max_steps=6",
+        "dcp_save_interval=1",
+        "trainer.enable_progress_bar=false",
+        *overrides,
+    ]
+
+
+def _cli(run_dir, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), str(TESTS.parent)])}
+    return subprocess.run(
+        [sys.executable, "-m", "lit_grpo.train", *args, f"hydra.run.dir={run_dir}"],
+        cwd=run_dir.parent,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+
+
+def _synced_versions(run_dir) -> dict[str, list[int]]:
+    """The adapter folders a run's syncs left, as {run tag: versions}."""
+    found: dict[str, list[int]] = {}
+    for folder in sorted((run_dir / "weight_sync").glob("policy-*")):
+        prefix, version = folder.name.rsplit("-v", 1)
+        found.setdefault(prefix, []).append(int(version))
+    return {prefix: sorted(versions) for prefix, versions in found.items()}
+
+
+@pytest.mark.timeout(600)
+def test_one_server_pool_serves_run_after_run_and_a_preempted_run_resumes_on_it(lora_server, tmp_path):
+    """Adapter names are the run's own (`policy-<tag>-v<version>`): a second run on the servers a
+    first one used starts, each run unloads the adapters it loaded, and a run stopped by SIGTERM,
+    then by SIGKILL (which leaves its adapters loaded), resumes with `resume=auto` each time while
+    the servers stay up, its versions continuing from the checkpoint's. A resume that fails first
+    leaves metrics.csv as it was."""
+    pool, _, _ = lora_server
+    url = pool.urls[0]
+    first = train(compose_config(*_lora_run_args(url, "max_steps=2", "dcp_save_interval=0"), output_dir=tmp_path / "a"))
+    assert first["steps"] == 2
+    assert _served_adapters(url) == []  # the first run unloaded its own
+
+    run_dir = tmp_path / "b"
+    run_dir.mkdir()
+    stop_at = "+callbacks.stop={_target_:fault_injection.SignalAfterStep,step:%d,signum:%d}"
+    stopped = _cli(run_dir, *_lora_run_args(url, stop_at % (3, signal.SIGTERM)))
+    assert stopped.returncode == 143, stopped.stderr[-3000:]
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 3
+    assert _served_adapters(url) == []  # a stopped run closes, and unloads its own
+    metrics = (run_dir / "metrics.csv").read_bytes()
+
+    refused = _cli(run_dir, *_lora_run_args("http://127.0.0.1:9", "resume=auto", "sampler.request_timeout_s=5"))
+    assert refused.returncode != 0 and "127.0.0.1:9" in refused.stderr.splitlines()[-1], refused.stderr[-3000:]
+    assert (run_dir / "metrics.csv").read_bytes() == metrics  # a resume that did not go on removed nothing
+
+    killed = _cli(run_dir, *_lora_run_args(url, "resume=auto", stop_at % (5, signal.SIGKILL)))
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    left = _served_adapters(url)  # at build (v0), the resume's sync (v3) and step 4's
+    assert len({name.rsplit("-v", 1)[0] for name in left}) == 1
+    assert [int(name.rsplit("-v", 1)[1]) for name in left] == [0, 3, 4]
+
+    resumed = _cli(run_dir, *_lora_run_args(url, "resume=auto"))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 6 and summary["resumed_from"].endswith("step_00000004")
+    assert sorted(int(r["step"]) for r in trained_steps(run_dir)) == list(range(6))
+    versions = _synced_versions(run_dir)
+    print(f"adapter folders by run tag: {versions}; still served: {_served_adapters(url)}")
+    assert sorted(versions.values()) == [[0, 3, 4], [1, 2, 3], [4, 5, 6]]  # each attempt's last three
+    assert _served_adapters(url) == left  # the last attempt unloaded its own; the killed one's stay

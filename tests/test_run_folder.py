@@ -150,3 +150,29 @@ def test_the_csv_logger_writes_each_step_when_it_is_logged(tmp_path):
         logger.log_metrics({"reward/mean": 0.5 * step, "train/loss": 1.0}, step=step)
         rows = list(csv.DictReader((tmp_path / "metrics.csv").open()))
         assert [row["step"] for row in rows] == [str(s) for s in range(step + 1)]  # on disk, no save() needed
+
+
+def test_a_resume_that_fails_before_it_goes_on_leaves_metrics_csv_as_it_was(tmp_path, monkeypatch):
+    """Lightning's CSV writer deletes metrics.csv when it starts; a resume that then fails (here the
+    resume's weight sync, as a server refusing it would) must not take the run's curve with it. The
+    first save after the resume has gone through replaces the file whole."""
+    from lit_grpo.errors import EnvironmentFault
+    from lit_grpo.loop.step_sequence import StepSequence
+
+    train(compose_config(*RUN, "max_steps=4", output_dir=tmp_path))
+    before = (tmp_path / "metrics.csv").read_bytes()
+    assert before.count(b"\n") > 4
+
+    def refused(self, module, version):
+        raise EnvironmentFault("the sampler refused the resumed weights")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(StepSequence, "sync_sampler", refused)
+        with pytest.raises(EnvironmentFault):
+            train(compose_config(*RUN, "max_steps=6", "resume=auto", output_dir=tmp_path))
+    assert (tmp_path / "metrics.csv").read_bytes() == before
+    assert not list(tmp_path.glob(".metrics.csv.*"))
+
+    train(compose_config(*RUN, "max_steps=6", "resume=auto", output_dir=tmp_path))
+    rows = list(csv.DictReader((tmp_path / "metrics.csv").open()))
+    assert sorted({int(r["step"]) for r in rows if r.get("reward/mean")}) == list(range(6))

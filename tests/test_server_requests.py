@@ -176,3 +176,16 @@ def test_errors_name_the_server_and_deadlines_hold():
     with pytest.raises(SamplerTimeout, match="http_timeout"):  # the deadline comes before the retries run out
         asyncio.run(router.complete({"prompt": [1]}, 1, time.monotonic() + 0.15))
     assert router.replicas[0].down is None  # a slow server is not a gone one
+
+
+def test_a_failed_adapter_load_suggests_lora_only_when_the_server_lacks_it():
+    from lit_grpo.samplers.server.adapters import why_load_failed
+
+    url = "http://127.0.0.1:8000"
+    missing = ServerError(f'vLLM server {url}: POST /v1/load_lora_adapter answered 404: {{"detail":"Not Found"}}')
+    assert "lit_grpo.serve --lora-rank" in why_load_failed(missing)
+    taken = ServerError(
+        f"vLLM server {url}: POST /v1/load_lora_adapter answered 400: The lora adapter 'policy-v1' has already been "
+        "loaded. If you want to load the adapter in place, set 'load_inplace' to True."
+    )
+    assert why_load_failed(taken) == ""  # the server's own answer says it all

@@ -217,7 +217,7 @@ class StepSequence:
             return {}
         start = time.perf_counter()
         if self.weight_sync_interval > 0:
-            self.sync_sampler(module)
+            self.sync_sampler(module, self.datamodule.version + 1)
         self.datamodule.advance_version()
         if self.weight_sync_interval == 0:
             return {}
@@ -227,18 +227,19 @@ class StepSequence:
             metrics["perf/weight_sync_mb"] = sent / 2**20
         return metrics
 
-    def sync_sampler(self, module: L.LightningModule) -> None:
-        """The policy's full weights into this rank's sampler: gathered tensor by tensor when the
-        policy is sharded (a collective, in the same order on every rank). Through the strategy's
-        model, because a sharding strategy may wrap the whole module, not the policy alone."""
+    def sync_sampler(self, module: L.LightningModule, version: int) -> None:
+        """The policy's full weights into this rank's sampler, as policy `version`: gathered tensor by
+        tensor when the policy is sharded (a collective, in the same order on every rank). Through the
+        strategy's model, because a sharding strategy may wrap the whole module, not the policy alone."""
         model = module.trainer.strategy.model
         if self._policy_weights is None or self._policy_weights.model is not model:
             self._policy_weights = PolicyWeights(model, prefix="policy.")
         with torch.no_grad():
             if self.datamodule.adapter_sync:  # a LoRA policy's adapter alone (`sampler.lora_sync=adapter`)
-                self.datamodule.push_adapter(self._policy_weights.adapter_tensors(), adapter_config(module.policy))
+                adapter = self._policy_weights.adapter_tensors()
+                self.datamodule.push_adapter(adapter, adapter_config(module.policy), version)
             else:
-                self.datamodule.push_weights(self._policy_weights.named_tensors())
+                self.datamodule.push_weights(self._policy_weights.named_tensors(), version)
 
     def _save(
         self,
@@ -290,7 +291,7 @@ class StepSequence:
                     "the checkpoint was taken between weight syncs; "
                     "the sampler restarts from the saved policy (not an exact resume)"
                 )
-            self.sync_sampler(module)
+            self.sync_sampler(module, self.datamodule.version)  # the saved policy is that version
         self._rng_to_restore = state["rng"]
         self._replay_history_into_csv(trainer)
         log.info("resumed from %s at step %d", self.resume_from, state["step"])

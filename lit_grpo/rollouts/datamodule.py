@@ -164,7 +164,7 @@ class RolloutDataModule(L.LightningDataModule):
         self.partial_rollouts = c.partial_rollouts
         if c.partial_rollouts:
             sampler.enable_partial_rollouts()
-            self._align_sampler_version()  # servers attached at build were synced once already
+            self._align_sampler_version(self.scheduler.version)  # servers attached at build were synced once already
         self.stream = RolloutStream(
             self.scheduler,
             self.groups,
@@ -202,21 +202,21 @@ class RolloutDataModule(L.LightningDataModule):
         """The policy version of the sampler: version advances (weight syncs) so far."""
         return self.scheduler.version
 
-    def push_weights(self, named_tensors) -> None:
-        """Load `(name, full tensor)` pairs of the policy into the sampler."""
-        self._align_sampler_version()  # the sync makes it version + 1, as advance_version does here
+    def push_weights(self, named_tensors, version: int) -> None:
+        """Load `(name, full tensor)` pairs of the policy at `version` into the sampler."""
+        self._align_sampler_version(version - 1)  # the sync makes it `version`
         self.sampler.update_weights(named_tensors)
 
-    def push_adapter(self, named_tensors, config) -> None:
-        """Load the policy's LoRA adapter (peft-named tensors and its `LoraConfig`) into the sampler."""
-        self._align_sampler_version()
-        self.sampler.update_adapter(named_tensors, config)
+    def push_adapter(self, named_tensors, config, version: int) -> None:
+        """Load the LoRA adapter of the policy at `version` (peft-named tensors and its `LoraConfig`)
+        into the sampler: the adapter's name carries the version, so a resumed run continues it."""
+        self.sampler.update_adapter(named_tensors, config, version)
 
-    def _align_sampler_version(self) -> None:
+    def _align_sampler_version(self, version: int) -> None:
         """With partial rollouts the sampler tags tokens with its weights' version: it counts as the
         scheduler does (a resumed run's scheduler starts at the saved version)."""
         if self.partial_rollouts:
-            self.sampler.version = self.scheduler.version
+            self.sampler.version = version
 
     def advance_version(self) -> None:
         """Later rows are sampled at the next policy version (the gate admits accordingly)."""
@@ -229,7 +229,7 @@ class RolloutDataModule(L.LightningDataModule):
     def load_state_dict(self, state: dict) -> None:
         self.stream.steps_done = state["steps_done"]
         self.scheduler.load_state_dict(state["scheduler"])
-        self._align_sampler_version()
+        self._align_sampler_version(self.scheduler.version)
 
     def close(self) -> None:
         """Stop the scheduler's event loop, then the sampler's worker."""

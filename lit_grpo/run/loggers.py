@@ -3,7 +3,10 @@ and the CSV logger that writes `<output_dir>/metrics.csv` into the run folder.""
 
 from __future__ import annotations
 
+import csv
 import importlib
+import os
+from pathlib import Path
 from typing import Any
 
 from lightning.fabric.loggers.logger import rank_zero_experiment
@@ -12,18 +15,32 @@ from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 
 
 class _RunFolderWriter(ExperimentWriter):
-    """Lightning's CSV writer without its "directory exists and is not empty" warning.
+    """Lightning's CSV writer, for a run folder: an existing metrics.csv stays as it is until this
+    run's first save replaces it whole (written beside it, then renamed into place).
 
-    Lightning warns whenever its folder holds any file, and the run folder always does (Hydra's
-    `.hydra/` and log, the run lock), so every run warned. What the check guards is an existing
-    metrics.csv, which the writer deletes; `train` has settled that before the logger starts: a
-    fresh run moves an earlier run's file aside (`run_folder.set_aside_metrics`), and a resume
-    into its own folder rewrites it from the checkpoint's history (`StepSequence`).
+    Lightning's writer deletes metrics.csv as it starts, and warns whenever its folder holds any
+    file (the run folder always does: Hydra's `.hydra/` and log, the run lock). A resume that then
+    failed (a server that refused it, a bad checkpoint) left the run folder without its metrics.
+    `train` has settled whose file it is before the logger starts: a fresh run moves an earlier
+    run's file aside (`run_folder.set_aside_metrics`), and a resume into its own folder rewrites it
+    from the checkpoint's history (`StepSequence`), once the resume has gone through.
     """
 
     def _check_log_dir_exists(self) -> None:
-        if self._fs.isfile(self.metrics_file_path):
-            self._fs.rm_file(self.metrics_file_path)
+        self._replaces_file = self._fs.isfile(self.metrics_file_path)
+
+    def save(self) -> None:
+        if not (self._replaces_file and self.metrics):
+            return super().save()
+        self._record_new_keys()
+        path = Path(self.metrics_file_path)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        with open(tmp, "w", newline="") as file:
+            writer = csv.DictWriter(file, fieldnames=self.metrics_keys)
+            writer.writeheader()
+            writer.writerows(self.metrics)
+        os.replace(tmp, path)
+        self._replaces_file, self.metrics = False, []
 
 
 class RunFolderCSVLogger(CSVLogger):

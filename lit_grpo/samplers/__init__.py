@@ -175,7 +175,7 @@ def _build_vllm_server(cfg, policy, tokenizer, *, model, work_dir, seed):
 
     def serve_the_adapter(sampler: VLLMServerSampler) -> None:
         sampler.enable_adapter_sync(cfg.max_loras)
-        sampler.update_adapter(adapter_tensors(policy.state_dict().items()), adapter_config(policy), sampler.version)
+        sampler.update_adapter(adapter_tensors(policy.state_dict().items()), adapter_config(policy), 0)
 
     num_servers = cfg.servers_to_start
     if not num_servers:

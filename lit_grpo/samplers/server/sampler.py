@@ -358,6 +358,8 @@ class VLLMServerSampler(ServerScoring, AdapterSync, ServerWeightSync, BatchingSa
         """Close the HTTP client and stop the servers this sampler started. Idempotent."""
         if self._closed:
             return
+        if self.pool is None and self.max_loras and self._loop.is_running():
+            self.release_adapters()  # servers shared with other runs: this run's adapters are its own to unload
         self._closed = True
         try:
             if self._loop.is_running() and getattr(self, "_client", None) is not None:
