@@ -100,12 +100,12 @@ def test_a_step_without_signal_leaves_weights_and_optimizer_state_bit_identical(
         warnings.filterwarnings("error", message=".*lr_scheduler.step.*")  # skipped on purpose: no torch warning
         fit_on(batches, tmp_path, "policy_loss.kl_beta=0.1", "grad_clip_norm=1.0", callbacks=[snapshots])
     w, opt = snapshots.weights, snapshots.optimizer  # [before, after step 1, ..., after step 4]
-    assert [m["train/skipped_no_signal"] for m in snapshots.metrics] == [1.0, 0.0, 1.0, 0.0]
-    assert [m["train/skipped_nonfinite"] for m in snapshots.metrics] == [0.0] * 4
     assert _same_weights(w[0], w[1]) and opt[1]["state"] == {}  # nothing moved, Adam untouched
     assert not _same_weights(w[1], w[2])
     assert _same_weights(w[2], w[3]) and _same_optimizer_state(opt[2], opt[3])
     assert not _same_weights(w[3], w[4]) and not _same_optimizer_state(opt[3], opt[4])  # one advantage moves it
+    assert [m["train/skipped_no_signal"] for m in snapshots.metrics] == [1.0, 0.0, 1.0, 0.0]
+    assert [m["train/skipped_nonfinite"] for m in snapshots.metrics] == [0.0] * 4
     assert snapshots.lr_steps == [0, 1, 2, 3, 4]  # the schedule counts every optimizer step, as for a non-finite one
     said = [r.getMessage() for r in caplog.records if "skipped_no_signal" in r.getMessage()]
     assert len(said) == 1 and said[0].startswith("step 1: no trained token carries a non-zero advantage on any rank")
@@ -117,9 +117,9 @@ def test_ppo_minibatches_skip_only_the_optimizer_steps_without_signal(tmp_path):
     advantages = torch.tensor([0.0, 0.0, 0.0, 0.0, 1.0, -1.0, 0.5, -0.5])
     snapshots = Snapshots()
     fit_on([_with_advantages(LENGTHS, 0, advantages)], tmp_path, "ppo_n_minibatches=2", callbacks=[snapshots])
-    assert snapshots.metrics[0]["train/skipped_no_signal"] == 1.0  # a count over the minibatches
     (state,) = {int(s["step"]) for s in snapshots.optimizer[1]["state"].values()}
     assert state == 1  # one Adam step: the second minibatch's
+    assert snapshots.metrics[0]["train/skipped_no_signal"] == 1.0  # a count over the minibatches
     assert snapshots.lr_steps == [0, 2]
 
 
@@ -137,6 +137,6 @@ def test_per_token_advantages_are_read_where_they_train(tmp_path):
     inside.advantages_BT[2, 4] = -0.25  # a trained token (loss mask 1 from position 2)
     snapshots = Snapshots()
     fit_on([batch, inside], tmp_path, callbacks=[snapshots])
-    assert [m["train/skipped_no_signal"] for m in snapshots.metrics] == [1.0, 0.0]
     assert _same_weights(snapshots.weights[0], snapshots.weights[1])
     assert not _same_weights(snapshots.weights[1], snapshots.weights[2])
+    assert [m["train/skipped_no_signal"] for m in snapshots.metrics] == [1.0, 0.0]
