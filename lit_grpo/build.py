@@ -90,6 +90,7 @@ def build_datamodule(
         seed=c.seed + RANK_SEED_STRIDE * rank,
         share_weights=c.sampler_shares_policy_weights,
     )
+    scorer = run_reward_scorer(c, reward)
     setup = RolloutSetup(
         sampler=sampler,
         tokenizer=tokenizer,
@@ -101,7 +102,7 @@ def build_datamodule(
         },
         extras={
             "reward_fn": reward,
-            "reward_scorer": run_reward_scorer(c, reward),
+            "reward_scorer": scorer,
             "prompt_field": c.data.prompt_field,
             "retry_on": tuple(exception_class(name) for name in c.rollout_retry_on),
             "max_retries": c.rollout_max_retries,
@@ -112,7 +113,7 @@ def build_datamodule(
         model=c.model.name_or_path or c.model.kind,
         tokenizer_id=c.model.name_or_path or c.model.kind,
     )
-    return RolloutDataModule(
+    datamodule = RolloutDataModule(
         c,
         rows=rows,
         tokenizer=tokenizer,
@@ -126,6 +127,8 @@ def build_datamodule(
         rank=rank,
         world_size=world_size,
     )
+    datamodule.reward_scorer = scorer  # what the step sequence counts the reward's timeouts from
+    return datamodule
 
 
 def run_advantage(c: TrainConfig) -> Advantage:
@@ -174,10 +177,15 @@ def build_step_sequence(
 
 
 def run_reward_scorer(c: TrainConfig, reward: RewardFn) -> RewardScorer:
-    """The run's reward under `reward.max_concurrency` and `reward.timeout_s` (`lit_grpo.rewards.scoring`)."""
+    """The run's reward under `reward.max_concurrency`, `reward.timeout_s` and `reward.max_timeout_share`
+    (`lit_grpo.rewards.scoring`)."""
     r = c.reward
     return RewardScorer(
-        reward, max_concurrency=r.max_concurrency, timeout_s=r.timeout_s, timeout_reward=r.timeout_reward
+        reward,
+        max_concurrency=r.max_concurrency,
+        timeout_s=r.timeout_s,
+        timeout_reward=r.timeout_reward,
+        max_timeout_share=r.max_timeout_share,
     )
 
 

@@ -1,15 +1,20 @@
 """Data parallelism on 2 CPU processes (gloo): each rank samples its own share of the rows, the
 gradient is the one of a single process on the union of the batches, the logged metrics pool the
-ranks, and a killed DDP run resumes bit-identical to an uninterrupted one."""
+ranks, a step without a learning signal is skipped by both ranks together (and one with a signal on
+one rank only is taken by both), and a killed DDP run resumes bit-identical to an uninterrupted one."""
 
 from __future__ import annotations
 
 import csv
+import os
 import shutil
+import subprocess
+import sys
 from collections import Counter
 from pathlib import Path
 
 import pytest
+import torch
 from ddp_grad_probe import assert_ranks_equal_the_union, run_probe
 from test_checkpoint import assert_bit_identical, run_cli, tensors
 
@@ -62,6 +67,33 @@ def test_two_process_gradient_equals_one_process_gradient_on_the_union(sizes, tm
     for devices in (1, 2):
         run_probe(tmp_path, devices, sizes)
     assert_ranks_equal_the_union(tmp_path, "ddp")
+
+
+def test_both_ranks_step_when_either_has_a_signal_and_skip_together_when_neither_has(tmp_path):
+    # tests/ddp_signal_probe.py, step 1: rank 0's advantages are all 0, rank 1's are not; step 2: all
+    # 0 on both. A rank deciding alone would skip step 1 on rank 0 and leave the ranks' weights apart.
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), str(REPO)]), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, str(TESTS / "ddp_signal_probe.py"), str(tmp_path)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = [torch.load(tmp_path / f"signal_rank{r}.pt") for r in (0, 1)]
+    (before, after_1, after_2), other = ranks[0]["weights"], ranks[1]["weights"]
+
+    def same(a, b):
+        return all(torch.equal(a[k], b[k]) for k in a)
+
+    assert all(same(mine, theirs) for mine, theirs in zip((before, after_1, after_2), other))  # the ranks agree
+    assert not same(before, after_1)  # step 1 taken on both: rank 1's signal is the step's
+    assert same(after_1, after_2)  # step 2 skipped on both
+    for rank in ranks:  # every rank logs the merged metrics
+        assert [m["train/skipped_no_signal"] for m in rank["metrics"]] == [0.0, 1.0]
+        assert [m["train/skipped_nonfinite"] for m in rank["metrics"]] == [0.0, 0.0]
 
 
 def test_a_killed_ddp_run_resumes_bit_identical(tmp_path):

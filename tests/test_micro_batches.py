@@ -1,8 +1,10 @@
 """Token-budget micro-batches (`micro_batch_max_tokens`): the plan, the gradient it leaves
-unchanged, the memory it bounds, and `perf/padding_frac`."""
+unchanged, the memory it bounds, `perf/padding_frac`, and the sequences longer than the budget
+(counted, said once at run time, and named at start-up when the config allows them)."""
 
 from __future__ import annotations
 
+import logging
 import random
 
 import lightning as L
@@ -12,6 +14,7 @@ from conftest import compose_config
 from torch.utils.data import DataLoader
 
 from lit_grpo.build import build_run
+from lit_grpo.config import ineffective_knobs
 from lit_grpo.loop import metrics as metrics_py
 from lit_grpo.loop.metrics import merge_step_metrics
 from lit_grpo.loop.micro_batches import plan_token_budget, sequence_lengths
@@ -196,7 +199,8 @@ def test_the_gradient_is_the_whole_batch_one_whatever_the_cut(tmp_path):
         keys = {"train/loss", "train/entropy", "train/drift/k1", "train/ref_kl", "train/correction/weight_mean"}
         assert keys <= set(whole)
         for name in ("budget", "budget_and_rows"):
-            assert metrics[name][step] == pytest.approx(whole, rel=1e-5, abs=1e-6), (name, step)
+            budgeted = {k: v for k, v in metrics[name][step].items() if k != "train/micro_batches_over_budget"}
+            assert budgeted == pytest.approx(whole, rel=1e-5, abs=1e-6), (name, step)
 
 
 class RecordForwards(L.Callback):
@@ -259,6 +263,39 @@ def test_a_long_outlier_does_not_set_the_memory_of_every_forward(tmp_path):
     # Activations: the largest training forward is the outlier's, about 1/8 of the padded batch's.
     assert len(whole.saved_bytes) == 1 and len(budgeted.saved_bytes) > 1
     assert max(budgeted.saved_bytes) < whole.saved_bytes[0] / 4, (budgeted.saved_bytes, whole.saved_bytes)
+
+
+@pytest.mark.timeout(300)
+def test_a_sequence_over_the_budget_is_counted_and_said_once(tmp_path, caplog):
+    # A 32-token budget: step 1 has two sequences longer than it (96 and 40 tokens), step 2 one
+    # (50), step 3 none. Each goes alone, over the budget: counted every step, warned the first time
+    # with the longest one's length, the budget and the bound that would hold every forward.
+    vocab = vocab_size()
+    lengths = [[6, 96, 9, 40], [6, 50, 9, 4], [6, 7, 9, 4]]
+    batches = [ragged_batch(rows, vocab, seed=i, width=96) for i, rows in enumerate(lengths)]
+    steps = Steps([])
+    with caplog.at_level(logging.WARNING, logger="lit_grpo.loop.micro_batches"):
+        fit_on(batches, tmp_path / "budget", "micro_batch_max_tokens=32", "data.max_seq_len=96", callbacks=[steps])
+    assert [m["train/micro_batches_over_budget"] for m in steps.metrics] == [2.0, 1.0, 0.0]
+    said = [r.getMessage() for r in caplog.records if "micro_batch_max_tokens" in r.getMessage()]
+    assert said == [
+        "step 1: a sequence of 96 tokens is longer than micro_batch_max_tokens=32, so it goes through a forward "
+        "and backward of its own, over the budget (a sequence cannot be split; counted in "
+        "train/micro_batches_over_budget, said once): set micro_batch_max_tokens to at least data.max_seq_len=96 "
+        "to bound every forward"
+    ]
+    steps = Steps([])
+    fit_on(batches[:1], tmp_path / "off", callbacks=[steps])  # no budget: nothing to count
+    assert "train/micro_batches_over_budget" not in steps.metrics[0]
+
+
+def test_a_budget_below_the_longest_sequence_allowed_is_named_at_start_up(tmp_path):
+    def knobs(*overrides):
+        return ineffective_knobs(validate(compose_config("data.max_seq_len=64", *overrides, output_dir=tmp_path)))
+
+    assert knobs("micro_batch_max_tokens=64") == knobs("micro_batch_max_tokens=0") == []
+    (note,) = knobs("micro_batch_max_tokens=48")
+    assert note.startswith("micro_batch_max_tokens=48 is below data.max_seq_len=64: a sequence longer than the budget")
 
 
 # ------------------------------------------------------------------ perf/padding_frac

@@ -110,7 +110,11 @@ def test_micro_batches_accumulate_to_the_whole_batch_step(tmp_path, normalizatio
 def test_ppo_minibatches_make_k_optimizer_steps(tmp_path):
     trainer, module, datamodule = _build(tmp_path, "ppo_n_minibatches=4", "~callbacks.reward_filter")
     trainer.fit(module, datamodule=datamodule)
-    assert trainer.global_step == 4
+    # Each minibatch is one optimizer step: taken (Lightning counts it), or skipped for want of signal
+    # (a minibatch whose groups' rewards are all equal, no filter here); the schedule counts both.
+    (step,) = module.step_sequence.history.steps
+    assert trainer.global_step + step["train/skipped_no_signal"] == 4
+    assert module.lr_schedulers().last_epoch == 4
 
 
 def test_ppo_old_logprobs_are_the_policy_before_the_first_minibatch(tmp_path, monkeypatch):

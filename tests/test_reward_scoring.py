@@ -1,18 +1,22 @@
 """Scoring with the run's reward (`lit_grpo.rewards.scoring`): async and plain components, the
-concurrency limit, the deadline and its fallback, weighted components, a bug in a reward, and a
-training run whose reward is an `async def`."""
+concurrency limit, the deadline and its fallback (said once, counted, said again at the end of a
+run, and a run whose rewards are mostly fallbacks stopped), weighted components, a bug in a reward,
+and a training run whose reward is an `async def`."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import re
 import threading
 import time
 
 import pytest
 from conftest import compose_config, trained_steps
 
+from lit_grpo.errors import EnvironmentFault
 from lit_grpo.rewards import RewardScorer, WeightedReward, get_reward, inline_reward, is_async_reward
-from lit_grpo.rewards.scoring import TIMED_OUT_METRIC
+from lit_grpo.rewards.scoring import TIMED_OUT_METRIC, TIMEOUT_WINDOW, RewardTimeouts
 from lit_grpo.train import train
 
 
@@ -112,6 +116,51 @@ def test_weighted_components_each_under_their_deadline():
     assert result.parts == {"reward/fast": 1.0, "reward/slow": 0.0}
 
 
+async def slow_on_request(text: str, row: dict) -> float:
+    """1.0 at once, or never for a text starting with "slow"."""
+    if text.startswith("slow"):
+        await asyncio.sleep(3600)
+    return 1.0
+
+
+@pytest.mark.timeout(30)
+def test_a_substitution_is_said_once_and_counted(caplog):
+    # Two fallbacks and three real rewards, over two calls: one warning, naming the field, the value
+    # put in place and the reward function; the counts the end-of-run line reads.
+    scorer = RewardScorer(slow_on_request, timeout_s=0.1, timeout_reward=-1.0)
+    with caplog.at_level(logging.WARNING, logger="lit_grpo.rewards.scoring"):
+        scorer.score_all_blocking([("slow 1", {}), ("fast", {}), ("fast", {})])
+        scorer.score_all_blocking([("slow 2", {}), ("fast", {})])
+    assert (scorer.samples, scorer.timed_out) == (5, 2)
+    said = [r.getMessage() for r in caplog.records]
+    assert said == [
+        "reward.timeout_s=0.1: the reward test_reward_scoring.slow_on_request did not answer in time, so the sample "
+        "scores reward.timeout_reward=-1 in its place and trains on it as if it were its reward (counted in "
+        "reward/timed_out; said once, the total at the end of the run)"
+    ]
+    assert scorer.timeout_summary(2, 5) == (
+        "reward.timeout_s=0.1: 2 of 5 samples scored reward.timeout_reward=-1 in place of their reward "
+        "(reward/timed_out)"
+    )
+
+
+@pytest.mark.timeout(30)
+def test_scoring_stops_once_fallbacks_are_more_than_the_share_of_the_recent_samples():
+    # Half of the last 64 is allowed (max_timeout_share=0.5), one more fallback is not.
+    half = TIMEOUT_WINDOW // 2
+    scorer = RewardScorer(slow_on_request, timeout_s=0.05)
+    scorer.score_all_blocking([("fast", {})] * half + [("slow", {})] * half)
+    with pytest.raises(RewardTimeouts) as stopped:
+        scorer.score_all_blocking([("slow", {})])
+    assert str(stopped.value) == (
+        f"reward.timeout_s=0.05: {half + 1} of the last {TIMEOUT_WINDOW} samples scored reward.timeout_reward=0 in "
+        "place of their reward, more than reward.max_timeout_share=0.5 of them: the reward "
+        "test_reward_scoring.slow_on_request is down or too slow, and the policy would learn from stand-ins"
+    )
+    never = RewardScorer(slow_on_request, timeout_s=0.05, max_timeout_share=1.0)  # 1.0: never stop
+    assert all(r.timed_out for r in never.score_all_blocking([("slow", {})] * (TIMEOUT_WINDOW + 1)))
+
+
 @pytest.mark.timeout(30)
 def test_none_is_not_applicable_and_a_bad_value_is_a_bug():
     async def not_applicable(text, row):
@@ -189,12 +238,38 @@ def test_an_async_reward_trains_like_the_plain_one(tmp_path, monkeypatch):
     assert all(s[TIMED_OUT_METRIC] == 0.0 for s in awaited)
 
 
+NEVER_ANSWERS = ["reward.fn=test_reward_scoring:never_answers", "reward.timeout_s=0.3", "reward.timeout_reward=0.25"]
+
+
 @pytest.mark.timeout(300)
-def test_a_reward_that_never_answers_costs_its_deadline_not_the_run(tmp_path, monkeypatch):
+def test_a_reward_that_never_answers_costs_its_deadline_not_the_run(tmp_path, monkeypatch, caplog):
+    # With reward.max_timeout_share=1.0, a run trains on the fallbacks: said at the first and at the end.
     monkeypatch.syspath_prepend(str(__import__("pathlib").Path(__file__).parent))
     start = time.perf_counter()
-    steps = _steps(
-        tmp_path, "reward.fn=test_reward_scoring:never_answers", "reward.timeout_s=0.3", "reward.timeout_reward=0.25"
-    )
+    with caplog.at_level(logging.WARNING, logger="lit_grpo"):
+        steps = _steps(tmp_path, *NEVER_ANSWERS, "reward.max_timeout_share=1.0")
     assert len(steps) == 3 and time.perf_counter() - start < 120
     assert all(s[TIMED_OUT_METRIC] == 1.0 and s["reward/mean"] == 0.25 for s in steps)
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("reward.timeout_s=0.3")]
+    assert len(said) == 2, said
+    assert said[0].startswith("reward.timeout_s=0.3: the reward test_reward_scoring.never_answers did not answer")
+    counted = re.fullmatch(
+        r"reward\.timeout_s=0\.3: (\d+) of (\d+) samples scored reward\.timeout_reward=0\.25 .*", said[1]
+    )
+    assert counted and counted[1] == counted[2] and int(counted[1]) >= 3 * 64, said[
+        1
+    ]  # every sample, 3 steps' at least
+
+
+@pytest.mark.timeout(300)
+def test_a_run_whose_rewards_are_mostly_fallbacks_stops(tmp_path, monkeypatch):
+    # By default (reward.max_timeout_share=0.5) the 64th fallback in a row stops the run, saying what to do.
+    monkeypatch.syspath_prepend(str(__import__("pathlib").Path(__file__).parent))
+    with pytest.raises(EnvironmentFault) as stopped:  # the run's stop on a fault: its last finished step kept
+        _steps(tmp_path, *NEVER_ANSWERS)
+    message = str(stopped.value)
+    assert message.startswith(
+        "reward.timeout_s=0.3: 64 of the last 64 samples scored reward.timeout_reward=0.25 in place of their reward"
+    )
+    assert "training stopped after step 0. No step had finished. Bring the reward back" in message, message
+    assert "reward.max_timeout_share=1.0 to train on the substitutes anyway, and run again" in message

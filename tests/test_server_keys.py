@@ -1,8 +1,9 @@
 """Server keys against a real vLLM CPU server started with one (`LIT_GRPO_SERVER_KEY`): every
 route but `/health` answers 401 without it, engine control included; a run with the key trains and
 syncs, and the key is in no file of its run folder; a run with a wrong key stops with one message
-and exit code 2; a server asked to listen beyond this machine without a key is refused. The
-middleware is also checked alone, as plain ASGI. Without vLLM the server tests fail, never skip."""
+and exit code 2; a server asked to listen beyond this machine without a key is refused, and so is
+a key file its group or other users may read (before vLLM starts). The middleware is also checked
+alone, as plain ASGI. Without vLLM the server tests fail, never skip."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ from conftest import compose_config, start_test_servers, tiny_arithmetic_model
 from test_checkpoint import run_cli
 
 from lit_grpo.models.load import save_pretrained
-from lit_grpo.samplers.server.keys import KEY_ENV, RequireServerKey
+from lit_grpo.samplers.server import serve
+from lit_grpo.samplers.server.keys import KEY_ENV, RequireServerKey, read_key_file
 from lit_grpo.train import train
 
 KEY = "k3y-for-the-test-0f2c9a"
@@ -81,8 +83,48 @@ def test_serve_refuses_to_listen_beyond_this_machine_without_a_key(tmp_path):
     assert "Traceback" not in proc.stderr
     empty = tmp_path / "empty_key"
     empty.write_text("\n")
+    empty.chmod(0o600)
     proc = subprocess.run([*args, "--api-key-file", str(empty)], env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "the file is empty" in proc.stderr
+
+
+def _key_file(folder: Path, mode: int) -> Path:
+    key_file = folder / "key"
+    key_file.write_text(KEY + "\n")
+    key_file.chmod(mode)
+    return key_file
+
+
+@pytest.mark.parametrize("mode", [0o644, 0o640, 0o604, 0o660, 0o620, 0o601], ids=oct)
+def test_a_key_file_its_group_or_others_may_use_is_refused_before_vllm_starts(tmp_path, monkeypatch, capsys, mode):
+    # As ssh refuses a private key file "readable by others": one line naming the file, its mode and the fix.
+    model = tmp_path / "model"  # what model_folder_problem looks for; vLLM never reads it here
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(b"")
+    key_file = _key_file(tmp_path, mode)
+    monkeypatch.setenv(KEY_ENV, "")
+    monkeypatch.delenv(KEY_ENV)
+
+    def no_process(*args, **kwargs):
+        raise AssertionError(f"a process was started for a refused key file: {args}")
+
+    monkeypatch.setattr(serve.subprocess, "Popen", no_process)  # the reaper, started just before vLLM
+    with pytest.raises(SystemExit) as stopped:
+        serve.main(["--model", str(model), "--port", "1", "--api-key-file", str(key_file)])
+    assert stopped.value.code == 2
+    err = capsys.readouterr().err
+    assert err == (
+        f"lit_grpo.samplers.server.serve: --api-key-file {key_file}: permissions {mode:04o} are too open (its "
+        "group or other users may read the key, and whoever holds it can drive the server's engine); make it the "
+        f"owner's alone: chmod 600 {key_file}\n"
+    )
+    assert KEY_ENV not in os.environ  # the key was not taken
+
+
+@pytest.mark.parametrize("mode", [0o600, 0o400], ids=oct)
+def test_a_key_file_of_its_owner_alone_is_read(tmp_path, mode):
+    assert read_key_file(_key_file(tmp_path, mode)) == KEY
 
 
 @pytest.fixture(scope="module")
@@ -90,8 +132,7 @@ def keyed_server(tmp_path_factory):
     model, tokenizer = tiny_arithmetic_model()
     root = tmp_path_factory.mktemp("keyed")
     folder = save_pretrained(model, tokenizer, root / "model")
-    key_file = root / "key"
-    key_file.write_text(KEY + "\n")
+    key_file = _key_file(root, 0o600)
     pool = start_test_servers(folder, 1, root / "logs", "--api-key-file", str(key_file))
     try:
         yield pool

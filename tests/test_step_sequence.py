@@ -90,8 +90,7 @@ def test_sampler_holds_the_policy_exactly_when_a_sync_was_due(interval, tmp_path
             "+experiment=arithmetic",
             f"max_steps={steps}",
             f"weight_sync_interval={interval}",
-            "synchronous_training=true",
-            "~callbacks.reward_filter",
+            "synchronous_training=true",  # the reward filter on: every step has a signal, so every step moves
             "learning_rate=0.01",
             "lr_decay=constant",
             "logger=none",

@@ -142,9 +142,13 @@ class RewardConfig:
     functions on worker threads), per event loop."""
     timeout_s: float = 60.0
     """Deadline of one component's call, the wait for a slot included; past it the component
-    scores `timeout_reward` and the sample counts in `reward/timed_out`."""
+    scores `timeout_reward` and the sample counts in `reward/timed_out` (the first is logged, the
+    total at the end of the run)."""
     timeout_reward: float = 0.0
     """The value of a component that missed its deadline."""
+    max_timeout_share: float = 0.5
+    """The run stops (its last finished step kept) once more than this share of the last 64 samples
+    scored `timeout_reward` in place of their reward: the reward is down or far too slow. 1.0: never."""
 
     def specs(self) -> list[str]:
         """`fn` as a list of names (empty when null)."""
@@ -167,6 +171,11 @@ class RewardConfig:
         require_finite(self.timeout_s, "reward.timeout_s")
         require(self.timeout_s > 0, "reward.timeout_s", f"must be > 0 seconds, got {self.timeout_s}")
         require_finite(self.timeout_reward, "reward.timeout_reward")
+        require(
+            0 < self.max_timeout_share <= 1,
+            "reward.max_timeout_share",
+            f"must be in (0, 1] (1.0: never stop), got {self.max_timeout_share}",
+        )
 
 
 @dataclass

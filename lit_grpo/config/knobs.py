@@ -1,4 +1,5 @@
-"""Knobs a config sets that have no effect in it: one warning each at start-up (`ineffective_knobs`)."""
+"""Knobs a config sets that have no effect in it, or not the one they promise: one warning each at
+start-up (`ineffective_knobs`)."""
 
 from __future__ import annotations
 
@@ -45,6 +46,12 @@ def ineffective_knobs(c: TrainConfig) -> list[str]:
         knobs.append(
             f"rollout.overlong_penalty_factor={c.rollout.overlong_penalty_factor} has no effect with "
             "rollout.overlong_buffer_len=0: the overlong penalty is off"
+        )
+    if 0 < c.micro_batch_max_tokens < c.data.max_seq_len:  # not without effect, but not the bound it says
+        knobs.append(
+            f"micro_batch_max_tokens={c.micro_batch_max_tokens} is below data.max_seq_len={c.data.max_seq_len}: "
+            "a sequence longer than the budget cannot be split and goes through a forward of its own, over it "
+            "(counted in train/micro_batches_over_budget); set it to at least data.max_seq_len to bound every forward"
         )
     knobs += _ineffective_entropy_knobs(c.entropy)
     default_keep = TrainConfig.__dataclass_fields__["dcp_keep_last"].default

@@ -2,6 +2,7 @@
 
 module.py          GRPOModule: policy, frozen reference, one step that reads like the maths
 micro_batches.py   which rows go through one forward: slices of the batch, or token-bounded groups
+skipped_steps.py   optimizer steps not taken (non-finite, or no learning signal), decided by all ranks together
 step_sequence.py   after each step, in a fixed order: weight sync, checkpoint, evaluation, metrics
 metrics.py         a step's metrics merged over ranks, the history, the loggers
 evaluation.py      greedy accuracy on held-out rows

@@ -10,16 +10,24 @@ within the budget, whatever the longest sample of the batch.
 Which rows share a micro-batch changes nothing in the gradient: the loss normalizers are counts
 of the whole optimizer step (`GRPOModule._optimizer_step`), and the columns cut off are padding,
 masked out of the loss.
+
+A sequence longer than the budget cannot be split: it goes alone, over the budget. Such
+micro-batches are counted (`train/micro_batches_over_budget`) and the first one is said once
+(`BudgetWatch`); a budget below `data.max_seq_len` is named at start-up, since only then can one occur.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from lit_grpo.maths.logprobs import first_scored_prediction, token_logprobs
+
+log = logging.getLogger(__name__)
+OVER_BUDGET_METRIC = "train/micro_batches_over_budget"
 
 
 def plan_token_budget(lengths: Sequence[int], max_tokens: int, max_sequences: int = 0) -> list[list[int]]:
@@ -116,6 +124,8 @@ class ForwardPlan:
     """The forwards over the whole batch without gradients (the reference's, `old`'s)."""
     token_slots: int
     """Tokens one pass over the batch computes, padding included (the real ones are the attention's)."""
+    over_budget: tuple[int, ...] = ()
+    """The lengths of the sequences longer than the token budget: each is a micro-batch of its own, over it."""
 
 
 def plan_forwards(
@@ -140,7 +150,8 @@ def plan_forwards(
         for rows in minibatches
     ]
     no_grad = [micro for micros in per_minibatch for micro in micros]
-    return ForwardPlan(per_minibatch, no_grad, sum(m.rows.numel() * m.width for m in no_grad))
+    over_budget = tuple(m.width for m in no_grad if m.rows.numel() * m.width > micro_batch_max_tokens)
+    return ForwardPlan(per_minibatch, no_grad, sum(m.rows.numel() * m.width for m in no_grad), over_budget)
 
 
 def with_fillers(plan: ForwardPlan, counts: Sequence[int]) -> ForwardPlan:
@@ -153,7 +164,34 @@ def with_fillers(plan: ForwardPlan, counts: Sequence[int]) -> ForwardPlan:
         return micros + [filler] * (count - len(micros))
 
     per_minibatch = [padded(micros, count) for micros, count in zip(plan.per_minibatch, counts[1:])]
-    return ForwardPlan(per_minibatch, padded(plan.no_grad, counts[0]), plan.token_slots)
+    return ForwardPlan(per_minibatch, padded(plan.no_grad, counts[0]), plan.token_slots, plan.over_budget)
+
+
+class BudgetWatch:
+    """Counts each step's micro-batches over `micro_batch_max_tokens` and says the first once."""
+
+    def __init__(self, max_tokens: int, max_seq_len: int) -> None:
+        self.max_tokens, self.max_seq_len = max_tokens, max_seq_len
+        self.said = False
+
+    def note(self, plan: ForwardPlan, step: int, device: torch.device) -> dict[str, torch.Tensor]:
+        """The step's `train/micro_batches_over_budget` (this rank's; none without a budget), and the
+        warning the first time a sequence is longer than the budget."""
+        if self.max_tokens == 0:
+            return {}
+        if plan.over_budget and not self.said:
+            self.said = True
+            log.warning(
+                "step %d: a sequence of %d tokens is longer than micro_batch_max_tokens=%d, so it goes through a "
+                "forward and backward of its own, over the budget (a sequence cannot be split; counted in %s, "
+                "said once): set micro_batch_max_tokens to at least data.max_seq_len=%d to bound every forward",
+                step,
+                max(plan.over_budget),
+                self.max_tokens,
+                OVER_BUDGET_METRIC,
+                self.max_seq_len,
+            )
+        return {OVER_BUDGET_METRIC: torch.tensor(float(len(plan.over_budget)), device=device)}
 
 
 def forward_counts(plan: ForwardPlan) -> list[int]:

@@ -33,11 +33,12 @@ from lit_grpo.config import TrainConfig
 from lit_grpo.errors import EnvironmentFault
 from lit_grpo.loop.distributed import all_reduce
 from lit_grpo.loop.entropy_control import EntropyControl
-from lit_grpo.loop.micro_batches import forward_counts, no_grad_logprobs, plan_forwards, with_fillers
+from lit_grpo.loop.micro_batches import BudgetWatch, forward_counts, no_grad_logprobs, plan_forwards, with_fillers
 from lit_grpo.loop.optim import adamw, lr_multiplier
 from lit_grpo.loop.signals import StopRequested
-from lit_grpo.loop.step_sequence import NonFiniteTraining, StepResult, StepSequence
-from lit_grpo.maths.health import drift_per_token, drift_tis_cap
+from lit_grpo.loop.skipped_steps import SKIP_METRICS, TAKEN, SkippedSteps, advance_schedule, step_verdict
+from lit_grpo.loop.step_sequence import StepResult, StepSequence
+from lit_grpo.maths.health import drift_per_token, drift_tis_cap, learning_signal
 from lit_grpo.maths.logprobs import first_scored_prediction, token_logprobs
 from lit_grpo.maths.loss_terms import masked_means
 from lit_grpo.maths.losses import policy_loss
@@ -94,8 +95,10 @@ class GRPOModule(L.LightningModule):
         """Rollout steps completed (each is `ppo_n_minibatches` optimizer steps)."""
         self.last_step: Optional[StepResult] = None
         """The latest step's result, for the step sequence and callbacks (histograms)."""
-        self.nonfinite_in_a_row = 0
-        """Optimizer steps in a row whose loss or gradient norm was non-finite (their updates were skipped)."""
+        self.skipped_steps = SkippedSteps(config.max_nonfinite_steps)
+        """Optimizer steps whose update was skipped: non-finite, or without a learning signal."""
+        self.budget_watch = BudgetWatch(config.micro_batch_max_tokens, config.data.max_seq_len)
+        """Micro-batches over `micro_batch_max_tokens` (a sequence longer than it), counted and said once."""
 
     def train(self, mode: bool = True) -> GRPOModule:
         # Dropout stays off in both models: the trainer's logprobs must match the sampler's.
@@ -178,10 +181,9 @@ class GRPOModule(L.LightningModule):
             metrics = per_minibatch[0]
         else:
             metrics = {key: sum(m[key] for m in per_minibatch) / len(per_minibatch) for key in per_minibatch[0]}
-            metrics["train/skipped_nonfinite"] = metrics["train/skipped_nonfinite"] * len(
-                per_minibatch
-            )  # a count, not a mean
+            metrics.update({key: metrics[key] * len(per_minibatch) for key in SKIP_METRICS.values()})  # counts
         metrics["train/tokens"] = mask_BT.sum()  # this rank's loss-masked tokens: summed over ranks, the step's
+        metrics.update(self.budget_watch.note(plan, self.rollout_step + 1, mask_BT.device))
         t_train = time.perf_counter()
 
         self.rollout_step += 1
@@ -308,7 +310,11 @@ class GRPOModule(L.LightningModule):
         grad_norm = full_value(torch.nn.utils.get_total_norm([p.grad for p in with_grads]))  # sharded: all ranks' norm
         totals["train/grad_norm"] = grad_norm.detach() / world_size  # summed over ranks (equal under DDP)
         totals["train/grad_norm_clipped"] = totals["train/grad_norm"]  # no clipping: the norm the update used
-        if self._finite_everywhere(totals["train/loss"], grad_norm):
+        # Skipped on every rank together: a non-finite loss or gradient, or no advantage to learn from.
+        verdict = step_verdict(loss_sum, grad_norm, learning_signal(advantages[rows], mask_BT[rows]))
+        totals.update(self.skipped_steps.metrics(verdict, world_size, grad_norm.device))
+        self.skipped_steps.note(verdict, loss_sum, grad_norm, self.rollout_step + 1, self.trainer.is_global_zero)
+        if verdict == TAKEN:
             if self.config.grad_clip_norm > 0:
                 self._clip(optimizer, with_grads, grad_norm)
                 # The norm after clipping, by clip_grad_norm_'s own factor min(1, c / (‖g‖ + 1e-6)): no second pass
@@ -316,12 +322,9 @@ class GRPOModule(L.LightningModule):
                 factor = (self.config.grad_clip_norm / (grad_norm.detach() + 1e-6)).clamp(max=1.0)
                 totals["train/grad_norm_clipped"] = totals["train/grad_norm"] * factor
             optimizer.step()
-            self.nonfinite_in_a_row = 0
-            totals["train/skipped_nonfinite"] = torch.zeros((), device=grad_norm.device)
         else:
-            self._skip_nonfinite_update(optimizer, totals["train/loss"], grad_norm)
-            totals["train/skipped_nonfinite"] = torch.ones((), device=grad_norm.device) / world_size
-        self.lr_schedulers().step()
+            optimizer.zero_grad()  # the weights and the optimizer's state stay as they were
+        advance_schedule(self.lr_schedulers())
         return totals
 
     def _clip(self, optimizer, with_grads: list[torch.Tensor], grad_norm: torch.Tensor) -> None:
@@ -339,25 +342,6 @@ class GRPOModule(L.LightningModule):
                     torch.nn.utils.clip_grads_with_norm_(with_grads, self.config.grad_clip_norm, grad_norm)
         else:
             self.clip_gradients(optimizer, gradient_clip_val=self.config.grad_clip_norm, gradient_clip_algorithm="norm")
-
-    def _finite_everywhere(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> bool:
-        """Whether the loss and the gradient norm are finite on every rank (the ranks must agree to skip)."""
-        bad = (~torch.isfinite(loss.detach()) | ~torch.isfinite(grad_norm)).float()
-        return not bool(all_reduce(bad, "max"))
-
-    def _skip_nonfinite_update(self, optimizer, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
-        """Drop a non-finite update (the weights stay as they were); stop after `max_nonfinite_steps` in a row."""
-        optimizer.zero_grad()
-        self.nonfinite_in_a_row += 1
-        if self.nonfinite_in_a_row >= self.config.max_nonfinite_steps:
-            raise NonFiniteTraining(
-                f"the loss ({float(loss):.4g}) or the gradient norm ({float(grad_norm):.4g}) was non-finite in "
-                f"{self.nonfinite_in_a_row} optimizer steps in a row "
-                f"(max_nonfinite_steps={self.config.max_nonfinite_steps}); "
-                "each update was skipped, so the weights are those before them. Check learning_rate, the rewards and "
-                "the sampler's logprobs (a rollout that reports positive or NaN logprobs poisons the importance "
-                "weights)."
-            )
 
     def _no_gradient_sync(self):
         """No gradient all-reduce for this backward (all but a step's last micro-batch): one per optimizer step."""

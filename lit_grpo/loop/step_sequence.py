@@ -196,7 +196,7 @@ class StepSequence:
     def stopped_by(self, fault: EnvironmentFault, trainer: L.Trainer, module: L.LightningModule) -> EnvironmentFault:
         """`fault`'s message and what to do next: the step `resume=auto` continues from, if one was saved."""
         step = module.rollout_step
-        restart = "Start the server again (or point sampler.server_urls at a live one)"
+        restart = getattr(fault, "remedy", "Start the server again (or point sampler.server_urls at a live one)")
         if self.checkpointer is not None and self.checkpointer.last_saved_step is not None:
             saved = self.checkpointer.last_saved_step
             what = f"{restart} and run again with resume=auto: it continues from step {saved}, the last checkpoint."
@@ -312,7 +312,9 @@ class StepSequence:
             self._rng_to_restore = None
 
     def on_train_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
-        """A last checkpoint and a last evaluation, unless the last step just had them."""
+        """A last checkpoint and a last evaluation, unless the last step just had them; how many
+        samples scored `reward.timeout_reward` in place of their reward, if any did."""
+        self._say_reward_timeouts(trainer)
         step = module.rollout_step
         if self.checkpointer is not None and self.checkpointer.due_at_end(trainer, step):
             self._save(trainer, module, step)
@@ -321,6 +323,15 @@ class StepSequence:
                 if metrics := evaluator.evaluate(step, trainer.global_rank, trainer.world_size):
                     for logger in trainer.loggers:
                         logger.log_metrics(metrics, step=step - 1)
+
+    def _say_reward_timeouts(self, trainer: L.Trainer) -> None:
+        """One line with every rank's count of substituted rewards (a collective; none without a scorer)."""
+        scorer = getattr(self.datamodule, "reward_scorer", None)
+        if scorer is None:
+            return
+        timed_out, samples = all_reduce(torch.tensor([float(scorer.timed_out), float(scorer.samples)])).tolist()
+        if timed_out and trainer.is_global_zero:
+            log.warning("%s", scorer.timeout_summary(int(timed_out), int(samples)))
 
     def _replay_history_into_csv(self, trainer: L.Trainer) -> None:
         """Lightning's CSV logger starts a fresh metrics.csv; write the restored steps back into it."""

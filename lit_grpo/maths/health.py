@@ -70,6 +70,17 @@ def drift_per_token(
     }
 
 
+def learning_signal(advantages: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
+    """Whether any trained token (mask > 0) carries a non-zero advantage: without one, the policy
+    term of the loss has no gradient and an optimizer step would follow only the KL and entropy
+    terms, float noise that Adam scales up to a near full learning-rate step. Every estimator gives
+    exactly 0 to a sample without signal (a uniform group, `rewards_uniform`), so the test is exact.
+    A NaN advantage counts as signal: the step's non-finite check is the one that handles it.
+    Shapes: advantages [B] (per sequence) or [B, T] (per token, IGPO's), mask [B, T] -> [] bool."""
+    advantages_BT = advantages[:, None] if advantages.dim() == 1 else advantages
+    return ((advantages_BT != 0) & (mask_BT > 0)).any()
+
+
 def finish_reason_key(reason: str) -> str:
     """The metric-key form of a finish reason: anything but letters, digits and `_` becomes `_`."""
     return re.sub(r"[^A-Za-z0-9_]", "_", str(reason)) or "_"

@@ -20,6 +20,7 @@ from lit_grpo.advantages.registry import Advantage
 from lit_grpo.config import TrainConfig
 from lit_grpo.config.checks import exception_class
 from lit_grpo.config.sampler import engine_on_loop
+from lit_grpo.rewards.scoring import RewardScorer
 from lit_grpo.rollouts import (
     GroupFilter,
     GroupSampler,
@@ -161,6 +162,8 @@ class RolloutDataModule(L.LightningDataModule):
             )
         self.adapter_sync = c.adapter_sync
         """A weight sync sends the LoRA adapter alone (`push_adapter`), not every weight."""
+        self.reward_scorer: Optional[RewardScorer] = None
+        """The scorer of the run's reward in the rollouts (`lit_grpo.build` sets it): its timeouts are counted."""
         self.partial_rollouts = c.partial_rollouts
         if c.partial_rollouts:
             sampler.enable_partial_rollouts()

@@ -5,8 +5,9 @@ vLLM 0.32's own `--api-key` guards `/v1/*` only: the engine-control endpoints a 
 ASGI middleware (`vllm serve --middleware`) that `python -m lit_grpo.serve` installs when it has a
 key: every request but `GET /health` must carry `Authorization: Bearer <key>`, or is answered 401
 (a websocket is closed). The key comes from the environment variable `LIT_GRPO_SERVER_KEY` or a
-file (`--api-key-file`), never from a command line, which process lists and logs show; the
-trainer's sampler sends it on every request, read from the variable `sampler.api_key_env` names.
+file (`--api-key-file`, its owner's alone: mode 600, as ssh wants of a private key), never from a
+command line, which process lists and logs show; the trainer's sampler sends it on every request,
+read from the variable `sampler.api_key_env` names.
 Plain ASGI, no import of vLLM or starlette: it runs in the server's process.
 """
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 import hmac
 import json
 import os
+import stat
 from pathlib import Path
 from typing import Any, Optional
 
@@ -23,14 +25,26 @@ KEY_ENV = "LIT_GRPO_SERVER_KEY"
 OPEN_PATHS = frozenset({"/health"})
 """What anyone may ask: whether the server is up."""
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
+KEY_FILE_PRIVATE_BITS = 0o077
+"""Permission bits of the group and others: a key file with any of them set is refused (as ssh does)."""
 
 
 def read_key_file(path: str | os.PathLike) -> str:
-    """The key in `path` (surrounding whitespace stripped); `ValueError` naming the file if unreadable or empty."""
+    """The key in `path` (surrounding whitespace stripped); `ValueError` naming the file if it is
+    unreadable, empty, or open to other users: as ssh does with a private key ("UNPROTECTED PRIVATE
+    KEY FILE"), a file that grants any permission to its group or to others is refused, since whoever
+    reads the key can pause the engine and run methods in it."""
+    file = Path(path).expanduser()
     try:
-        key = Path(path).expanduser().read_text().strip()
+        mode = stat.S_IMODE(file.stat().st_mode)
+        key = file.read_text().strip()
     except OSError as err:
         raise ValueError(f"--api-key-file {path}: cannot read it ({err.strerror or err})") from None
+    if mode & KEY_FILE_PRIVATE_BITS:
+        raise ValueError(
+            f"--api-key-file {path}: permissions {mode:04o} are too open (its group or other users may read the "
+            f"key, and whoever holds it can drive the server's engine); make it the owner's alone: chmod 600 {path}"
+        )
     if not key:
         raise ValueError(f"--api-key-file {path}: the file is empty")
     return key

@@ -9,7 +9,8 @@ What it sets, and why:
   anyone who can reach the port run methods in the engine, so the server listens on 127.0.0.1
   unless `--host` says otherwise, and a server that listens further needs a key.
 - The key: from the environment variable `LIT_GRPO_SERVER_KEY` or `--api-key-file PATH` (never
-  a command-line value). With one, every route but `/health` needs `Authorization: Bearer <key>`
+  a command-line value; a file its group or other users may read is refused, as ssh refuses such
+  a private key: `chmod 600 PATH`). With one, every route but `/health` needs `Authorization: Bearer <key>`
   (`lit_grpo.samplers.server.keys.RequireServerKey`, installed as vLLM middleware: vLLM's own
   `--api-key` guards `/v1/*` only). A `--host` other than a loopback one without a key is refused.
 - vLLM's CLI asks for the version of the `vllm` distribution; the CPU build is installed as
@@ -31,8 +32,9 @@ What it sets, and why:
   K of them at once: an adapter-only weight sync (`sampler.lora_sync=adapter`) loads each new
   adapter beside the older ones the rollouts in flight still use.
 
-One line, `lit_grpo.samplers.server.serve: ready at URL ...`, is printed when `/health` answers. A missing vLLM
-or a model folder that cannot be served exits with status 2 and a message, before vLLM starts.
+One line, `lit_grpo.samplers.server.serve: ready at URL ...`, is printed when `/health` answers. A missing vLLM,
+a model folder that cannot be served or a key file that cannot be used exits with status 2 and a message,
+before vLLM starts.
 Arguments this command does not know are passed on to `vllm serve` unchanged.
 """
 
