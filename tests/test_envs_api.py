@@ -6,13 +6,18 @@ of the turns' parts), the limits on turns, tokens and seconds, and a parse error
 from __future__ import annotations
 
 import asyncio
+import inspect
+import logging
+import math
 
 import pytest
 
 from lit_grpo.envs.api import Environment, StepResult, ToolCall, Turn, parse_tool_calls
+from lit_grpo.envs.checks import EnvironmentReturnError
 from lit_grpo.envs.rollout import make_env_rollout_fn
 from lit_grpo.errors import UserError
 from lit_grpo.models.load import build_char_tokenizer
+from lit_grpo.rollouts.deadlines import classify
 from lit_grpo.types import Completion, RolloutSetup
 
 
@@ -178,6 +183,98 @@ def test_bad_extras_are_named(tokenizer):
         )
 
 
+# --------------------------------------------------------------------------- what an environment returns
+
+
+class Misbehaving:
+    """An environment whose `reset`, `step` and `finish` return what it is given (`reset_to`, ...)."""
+
+    def __init__(self, reset_to="1+1=?", step_to=None, finish_to=None) -> None:
+        self.reset_to, self.step_to, self.finish_to = reset_to, step_to, finish_to
+
+    async def reset(self, row: dict):
+        return self.reset_to
+
+    async def step(self, turn: Turn):
+        return self.step_to if self.step_to is not None else StepResult(reward=1.0, done=True)
+
+    async def finish(self, episode):
+        return self.finish_to
+
+
+class SyncStep(Misbehaving):
+    def step(self, turn: Turn):  # a plain def: the rollout cannot await it
+        return StepResult(reward=1.0, done=True)
+
+
+def _where(cls, method: str) -> str:
+    """`Class.method (file:line)`, as the rollout's message names it."""
+    function = getattr(cls, method)
+    return f"{cls.__qualname__}.{method} ({inspect.getsourcefile(function)}:{function.__code__.co_firstlineno})"
+
+
+def _episode(tokenizer, make_env):
+    setup = RolloutSetup(
+        ScriptedSampler(tokenizer, ["2"] * 4),
+        tokenizer,
+        {"max_tokens": 8, "temperature": 1.0},
+        {"environment": make_env},
+    )
+    return asyncio.run(make_env_rollout_fn(setup)({"prompt": "1+1=?"}))
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(
+    "env,method,says",
+    [
+        (Misbehaving(step_to={"reward": 1.0}), "step", "returned a dict {'reward': 1.0}; expected a lit_grpo.envs."),
+        (Misbehaving(reset_to={"prompt": "1+1=?"}), "reset", "returned a dict {'prompt': '1+1=?'}; expected the"),
+        (Misbehaving(reset_to=[]), "reset", "returned a list []; expected the episode's prompt"),
+        (Misbehaving(reset_to=[5, -1]), "reset", "its item 1 is token id -1, outside the vocabulary"),
+        (Misbehaving(step_to=StepResult(reply=3.14)), "step", "reply=3.14 (float); expected a str, a list of token"),
+        (Misbehaving(step_to=StepResult(reply=[10**6])), "step", "its item 0 is token id 1000000, outside the"),
+        (Misbehaving(step_to=StepResult(reply=["a"])), "step", "its item 0 is a str 'a', not a token id"),
+        (Misbehaving(step_to=StepResult(reward=math.nan)), "step", "reward=nan (float); expected a finite number"),
+        (Misbehaving(step_to=StepResult(reward="1.0")), "step", "reward='1.0' (str); expected a finite number"),
+        (Misbehaving(step_to=StepResult(reward=True)), "step", "reward=True (bool); expected a finite number"),
+        (Misbehaving(step_to=StepResult(done="yes")), "step", "done='yes' (str); expected True or False"),
+        (Misbehaving(step_to=StepResult(metrics=["x"])), "step", "metrics=['x'] (list); expected a dict"),
+        (Misbehaving(step_to=StepResult(metrics={"x": "high"})), "step", "metrics hold 'x': a str 'high'"),
+        (Misbehaving(step_to=StepResult(finish_reason=3)), "step", "finish_reason=3 (int); expected a str or None"),
+        (Misbehaving(finish_to=[1.0, 2.0]), "finish", "returned a list [1.0, 2.0]; expected None or a list of 1"),
+        (Misbehaving(finish_to=[math.inf]), "finish", "(holding a float inf); expected None or a list of 1 finite"),
+        (SyncStep(), "step", "returned a StepResult StepResult(reply="),
+    ],
+)  # fmt: skip
+def test_a_wrong_return_is_named_as_the_environments_own(tokenizer, env, method, says):
+    with pytest.raises(EnvironmentReturnError) as raised:
+        _episode(tokenizer, lambda: env)
+    message = str(raised.value)
+    assert message.startswith(_where(type(env), method) + " ") and says in message, message
+    assert "\n" not in message and "text input must be" not in message  # one line, not the tokenizer's
+    if isinstance(env, SyncStep):
+        assert message.endswith("not an awaitable: it must be `async def step`")
+    assert classify(raised.value) == "failure"  # dropped and counted, as a raising environment; not a bug
+
+
+@pytest.mark.timeout(30)
+def test_an_environment_maker_that_returns_no_environment_is_named(tokenizer):
+    with pytest.raises(
+        EnvironmentReturnError, match=r"rollout\.extras\.environment.* returned a NoneType None; expected"
+    ):
+        _episode(tokenizer, lambda: None)
+
+
+@pytest.mark.timeout(30)
+def test_what_the_checks_accept(tokenizer):
+    # numpy's bool and float (a gym-style environment's), a tuple of token ids, None metrics: all fine.
+    np = pytest.importorskip("numpy")
+    reply = tuple(ids(tokenizer, "ok"))
+    step = StepResult(reply=reply, reward=np.float32(0.5), done=np.bool_(True), metrics={"m": None, "n": np.int64(2)})
+    sample = _episode(tokenizer, lambda: Misbehaving(reset_to=ids(tokenizer, "1+1=?"), step_to=step, finish_to=(0.25,)))
+    assert sample.reward == 0.5 and sample.turn_rewards == [0.25] and sample.tokens[-len(reply) :] == list(reply)
+
+
 # --------------------------------------------------------------------------- in a training run
 
 
@@ -221,3 +318,83 @@ def test_an_environment_trains_through_the_generic_rollout(tmp_path, monkeypatch
         assert 1.0 <= step["env/turns"] <= 2.0 and step["env/tool_calls"] == 0.0
         assert 0.0 <= step["reward/mean"] <= 1.0
     assert any(step["env/turns"] > 1.0 for step in steps)  # second guesses were played and trained
+
+
+class WrongOnceInThirty(TwoGuesses):
+    """`TwoGuesses`, but every 30th episode returns the wrong type: `step` a dict, `reset` a dict, or
+    `step` a reply of 3.14, by `wrong` (importable as `test_envs_api:WrongOnceInThirty`)."""
+
+    episodes = 0
+
+    def __init__(self, wrong: str) -> None:
+        self.wrong = wrong
+        WrongOnceInThirty.episodes += 1
+        self.bad = WrongOnceInThirty.episodes % 30 == 0
+
+    async def reset(self, row: dict):
+        prompt = await super().reset(row)
+        return {"prompt": prompt} if self.bad and self.wrong == "reset_dict" else prompt
+
+    async def step(self, turn: Turn):
+        result = await super().step(turn)
+        if self.bad and self.wrong == "step_dict":
+            return {"reward": result.reward, "done": True}
+        if self.bad and self.wrong == "reply_float":
+            return StepResult(reply=3.14, reward=0.0)
+        return result
+
+
+def _train_env(tmp_path, monkeypatch, *overrides: str) -> list[dict]:
+    from pathlib import Path
+
+    from conftest import compose_config, trained_steps
+
+    from lit_grpo.train import train
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))
+    train(
+        compose_config(
+            "+experiment=arithmetic", "max_steps=3", "trainer.enable_progress_bar=false",
+            "rollout.factory=lit_grpo.envs.rollout:make_env_rollout_fn", "+rollout.extras.max_turns=2", *overrides,
+            output_dir=tmp_path,
+        )
+    )  # fmt: skip
+    return trained_steps(tmp_path)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("wrong,method", [("step_dict", "step"), ("reset_dict", "reset"), ("reply_float", "step")])
+def test_an_environment_that_sometimes_returns_the_wrong_type_trains_on(tmp_path, monkeypatch, caplog, wrong, method):
+    # The bad episodes are dropped and counted as an environment that raises is, with one warning
+    # naming the environment's own method; the run trains to its end.
+    with caplog.at_level(logging.WARNING, logger="lit_grpo"):
+        steps = _train_env(
+            tmp_path, monkeypatch, "+rollout.extras.environment=test_envs_api:WrongOnceInThirty",
+            f"+rollout.extras.environment_kwargs.wrong={wrong}",
+        )  # fmt: skip
+    assert len(steps) == 3
+    assert sum(step["rollout/failures"] for step in steps) >= 1
+    warnings = [r.getMessage() for r in caplog.records if "rollout/failures" in r.getMessage()]
+    assert len(warnings) == 1, warnings
+    expected = {
+        "step_dict": "returned a dict {",
+        "reset_dict": "returned a dict {'prompt'",
+        "reply_float": "reply=3.14",
+    }
+    assert _where(WrongOnceInThirty, method) in warnings[0]
+    assert expected[wrong] in warnings[0] and "expected " in warnings[0]
+    assert not any("text input must be" in r.getMessage() for r in caplog.records)  # not the tokenizer's words
+
+
+class AlwaysWrong(TwoGuesses):
+    async def step(self, turn: Turn):
+        return {"reward": 1.0}
+
+
+@pytest.mark.timeout(300)
+def test_an_environment_that_always_returns_the_wrong_type_trips_the_breaker(tmp_path, monkeypatch):
+    from lit_grpo.rollouts import RolloutCircuitOpen
+
+    with pytest.raises(RolloutCircuitOpen) as stopped:
+        _train_env(tmp_path, monkeypatch, "+rollout.extras.environment=test_envs_api:AlwaysWrong")
+    assert _where(AlwaysWrong, "step") in str(stopped.value) and "returned a dict" in str(stopped.value)

@@ -157,6 +157,67 @@ def test_a_rollout_factory_that_returns_nothing_is_named(tmp_path, monkeypatch):
         train(compose_config("+experiment=arithmetic", "rollout.factory=forgetful:make", output_dir=tmp_path / "run"))
 
 
+PLAIN_ROLLOUTS = "def make_rollout_fn(setup):\n    def rollout_fn(row):\n        return None\n\n    return rollout_fn\n"
+"""A factory whose rollout function is a plain `def` (line 2), not `async def`."""
+
+
+@pytest.mark.timeout(300)
+def test_a_plain_def_rollout_function_is_refused_before_training(tmp_path):
+    (tmp_path / "plain_rollouts.py").write_text(PLAIN_ROLLOUTS)
+    proc, _ = _cli(
+        tmp_path,
+        "+experiment=arithmetic",
+        "rollout.factory=plain_rollouts:make_rollout_fn",
+        f"hydra.run.dir={tmp_path / 'run'}",
+    )
+    message = _assert_user_error(
+        proc,
+        "config field `rollout.factory`: 'plain_rollouts:make_rollout_fn' returned ",
+        f"make_rollout_fn.<locals>.rollout_fn ({tmp_path / 'plain_rollouts.py'}:2), a plain function",
+        "it must be `async def rollout_fn(row)`",
+    )
+    assert message.count("\n") == 1  # one line
+    assert not (tmp_path / "run" / "metrics.csv").exists()
+
+
+@pytest.mark.timeout(300)
+def test_a_plain_def_rollout_function_from_the_cookbook_is_refused_before_training(tmp_path, monkeypatch):
+    import lightning.pytorch as pl
+
+    from lit_grpo.config import ConfigError
+    from lit_grpo.cookbook import Config, main
+
+    monkeypatch.setattr(pl.Trainer, "fit", lambda *args, **kwargs: pytest.fail("training started"))
+    namespace: dict = {}
+    exec(compile(PLAIN_ROLLOUTS, "plain_rollouts.py", "exec"), namespace)
+    with pytest.raises(ConfigError, match=r"rollout_fn \(plain_rollouts\.py:2\), a plain function; it must be `async"):
+        main(
+            Config(log_path=str(tmp_path), completions_per_prompt=2, prompt_groups_per_step=2, max_rows=4),
+            rollout_fn_factory=namespace["make_rollout_fn"],
+            rows=[{"prompt_token_ids": [10, 11]}] * 4,
+        )
+
+
+def test_an_async_rollout_function_and_its_kin_are_accepted():
+    import functools
+
+    from lit_grpo.config import ConfigError
+    from lit_grpo.rollouts.rollout import GROUP_ATTRIBUTE, built_rollout_fn
+
+    async def rollout_fn(row, extra=None):
+        return None
+
+    class Callable:
+        async def __call__(self, row):
+            return None
+
+    for fn in (rollout_fn, functools.partial(rollout_fn, extra=1), Callable()):
+        assert built_rollout_fn(lambda setup: fn, None, "'m:f'") is fn  # noqa: B023
+    rollout_fn.sample_group = lambda row, n: [None] * n  # a plain `sample_group` is refused too
+    with pytest.raises(ConfigError, match=rf"must be `async def {GROUP_ATTRIBUTE}\(row, n\)`"):
+        built_rollout_fn(lambda setup: rollout_fn, None, "'m:f'")
+
+
 @pytest.mark.timeout(300)
 def test_a_misspelt_plus_key_is_refused_with_the_closest_name(tmp_path):
     # Needs the wiring in `config.validate` (unknown_keys); before it, the run trained with the default.
@@ -622,3 +683,19 @@ def test_the_last_bad_config_values_are_one_message_from_the_command_line(tmp_pa
     proc, seconds = _cli(tmp_path, "+experiment=arithmetic", override, f"hydra.run.dir={tmp_path / 'run'}")
     _assert_user_error(proc, f"config field `{field}`")
     print(f"{override}: refused in {seconds:.1f} s")
+
+
+def test_a_decorated_async_rollout_function_is_accepted():
+    """A decorator's plain wrapper (`functools.wraps`) returns the coroutine of the async function it wraps."""
+    import functools
+
+    from lit_grpo.rollouts.rollout import built_rollout_fn
+
+    async def rollout_fn(row):
+        return None
+
+    @functools.wraps(rollout_fn)
+    def logged(row):
+        return rollout_fn(row)
+
+    assert built_rollout_fn(lambda setup: logged, None, "'m:f'") is logged

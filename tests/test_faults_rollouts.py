@@ -68,8 +68,8 @@ def _factory(name: str) -> str:
     "factory,reason,shown",
     [
         ("always_none", "none", "returned None"),
-        ("dict", "not_a_sample", "got a dict with keys"),
-        ("tuple", "not_a_sample", "got a tuple"),
+        ("dict", "not_a_sample", "returned a dict with keys"),
+        ("tuple", "not_a_sample", "returned a tuple ("),
         ("ragged", "length_mismatch", "logprobs"),
         ("nan_reward", "nonfinite_reward", "reward nan"),
         ("inf_reward", "nonfinite_reward", "reward inf"),
@@ -87,6 +87,8 @@ def test_a_rollout_that_never_gives_a_usable_sample_stops_the_run(run, factory, 
     assert f"       8  {reason}:" in message  # all 8 rows, by their reason
     assert f"rollout/dropped_{reason}" in message  # and their samples, by metric
     assert shown in message and "Check: " in message
+    if reason == "not_a_sample":  # the user's rollout function, named with its file and line
+        assert f"factory.<locals>.rollout_fn ({hostile_rollouts.__file__}:" in message
 
 
 @pytest.mark.timeout(120)

@@ -22,6 +22,10 @@ The episode's reward is the sum of its turns' parts (`StepResult.reward`); the s
 `turn_spans` and `turn_rewards` (the parts) so `advantage=igpo` credits turns. An episode that
 outgrows `data.max_seq_len` ends where it is (`env/limit_length`), trained on what it has.
 Metrics per sample: `env/turns`, `env/tool_calls`, `env/parse_error`, and the limit that ended it.
+
+What the environment returns is checked (`lit_grpo.envs.checks`): a `reset`, `step` or `finish`
+that is not `async def` or returns what the rollout cannot use drops the episode as one that raises
+(`rollout/failures`), with a warning naming the method, where it is defined, and what it returned.
 """
 
 from __future__ import annotations
@@ -32,7 +36,16 @@ import time
 from collections.abc import Callable
 from typing import Any, Optional
 
-from lit_grpo.envs.api import Environment, Episode, StepResult, Turn, finish_of, parse_tool_calls
+from lit_grpo.envs.api import Environment, Episode, StepResult, Turn, parse_tool_calls
+from lit_grpo.envs.checks import (
+    EnvironmentReturnError,
+    checked,
+    credit_problem,
+    described,
+    method_name,
+    prompt_problem,
+    step_problem,
+)
 from lit_grpo.errors import UserError, import_user_object
 from lit_grpo.rollouts.rollout import RolloutFn, Trajectory, text_prompt_tokens
 from lit_grpo.samplers.arguments import PromptTooLong
@@ -70,12 +83,23 @@ def environment_factory(extras: dict, setup: Optional[RolloutSetup] = None) -> C
         takes_setup = False
     if takes_setup:
         kwargs = {**kwargs, "setup": setup}
-    return lambda: maker(**kwargs)
+
+    def new_environment() -> Environment:
+        env = maker(**kwargs)
+        if not all(callable(getattr(env, name, None)) for name in ("reset", "step")):
+            raise EnvironmentReturnError(
+                f"config field `rollout.extras.environment`: {spec!r} returned {described(env)}; expected an "
+                "environment, an object with `async def reset(row)` and `async def step(turn)`"
+            )
+        return env
+
+    return new_environment
 
 
 def make_env_rollout_fn(setup: RolloutSetup) -> RolloutFn:
     """One episode of `rollout.extras.environment` per call (see the module docstring)."""
     extras, sampler, tokenizer = setup.extras, setup.sampler, setup.tokenizer
+    vocab_size = len(tokenizer) if hasattr(tokenizer, "__len__") else None
     new_environment = environment_factory(extras, setup)
     turn_tokens = _extra(
         extras, "turn_tokens", int(setup.sample_kwargs.get("max_tokens", 64)), _is_positive_int, "an integer >= 1"
@@ -103,7 +127,18 @@ def make_env_rollout_fn(setup: RolloutSetup) -> RolloutFn:
             left = seconds_left()
             return await (awaitable if left is None else asyncio.wait_for(awaitable, max(left, 0.0)))
 
-        prompt = await within_time(env.reset(row))
+        async def call(obj, method: str, *args):
+            """`obj.method(*args)` awaited within the episode's time; not a coroutine: named."""
+            awaitable = getattr(obj, method)(*args)
+            if not inspect.isawaitable(awaitable):
+                raise EnvironmentReturnError(
+                    f"{method_name(obj, method)} returned {described(awaitable)}, not an awaitable: "
+                    f"it must be `async def {method}`"
+                )
+            return await within_time(awaitable)
+
+        prompt = await call(env, "reset", row)
+        checked(env, "reset", prompt_problem(prompt, vocab_size))
         traj = Trajectory(list(prompt) if isinstance(prompt, (list, tuple)) else text_prompt_tokens(tokenizer, prompt))
         parts: list[float] = []
         turns: list[Turn] = []
@@ -134,11 +169,12 @@ def make_env_rollout_fn(setup: RolloutSetup) -> RolloutFn:
             turn = Turn(c.text, calls, None, index, c.finish_reason)
             turns.append(turn)
             try:
-                result: StepResult = await within_time(env.step(turn))
+                result: StepResult = await call(env, "step", turn)
             except TimeoutError:
                 parts.append(0.0)
                 ended_by = "seconds"
                 break
+            checked(env, "step", step_problem(result, vocab_size))
             if result.reward is None:  # not applicable to this row: dropped, as a reward of None
                 return None
             parts.append(float(result.reward))
@@ -162,9 +198,11 @@ def make_env_rollout_fn(setup: RolloutSetup) -> RolloutFn:
         if report_turns:
             episode = Episode(row, list(traj.tokens), list(traj.turn_spans), turns)
             try:  # out of time: the parts stand as the turns' credit
-                credit = None if ended_by == "seconds" else await within_time(finish_of(env, episode))
+                has_finish = getattr(env, "finish", None) is not None  # optional (lit_grpo.envs.api.finish_of)
+                credit = None if ended_by == "seconds" or not has_finish else await call(env, "finish", episode)
             except TimeoutError:
                 credit = None
+            checked(env, "finish", credit_problem(credit, len(episode.turn_spans)))
             credit = parts if credit is None else credit
         sample = traj.to_sample(sum(parts), finish_reason, text="\n".join(texts), turn_rewards=credit)
         sample.metrics.update(metrics)

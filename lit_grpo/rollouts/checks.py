@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import reprlib
 from collections import Counter, deque
 from typing import Optional
 
@@ -138,14 +139,18 @@ def _is_real(x: object) -> bool:
     return type(x) in _REAL or (isinstance(x, numbers.Real) and not isinstance(x, bool))
 
 
+def shown_type(value: object) -> str:
+    """`a dict with keys ['reward', 'tokens']`, `a tuple ([1, 2], ...)`: what a rollout returned, briefly."""
+    if isinstance(value, dict):
+        return f"a dict with keys {sorted(map(str, value))[:6]}"
+    return f"a {type(value).__name__} {reprlib.repr(value)}"
+
+
 def check_sample(sample: object, max_seq_len: int, vocab_size: Optional[int] = None) -> Optional[tuple[str, str]]:
     """`(reason, detail)` when `sample` cannot be trained on, else None. `reason` is a key of
     DROP_REASONS; `detail` shows what was wrong, for the warning."""
     if not isinstance(sample, RolloutSample):
-        shown = f"a {type(sample).__name__}" + (
-            f" with keys {sorted(map(str, sample))[:6]}" if isinstance(sample, dict) else ""
-        )
-        return "not_a_sample", f"got {shown}"
+        return "not_a_sample", f"got {shown_type(sample)}"
     lists = {"tokens": sample.tokens, "logprobs": sample.logprobs, "loss_mask": sample.loss_mask}
     for name, value in lists.items():
         if not isinstance(value, (list, tuple)):

@@ -67,6 +67,8 @@ class GroupSampler:
             self._group_call = functools.update_wrapper(
                 functools.partial(self.group_fn, n=completions_per_prompt), self.group_fn
             )  # error messages name the function
+        self.source = function_name(self.group_fn or rollout_fn)
+        """The rollout function, named with its file and line, in the warning about a result of the wrong type."""
         self.max_seq_len, self.min_group_size, self.vocab_size = max_seq_len, min_group_size, vocab_size
         self.timeout_s, self.max_retries = rollout_timeout_s, max_retries
         self.filters = filters
@@ -136,7 +138,7 @@ class GroupSampler:
                 )
             )
         )
-        samples, run_sizes, counts, details = checked_samples(results, self.max_seq_len, self.vocab_size)
+        samples, run_sizes, counts, details = checked_samples(results, self.max_seq_len, self.vocab_size, self.source)
         if self.overlong_buffer_len > 0:
             samples = penalize_overlong(
                 samples, run_sizes, self.max_completion_tokens, self.overlong_buffer_len, self.overlong_penalty_factor

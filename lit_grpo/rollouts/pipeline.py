@@ -25,7 +25,7 @@ import torch
 from lit_grpo.advantages.igpo import turn_metric_values
 from lit_grpo.advantages.registry import Advantage, make_advantage, rewards_uniform
 from lit_grpo.maths.health import rollout_health
-from lit_grpo.rollouts.checks import check_sample
+from lit_grpo.rollouts.checks import check_sample, shown_type
 from lit_grpo.samplers.arguments import PromptTooLong
 from lit_grpo.types import PromptGroup, RolloutBatch, RolloutRecord, RolloutRun, RolloutSample
 
@@ -43,15 +43,19 @@ def error_key(err: BaseException) -> str:
 
 
 def check_result(
-    result: object, max_seq_len: int, vocab_size: Optional[int] = None
+    result: object, max_seq_len: int, vocab_size: Optional[int] = None, source: str = "the rollout function"
 ) -> tuple[list[RolloutSample], Optional[tuple[str, str]]]:
     """The trainable segments of one rollout call's result (a `RolloutSample`, or a `RolloutRun`
     of segments), or why it is dropped: `(metric key, detail)`. A run is kept whole or dropped
-    whole: one malformed segment, or segments with different rewards, drop it."""
+    whole: one malformed segment, or segments with different rewards, drop it. `source` names the
+    rollout function (`module.name (file:line)`) in the detail of a result of the wrong type."""
     if isinstance(result, BaseException):
         return [], (error_key(result), repr(result))
     if result is None:
         return [], ("rollout/dropped_none", "the rollout returned None")
+    if not isinstance(result, (RolloutSample, RolloutRun)):
+        expected = "expected a RolloutSample, a RolloutRun(segments=[...]) or None"
+        return [], ("rollout/dropped_not_a_sample", f"{source} returned {shown_type(result)}; {expected}")
     segments = result.segments if isinstance(result, RolloutRun) else [result]
     if not isinstance(segments, (list, tuple)) or not segments:
         return [], ("rollout/dropped_empty_run", f"RolloutRun.segments is {segments!r:.60}")
@@ -67,18 +71,21 @@ def check_result(
 
 
 def checked_samples(
-    results: Iterable[object], max_seq_len: int, vocab_size: Optional[int] = None
+    results: Iterable[object],
+    max_seq_len: int,
+    vocab_size: Optional[int] = None,
+    source: str = "the rollout function",
 ) -> tuple[list[RolloutSample], list[int], Counter, dict[str, str]]:
     """The segments of G rollout calls that can train, the number of segments of each kept run,
     the count of each reason the other calls were dropped (`rollout/failures` for an exception,
     `rollout/dropped_none` for a None, `rollout/dropped_<reason>` for a malformed sample), and per
-    key the first detail (for the warning)."""
+    key the first detail (for the warning; `source` names the rollout function, see `check_result`)."""
     samples: list[RolloutSample] = []
     run_sizes: list[int] = []
     counts: Counter = Counter()
     details: dict[str, str] = {}
     for result in results:
-        segments, problem = check_result(result, max_seq_len, vocab_size)
+        segments, problem = check_result(result, max_seq_len, vocab_size, source)
         if problem is None:
             samples += segments
             run_sizes.append(len(segments))

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import inspect
 from collections.abc import Awaitable, Callable
 from typing import Optional
 
-from lit_grpo.rollouts.deadlines import MAX_BACKOFF_S, RETRY_BACKOFF_S, TRANSIENT_ERRORS, classify
+from lit_grpo.rollouts.deadlines import MAX_BACKOFF_S, RETRY_BACKOFF_S, TRANSIENT_ERRORS, classify, function_name
 from lit_grpo.samplers.arguments import chat_prompt_tokens
 from lit_grpo.tasks.rows import RowPromptError, bad_prompt_message, prompt_field_of
 from lit_grpo.types import Completion, RolloutSample, RolloutSetup
@@ -39,9 +40,20 @@ def load_rollout_factory(path: str) -> Callable[[RolloutSetup], RolloutFn]:
     return factory
 
 
+def is_async_callable(fn: Callable) -> bool:
+    """Whether calling `fn` makes a coroutine, by its definition: an `async def` function or method,
+    a `functools.partial` of one, an object whose `__call__` is one, or a decorator's wrapper of one
+    (`functools.wraps` records what it wraps, and such a wrapper returns the coroutine)."""
+    return any(
+        inspect.iscoroutinefunction(f) or inspect.iscoroutinefunction(type(f).__call__)
+        for f in (fn, inspect.unwrap(fn))
+    )
+
+
 def built_rollout_fn(factory: Callable[[RolloutSetup], RolloutFn], setup: RolloutSetup, name: str) -> RolloutFn:
     """`factory(setup)`, checked: a factory that returns something other than a rollout function
-    (a forgotten `return`) is named here, not at the first rollout."""
+    (a forgotten `return`), or a plain `def` one (each call is awaited under its deadline), is
+    named here, not at the first rollout."""
     from lit_grpo.config import ConfigError
 
     rollout_fn = factory(setup)
@@ -50,6 +62,13 @@ def built_rollout_fn(factory: Callable[[RolloutSetup], RolloutFn], setup: Rollou
             f"config field `rollout.factory`: {name} returned {type(rollout_fn).__name__} {rollout_fn!r:.60}, "
             "not a rollout function; it must return `async def rollout_fn(row)` (did it forget a `return`?)"
         )
+    group_fn = group_rollout_fn(rollout_fn)
+    for fn, signature in ((rollout_fn, "rollout_fn(row)"), (group_fn, f"{GROUP_ATTRIBUTE}(row, n)")):
+        if fn is not None and not is_async_callable(fn):
+            raise ConfigError(
+                f"config field `rollout.factory`: {name} returned {function_name(fn)}, a plain function; "
+                f"it must be `async def {signature}` (the trainer awaits each call under rollout_timeout_s)"
+            )
     return rollout_fn
 
 
