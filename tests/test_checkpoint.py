@@ -502,3 +502,58 @@ def test_resume_with_nothing_left_to_train_says_so(tmp_path):
     assert run_cli(run_dir, "max_steps=2", "output_model_id=null").returncode == 0
     again = run_cli(run_dir, "max_steps=2", "output_model_id=null", "resume=auto")
     assert again.returncode == 0 and "there is nothing left to train, no step will run" in again.stdout + again.stderr
+
+
+def test_a_step_folder_without_a_manifest_says_what_it_holds(tmp_path):
+    """Saves are published whole, so a missing manifest is never "a save that did not finish": a
+    checkpoint's files without one are an older lit_grpo's (or a copy without it); else not a checkpoint."""
+    old = tmp_path / "step_00000002"
+    old.mkdir()
+    (old / ".metadata").write_bytes(b"dcp")
+    (old / "trainer_state_rank0.pt").write_bytes(b"state")
+    assert "from before checkpoint manifests" in verify(old)
+    empty = tmp_path / "step_00000004"
+    empty.mkdir()
+    assert "not a checkpoint lit_grpo wrote" in verify(empty)
+    for problem in (verify(old), verify(empty)):
+        assert "did not finish" not in problem.split("(or a copy")[0]
+
+
+def test_a_short_write_reads_as_a_full_disk():
+    """torch's writer on a full disk says `unexpected pos 704 vs 598` and no errno; DCP wraps each
+    rank's error. The reason a user reads is the disk, with torch's words kept in brackets."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from lit_grpo.run.state import is_short_write, write_failure_reason
+
+    torch_says = RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 704 vs 598")
+    wrapped = CheckpointException("save failed", {0: (torch_says, None)})
+    for err in (torch_says, wrapped):
+        assert is_short_write(err)
+        assert write_failure_reason(err).startswith("No space left on device")
+        assert "unexpected pos 704 vs 598" in write_failure_reason(err)
+    try:
+        raise RuntimeError("writing the state failed") from OSError(28, "No space left on device", "/ckpt/x")
+    except RuntimeError as err:
+        assert write_failure_reason(err) == "No space left on device: /ckpt/x"
+    assert not is_short_write(RuntimeError("shape mismatch"))  # a bug is not the disk
+
+
+def test_torch_failing_a_write_at_a_checkpoint_stops_with_the_disk_named(tmp_path, monkeypatch):
+    """The trainer state's `torch.save` on a full disk raised a RuntimeError that escaped as a bug's
+    traceback; now it is the checkpoint's one message, naming the disk, and the earlier checkpoint kept."""
+    import lit_grpo.run.state as run_state
+
+    original = run_state.torch.save
+
+    def save(obj, f, *args, **kwargs):
+        if "step_00000004" in str(f):
+            raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 704 vs 598")
+        return original(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(run_state.torch, "save", save)
+    with pytest.raises(run_state.CheckpointWriteError) as caught:
+        train(compose_config(*RUN, "max_steps=4", "output_model_id=null", output_dir=tmp_path))
+    message = str(caught.value)
+    assert "step_00000004 could not be written (No space left on device" in message and "MiB free" in message
+    assert "step_00000002" in message

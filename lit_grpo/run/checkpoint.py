@@ -101,11 +101,24 @@ def write_manifest(folder: Path, meta: dict) -> None:
     _fsync_dir(folder)
 
 
+def missing_manifest(folder: Path) -> str:
+    """Why `folder` has no manifest. Saves are published whole (renamed from their staging folder
+    with the manifest inside), so a step folder without one was not left by an unfinished save:
+    it holds a checkpoint's files (written before checkpoints had manifests, or copied without it),
+    or it is not a checkpoint at all."""
+    if (folder / ".metadata").is_file() or any(folder.glob("trainer_state*.pt")):
+        return (
+            "no manifest.json: its files are a checkpoint's, written by a lit_grpo from before checkpoint "
+            "manifests (or copied without it), which this version does not resume"
+        )
+    return "no manifest.json, and no checkpoint files: not a checkpoint lit_grpo wrote (or a copy that did not finish)"
+
+
 def read_manifest(folder: Path) -> tuple[Optional[dict], Optional[str]]:
     """`folder`'s manifest as a dict whose `files` is a dict, or None and what is wrong with it."""
     manifest_path = folder / MANIFEST
     if not manifest_path.is_file():
-        return None, "no manifest.json (the save did not finish)"
+        return None, missing_manifest(folder)
     try:
         manifest = json.loads(manifest_path.read_text())
     except (OSError, ValueError) as err:

@@ -91,6 +91,46 @@ class CheckpointWriteError(EnvironmentFault):
     the folder, the free space and the checkpoints kept."""
 
 
+SHORT_WRITE = ("unexpected pos", "PytorchStreamWriter failed", "file write failed")
+"""What torch's zip writer says when a write comes up short (a full disk, a quota): it names no errno."""
+
+
+def failure_chain(err: BaseException) -> list[BaseException]:
+    """`err`, what it was raised from, and each rank's error inside a DCP `CheckpointException`."""
+    seen: list[BaseException] = []
+    todo = [err]
+    while todo:
+        e = todo.pop(0)
+        if e is None or any(e is s for s in seen):
+            continue
+        seen.append(e)
+        todo += [e.__cause__, e.__context__]
+        todo += [pair[0] for pair in getattr(e, "failures", {}).values() if isinstance(pair, tuple)]
+    return seen
+
+
+def is_short_write(err: BaseException) -> bool:
+    """Whether torch's writer failed to write all it had (its message; no errno)."""
+    return any(any(text in str(e) for text in SHORT_WRITE) for e in failure_chain(err))
+
+
+def write_failure_reason(err: BaseException) -> str:
+    """Why a checkpoint could not be written, as a user reads it: the OS's words where an OSError in
+    the chain has them ("No space left on device: <file>"), "No space left on device" where torch's
+    writer fell short (it says `unexpected pos 704 vs 598`, its own position bookkeeping), else the
+    last line of the error."""
+    chain = failure_chain(err)
+    for e in chain:
+        if isinstance(e, OSError) and e.strerror:
+            return e.strerror + (f": {e.filename}" if e.filename else "")
+    for e in chain:
+        if any(text in str(e) for text in SHORT_WRITE):
+            last = str(e).strip().splitlines()[-1][:200]
+            return f"No space left on device, or a quota reached: a write came up short ({last})"
+    text = str(err).strip()
+    return text.splitlines()[-1][:300] if text else type(err).__name__
+
+
 class RunCheckpointer:
     """Saves and loads whole-run checkpoints in a `CheckpointStore` (a collective on every rank)."""
 
@@ -127,7 +167,9 @@ class RunCheckpointer:
         model_sd, optim_sd = get_state_dict(module.policy, trainer.optimizers)
         try:
             return self._write(trainer, staging, step, model_sd, optim_sd, state, rng, start)
-        except (OSError, CheckpointException) as err:  # a full disk, a folder taken away
+        except (OSError, CheckpointException, RuntimeError) as err:  # a full disk, a folder taken away
+            if isinstance(err, RuntimeError) and not is_short_write(err):
+                raise  # a bug, not the disk
             shutil.rmtree(staging, ignore_errors=True)
             raise CheckpointWriteError(self._write_problem(step, err)) from None
 
@@ -167,10 +209,7 @@ class RunCheckpointer:
         except OSError:
             free = "its disk cannot be read"
         kept = sorted(p.name for p in root.glob("step_*") if p.is_dir()) if root.is_dir() else []
-        if isinstance(err, OSError) and err.strerror:
-            reason = err.strerror + (f": {err.filename}" if err.filename else "")
-        else:  # DCP's CheckpointException: the ranks' errors, the last line the most telling
-            reason = str(err).strip().splitlines()[-1][:300] if str(err).strip() else type(err).__name__
+        reason = write_failure_reason(err)
         return (
             f"checkpoint {root / step_dir_name(step)} could not be written ({reason}); {free}. Its partial "
             f"folder was removed; the earlier checkpoints are kept ({', '.join(kept) or 'none'}). Free some "
