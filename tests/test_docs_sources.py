@@ -1,6 +1,7 @@
 """The parts of the docs that restate the code are made from it or checked against it: the README's
 layout (checked), the `make` targets (made by `docs/hooks.py`, and every `make X` the docs name
-checked), the config fields with their defaults and meanings (made by `docs/hooks.py`)."""
+checked), the config fields with their defaults and meanings (made by `docs/hooks.py`), and every
+config key and group choice the docs write (checked)."""
 
 from __future__ import annotations
 
@@ -165,3 +166,71 @@ def test_the_config_page_shows_every_field_with_the_default_a_run_gets():
 def test_a_field_the_yaml_changes_shows_both_defaults():
     page = rendered("reference/config.md")
     assert "| `correction.cap` | `5.0` (`correction=tis`; the dataclass: `null`) |" in page
+
+
+# --- config keys and choices the docs write -----------------------------------------------------
+
+NOT_KEYS = {"sampler.score": "the Sampler protocol's method, `lit_grpo.types.Sampler.score`"}
+"""Dotted names that start like a config key and are not one."""
+OLD_NAMES_PAGE = "docs/reference/moved.md"
+"""Names what moved: its old keys are gone from the schema on purpose."""
+CODE = re.compile(r"```.*?```|`[^`\n]+`", re.S)
+DOTTED = re.compile(r"(?<![\w.+~/-])[+~]?([a-z_][a-z0-9_]*(?:\.[a-z_][a-z0-9_]*)+)(?![\w(/-])")
+OVERRIDE = re.compile(r"(?<![\w.-])[+~]?([a-z_][a-z0-9_]*)(\.[\w.]+)?=([\w,.-]+)(?![\w,.(-])")
+COMMAND = re.compile(r"lit_grpo\.train|lit-grpo ")
+
+
+def schema_has(key: str) -> bool:
+    """Whether `a.b.c` is a field of TrainConfig (below a free-form dict field, anything is)."""
+    cls: object = TrainConfig
+    for part in key.split("."):
+        if not dataclasses.is_dataclass(cls):
+            return True  # `policy_loss.params.<name>`, `task.<option>`, `callbacks.<key>.<arg>`: free-form
+        kinds = typing.get_type_hints(cls)
+        if part not in kinds:
+            return False
+        cls = kinds[part]
+    return True
+
+
+def _code_lines() -> list[tuple[str, str]]:
+    """(`file:line`, text) of every line of code, spans and blocks, in the README and the pages."""
+    found = []
+    for path in MARKDOWN:
+        text = path.read_text(encoding="utf-8")
+        for match in CODE.finditer(text):
+            first = text.count("\n", 0, match.start()) + 1
+            for offset, line in enumerate(match.group().splitlines()):
+                found.append((f"{path.relative_to(ROOT)}:{first + offset}", line))
+    return found
+
+
+def test_the_docs_name_only_config_keys_that_exist():
+    roots = {f.name for f in dataclasses.fields(TrainConfig)}
+    wrong = [
+        f"{where}: {key}"
+        for where, line in _code_lines()
+        if not where.startswith(OLD_NAMES_PAGE)
+        for key in DOTTED.findall(line)
+        if key.split(".")[0] in roots and key not in NOT_KEYS and not schema_has(key)
+    ]
+    assert wrong == [], "config keys the schema does not have (lit_grpo/config/)"
+
+
+def test_the_docs_commands_name_only_groups_choices_and_fields_that_exist():
+    """In a `python -m lit_grpo.train` / `lit-grpo` command: `group=choice` names a YAML of
+    `lit_grpo/conf/<group>/` (each of a sweep's), any other override a field (a command with
+    `--config-dir` brings groups of its own, and is skipped)."""
+    conf = PACKAGE / "conf"
+    groups = {d.name for d in conf.iterdir() if d.is_dir()}
+    roots = {f.name for f in dataclasses.fields(TrainConfig)}
+    wrong = []
+    for where, line in _code_lines():
+        if not COMMAND.search(line) or "--config-dir" in line:
+            continue
+        for root, rest, values in OVERRIDE.findall(line):
+            if root in groups and not rest:
+                wrong += [f"{where}: {root}={v}" for v in values.split(",") if not (conf / root / f"{v}.yaml").exists()]
+            elif root != "hydra" and (root not in roots or not schema_has(root + rest)):
+                wrong.append(f"{where}: {root}{rest}")
+    assert wrong == [], "overrides naming a choice or a field that does not exist"
