@@ -1,5 +1,9 @@
-"""MkDocs hooks: shape notes in docstrings are not cross-references; the module table of
-`reference/layout.md` is made from the modules' docstrings at build time.
+"""MkDocs hooks: shape notes in docstrings are not cross-references; the tables that restate the
+code are made from it at build time, each where its marker line stands in a page: the module table
+(`<!-- module-table -->`, from the modules' docstrings), the `make` targets (`<!-- make-targets -->`,
+from the Makefile's `## ` comments) and the config fields with their defaults
+(`<!-- config-fields top|groups -->`, from the dataclasses and the default composed config).
+docs/development.md lists what is made and what `tests/test_docs_*.py` check.
 
 Docstrings write shapes as `[G][T_i]` or `[N][len(target)]`, which autorefs reads as
 `[title][identifier]` references and reports as missing targets, failing the strict build.
@@ -38,7 +42,8 @@ def on_pre_build(config, **kwargs) -> None:
         handler.addFilter(_FILTER)
 
 
-_MODULE_TABLE = "<!-- module-table -->"
+# Each marker is a line of its own, so a page can name one in code without it being filled in.
+_MODULE_TABLE = re.compile(r"^<!-- module-table -->$", re.M)
 
 
 # A full stop that ends a sentence: not one of an ellipsis, `e.g.` or `i.e.`, and followed by a space or the end.
@@ -69,7 +74,7 @@ def module_table(package: Path) -> str:
     return "\n".join(rows)
 
 
-_MAKE_TARGETS = re.compile(r"<!-- make-targets(?: (?P<prefix>[\w-]+))? -->")
+_MAKE_TARGETS = re.compile(r"^<!-- make-targets(?: (?P<prefix>[\w-]+))? -->$", re.M)
 _HELP_LINE = re.compile(r"^(?P<target>[a-zA-Z_-]+):.*## (?P<help>.+)$")  # the pattern of the Makefile's own `help`
 
 
@@ -93,7 +98,7 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|")
 
 
-_CONFIG_FIELDS = re.compile(r"<!-- config-fields (?P<part>top|groups) -->")
+_CONFIG_FIELDS = re.compile(r"^<!-- config-fields (?P<part>top|groups) -->$", re.M)
 
 
 def field_docstrings(cls: type) -> dict[str, str]:
@@ -202,6 +207,6 @@ def config_fields(part: str) -> str:
 def on_page_markdown(markdown: str, page, config, **kwargs) -> str:
     """Fill in the tables made from the code: modules, `make` targets, config fields."""
     root = Path(config.config_file_path).parent
-    markdown = markdown.replace(_MODULE_TABLE, module_table(root / "lit_grpo"))
+    markdown = _MODULE_TABLE.sub(lambda m: module_table(root / "lit_grpo"), markdown)
     markdown = _MAKE_TARGETS.sub(lambda m: make_table(root / "Makefile", m["prefix"] or ""), markdown)
     return _CONFIG_FIELDS.sub(lambda m: config_fields(m["part"]), markdown)

@@ -40,7 +40,7 @@ DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 _PART = r"(?:[a-z0-9_*]|<[a-z_ ]+>)+"
 METRIC = re.compile(rf"[a-z][a-z0-9_]*(?:/{_PART})+")
 """A metric as written: lowercase namespace, `/`, name (`train/drift/k1`), with placeholders or globs."""
-IN_TEXT = re.compile(rf"(?<![\w/.<>*-]){METRIC.pattern}(?![\w/.<>*(-])")
+IN_TEXT = re.compile(rf"(?<![\w/.<>*{{-]){METRIC.pattern}(?![\w/.<>*({{-])")
 CODE_SPAN = re.compile(r"`([^`\n]+)`")
 KEY = re.compile(r"[a-z][a-z0-9_]*(?:/[a-z0-9_]+)+")
 """A metric key the code builds from a literal."""
