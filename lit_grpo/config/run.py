@@ -86,10 +86,15 @@ class TrainConfig:
     max_steps: int = -1
     """Rollout steps to train (-1: until the rows × epochs are used up)."""
     learning_rate: float = 1e-5
+    """AdamW's learning rate (the peak, after warm-up)."""
     adam_beta1: float = 0.9
+    """AdamW's β1, the decay of the gradient's running mean."""
     adam_beta2: float = 0.999
+    """AdamW's β2, the decay of the squared gradient's running mean."""
     adam_eps: float = 1e-8
+    """AdamW's ε, added to the root of the squared-gradient mean."""
     weight_decay: float = 0.01
+    """AdamW's decoupled weight decay."""
     grad_clip_norm: float = 1.0
     """Clip the global gradient norm (0: off)."""
     warmup_steps: int = 0

@@ -26,6 +26,7 @@ class TrainerConfig:
     accelerator: str = "auto"
     """`auto`, `cpu`, or `gpu`/`cuda` (refused before anything loads on a machine without one)."""
     devices: Any = 1
+    """Devices of `accelerator` to run on (a number, a list of indices, or `auto`); one process each."""
     strategy: str = "auto"
     """Any Lightning strategy name (`auto`, `ddp`, ...), or `fsdp2`: the policy and the reference
     sharded per decoder layer with FSDP2 (Lightning's `ModelParallelStrategy`; GPUs or CPUs)."""
@@ -36,10 +37,15 @@ class TrainerConfig:
     fast_dev_run: Any = False
     """True or N: run 1 (or N) steps as a smoke test, no checkpoints, no plots."""
     log_every_n_steps: int = 1
+    """Hand the loggers a step's metrics every N rollout steps."""
     enable_progress_bar: bool = True
+    """Lightning's progress bar, with the step's reward."""
     enable_model_summary: bool = False
+    """Lightning's table of the policy's layers and parameter counts at the start."""
     deterministic: bool = False
+    """Lightning's `deterministic`: torch's deterministic algorithms only (slower; an op without one raises)."""
     extra: dict = field(default_factory=dict)
+    """Any other `lightning.Trainer` argument, by its name, passed as given."""
 
     def __post_init__(self) -> None:
         self.precision = str(self.precision)  # `trainer.precision=32` arrives as an int

@@ -1,13 +1,14 @@
 """A step's metrics: merged over ranks, kept in a history, handed to the loggers.
 
-Every key is namespaced: `train/` (loss, lr, entropy, clip_frac, ratio_mean, ppo_kl, ref_kl,
-tis/*, grad_norm and grad_norm_clipped, tokens, drift/k1, drift/k3, drift/over_tis_cap_frac),
-`reward/` (mean, std, max over every sampled group of every rank), `rollout/` (lengths,
-accepted groups, one count per drop reason, zero_spread_frac, truncated_frac, length_<finish
-reason>), `async/` (version offsets, rollouts in flight), `perf/` (seconds per phase, tokens per
-second, padding_frac), `policy/version` and `eval/accuracy`. The health signals (`train/drift/*`,
-`train/tokens`, `train/grad_norm_clipped` and the `rollout/` ones after `dropped_*`) are defined
-in `lit_grpo.maths.health`.
+Every key is namespaced (docs/guides/metrics.md lists them all): `train/` (the loss and its own
+metrics, lr, entropy, gradient norms, tokens, skipped steps, and the loss's sub-families such as
+`train/drift/k1`, `train/correction/weight_mean`), `reward/` (mean, std, max over every sampled
+group of every rank), `rollout/` (lengths, accepted groups, one count per drop reason,
+`rollout/zero_spread_frac`, `rollout/truncated_frac`, `rollout/length_<finish reason>`), `async/`
+(version offsets, rollouts in flight), `perf/` (seconds per phase, tokens per second,
+`perf/padding_frac`), `policy/version` and `eval/accuracy`. The health signals (`train/drift/*`,
+`train/tokens`, `train/grad_norm_clipped` and the `rollout/` ones after the drop counts) are
+defined in `lit_grpo.maths.health`.
 """
 
 from __future__ import annotations
