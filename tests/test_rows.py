@@ -424,3 +424,23 @@ def test_the_cli_names_a_missing_data_file(tmp_path):
 def _greedy_accuracy(*args, **kwargs) -> float:
     total, scored = greedy_reward_sum(*args, **kwargs)
     return total / scored
+
+
+@pytest.mark.parametrize(
+    "line,says",
+    [
+        (b"prompt,answer", "at column 1, at 'prompt,answer'; the line is not JSON"),
+        (b"{'prompt': '3+4='}", "at column 2, at \"'prompt': '3+4='}\"; JSON strings take double quotes"),
+        (b'{"prompt": "3+4=", "answer": ', "at column 30, at the end of the line; the row is cut short"),
+        (b'{"prompt": "3+4="} 7', "Extra data at column 20, at '7'"),
+    ],
+)
+def test_a_bad_json_row_shows_the_text_at_its_column_and_the_likely_cause(tmp_path, line, says):
+    """`column 1` alone says little: the message shows what stands there, and the usual cause."""
+    (tmp_path / "rows.jsonl").write_bytes(b'{"prompt": "a"}\n' + line + b"\n")
+    with pytest.raises(RowError) as caught:
+        load_rows(str(tmp_path / "rows.jsonl"))
+    assert str(caught.value).startswith("rows.jsonl line 2: invalid JSON (") and says in str(caught.value)
+    (tmp_path / "rows.json").write_text('[\n {"prompt": "a"},\n {"prompt": "b",}\n]')
+    with pytest.raises(RowError, match=r"rows\.json: invalid JSON \(.* at line 3 column 17, at '}'"):
+        load_rows(str(tmp_path / "rows.json"))

@@ -63,12 +63,32 @@ def json_line_reader(raw: bytes, where: str, *, first: bool, skip_hint: str = ""
                 f"{where}: not UTF-8 text (byte 0x{raw[e.start]:02x} at byte {e.start + 1} of the line); "
                 f"re-save the file as UTF-8, or drop the line{skip_hint}"
             ) from None
+        line = line.rstrip("\r\n")  # with its newline, a row cut short is reported at the next line's column 1
         try:
             return json.loads(line)
         except json.JSONDecodeError as e:
-            raise RowError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
+            raise RowError(f"{where}: invalid JSON ({describe_json_error(line, e)})") from None
 
     return read
+
+
+def describe_json_error(text: str, e: json.JSONDecodeError) -> str:
+    """`json`'s message with the column and the text at it (a column alone, `column 1` most often,
+    says little), and the usual cause where one is plain: a Python dict's single quotes, a line that
+    is not JSON at all (a CSV row, a header), a row cut short."""
+    lines = text.splitlines()
+    line = lines[e.lineno - 1] if e.lineno <= len(lines) else ""
+    at = line[max(e.colno - 1, 0) :].rstrip()
+    shown = f"{at[:40]!r}" + ("..." if len(at) > 40 else "") if at else "the end of the line"
+    where = f"line {e.lineno} column {e.colno}" if "\n" in text.strip() else f"column {e.colno}"
+    cause = ""
+    if at.startswith("'"):
+        cause = "; JSON strings take double quotes (is it a Python dict's repr?)"
+    elif e.colno == 1 and e.msg == "Expecting value":
+        cause = '; the line is not JSON (a row is one object a line: {"prompt": ..., "answer": ...})'
+    elif not at:
+        cause = "; the row is cut short"
+    return f"{e.msg} at {where}, at {shown}{cause}"
 
 
 def jsonl_records(path: Path, *, skip_hint: str = "") -> Iterator[tuple[str, Callable[[], object]]]:
@@ -110,7 +130,7 @@ def load_json(path: str | os.PathLike, *, max_rows: int = 0) -> list[dict]:
             f"{path.name}: not UTF-8 text (byte 0x{raw[e.start]:02x} at byte {e.start + 1}); re-save the file as UTF-8"
         ) from None
     except json.JSONDecodeError as e:
-        raise RowError(f"{path.name}: invalid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
+        raise RowError(f"{path.name}: invalid JSON ({describe_json_error(raw.decode('utf-8-sig'), e)})") from None
     records = records[:max_rows] if max_rows else records
     return [_require_object(r, f"{path.name} item {i}") for i, r in enumerate(records)]
 
