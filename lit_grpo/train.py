@@ -44,10 +44,17 @@ SUMMARY_WINDOW = 10
 CONF_DIR = Path(__file__).resolve().parent / "conf"  # shipped in the package (the wheel carries it)
 
 
+def summary_window(steps: int) -> int:
+    """The steps each of the summary's means covers: SUMMARY_WINDOW, or half the run when it is
+    shorter than two windows, so that the first and the final reward never share a step (a 10-step
+    run is 5 and 5; one step is its own first, final and best)."""
+    return max(1, min(SUMMARY_WINDOW, steps // 2))
+
+
 def summarize(history: MetricHistory, metric: str, wall_s: float) -> dict[str, float]:
-    """First/last/best `metric` (means over SUMMARY_WINDOW steps), step count and wall time."""
+    """First/last/best `metric` (means over `summary_window` steps), step count and wall time."""
     values = history.series(metric)
-    w = SUMMARY_WINDOW
+    w = summary_window(len(values))
     window_means = (
         [sum(values[i : i + w]) / len(values[i : i + w]) for i in range(max(len(values) - w + 1, 1))] if values else []
     )
@@ -101,6 +108,7 @@ def write_summary(
         "stop_reason": reason,
         "versions": run_versions(c.sampler.kind),
         "reward_curve": sequence.history.series(c.summary_metric),
+        "reward_window": summary_window(len(sequence.history.series(c.summary_metric))),
     }
     if trainer.is_global_zero:
         (Path(c.output_dir) / "summary.json").write_text(json.dumps(summary_file, indent=1))

@@ -192,3 +192,16 @@ def test_policy_loss_multirun_writes_a_sweep_summary(tmp_path):
         assert len(run_dirs) == 1 and (run_dirs[0] / "summary.json").exists(), name
     assert (tmp_path / "sweep_rewards.png").stat().st_size > 0
     assert "Sweep summary" in proc.stdout
+
+
+def test_a_short_runs_summary_means_over_half_the_run():
+    """With fewer than 20 steps the window is half the run: first, final and best differ as the
+    curve does (a 10-step window over 4 steps made all three the same mean)."""
+    from lit_grpo.loop.metrics import MetricHistory
+    from lit_grpo.train import summarize, summary_window
+
+    history = MetricHistory()
+    history.steps = [{"reward/mean": r} for r in (0.0, 0.5, 1.0, 0.25)]
+    summary = summarize(history, "reward/mean", 1.0)
+    assert (summary["first_reward"], summary["final_reward"], summary["best_reward"]) == (0.25, 0.625, 0.75)
+    assert [summary_window(n) for n in (0, 1, 3, 10, 19, 20, 400)] == [1, 1, 1, 5, 9, 10, 10]
