@@ -41,6 +41,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 SUMMARY_WINDOW = 10
+SUMMARY_FILE = "summary.json"
 CONF_DIR = Path(__file__).resolve().parent / "conf"  # shipped in the package (the wheel carries it)
 
 
@@ -78,84 +79,121 @@ def _job_overrides() -> str:
 
 def write_summary(
     c: TrainConfig,
-    trainer: L.Trainer,
-    module: GRPOModule,
+    trainer: Optional[L.Trainer],
+    module: Optional[GRPOModule],
     resume_from: Optional[Path],
     wall_s: float,
     stop: StopSignals,
 ) -> dict:
-    """The run's summary, also written to `<output_dir>/summary.json` (with the reward curve) by rank 0."""
-    sequence = module.step_sequence
-    summary = summarize(sequence.history, c.summary_metric, wall_s)
-    if "eval/accuracy" in (evaluation := sequence.last_evaluation()):
+    """The run's summary, also written to `<output_dir>/summary.json` (with the reward curve) by rank 0:
+    written beside it, then renamed into place, so a reader finds the earlier one or this one whole.
+    `trainer` and `module` are None for a run stopped before it built them."""
+    from lit_grpo.loop.metrics import MetricHistory
+
+    sequence = module.step_sequence if module is not None else None
+    history = sequence.history if sequence is not None else MetricHistory()
+    summary = summarize(history, c.summary_metric, wall_s)
+    if sequence is not None and "eval/accuracy" in (evaluation := sequence.last_evaluation()):
         summary["eval_accuracy"] = evaluation["eval/accuracy"]
     if stop.requested:
         summary["stopped_by"] = signal.Signals(stop.signum).name
-    if sequence.rows_exhausted:
+    rows_exhausted = sequence is not None and sequence.rows_exhausted
+    if rows_exhausted:
         summary["rows_exhausted"] = 1.0  # the rows ran out before max_steps
     reason = stop_reason(
-        steps=module.rollout_step,
+        steps=module.rollout_step if module is not None else 0,
         max_steps=c.max_steps,
-        rows_exhausted=sequence.rows_exhausted,
+        rows_exhausted=rows_exhausted,
         signum=stop.signum if stop.requested else None,
-        fast_dev_run=bool(trainer.fast_dev_run),
+        fast_dev_run=bool(trainer.fast_dev_run) if trainer is not None else False,
     )
     summary_file = {
         **summary,
         "overrides": _job_overrides(),
         "resumed_from": str(resume_from) if resume_from else None,
-        "run_id": sequence.run_id,
+        "run_id": sequence.run_id if sequence is not None else None,
         "stop_reason": reason,
         "versions": run_versions(c.sampler.kind),
-        "reward_curve": sequence.history.series(c.summary_metric),
-        "reward_window": summary_window(len(sequence.history.series(c.summary_metric))),
+        "reward_curve": history.series(c.summary_metric),
+        "reward_window": summary_window(len(history.series(c.summary_metric))),
     }
-    if trainer.is_global_zero:
-        (Path(c.output_dir) / "summary.json").write_text(json.dumps(summary_file, indent=1))
+    if trainer.is_global_zero if trainer is not None else launched_as_rank_zero():
+        path = Path(c.output_dir) / SUMMARY_FILE
+        tmp = path.with_name(f".{SUMMARY_FILE}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(summary_file, indent=1))
+        os.replace(tmp, path)
         log.info("run summary: %s", json.dumps(summary))
         log.info("%s", reason)  # the run's last line: why it stopped
     return summary
 
 
-def train(cfg: DictConfig | TrainConfig, inputs: Optional[UserInputs] = None) -> dict[str, float]:
-    """Run one training job; returns (and writes to `<output_dir>/summary.json`) its summary."""
-    c = validate(cfg)  # every field error surfaces here, before a model is touched
-    if inputs is not None and inputs.reward_fn is not None and c.reward.fn:
-        raise ConfigError(
-            f"config field `reward.fn`: {c.reward.fn!r} and a reward_fn given in Python both name the reward; keep one"
-        )
-    for note in ineffective_knobs(c):
-        log.warning(note)
-    check_sources(c)  # an unreachable model or dataset: one message in seconds, not a retry loop
-    with claim_output_dir(c.output_dir):  # held to the end: a second run on this folder is refused at once
-        resume_from = find_resume_checkpoint(c.resume, c.output_dir)  # or refused, saying what the folder holds
-        if resume_from is not None:
-            check_resumable(resume_from, c)  # refused before a model is touched, too
-        set_aside_metrics(c.output_dir, resume_from)  # an earlier run's metrics.csv survives a fresh start
-        if launched_as_rank_zero():
-            write_provenance(c, resume_from)  # what the run runs on, written first: a crashed run has it too
-        if resume_from is not None:
-            warn_if_versions_differ(resume_from, run_versions(c.sampler.kind))
-        from lit_grpo.build import fit  # torch, Lightning and transformers load here, once the inputs are known good
+def what_a_stop_wrote(c: TrainConfig, module: Optional[GRPOModule]) -> str:
+    """For the stop's last line: what this stop left on disk, and what it did not (never more)."""
+    checkpointer = module.step_sequence.checkpointer if module is not None and module.step_sequence else None
+    saved = checkpointer.last_saved_step if checkpointer is not None else None
+    written = [f"checkpoint step {saved}"] if saved else []
+    if (Path(c.output_dir) / "metrics.csv").is_file():
+        written.append("metrics")
+    written.append("summary")
+    missing = (
+        "no checkpoint: checkpoints are off (dcp_save_interval=0)"
+        if checkpointer is None and module is not None
+        else "no checkpoint: no step had finished"
+        if not saved
+        else ""
+    )
+    said = (", ".join(written[:-1]) + " and " + written[-1] if len(written) > 1 else written[0]) + " written"
+    return said + (f"; {missing}" if missing else "")
 
-        tidy_lightning_logging()  # each line once, no advertisement, no misleading stop line
-        start = time.perf_counter()
-        try:
-            with StopSignals() as stop:
-                trainer, module = fit(c, resume_from, stop=stop, inputs=inputs)
-        except Exception as err:
-            log.error(
-                "stopped: %s (%s)",
-                type(err).__name__,
-                "its message follows" if user_message(err) else "a bug: its traceback follows",
+
+def train(cfg: DictConfig | TrainConfig, inputs: Optional[UserInputs] = None) -> dict[str, float]:
+    """Run one training job; returns (and writes to `<output_dir>/summary.json`) its summary.
+
+    The stop signals are caught from the first line: one received while the config is checked, the
+    libraries load or the run is built is honoured once it can be (before the build: the summary
+    alone; after it: the step sequence's stop), and one received while the summary is written waits
+    for it. Every stop of a run whose folder exists leaves its summary."""
+    start = time.perf_counter()
+    with StopSignals() as stop:
+        c = validate(cfg)  # every field error surfaces here, before a model is touched
+        if inputs is not None and inputs.reward_fn is not None and c.reward.fn:
+            raise ConfigError(
+                f"config field `reward.fn`: {c.reward.fn!r} and a reward_fn given in Python both name the reward; "
+                "keep one"
             )
-            raise
-        summary = write_summary(c, trainer, module, resume_from, time.perf_counter() - start, stop)
-        for problem in (getattr(cb, "problem", None) for cb in trainer.callbacks):
-            if problem:  # the export failed: the summary is written, the policy saved where it says
-                raise EnvironmentFault(problem)
-    if stop.requested:
-        raise StopRequested(stop.signum)  # after the summary and the metrics are written
+        for note in ineffective_knobs(c):
+            log.warning(note)
+        check_sources(c)  # an unreachable model or dataset: one message in seconds, not a retry loop
+        with claim_output_dir(c.output_dir):  # held to the end: a second run on this folder is refused at once
+            resume_from = find_resume_checkpoint(c.resume, c.output_dir)  # or refused, saying what the folder holds
+            if resume_from is not None:
+                check_resumable(resume_from, c)  # refused before a model is touched, too
+            set_aside_metrics(c.output_dir, resume_from)  # an earlier run's metrics.csv survives a fresh start
+            if launched_as_rank_zero():
+                write_provenance(c, resume_from)  # what the run runs on, written first: a crashed run has it too
+            if resume_from is not None:
+                warn_if_versions_differ(resume_from, run_versions(c.sampler.kind))
+            # torch, Lightning and transformers load here, once the inputs are known good
+            from lit_grpo.build import fit
+
+            tidy_lightning_logging()  # each line once, no advertisement, no misleading stop line
+            trainer = module = None
+            if not stop.requested:  # else stopped before a model was built: the summary says so
+                try:
+                    trainer, module = fit(c, resume_from, stop=stop, inputs=inputs)
+                except Exception as err:
+                    log.error(
+                        "stopped: %s (%s)",
+                        type(err).__name__,
+                        "its message follows" if user_message(err) else "a bug: its traceback follows",
+                    )
+                    raise
+            summary = write_summary(c, trainer, module, resume_from, time.perf_counter() - start, stop)
+            for problem in (getattr(cb, "problem", None) for cb in (trainer.callbacks if trainer is not None else [])):
+                if problem:  # the export failed: the summary is written, the policy saved where it says
+                    raise EnvironmentFault(problem)
+            if stop.requested:  # after the summary and the metrics are written, saying what was
+                raise StopRequested(stop.signum, what_a_stop_wrote(c, module))
     return summary
 
 
@@ -174,7 +212,7 @@ def main(cfg: DictConfig) -> float:
         # (HYDRA_FULL_ERROR=1 shows it); a bug keeps its traceback.
         return run_cli(train, cfg)["final_reward"]
     except StopRequested as stop:  # non-zero, so that a preempting scheduler requeues the job
-        print(f"{stop}: checkpoint, metrics and summary written", file=sys.stderr)
+        print(stop.report(), file=sys.stderr)
         sys.exit(128 + stop.signum)
 
 

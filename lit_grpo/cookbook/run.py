@@ -79,5 +79,5 @@ def main(
     try:
         return train(to_hydra_config(config), inputs)
     except StopRequested as stop:  # as the CLI does: non-zero, so that a preempting scheduler requeues the job
-        print(f"{stop}: checkpoint, metrics and summary written", file=sys.stderr)
+        print(stop.report(), file=sys.stderr)
         sys.exit(128 + stop.signum)

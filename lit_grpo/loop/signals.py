@@ -27,9 +27,15 @@ class StopRequested(KeyboardInterrupt):
     """Raised inside a wait for rollouts when a stop signal arrives. A `KeyboardInterrupt`, so that
     asyncio lets it through (an `Exception` landing in a rollout task would count as its failure)."""
 
-    def __init__(self, signum: int) -> None:
+    def __init__(self, signum: int, written: str = "") -> None:
         super().__init__(f"stopped by {signal.Signals(signum).name}")
         self.signum = signum
+        self.written = written
+        """What the stopped run left on disk, as its last line says it (set once it is written)."""
+
+    def report(self) -> str:
+        """The stop's last line: `stopped by SIGINT: <what was written>`."""
+        return f"{self}: {self.written}" if self.written else str(self)
 
 
 class StopSignals:
