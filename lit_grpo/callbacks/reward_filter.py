@@ -20,7 +20,7 @@ def has_reward_variance(group: PromptGroup, tolerance: float = UNIFORM_TOLERANCE
 
 class UniformRewardFilter(L.Callback):
     """Registers a group predicate with the rollout data module; rejected groups are counted in
-    `filter/dropped_groups` and replaced by fresh rows.
+    `rollout/filtered_groups` and replaced by fresh rows.
 
     `predicate` (PromptGroup -> bool, True = keep) replaces the default uniform-reward test; from
     config, give it as `{_target_: my_module.my_fn, _partial_: true}` or a dotted path string.

@@ -69,11 +69,21 @@ def gmpo_loss(*, logprobs, old_logprobs, advantages, mask, tis_weight, eps_clip,
     sequence, R's own ∇R = R·mean_t ∇c_t; `token_mean` weighs each sequence by its length, as
     GSPO-token does here. With token-level TIS weights each token's gradient term carries its own
     w_t (the value's derivative would spread the sequence's mean weight); `correction.level=sequence`
-    gives every token of a sequence its geometric-mean weight, verl's choice. The paper's default
-    range is (-0.4, 0.4) in log space (ratios within [e^-0.4, e^0.4]), hence eps_clip =
-    eps_clip_high = 0.4; a token exactly on an edge is not clipped. verl calls it `geo_mean` (its
-    clip_ratio_low/high are these log-space ε). `clip_frac`: clipped tokens; `ratio_mean`: the mean
-    of R over tokens. Shape: [B, T].
+    gives every token of a sequence one weight, min(exp(mean_t d_t), cap). Per-token advantages
+    (IGPO) stay per token: token t's term is -R·A_t·w_t. The paper's default range is (-0.4, 0.4)
+    in log space (ratios within [e^-0.4, e^0.4]), hence eps_clip = eps_clip_high = 0.4; a token
+    exactly on an edge is not clipped. `clip_frac`: clipped tokens; `ratio_mean`: the mean of R over
+    tokens. Shape: [B, T].
+
+    verl's `geo_mean` (core_algos.compute_policy_loss_geo_mean; its clip_ratio_low/high are these
+    log-space ε) clips the same way but (1) takes one advantage per sequence, the masked mean of
+    A_t, so per-token advantages are averaged before they meet R (its code supports sequence-level
+    advantages only); (2) weighs a sequence by the geometric mean of its token weights as its
+    correction already made them, exp(mean_t log(w_t + 1e-10)) with w_t = min(r_t, cap), which is
+    at most the truncated geometric mean used here and equal when no token exceeds the cap (a token
+    IcePop zeroed scales the sequence by 1e-10^(1/L) instead of dropping it); (3) averages over
+    sequences whatever its `loss_agg_mode` (`loss_normalization=seq_mean` here); (4) does not clamp
+    the log-ratio at ±20.
     """
     log_ratio_BT = (logprobs - old_logprobs).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
     clipped_low_BT = (advantages < 0) & (log_ratio_BT < -eps_clip)
