@@ -18,6 +18,7 @@ from lit_grpo.config import (
     CorrectionConfig,
     PolicyLossConfig,
     RewardConfig,
+    RolloutConfig,
     SamplerConfig,
     TrainConfig,
     parse,
@@ -40,6 +41,7 @@ def validate(cfg: DictConfig | TrainConfig) -> TrainConfig:
     check_policy_loss(c.policy_loss)
     check_advantage(c.advantage)
     check_components(c.advantage, c.reward)
+    check_advantage_inputs(c)
     check_correction(c.correction)
     check_task(c)
     return c
@@ -85,6 +87,38 @@ def check_components(a: AdvantageConfig, r: RewardConfig) -> None:
         )
         if why := check_weights(list(weights), count):
             require(False, "advantage.params.weights", why)
+
+
+def check_advantage_inputs(c: TrainConfig) -> None:
+    """The estimator can read what the run's rollout and reward give it: a combination that would
+    fail at the first step, or drop a reward term silently, is refused naming both fields."""
+    spec, chosen = get_advantage(c.advantage.name), f"advantage.name={c.advantage.name}"
+    penalty = c.rollout.overlong_buffer_len > 0 and c.rollout.overlong_penalty_factor > 0
+    if spec.binary_rewards:
+        needs = f"{chosen} reads rewards of 0 or 1 only; choose another advantage or"
+        require(
+            not penalty, "rollout.overlong_buffer_len", f"the overlong penalty shapes rewards, and {needs} set it to 0"
+        )
+        require(
+            c.reward.timeout_reward in (0, 1),
+            "reward.timeout_reward",
+            f"a timed-out reward scores {c.reward.timeout_reward}, and {needs} make it 0 or 1",
+        )
+        for weight in c.reward.weights or []:
+            require(weight in (0, 1), "reward.weights", f"a weight of {weight} scales rewards, and {needs} use 0 or 1")
+    components = component_names(c.reward.specs()) if spec.components else []
+    require(
+        not (penalty and len(components) > 1),
+        "rollout.overlong_buffer_len",
+        f"the overlong penalty is added to the summed reward, and {chosen} reads reward.fn's components "
+        f"({', '.join(components)}), never the penalty; choose another advantage or set it to 0",
+    )
+    require(
+        not spec.needs_turns or c.rollout.factory != RolloutConfig().factory,
+        "rollout.factory",
+        f"the default samples one turn and reports none, and {chosen} credits the turns a multi-turn rollout "
+        "reports (Trajectory.to_sample(turn_rewards=...)); name such a rollout, e.g. +experiment=igpo_lookup",
+    )
 
 
 def check_advantage(a: AdvantageConfig) -> None:
