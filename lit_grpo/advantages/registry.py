@@ -179,8 +179,8 @@ def register_advantage(
         if not takes_any and (missing := sorted(set(defaults) - set(params))):
             raise TypeError(f"advantage {name!r}: {fn.__name__} must accept keyword(s) {', '.join(missing)}")
         ADVANTAGES[name] = AdvantageSpec(
-            name, fn, dict(defaults), per_token, batch, components, group_signal, dict(checks or {}), binary_rewards,
-            needs_turns,
+            name, fn, dict(defaults), per_token, batch, components, group_signal, dict(checks or {}),
+            binary_rewards=binary_rewards, needs_turns=needs_turns,
         )  # fmt: skip
         return fn
 

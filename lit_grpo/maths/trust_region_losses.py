@@ -81,7 +81,7 @@ def gmpo_loss(*, logprobs, old_logprobs, advantages, mask, tis_weight, eps_clip,
     advantages only); (2) weighs a sequence by the geometric mean of its token weights as its
     correction already made them, exp(mean_t log(w_t + 1e-10)) with w_t = min(r_t, cap), which is
     at most the truncated geometric mean used here and equal when no token exceeds the cap (a token
-    IcePop zeroed scales the sequence by 1e-10^(1/L) instead of dropping it); (3) averages over
+    IcePop zeroed scales the sequence by (1e-10)^(1/L) instead of dropping it); (3) averages over
     sequences whatever its `loss_agg_mode` (`loss_normalization=seq_mean` here); (4) does not clamp
     the log-ratio at ±20.
     """

@@ -1,7 +1,8 @@
 """A composed config checked whole, before anything loads: the schema and each group's bounds
 (`lit_grpo.config.parse`), then every check that needs a registry: the sampler kind, the reward
 functions, the policy loss and its hyper-parameters, the advantage estimator and its
-hyper-parameters, the mismatch correction and its parameters, and the task's options.
+hyper-parameters (and whether it can read the rewards and samples the rollout gives it), the
+mismatch correction and its parameters, and the task's options.
 
 It sits above the registries (samplers, rewards, losses, tasks), so the config's dataclasses
 import nothing above them. Raises `ConfigError` naming the field.
