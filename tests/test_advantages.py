@@ -225,20 +225,31 @@ def test_advantage_is_checked_naming_the_field(tmp_path):
         validate(compose_config("advantage=igpo", "advantage.params.skip_last_ig=3", output_dir=tmp_path))
 
 
+MULTI_TURN = "rollout.factory=lit_grpo.envs.lookup:make_rollout_fn"  # igpo needs a rollout that reports turns
+
+
 @pytest.mark.parametrize(
     "old, new",
     [
         (["policy_loss.advantage_scale=none"], ["advantage=dr_grpo"]),
         (["policy_loss.advantage_scale=std"], ["advantage=grpo", "advantage.params={}"]),
         (
-            ["policy_loss.advantage=igpo", "policy_loss.igpo_gamma=0.5", "policy_loss.igpo_skip_last_ig=true"],
-            ["advantage=igpo", "advantage.params={gamma: 0.5, skip_last_ig: true}"],
+            [
+                MULTI_TURN,
+                "policy_loss.advantage=igpo",
+                "policy_loss.igpo_gamma=0.5",
+                "policy_loss.igpo_skip_last_ig=true",
+            ],
+            [MULTI_TURN, "advantage=igpo", "advantage.params={gamma: 0.5, skip_last_ig: true}"],
         ),
         (
             ["+experiment=igpo_lookup", "policy_loss.advantage=group", "policy_loss.igpo_skip_last_ig=null"],
             ["+experiment=igpo_lookup_grpo", "rollout.extras.score_turns=true", "advantage.params={}"],
         ),
-        (["advantage=igpo", "policy_loss.igpo_gamma=0.5"], ["advantage=igpo", "advantage.params.gamma=0.5"]),
+        (
+            [MULTI_TURN, "advantage=igpo", "policy_loss.igpo_gamma=0.5"],
+            [MULTI_TURN, "advantage=igpo", "advantage.params.gamma=0.5"],
+        ),
     ],
 )
 def test_the_old_names_still_work(old, new, tmp_path, caplog):
@@ -255,7 +266,7 @@ def test_the_old_names_still_work(old, new, tmp_path, caplog):
 
 def test_the_old_names_still_work_from_yaml(tmp_path):
     yaml = OmegaConf.create("policy_loss: {advantage: igpo, igpo_skip_last_ig: true}")
-    c = validate(OmegaConf.merge(compose_config(output_dir=tmp_path), yaml))
+    c = validate(OmegaConf.merge(compose_config(MULTI_TURN, output_dir=tmp_path), yaml))
     assert (c.advantage.name, c.advantage.params) == ("igpo", {"skip_last_ig": True})
     with pytest.raises(ConfigError, match=r"policy_loss\.igpo_gamma.*advantage=igpo only"):
         validate(compose_config("policy_loss.igpo_gamma=0.5", output_dir=tmp_path))

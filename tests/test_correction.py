@@ -103,6 +103,17 @@ def test_geo_mask_band_and_an_empty_sequence():
     assert masked.tolist() == [[False, False], [True, True], [False, False]]
 
 
+def test_geo_mask_bounds_sampler_over_old_as_verl_seq_mean_k1():
+    # verl's k1 is −d: the band bounds the geometric mean of sampler/old, the reciprocal of r.
+    # Asymmetric band [0.5, 1], so the orientation decides (old/sampler = r shown):
+    #   seq 0: r = [2, 2]  -> sampler/old 0.5, on the low edge: kept (old/sampler 2 would be dropped)
+    #   seq 1: r = [0.5, 0.5] -> sampler/old 2 > 1: dropped (old/sampler 0.5 would be kept)
+    #   seq 2: r = [4, 1]  -> geometric mean 2, sampler/old 0.5: kept
+    w, masked, _ = weights("geo_mask", [[2.0, 2.0], [0.5, 0.5], [4.0, 1.0]], [[1, 1]] * 3, low=0.5, high=1.0)
+    assert_close(w, t([[1.0, 1.0], [0.0, 0.0], [1.0, 1.0]]))
+    assert masked.tolist() == [[False, False], [True, True], [False, False]]
+
+
 def test_kl_estimates_by_hand():
     # d = old − sampler = [ln2, 0, −ln2]: k1 = |−d| = [ln2, 0, ln2]; k2 = d²/2 = [ln²2/2, 0, ln²2/2];
     # k3 = e^d − 1 − d = [1 − ln2, 0, ln2 − 1/2].

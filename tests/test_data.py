@@ -1,5 +1,7 @@
 """The rollout stream: row order, padding, the group filter and its replacement rows."""
 
+import re
+
 import pytest
 import torch
 
@@ -66,6 +68,12 @@ def test_filter_drops_exactly_the_uniform_groups_and_refills():
     assert metrics["rollout/filtered_groups"] == 3
     # Refill rounds over-sample by the running acceptance rate: rows 0-5 were all sampled.
     assert metrics["reward/mean"] == pytest.approx(sum(sum(r) for r in rewards) / 18)
+
+
+def test_the_filter_documents_the_metric_its_drops_are_counted_in():
+    _, metrics = _next_batch([[1, 1, 1], [0, 1, 0], [1, 0, 0]], [has_reward_variance])
+    named = set(re.findall(r"`([a-z_]+/[a-z_]+)`", UniformRewardFilter.__doc__))
+    assert named == {"rollout/filtered_groups"} and metrics["rollout/filtered_groups"] == 1
 
 
 def test_without_filter_uniform_groups_train_with_zero_advantage():

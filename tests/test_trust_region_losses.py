@@ -18,9 +18,9 @@ from test_losses import leaf, random_inputs, run, t
 from torch.testing import assert_close
 
 from lit_grpo.build import build_run
-from lit_grpo.config import groups
+from lit_grpo.config import ConfigError, groups
 from lit_grpo.maths.losses import policy_loss, policy_loss_defaults
-from lit_grpo.maths.trust_region_losses import DPPO_DIVERGENCES
+from lit_grpo.maths.trust_region_losses import DPPO_DEFAULT_THRESHOLDS, DPPO_DIVERGENCES
 from lit_grpo.run.validate import validate
 
 LN3 = math.log(3.0)
@@ -35,7 +35,7 @@ def test_defaults():
     }  # fmt: skip
     assert policy_loss_defaults("dppo") == {
         "kl_beta": 0.0, "dppo_divergence": "tv",
-        "dppo_tv_threshold": 0.2, "dppo_kl_threshold": 0.05, "dppo_ratio_cap": 20.0,
+        "dppo_tv_threshold": None, "dppo_kl_threshold": None, "dppo_ratio_cap": 20.0,
     }  # fmt: skip
 
 
@@ -209,6 +209,29 @@ def test_dppo_zero_advantage_and_thresholds_are_checked():
         run("dppo", dppo_divergence="js", **dppo_batch())
     with pytest.raises(ValueError, match="must be > 0"):
         run("dppo", dppo_ratio_cap=0.0, **dppo_batch())
+
+
+def test_dppo_unset_threshold_takes_its_divergences_default():
+    # TV 0.2 drops 0.25 -> 0.5 (D = 0.25), which the 0.25 of the TV test keeps: 3 of 6 dropped.
+    # KL 0.05 drops seq 0's 0.25 -> 0.5 (D = 0.1308, up) and seq 1's 0.8 -> 0.5 (0.1927, down): 3 of 6.
+    assert DPPO_DEFAULT_THRESHOLDS == {"tv": 0.2, "kl": 0.05}
+    assert_close(run("dppo", **dppo_batch())[2]["clip_frac"], t(3 / 6))
+    assert_close(run("dppo", dppo_tv_threshold=0.2, **dppo_batch())[2]["clip_frac"], t(3 / 6))
+    assert_close(run("dppo", dppo_divergence="kl", **dppo_batch())[2]["clip_frac"], t(3 / 6))
+    assert_close(run("dppo", dppo_divergence="kl", dppo_kl_threshold=0.2, **dppo_batch())[2]["clip_frac"], t(1 / 6))
+
+
+@pytest.mark.parametrize(("divergence", "ignored"), [("tv", "dppo_kl_threshold"), ("kl", "dppo_tv_threshold")])
+def test_dppo_threshold_of_the_other_divergence_is_refused(divergence, ignored, tmp_path):
+    # It would be silently ignored: the loss refuses it, and the config names it before a model loads.
+    with pytest.raises(ValueError, match=rf"{ignored} is ignored with dppo_divergence='{divergence}'"):
+        run("dppo", dppo_divergence=divergence, **{ignored: 0.1}, **dppo_batch())
+    cfg = compose_config(
+        "policy_loss=dppo", f"policy_loss.dppo_divergence={divergence}", f"policy_loss.{ignored}=0.1",
+        output_dir=tmp_path,
+    )  # fmt: skip
+    with pytest.raises(ConfigError, match=rf"`policy_loss\.{ignored}`.*policy_loss\.dppo_divergence={divergence}"):
+        validate(cfg)
 
 
 def test_config_knows_the_same_divergences():

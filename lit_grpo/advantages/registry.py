@@ -143,6 +143,10 @@ class AdvantageSpec:
     """`group_signal(runs, **params) -> bool`, or None: the group's rewards differ."""
     checks: Mapping[str, ParamCheck] = field(default_factory=dict)
     """Bounds of some hyper-parameters, checked with the config before anything loads."""
+    binary_rewards: bool = False
+    """It reads rewards of 0 or 1 only (passk): a config that shapes them is refused before training."""
+    needs_turns: bool = False
+    """It reads the turns a multi-turn rollout reports (igpo): the single-turn default rollout is refused."""
 
 
 ADVANTAGES: dict[str, AdvantageSpec] = {}
@@ -156,6 +160,8 @@ def register_advantage(
     components: bool = False,
     group_signal: Optional[Callable[..., bool]] = None,
     checks: Optional[Mapping[str, ParamCheck]] = None,
+    binary_rewards: bool = False,
+    needs_turns: bool = False,
     **defaults: Any,
 ) -> Callable:
     """Decorator registering an advantage estimator under `name` with its default hyper-parameters
@@ -173,8 +179,9 @@ def register_advantage(
         if not takes_any and (missing := sorted(set(defaults) - set(params))):
             raise TypeError(f"advantage {name!r}: {fn.__name__} must accept keyword(s) {', '.join(missing)}")
         ADVANTAGES[name] = AdvantageSpec(
-            name, fn, dict(defaults), per_token, batch, components, group_signal, dict(checks or {})
-        )
+            name, fn, dict(defaults), per_token, batch, components, group_signal, dict(checks or {}),
+            binary_rewards=binary_rewards, needs_turns=needs_turns,
+        )  # fmt: skip
         return fn
 
     return decorator
@@ -351,7 +358,7 @@ _positive_eps = {"eps": _positive}
 register_advantage("rloo")(rloo_advantages)
 register_advantage("batch_std", batch=True, checks=_positive_eps, eps=_STD_FLOOR)(batch_std_advantages)
 register_advantage("reinforce_pp", batch=True, checks=_positive_eps, eps=_STD_FLOOR)(reinforce_pp_advantages)
-register_advantage("passk", checks={"k": _positive_int}, k=4)(passk_advantages)
+register_advantage("passk", binary_rewards=True, checks={"k": _positive_int}, k=4)(passk_advantages)
 register_advantage("gdpo", components=True, checks=_positive_eps, weights=None, eps=_STD_FLOOR)(gdpo_advantages)
 
 
@@ -372,6 +379,7 @@ def _igpo_signal(runs: Runs, *, gamma: float, skip_last_ig: bool, eps: float) ->
 @register_advantage(
     "igpo",
     per_token=True,
+    needs_turns=True,
     group_signal=_igpo_signal,
     checks={"gamma": lambda g: None if 0.0 <= g <= 1.0 else f"must be in [0, 1], got {g}", "eps": _positive},
     gamma=DEFAULT_GAMMA,

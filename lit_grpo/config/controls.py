@@ -26,17 +26,18 @@ class CorrectionConfig:
 
     name: str = "tis"
     """none | tis (min(r, cap); the default, as the cookbook's TISConfig) | mask (r, or 0 past the cap:
-    TRL's) | icepop (r inside [low, high], else 0) | geo_mask (a sequence whose geometric-mean r is
-    outside [low, high] is dropped) | kl_reject (a token or sequence whose KL estimate passes
-    `threshold` is dropped) | `module.path:name` for a user's mode."""
+    TRL's) | icepop (r inside [low, high], else 0) | geo_mask (a sequence whose geometric mean of
+    1/r = sampler/old is outside [low, high] is dropped, verl's seq_mean_k1 orientation) | kl_reject
+    (a token or sequence whose KL estimate passes `threshold` is dropped) | `module.path:name` for a
+    user's mode."""
     level: Optional[str] = None
     """`token`: each token its own r; `sequence`: the sequence's geometric-mean r (tis, mask, kl_reject)."""
     cap: Optional[float] = None
     """tis: the truncation (default 5.0); mask: the largest kept ratio (default 3.0)."""
     low: Optional[float] = None
-    """icepop, geo_mask: the band's lower edge (kept, inclusive)."""
+    """icepop: the band's lower edge on r; geo_mask: on sampler/old (kept, inclusive)."""
     high: Optional[float] = None
-    """icepop, geo_mask: the band's upper edge (kept, inclusive)."""
+    """icepop: the band's upper edge on r; geo_mask: on sampler/old (kept, inclusive)."""
     estimator: Optional[str] = None
     """kl_reject: k1 | k2 | k3, the estimate of KL(sampler ‖ trainer) compared with `threshold`."""
     threshold: Optional[float] = None

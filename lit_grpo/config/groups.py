@@ -309,9 +309,9 @@ class PolicyLossConfig:
     dppo_divergence: Optional[str] = None
     """dppo's trust-region measure: `tv` (p - p_old) or `kl` (the Bernoulli KL of p_old to p)."""
     dppo_tv_threshold: Optional[float] = None
-    """dppo's TV threshold (with dppo_divergence=tv)."""
+    """dppo's TV threshold, read with dppo_divergence=tv only (null: 0.2); set with kl it is an error."""
     dppo_kl_threshold: Optional[float] = None
-    """dppo's KL threshold (with dppo_divergence=kl)."""
+    """dppo's KL threshold, read with dppo_divergence=kl only (null: 0.05); set with tv it is an error."""
     dppo_ratio_cap: Optional[float] = None
     """dppo's truncation of the detached ratio that weighs each kept token."""
     tis_cap: Optional[float] = None
@@ -338,7 +338,18 @@ class PolicyLossConfig:
             "policy_loss.dppo_divergence",
             f"must be one of {', '.join(DPPO_DIVERGENCES)}, got {self.dppo_divergence!r}",
         )
+        self._check_dppo_threshold()
         self._check_advantage()
+
+    def _check_dppo_threshold(self) -> None:  # dppo reads one threshold: the other would be silently ignored
+        for divergence in DPPO_DIVERGENCES:
+            key = f"dppo_{divergence}_threshold"
+            require(
+                getattr(self, key) is None or self.dppo_divergence in (None, divergence),
+                f"policy_loss.{key}",
+                f"is ignored with policy_loss.dppo_divergence={self.dppo_divergence}: set "
+                f"policy_loss.dppo_divergence={divergence}, or leave policy_loss.{key} unset",
+            )
 
     def _check_advantage(self) -> None:  # the deprecated knobs, read by `adopt_legacy_advantage`
         require(

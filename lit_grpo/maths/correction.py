@@ -6,14 +6,15 @@ logprob before this batch's update minus the sampler's, detached) and the loss m
 `(weight_BT, masked_BT, capped_BT)`: the detached weight that multiplies each token's policy loss,
 the tokens it drops (weight 0), and the tokens whose weight it truncated. A sequence-level mode
 uses the sequence's masked mean of `d` (the log of the geometric mean ratio), broadcast.
+`geo_mask` alone bounds the reciprocal, sampler/old, as verl's `seq_mean_k1` does.
 
 | mode | weight | source |
 |---|---|---|
 | `none` | 1 | |
 | `tis` | min(r, cap) | truncated IS (Yao et al. 2025; the cookbook's TISConfig, verl `rollout_is`) |
 | `mask` | r if r <= cap, else 0 | TRL `vllm_importance_sampling_mode=token_mask/sequence_mask` |
-| `icepop` | r if low <= r <= high, else 0 | IcePop (Ring-1T, 2025); verl's `token` rejection band |
-| `geo_mask` | 1 if low <= exp(mean d) <= high, else 0 (per sequence) | verl `rollout_rs=seq_mean_k1` |
+| `icepop` | r if low <= r <= high, else 0 | IcePop (Ring-1T, 2025); verl `rollout_is_threshold="low_high"` |
+| `geo_mask` | 1 if low <= exp(−mean d) <= high, else 0 (per sequence) | verl `rollout_rs=seq_mean_k1` |
 | `kl_reject` | 1 if the KL estimate <= threshold, else 0 | verl's k1/k2/k3 rejection |
 
 with r = exp(clamp(d, −20, 20)). `off_policy_mask` is DeepSeek-V3.2's separate switch: a token
@@ -24,6 +25,7 @@ The registry is open: `register_correction("mine", cap=2.0)` on a function of th
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -152,11 +154,15 @@ def icepop(log_ratio_BT, mask_BT, *, low, high):
 
 @register_correction("geo_mask", low=0.999, high=1.001)
 def geometric_mean_mask(log_ratio_BT, mask_BT, *, low, high):
-    """Sequence rejection on the geometric-mean ratio exp(mean d): a sequence outside [low, high]
-    is dropped, a kept one weighs 1 (verl's `seq_mean_k1` rejection; its band 0.999_1.001 is the default)."""
-    g_BT = _ratio(level_log_ratio(log_ratio_BT, mask_BT, "sequence"))
-    masked_BT = (g_BT < low) | (g_BT > high)
-    return torch.where(masked_BT, 0.0, 1.0).to(log_ratio_BT.dtype), masked_BT, _nothing(g_BT)
+    """Sequence rejection on the geometric mean of the sampler-to-trainer ratio, exp(mean(−d)) =
+    exp(mean(sampler − old)): a sequence outside [low, high] (edges kept) is dropped, a kept one
+    weighs 1. This is verl's `rollout_rs=seq_mean_k1` orientation (its k1 is −d, compared in log
+    space with each token's d clamped at ±20 first; its Geo-RS band 0.999_1.001 is the default),
+    the reciprocal of the old/sampler ratio the other modes bound: with an asymmetric band the two
+    keep different sequences ([0.5, 1] keeps a mean old/sampler of 2, not one of 0.5)."""
+    k1_BT = -level_log_ratio(log_ratio_BT.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP), mask_BT, "sequence")
+    masked_BT = (k1_BT < math.log(low)) | (k1_BT > math.log(high))
+    return torch.where(masked_BT, 0.0, 1.0).to(log_ratio_BT.dtype), masked_BT, _nothing(k1_BT)
 
 
 def kl_estimate(log_ratio_BT: torch.Tensor, mask_BT: torch.Tensor, estimator: str, level: str) -> torch.Tensor:

@@ -394,6 +394,6 @@ def reinforce_loss(*, logprobs, old_logprobs, sampler_logprobs, advantages, mask
 # The newer trust regions live in their own module (which cannot import this one); their defaults are here.
 register_policy_loss("sapo", sapo_tau_pos=1.0, sapo_tau_neg=1.05)(sapo_loss)
 register_policy_loss("gmpo", eps_clip=0.4, eps_clip_high=0.4)(gmpo_loss)
-register_policy_loss("dppo", dppo_divergence="tv", dppo_tv_threshold=0.2, dppo_kl_threshold=0.05, dppo_ratio_cap=20.0)(
+register_policy_loss("dppo", dppo_divergence="tv", dppo_tv_threshold=None, dppo_kl_threshold=None, dppo_ratio_cap=20.0)(
     dppo_loss
 )

@@ -17,6 +17,8 @@ from lit_grpo.maths.loss_terms import masked_mean, masked_seq_mean, ratio
 DPPO_DIVERGENCES = ("tv", "kl")
 """What `dppo_divergence` may name: the total-variation or the KL divergence of the two policies'
 Bernoulli distributions over the sampled token (DPPO's "Binary-TV" and "Binary-KL")."""
+DPPO_DEFAULT_THRESHOLDS = {"tv": 0.2, "kl": 0.05}
+"""The threshold each divergence reads when its own is not given (sources in `dppo_loss`)."""
 
 # exp() of the log-ratio is capped at ±20 everywhere in lit_grpo (see loss_terms.ratio).
 _LOG_RATIO_CLAMP = 20.0
@@ -67,11 +69,21 @@ def gmpo_loss(*, logprobs, old_logprobs, advantages, mask, tis_weight, eps_clip,
     sequence, R's own ∇R = R·mean_t ∇c_t; `token_mean` weighs each sequence by its length, as
     GSPO-token does here. With token-level TIS weights each token's gradient term carries its own
     w_t (the value's derivative would spread the sequence's mean weight); `correction.level=sequence`
-    gives every token of a sequence its geometric-mean weight, verl's choice. The paper's default
-    range is (-0.4, 0.4) in log space (ratios within [e^-0.4, e^0.4]), hence eps_clip =
-    eps_clip_high = 0.4; a token exactly on an edge is not clipped. verl calls it `geo_mean` (its
-    clip_ratio_low/high are these log-space ε). `clip_frac`: clipped tokens; `ratio_mean`: the mean
-    of R over tokens. Shape: [B, T].
+    gives every token of a sequence one weight, min(exp(mean_t d_t), cap). Per-token advantages
+    (IGPO) stay per token: token t's term is -R·A_t·w_t. The paper's default range is (-0.4, 0.4)
+    in log space (ratios within [e^-0.4, e^0.4]), hence eps_clip = eps_clip_high = 0.4; a token
+    exactly on an edge is not clipped. `clip_frac`: clipped tokens; `ratio_mean`: the mean of R over
+    tokens. Shape: [B, T].
+
+    verl's `geo_mean` (core_algos.compute_policy_loss_geo_mean; its clip_ratio_low/high are these
+    log-space ε) clips the same way but (1) takes one advantage per sequence, the masked mean of
+    A_t, so per-token advantages are averaged before they meet R (its code supports sequence-level
+    advantages only); (2) weighs a sequence by the geometric mean of its token weights as its
+    correction already made them, exp(mean_t log(w_t + 1e-10)) with w_t = min(r_t, cap), which is
+    at most the truncated geometric mean used here and equal when no token exceeds the cap (a token
+    IcePop zeroed scales the sequence by (1e-10)^(1/L) instead of dropping it); (3) averages over
+    sequences whatever its `loss_agg_mode` (`loss_normalization=seq_mean` here); (4) does not clamp
+    the log-ratio at ±20.
     """
     log_ratio_BT = (logprobs - old_logprobs).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
     clipped_low_BT = (advantages < 0) & (log_ratio_BT < -eps_clip)
@@ -96,8 +108,8 @@ def dppo_loss(
     mask,
     tis_weight,
     dppo_divergence,
-    dppo_tv_threshold,
-    dppo_kl_threshold,
+    dppo_tv_threshold=None,
+    dppo_kl_threshold=None,
     dppo_ratio_cap,
 ):
     """DPPO, Divergence Proximal Policy Optimization ("Rethinking the Trust Region in LLM
@@ -113,22 +125,39 @@ def dppo_loss(
     the KL of the Bernoulli(p_old) to Bernoulli(p); a token is dropped when D > dppo_kl_threshold
     and p moved the way A pushes it (p > p_old for A > 0, p < p_old for A <= 0). A token exactly
     at the threshold is kept. The mask is a constant, and the gradient of a kept token is
-    -min(r, cap)·A·w·∇π (CISPO's form, without its clip); a dropped token gets none. Defaults:
-    TV 0.2 (verl's default clip_ratio, which verl's dppo_tv reads as the threshold), KL 0.05,
-    cap 20 (verl's fallback for clip_ratio_c). Metrics: `clip_frac` (tokens dropped),
+    -min(r, cap)·A·w·∇π (CISPO's form, without its clip); a dropped token gets none.
+
+    Only the chosen divergence's threshold is read: giving the other one is a ValueError (it would
+    be ignored). None takes `DPPO_DEFAULT_THRESHOLDS`: TV 0.2 (verl's `ActorConfig.clip_ratio_low`
+    / `_high` default, which its `dppo_tv` reads as the threshold; its DPPO example sets 0.15), KL
+    0.05 (verl's DPPO example). `dppo_ratio_cap` 20 is chosen, not inherited: verl's DPPO code falls
+    back to 20 when `clip_ratio_c` is missing, but the field always exists, so verl applies
+    `ActorConfig.clip_ratio_c` = 3, its dual-clip PPO constant shared with `vanilla`; its DPPO
+    example turns the cap off (10000). verl's DPPO code recommends a large cap against the
+    truncation bias (citing the paper's §5.4), and a finite one still bounds a rare token whose
+    probability rose far inside the band (p_old 1e-4 -> 0.1: a TV of 0.1, a ratio of 1000).
+    On-policy with one minibatch r = 1 and no cap binds. Metrics: `clip_frac` (tokens dropped),
     `dppo/divergence_mean` (D over the masked-in tokens), `dppo/ratio_cap_frac` (kept tokens whose
     ratio hit the cap). Shape: [B, T].
     """
     if dppo_divergence not in DPPO_DIVERGENCES:
         raise ValueError(f"dppo: dppo_divergence must be one of {', '.join(DPPO_DIVERGENCES)}, got {dppo_divergence!r}")
-    if not (dppo_tv_threshold > 0 and dppo_kl_threshold > 0 and dppo_ratio_cap > 0):
-        raise ValueError("dppo: dppo_tv_threshold, dppo_kl_threshold and dppo_ratio_cap must be > 0")
+    given = {"tv": dppo_tv_threshold, "kl": dppo_kl_threshold}
+    ignored = next((d for d in DPPO_DIVERGENCES if d != dppo_divergence and given[d] is not None), None)
+    if ignored is not None:
+        raise ValueError(
+            f"dppo: dppo_{ignored}_threshold is ignored with dppo_divergence={dppo_divergence!r}, which reads "
+            f"dppo_{dppo_divergence}_threshold; leave dppo_{ignored}_threshold unset"
+        )
+    threshold = DPPO_DEFAULT_THRESHOLDS[dppo_divergence] if given[dppo_divergence] is None else given[dppo_divergence]
+    if not (threshold > 0 and dppo_ratio_cap > 0):
+        raise ValueError(f"dppo: dppo_{dppo_divergence}_threshold and dppo_ratio_cap must be > 0")
     pi_BT = logprobs.detach()
     prob_BT, old_prob_BT = pi_BT.exp(), old_logprobs.exp()
     positive_BT = advantages > 0
     if dppo_divergence == "tv":
         divergence_BT = prob_BT - old_prob_BT
-        dropped_BT = torch.where(positive_BT, divergence_BT > dppo_tv_threshold, divergence_BT < -dppo_tv_threshold)
+        dropped_BT = torch.where(positive_BT, divergence_BT > threshold, divergence_BT < -threshold)
         divergence_BT = divergence_BT.abs()
     else:
         # log(1 - p) from expm1 keeps precision for p near 1, where 1 - exp(π) cancels.
@@ -136,7 +165,7 @@ def dppo_loss(
         log_not_old_BT = torch.log((-torch.expm1(old_logprobs)).clamp(min=_PROB_FLOOR))
         divergence_BT = old_prob_BT * (old_logprobs - pi_BT) + (1 - old_prob_BT) * (log_not_old_BT - log_not_BT)
         moved_with_advantage_BT = torch.where(positive_BT, prob_BT > old_prob_BT, prob_BT < old_prob_BT)
-        dropped_BT = moved_with_advantage_BT & (divergence_BT > dppo_kl_threshold)
+        dropped_BT = moved_with_advantage_BT & (divergence_BT > threshold)
     ratio_BT = ratio(pi_BT, old_logprobs)
     capped_BT = ~dropped_BT & (ratio_BT > dppo_ratio_cap)
     keep_BT = (~dropped_BT).to(logprobs.dtype)

@@ -1,7 +1,8 @@
 """A composed config checked whole, before anything loads: the schema and each group's bounds
 (`lit_grpo.config.parse`), then every check that needs a registry: the sampler kind, the reward
 functions, the policy loss and its hyper-parameters, the advantage estimator and its
-hyper-parameters, the mismatch correction and its parameters, and the task's options.
+hyper-parameters (and whether it can read the rewards and samples the rollout gives it), the
+mismatch correction and its parameters, and the task's options.
 
 It sits above the registries (samplers, rewards, losses, tasks), so the config's dataclasses
 import nothing above them. Raises `ConfigError` naming the field.
@@ -18,6 +19,7 @@ from lit_grpo.config import (
     CorrectionConfig,
     PolicyLossConfig,
     RewardConfig,
+    RolloutConfig,
     SamplerConfig,
     TrainConfig,
     parse,
@@ -40,6 +42,7 @@ def validate(cfg: DictConfig | TrainConfig) -> TrainConfig:
     check_policy_loss(c.policy_loss)
     check_advantage(c.advantage)
     check_components(c.advantage, c.reward)
+    check_advantage_inputs(c)
     check_correction(c.correction)
     check_task(c)
     return c
@@ -85,6 +88,38 @@ def check_components(a: AdvantageConfig, r: RewardConfig) -> None:
         )
         if why := check_weights(list(weights), count):
             require(False, "advantage.params.weights", why)
+
+
+def check_advantage_inputs(c: TrainConfig) -> None:
+    """The estimator can read what the run's rollout and reward give it: a combination that would
+    fail at the first step, or drop a reward term silently, is refused naming both fields."""
+    spec, chosen = get_advantage(c.advantage.name), f"advantage.name={c.advantage.name}"
+    penalty = c.rollout.overlong_buffer_len > 0 and c.rollout.overlong_penalty_factor > 0
+    if spec.binary_rewards:
+        needs = f"{chosen} reads rewards of 0 or 1 only; choose another advantage or"
+        require(
+            not penalty, "rollout.overlong_buffer_len", f"the overlong penalty shapes rewards, and {needs} set it to 0"
+        )
+        require(
+            c.reward.timeout_reward in (0, 1),
+            "reward.timeout_reward",
+            f"a timed-out reward scores {c.reward.timeout_reward}, and {needs} make it 0 or 1",
+        )
+        for weight in c.reward.weights or []:
+            require(weight in (0, 1), "reward.weights", f"a weight of {weight} scales rewards, and {needs} use 0 or 1")
+    components = component_names(c.reward.specs()) if spec.components else []
+    require(
+        not (penalty and len(components) > 1),
+        "rollout.overlong_buffer_len",
+        f"the overlong penalty is added to the summed reward, and {chosen} reads reward.fn's components "
+        f"({', '.join(components)}), never the penalty; choose another advantage or set it to 0",
+    )
+    require(
+        not spec.needs_turns or c.rollout.factory != RolloutConfig().factory,
+        "rollout.factory",
+        f"the default samples one turn and reports none, and {chosen} credits the turns a multi-turn rollout "
+        "reports (Trajectory.to_sample(turn_rewards=...)); name such a rollout, e.g. +experiment=igpo_lookup",
+    )
 
 
 def check_advantage(a: AdvantageConfig) -> None:
