@@ -24,7 +24,7 @@ from omegaconf import DictConfig
 
 from lit_grpo.config import ConfigError, TrainConfig, UserInputs, ineffective_knobs
 from lit_grpo.errors import EnvironmentFault, run_cli, run_hydra_cli, user_message
-from lit_grpo.loop.signals import StopRequested, StopSignals
+from lit_grpo.loop.signals import STOP_SIGNALS, StopRequested, StopSignals
 from lit_grpo.run.checkpoint import check_resumable
 from lit_grpo.run.console import stop_reason, tidy_lightning_logging
 from lit_grpo.run.folder import claim_output_dir, find_resume_checkpoint, launched_as_rank_zero, set_aside_metrics
@@ -205,12 +205,25 @@ def compose_config(overrides: list[str]) -> DictConfig:
         return compose("train", overrides=overrides)
 
 
+def _signal_after_the_end(signum: int, frame) -> None:
+    print(
+        f"{signal.Signals(signum).name} after the run ended: nothing left to stop, its summary is written",
+        file=sys.stderr,
+        flush=True,
+    )
+    logging.shutdown()
+    os._exit(128 + signum)
+
+
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
 def main(cfg: DictConfig) -> float:
     try:
         # A config, data, rollout or environment problem: its message and exit code 2, no traceback
         # (HYDRA_FULL_ERROR=1 shows it); a bug keeps its traceback.
-        return run_cli(train, cfg)["final_reward"]
+        final_reward = run_cli(train, cfg)["final_reward"]
+        for signum in STOP_SIGNALS:  # the run is over and its summary written: a late signal only ends the process
+            signal.signal(signum, _signal_after_the_end)
+        return final_reward
     except StopRequested as stop:  # non-zero, so that a preempting scheduler requeues the job
         print(stop.report(), file=sys.stderr)
         sys.exit(128 + stop.signum)

@@ -5,9 +5,12 @@ rollout), its metrics and summary; a resumed run ends bit-identical to an uninte
 from __future__ import annotations
 
 import json
+import os
+import sys
 import time
 
 import pytest
+from conftest import compose_config
 from test_checkpoint import assert_bit_identical, csv_rewards, run_cli, tensors, uninterrupted  # noqa: F401
 
 pytestmark = pytest.mark.timeout(600)
@@ -99,3 +102,85 @@ def test_a_second_signal_exits_at_once(tmp_path):
     )
     assert proc.returncode == 143, proc.stderr[-3000:]
     assert seconds < 60 and "again: exiting now" in proc.stderr
+
+
+def test_a_signal_before_the_run_is_built_leaves_the_summary_and_says_only_that(tmp_path, monkeypatch):
+    """A SIGINT while the config is checked (here: as the sources are) used to meet Python's own
+    handler: a KeyboardInterrupt traceback and no summary. Now the run stops before it builds
+    anything, writes its summary, and its last line claims nothing more."""
+    import os
+    import signal
+
+    import lit_grpo.train as train_module
+    from lit_grpo.loop.signals import StopRequested
+
+    monkeypatch.setattr(train_module, "check_sources", lambda c: os.kill(os.getpid(), signal.SIGINT))
+    with pytest.raises(StopRequested) as stopped:
+        train_module.train(compose_config("+experiment=arithmetic", "max_steps=4", output_dir=tmp_path))
+    assert stopped.value.report() == "stopped by SIGINT: summary written; no checkpoint: no step had finished"
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["steps"] == 0 and summary["stopped_by"] == "SIGINT"
+    assert not (tmp_path / "checkpoints").exists()
+
+
+STOPS, AT_ONCE = 50, 2
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_fifty_sigints_at_random_moments_each_leave_the_summary_the_stop_line_claims(tmp_path):
+    """50 CLI runs, each sent one SIGINT at a random moment after its run folder exists (seeded:
+    from validation through the model's build, the steps, checkpoints, the export and the summary
+    itself). Every one leaves a whole summary.json; one that says it stopped names only what it
+    wrote; none ends in a traceback."""
+    import random
+    import signal
+    import subprocess
+    from concurrent.futures import ThreadPoolExecutor
+
+    from test_checkpoint import REPO, TESTS
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), str(REPO)])}
+
+    def one(i: int) -> str:
+        run_dir = tmp_path / f"run{i}"
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "lit_grpo.train", "+experiment=arithmetic", "max_steps=60", "dcp_save_interval=7"]
+            + ["trainer.enable_progress_bar=false", f"hydra.run.dir={run_dir}"],
+            cwd=tmp_path,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        # A third of the stops come while the run starts (validation, imports, the build), the rest
+        # once it trains (steps, checkpoints every 7, the export and the summary at the end).
+        rng = random.Random(i)
+        marker = run_dir / (".hydra" if i % 3 == 0 else "metrics.csv")
+        deadline = time.monotonic() + 120
+        while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(rng.uniform(0.0, 4.0 if i % 3 == 0 else 2.5))
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=300)
+        lines = [line for line in err.splitlines() if line.strip()]
+        summary = json.loads((run_dir / "summary.json").read_text())  # present and whole, whatever the moment
+        assert "Traceback" not in err, err[-3000:]
+        if proc.returncode == 0 or "after the run ended" in lines[-1]:  # the signal came after the run had finished
+            assert "stopped_by" not in summary and summary["steps"] == 60
+            return "finished"
+        assert proc.returncode == 130 and summary["stopped_by"] == "SIGINT", (proc.returncode, err[-3000:])
+        claim = lines[-1]
+        assert claim.startswith("stopped by SIGINT: ") and "summary" in claim, claim
+        saved = [int(p.name[5:]) for p in (run_dir / "checkpoints").glob("step_*")]
+        if "checkpoint step" in claim:
+            step = int(claim.split("checkpoint step ")[1].split(",")[0].split(" ")[0])
+            assert step in saved and (run_dir / "checkpoints" / f"step_{step:08d}" / "manifest.json").exists()
+        else:
+            assert "no checkpoint" in claim and not saved, (claim, saved)
+        return f"stopped at step {summary['steps']:.0f}"
+
+    with ThreadPoolExecutor(AT_ONCE) as pool:
+        outcomes = list(pool.map(one, range(STOPS)))
+    print({o: outcomes.count(o) for o in sorted(set(outcomes))})
+    assert len(outcomes) == STOPS and sum(o.startswith("stopped") for o in outcomes) >= STOPS // 2
