@@ -24,7 +24,7 @@ from omegaconf import DictConfig
 
 from lit_grpo.config import ConfigError, TrainConfig, UserInputs, ineffective_knobs
 from lit_grpo.errors import EnvironmentFault, run_cli, run_hydra_cli, user_message
-from lit_grpo.loop.signals import STOP_SIGNALS, StopRequested, StopSignals
+from lit_grpo.loop.signals import STOP_SIGNALS, StopRequested, StopSignals, quiet_abandoned_work
 from lit_grpo.run.checkpoint import check_resumable
 from lit_grpo.run.console import stop_reason, tidy_lightning_logging
 from lit_grpo.run.folder import claim_output_dir, find_resume_checkpoint, launched_as_rank_zero, set_aside_metrics
@@ -225,6 +225,7 @@ def main(cfg: DictConfig) -> float:
             signal.signal(signum, _signal_after_the_end)
         return final_reward
     except StopRequested as stop:  # non-zero, so that a preempting scheduler requeues the job
+        quiet_abandoned_work()
         print(stop.report(), file=sys.stderr)
         sys.exit(128 + stop.signum)
 

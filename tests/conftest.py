@@ -34,6 +34,21 @@ def start_test_servers(folder: Path, count: int, log_dir: Path, *extra_args: str
     )
 
 
+def run_test_script(script: Path, *args: str, cwd: Path, timeout: float = 600) -> None:
+    """Run `tests/<script>` in a fresh process (one thread per rank; the tests and the repo
+    importable), in `cwd`; fail with the end of its stderr when it fails."""
+    import os
+    import subprocess
+    import sys
+
+    tests = Path(__file__).resolve().parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests), str(tests.parent)]), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, str(tests / script), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
 def tiny_arithmetic_model():
     """The tiny model (2 heads) and tokenizer of the arithmetic experiment, seed 0: what server tests serve."""
     tokenizer = build_char_tokenizer("arithmetic")

@@ -66,20 +66,9 @@ def union(batches: list[RolloutBatch]) -> RolloutBatch:
 
 def run_probe(out: Path, devices: int, sizes: str, *args: str) -> None:
     """Run this script in a fresh process (`args`: strategy, kl_beta, mode, overrides); fail on its error."""
-    import os
-    import subprocess
+    from conftest import run_test_script
 
-    tests = Path(__file__).resolve().parent
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests), str(tests.parent)]), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, __file__, str(out), str(devices), sizes, *args],
-        cwd=out,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_test_script(Path(__file__).name, str(out), str(devices), sizes, *args, cwd=out, timeout=300)
 
 
 def assert_ranks_equal_the_union(out: Path, strategy: str) -> None:

@@ -6,15 +6,13 @@ one rank only is taken by both), and a killed DDP run resumes bit-identical to a
 from __future__ import annotations
 
 import csv
-import os
 import shutil
-import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import run_test_script
 from ddp_grad_probe import assert_ranks_equal_the_union, run_probe
 from test_checkpoint import assert_bit_identical, run_cli, tensors
 
@@ -72,16 +70,7 @@ def test_two_process_gradient_equals_one_process_gradient_on_the_union(sizes, tm
 def test_both_ranks_step_when_either_has_a_signal_and_skip_together_when_neither_has(tmp_path):
     # tests/ddp_signal_probe.py, step 1: rank 0's advantages are all 0, rank 1's are not; step 2: all
     # 0 on both. A rank deciding alone would skip step 1 on rank 0 and leave the ranks' weights apart.
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), str(REPO)]), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, str(TESTS / "ddp_signal_probe.py"), str(tmp_path)],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_test_script("ddp_signal_probe.py", str(tmp_path), cwd=tmp_path)
     ranks = [torch.load(tmp_path / f"signal_rank{r}.pt") for r in (0, 1)]
     (before, after_1, after_2), other = ranks[0]["weights"], ranks[1]["weights"]
 

@@ -266,25 +266,12 @@ def test_two_ranks_log_the_metrics_of_one_process_on_the_union(tmp_path):
     # so the drift is far from 0): the metrics merged over 2 DDP ranks must be those of one
     # process on the union: token means weighted by the global token count, norms not doubled.
     import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
 
+    from conftest import run_test_script
     from ddp_grad_probe import fixed_batch, union
 
-    tests = Path(__file__).resolve().parent
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests), str(tests.parent)])}
     for devices in (1, 2):
-        proc = subprocess.run(
-            [sys.executable, str(tests / "ddp_health_probe.py"), str(tmp_path), str(devices), "4,6"],
-            cwd=tmp_path,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
-        assert proc.returncode == 0, proc.stderr[-3000:]
+        run_test_script("ddp_health_probe.py", str(tmp_path), str(devices), "4,6", cwd=tmp_path)
     [one] = json.loads((tmp_path / "metrics_world1.json").read_text())
     [two] = json.loads((tmp_path / "metrics_world2.json").read_text())
     vocab = len(load_tokenizer(validate(compose_config(output_dir=tmp_path)).model))  # the probe's

@@ -11,7 +11,7 @@ from typing import Any, Optional
 
 from lit_grpo.config import ConfigError, UserInputs
 from lit_grpo.cookbook.config import Config, to_hydra_config
-from lit_grpo.loop.signals import StopRequested
+from lit_grpo.loop.signals import StopRequested, quiet_abandoned_work
 from lit_grpo.types import PromptGroup, RolloutSetup
 
 log = logging.getLogger(__name__)
@@ -79,5 +79,6 @@ def main(
     try:
         return train(to_hydra_config(config), inputs)
     except StopRequested as stop:  # as the CLI does: non-zero, so that a preempting scheduler requeues the job
+        quiet_abandoned_work()
         print(stop.report(), file=sys.stderr)
         sys.exit(128 + stop.signum)

@@ -38,6 +38,14 @@ class StopRequested(KeyboardInterrupt):
         return f"{self}: {self.written}" if self.written else str(self)
 
 
+def quiet_abandoned_work() -> None:
+    """After a stop, rollouts still in flight are abandoned on purpose; at the interpreter's exit their
+    unstarted coroutines would each print "coroutine ... was never awaited" after the stop's last line."""
+    import warnings
+
+    warnings.filterwarnings("ignore", message=r"coroutine .* was never awaited", category=RuntimeWarning)
+
+
 class StopSignals:
     """Installs the stop handlers (main thread only; elsewhere it only records nothing)."""
 
