@@ -207,7 +207,11 @@ class RolloutDataModule(L.LightningDataModule):
 
     def push_weights(self, named_tensors, version: int) -> None:
         """Load `(name, full tensor)` pairs of the policy at `version` into the sampler."""
-        self._align_sampler_version(version - 1)  # the sync makes it `version`
+        # The sync makes it `version`. Never lowered: a generate call ending meanwhile would tag its
+        # tokens older than the weights it ran on (after a resume the sampler already counts as the
+        # saved version, and the resume's sync takes it one ahead, as before).
+        if self.partial_rollouts and self.sampler.version < version - 1:
+            self._align_sampler_version(version - 1)
         self.sampler.update_weights(named_tensors)
 
     def push_adapter(self, named_tensors, config, version: int) -> None:
