@@ -114,8 +114,8 @@ def write_summary(
         "run_id": sequence.run_id if sequence is not None else None,
         "stop_reason": reason,
         "versions": run_versions(c.sampler.kind),
-        "reward_curve": history.series(c.summary_metric),
-        "reward_window": summary_window(len(history.series(c.summary_metric))),
+        "reward_curve": (curve := history.series(c.summary_metric)),
+        "reward_window": summary_window(len(curve)),
     }
     if trainer.is_global_zero if trainer is not None else launched_as_rank_zero():
         path = Path(c.output_dir) / SUMMARY_FILE
