@@ -222,7 +222,9 @@ def main(cfg: DictConfig) -> float:
         # (HYDRA_FULL_ERROR=1 shows it); a bug keeps its traceback.
         final_reward = run_cli(train, cfg)["final_reward"]
         for signum in STOP_SIGNALS:  # the run is over and its summary written: a late signal only ends the process
-            signal.signal(signum, _signal_after_the_end)
+            cli_stop = getattr(signal.signal(signum, _signal_after_the_end), "__self__", None)
+        if isinstance(cli_stop, StopSignals) and cli_stop.requested:  # it came as `train` returned
+            _signal_after_the_end(cli_stop.signum, None)
         return final_reward
     except StopRequested as stop:  # non-zero, so that a preempting scheduler requeues the job
         quiet_abandoned_work()
@@ -255,6 +257,9 @@ def exit_past_stuck_threads(code: int, wait_s: float = 5.0) -> None:
 
 def cli() -> None:
     """The `lit-grpo` console command: exactly `python -m lit_grpo.train` (Hydra's CLI included)."""
+    # Caught from the process's start, never restored: a stop while Hydra sets up is `train`'s stop
+    # (its summary alone); after the run, `main` hands the handlers to `_signal_after_the_end`.
+    StopSignals().__enter__()
     try:
         run_hydra_cli(main)
     except SystemExit as stop:

@@ -147,6 +147,22 @@ def make_hanging_engine_rollout_fn(setup):
     return make_rollout_fn(setup)
 
 
+def make_signalling_rollout_fn(setup):
+    """The default rollout; call `signal_at_call` (extras) sends this process SIGINT from inside the
+    rollout, so that the handler runs inside that rollout's asyncio task (not in the loop's wait)."""
+    from lit_grpo.rollouts.rollout import make_rollout_fn
+
+    inner, at, calls = make_rollout_fn(setup), int(setup.extras["signal_at_call"]), [0]
+
+    async def rollout_fn(row):
+        calls[0] += 1
+        if calls[0] == at:
+            os.kill(os.getpid(), signal.SIGINT)  # Python runs the handler at this task's next bytecode
+        return await inner(row)
+
+    return rollout_fn
+
+
 def _kill_group(pgid: int) -> None:
     """SIGKILL a vLLM server's whole process group (the API server and its engine), as an OOM
     killer or a preempted node would end it, and wait until its port is closed."""

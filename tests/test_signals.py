@@ -104,6 +104,81 @@ def test_a_second_signal_exits_at_once(tmp_path):
     assert seconds < 60 and "again: exiting now" in proc.stderr
 
 
+def test_a_signal_inside_a_rollout_task_stops_with_the_summary_written(tmp_path):
+    """The handler can run inside a rollout's asyncio task: that task fails with the stop, and the
+    tasks awaiting it raise it again as the scheduler closes. That stop is being handled: it used to
+    escape the close and skip the summary (exit 130, no summary.json)."""
+    run_dir = tmp_path / "run"
+    proc, _ = _stop(
+        run_dir,
+        NO_FILTER,
+        "rollout.factory=fault_injection:make_signalling_rollout_fn",
+        "+rollout.extras.signal_at_call=200",  # call 200 is in step 4: steps 1-3 finished
+    )
+    assert proc.returncode == 130, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["stopped_by"] == "SIGINT" and summary["steps"] == 3
+    assert proc.stderr.strip().splitlines()[-1].startswith("stopped by SIGINT: checkpoint step 3, metrics and summary")
+
+
+def test_closing_the_scheduler_after_a_stop_inside_a_rollout_task_does_not_raise_it_again():
+    import asyncio
+    import signal
+
+    from lit_grpo.loop.signals import StopRequested
+    from lit_grpo.rollouts import GroupSampler, RowCursor, SynchronousScheduler
+
+    async def rollout_fn(row):
+        if row["id"] == 1:
+            raise StopRequested(signal.SIGINT)  # as the handler raises it inside the task
+        await asyncio.sleep(30)  # still running when the stop ends the wait
+
+    groups = GroupSampler(rollout_fn, 2, max_seq_len=64, min_group_size=2, filters=[])
+    scheduler = SynchronousScheduler(
+        RowCursor([{"id": i} for i in range(4)], 1, 0, shuffle=False), groups, 2, max_concurrency=256
+    )
+    with pytest.raises(StopRequested):
+        scheduler.next_groups()
+    start = time.monotonic()
+    try:
+        scheduler.close()
+    except KeyboardInterrupt as again:  # caught: a KeyboardInterrupt would end the whole test session
+        pytest.fail(f"closing the scheduler raised the handled stop again: {again!r}")
+    assert time.monotonic() - start < 5
+
+
+def test_a_stop_that_a_garbage_collection_swallowed_is_raised_again_in_the_wait():
+    """The handler's StopRequested can land in a weakref callback or a `__del__` run by a garbage
+    collection during the wait, where Python only prints it and goes on: the wait must still end."""
+    import signal
+    import weakref
+
+    from lit_grpo.loop.signals import StopRequested, StopSignals
+
+    class Doomed:
+        pass
+
+    def in_the_callback(_) -> None:
+        os.kill(os.getpid(), signal.SIGINT)
+        sum(range(1000))  # Python runs the handler here, inside the callback
+
+    with StopSignals() as stop:
+        start = time.monotonic()
+        try:
+            with stop.interruptible():
+                doomed = Doomed()
+                watch = weakref.ref(doomed, in_the_callback)  # noqa: F841  kept, so that its callback runs
+                del doomed
+                while time.monotonic() - start < 5:  # the wait for rollouts
+                    time.sleep(0.01)
+        except StopRequested:
+            pass
+        else:
+            pytest.fail("the wait ran its whole 5 s: the stop was swallowed")
+    assert time.monotonic() - start < 2
+
+
 def test_a_signal_before_the_run_is_built_leaves_the_summary_and_says_only_that(tmp_path, monkeypatch):
     """A SIGINT while the config is checked (here: as the sources are) used to meet Python's own
     handler: a KeyboardInterrupt traceback and no summary. Now the run stops before it builds
@@ -121,6 +196,28 @@ def test_a_signal_before_the_run_is_built_leaves_the_summary_and_says_only_that(
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["steps"] == 0 and summary["stopped_by"] == "SIGINT"
     assert not (tmp_path / "checkpoints").exists()
+
+
+def test_a_signal_before_train_takes_over_is_the_runs_stop(tmp_path):
+    """The CLI catches the stop signals from the process's start: one that comes while Hydra sets
+    the run up (before `train`'s own handlers) is handed to `train`, which stops before the build
+    with its summary, as for a signal during the config's checks."""
+    import signal
+
+    from lit_grpo.loop.signals import StopRequested, StopSignals
+    from lit_grpo.train import train
+
+    cli_stop = StopSignals().__enter__()
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+        sum(range(1000))  # the handler runs here
+        assert cli_stop.signum == signal.SIGINT
+        with pytest.raises(StopRequested) as stopped:
+            train(compose_config("+experiment=arithmetic", "max_steps=4", output_dir=tmp_path))
+    finally:
+        cli_stop.__exit__()
+    assert stopped.value.report() == "stopped by SIGINT: summary written; no checkpoint: no step had finished"
+    assert json.loads((tmp_path / "summary.json").read_text())["stopped_by"] == "SIGINT"
 
 
 STOPS, AT_ONCE = 50, 2
@@ -164,7 +261,8 @@ def test_fifty_sigints_at_random_moments_each_leave_the_summary_the_stop_line_cl
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=300)
         lines = [line for line in err.splitlines() if line.strip()]
-        summary = json.loads((run_dir / "summary.json").read_text())  # present and whole, whatever the moment
+        assert (run_dir / "summary.json").is_file(), (i, proc.returncode, err[-3000:])  # whatever the moment
+        summary = json.loads((run_dir / "summary.json").read_text())  # and whole
         assert "Traceback" not in err, err[-3000:]
         if proc.returncode == 0 or "after the run ended" in lines[-1]:  # the signal came after the run had finished
             assert "stopped_by" not in summary and summary["steps"] == 60

@@ -47,13 +47,21 @@ def quiet_abandoned_work() -> None:
 
 
 class StopSignals:
-    """Installs the stop handlers (main thread only; elsewhere it only records nothing)."""
+    """Installs the stop handlers (main thread only; elsewhere it only records nothing).
+
+    Nested ones share the stop: one entered inside another (the CLI's, from the process's start,
+    then `train`'s around the run) starts with the signal the outer one received, and hands its own
+    back when it exits.
+    """
 
     def __init__(self) -> None:
         self.signum: Optional[int] = None
         """The first stop signal received, if any."""
         self._waiting = False
+        self._redelivering = False
         self._previous: dict[int, object] = {}
+        self._previous_unraisable_hook = None
+        self._outer: Optional[StopSignals] = None
 
     @property
     def requested(self) -> bool:
@@ -66,15 +74,29 @@ class StopSignals:
     def __enter__(self) -> StopSignals:
         if threading.current_thread() is threading.main_thread():
             for signum in STOP_SIGNALS:
-                self._previous[signum] = signal.signal(signum, self._handle)
+                self._previous[signum] = previous = signal.signal(signum, self._handle)
+                if isinstance(getattr(previous, "__self__", None), StopSignals):
+                    self._outer = previous.__self__
+            if self._outer is not None and self.signum is None:
+                self.signum = self._outer.signum
+            self._previous_unraisable_hook, sys.unraisablehook = sys.unraisablehook, self._unraisable
         return self
 
     def __exit__(self, *exc) -> None:
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
         self._previous.clear()
+        if self._previous_unraisable_hook is not None:
+            sys.unraisablehook, self._previous_unraisable_hook = self._previous_unraisable_hook, None
+        if self._outer is not None and self._outer.signum is None:
+            self._outer.signum = self.signum
 
     def _handle(self, signum: int, frame) -> None:
+        if self._redelivering:  # the stop a garbage collection swallowed, sent again (`_unraisable`)
+            self._redelivering = False
+            if self._waiting:
+                raise StopRequested(signum)
+            return
         if self.signum is not None:  # the second signal: no more waiting
             print(f"\n{signal.Signals(signum).name} again: exiting now", file=sys.stderr, flush=True)
             os._exit(128 + signum)
@@ -86,6 +108,16 @@ class StopSignals:
         )
         if self._waiting:
             raise StopRequested(signum)
+
+    def _unraisable(self, unraisable) -> None:
+        """The stop raised where Python cannot raise it (a `__del__` or weakref callback that a garbage
+        collection ran during the wait) is only printed, and the wait goes on, possibly forever. Send
+        the signal again a moment later, so that it lands in the wait itself."""
+        if not isinstance(unraisable.exc_value, StopRequested):
+            return self._previous_unraisable_hook(unraisable)
+        self._redelivering = True
+        main = threading.main_thread().ident
+        threading.Timer(0.01, signal.pthread_kill, (main, unraisable.exc_value.signum)).start()
 
     @contextlib.contextmanager
     def interruptible(self) -> Iterator[None]:

@@ -149,7 +149,18 @@ class SynchronousScheduler:
         if pending and not self._loop.is_closed():
             for task in pending:
                 task.cancel()
-            self._run(asyncio.wait(pending, timeout=1.0))
+            deadline = time.monotonic() + 1.0
+            while True:
+                try:
+                    self._run(asyncio.wait(pending, timeout=max(deadline - time.monotonic(), 0.0)))
+                    break
+                except KeyboardInterrupt as stop:
+                    # A stop signal handled inside a rollout task failed that task with the stop
+                    # (lit_grpo.loop.signals.StopRequested); each task awaiting it raises it again as
+                    # it ends, here. That stop is already being handled: raised from here it would
+                    # skip the run's summary. Each raise ends one task, so this loop ends.
+                    if not any(t.done() and not t.cancelled() and t.exception() is stop for t in pending):
+                        raise
             for task in pending:  # their outcome was the stopped step's, already reported
                 if task.done() and not task.cancelled():
                     task.exception()
