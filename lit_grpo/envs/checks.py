@@ -43,6 +43,8 @@ def method_name(obj: Any, method: str) -> str:
     """`MyEnv.step (my_env.py:12)`: `obj`'s class, the method, and the file and line where it is defined."""
     name = f"{type(obj).__qualname__}.{method}"
     function = getattr(getattr(obj, method, None), "__func__", getattr(obj, method, None))
+    if function is None:
+        return name
     try:
         function = inspect.unwrap(function)
         return f"{name} ({inspect.getsourcefile(function)}:{function.__code__.co_firstlineno})"
@@ -65,7 +67,7 @@ def token_ids_problem(tokens: Any, vocab_size: Optional[int]) -> Optional[str]:
     for i, token in enumerate(tokens):
         if not (isinstance(token, numbers.Integral) and not isinstance(token, bool)):
             return f"its item {i} is {described(token)}, not a token id (an int)"
-        if token < 0 or (vocab_size is not None and token >= vocab_size):
+        if int(token) < 0 or (vocab_size is not None and int(token) >= vocab_size):
             return f"its item {i} is token id {token}, outside the vocabulary [0, {vocab_size})"
     return None
 

@@ -36,7 +36,7 @@ class EntropyControl:
         coefficient, sound the alarm (`warn`: this process logs the warning); returns the metrics."""
         c = self.config
         metrics: dict[str, float] = {}
-        if c.adaptive:
+        if c.target is not None:  # adaptive
             metrics["train/entropy/coef"] = self.adaptive_coef  # the coefficient this step trained with
             self.adaptive_coef = adapted_entropy_coef(
                 self.adaptive_coef, entropy, target=c.target, step_size=c.adapt_step, coef_max=c.coef_max

@@ -16,8 +16,8 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Iterator
-from typing import Optional
+from collections.abc import Callable, Iterator
+from typing import Any, Optional
 
 log = logging.getLogger(__name__)
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -59,8 +59,8 @@ class StopSignals:
         """The first stop signal received, if any."""
         self._waiting = False
         self._redelivering = False
-        self._previous: dict[int, object] = {}
-        self._previous_unraisable_hook = None
+        self._previous: dict[int, Any] = {}
+        self._previous_unraisable_hook: Optional[Callable[[Any], object]] = None
         self._outer: Optional[StopSignals] = None
 
     @property
@@ -75,8 +75,8 @@ class StopSignals:
         if threading.current_thread() is threading.main_thread():
             for signum in STOP_SIGNALS:
                 self._previous[signum] = previous = signal.signal(signum, self._handle)
-                if isinstance(getattr(previous, "__self__", None), StopSignals):
-                    self._outer = previous.__self__
+                if isinstance(outer := getattr(previous, "__self__", None), StopSignals):
+                    self._outer = outer
             if self._outer is not None and self.signum is None:
                 self.signum = self._outer.signum
             self._previous_unraisable_hook, sys.unraisablehook = sys.unraisablehook, self._unraisable
@@ -114,7 +114,8 @@ class StopSignals:
         collection ran during the wait) is only printed, and the wait goes on, possibly forever. Send
         the signal again a moment later, so that it lands in the wait itself."""
         if not isinstance(unraisable.exc_value, StopRequested):
-            return self._previous_unraisable_hook(unraisable)
+            (self._previous_unraisable_hook or sys.__unraisablehook__)(unraisable)
+            return
         self._redelivering = True
         main = threading.main_thread().ident
         threading.Timer(0.01, signal.pthread_kill, (main, unraisable.exc_value.signum)).start()

@@ -173,7 +173,9 @@ class _SelectedLogprobs(torch.autograd.Function):
             stop = min(start + chunk_rows, n_rows)
             rows = slice(start, stop)
             chunk_CV = _load_scaled_chunk(logits_BTV, start, stop, ctx.temperature, scaled_CV)
-            entropy_grad = None if grad_H_N is None else (grad_H_N[rows], entropy_N[rows], work_CV[: stop - start])
+            entropy_grad = None
+            if grad_H_N is not None and work_CV is not None:
+                entropy_grad = (grad_H_N[rows], entropy_N[rows], work_CV[: stop - start])
             grad_CV = _chunk_grad(
                 chunk_CV,
                 targets_N[rows],
@@ -260,10 +262,10 @@ def keeps_logits(model: PreTrainedModel) -> bool:
     if cached is None:
         import inspect
 
-        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        base = get_base() if (get_base := getattr(model, "get_base_model", None)) else model
         cached = "logits_to_keep" in inspect.signature(base.forward).parameters
-        model._lit_grpo_keeps_logits = cached
-    return cached
+        setattr(model, "_lit_grpo_keeps_logits", cached)  # noqa: B010  (not an attribute of its class)
+    return bool(cached)
 
 
 def first_scored_prediction(mask_BT: torch.Tensor) -> int:

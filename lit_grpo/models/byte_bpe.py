@@ -59,7 +59,8 @@ def _pieces():
 def shipped_merges() -> tuple[tuple[str, str], ...]:
     """The merges of `MERGES_FILE`, in the order they were learned."""
     lines = MERGES_FILE.read_text(encoding="utf-8").splitlines()
-    return tuple(tuple(line.split(" ")) for line in lines if line and not line.startswith("#"))
+    pairs = (line.split(" ") for line in lines if line and not line.startswith("#"))
+    return tuple((left, right) for left, right in pairs)
 
 
 def filler_names(count: int, taken: set[str]) -> list[str]:
@@ -137,10 +138,8 @@ def learn_merges(texts, min_frequency: int = 2) -> list[tuple[str, str]]:
         show_progress=False,
     )
     tokenizer.train_from_iterator(texts, trainer)
-    return [
-        tuple(m.split(" ")) if isinstance(m, str) else tuple(m)
-        for m in json.loads(tokenizer.to_str())["model"]["merges"]
-    ]
+    merges = json.loads(tokenizer.to_str())["model"]["merges"]  # "a b" strings or [a, b] pairs
+    return [(left, right) for left, right in (m.split(" ") if isinstance(m, str) else m for m in merges)]
 
 
 def write_merges(gsm8k_train_jsonl: str | Path, out: Path = MERGES_FILE) -> int:

@@ -80,13 +80,13 @@ def qwen2_config(cfg: ModelConfig, vocab_size: int, tokenizer: PreTrainedTokeniz
         num_key_value_heads=cfg.num_kv_heads or cfg.num_heads,
         intermediate_size=cfg.intermediate_size,
         max_position_embeddings=cfg.max_position_embeddings,
-        rope_theta=cfg.rope_theta,
+        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
         rms_norm_eps=cfg.rms_norm_eps,
         tie_word_embeddings=True,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
-        **({} if cfg.init_std is None else {"initializer_range": cfg.init_std}),
+        initializer_range=0.02 if cfg.init_std is None else cfg.init_std,  # 0.02: transformers' default
     )
 
 
@@ -101,7 +101,7 @@ def build_tiny_model(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = Qwen2ForCausalLM(config)
-    return model.to(DTYPES[cfg.dtype])
+    return model.to(DTYPES[cfg.dtype])  # type: ignore[arg-type]  # transformers wraps `to`; the stub loses `self`
 
 
 class ModelLoadError(UserError, OSError):
@@ -114,6 +114,14 @@ def _unreachable(name: str, err: Exception) -> ModelLoadError:
         f"If this machine cannot reach the Hugging Face hub, download the model elsewhere and point at the "
         f"local copy with `model.name_or_path=/path/to/model` (set HF_HUB_OFFLINE=1 to fail fast)."
     )
+
+
+def _model_path(cfg: ModelConfig) -> str:
+    """`model.name_or_path` of a model to load (`kind=hf`, where the config requires it), checked
+    first when it is a local path."""
+    assert cfg.name_or_path is not None, "model.kind=hf without model.name_or_path passed the config's checks"
+    _check_local_path(cfg.name_or_path)
+    return cfg.name_or_path
 
 
 def _check_local_path(name: str) -> None:
@@ -129,12 +137,13 @@ def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
     if cfg.kind == "tiny":
         return build_char_tokenizer(cfg.alphabet)
     if cfg.kind == "qwen2_shape":
+        assert cfg.vocab_size is not None, "model.kind=qwen2_shape without vocab_size passed the config's checks"
         return build_byte_bpe_tokenizer(cfg.vocab_size, special_tokens=SPECIAL_TOKENS, chat_template=CHAT_TEMPLATE)
-    _check_local_path(cfg.name_or_path)
+    name = _model_path(cfg)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(cfg.name_or_path, trust_remote_code=cfg.trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=cfg.trust_remote_code)
     except (OSError, ValueError) as err:
-        raise _unreachable(cfg.name_or_path, err) from None
+        raise _unreachable(name, err) from None
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
@@ -144,13 +153,13 @@ def load_policy(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, seed: int)
     """The trainable policy, built (`tiny`, `qwen2_shape`) or loaded (`hf`)."""
     if cfg.kind in BUILT_KINDS:
         return build_tiny_model(cfg, len(tokenizer), seed, tokenizer)
-    _check_local_path(cfg.name_or_path)
+    name = _model_path(cfg)
     try:
         return AutoModelForCausalLM.from_pretrained(
-            cfg.name_or_path, dtype=DTYPES[cfg.dtype], trust_remote_code=cfg.trust_remote_code
+            name, dtype=DTYPES[cfg.dtype], trust_remote_code=cfg.trust_remote_code
         )
     except (OSError, ValueError) as err:
-        raise _unreachable(cfg.name_or_path, err) from None
+        raise _unreachable(name, err) from None
 
 
 def build_policy_skeleton(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, seed: int) -> PreTrainedModel:
@@ -159,11 +168,11 @@ def build_policy_skeleton(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, 
         return build_tiny_model(cfg, len(tokenizer), seed, tokenizer)
     from transformers import AutoConfig
 
-    _check_local_path(cfg.name_or_path)
+    name = _model_path(cfg)
     try:
-        config = AutoConfig.from_pretrained(cfg.name_or_path, trust_remote_code=cfg.trust_remote_code)
+        config = AutoConfig.from_pretrained(name, trust_remote_code=cfg.trust_remote_code)
     except (OSError, ValueError) as err:
-        raise _unreachable(cfg.name_or_path, err) from None
+        raise _unreachable(name, err) from None
     return AutoModelForCausalLM.from_config(config, dtype=DTYPES[cfg.dtype], trust_remote_code=cfg.trust_remote_code)
 
 

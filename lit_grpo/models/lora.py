@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -48,7 +49,11 @@ def apply_lora(policy: nn.Module, cfg: LoraConfig, seed: int) -> nn.Module:
         raise ImportError(f"model.lora.rank > 0 needs peft: pip install peft ({err})") from None
     targets = cfg.target_modules if isinstance(cfg.target_modules, str) else list(cfg.target_modules)
     peft_cfg = PeftLoraConfig(
-        r=cfg.rank, lora_alpha=cfg.scale_alpha(), lora_dropout=0.0, target_modules=targets, bias="none"
+        r=cfg.rank,
+        lora_alpha=cfg.scale_alpha(),  # type: ignore[arg-type]  # peft says int; a float scales
+        lora_dropout=0.0,
+        target_modules=targets,
+        bias="none",
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -79,7 +84,7 @@ class AdapterFreeView:
     """
 
     def __init__(self, policy: nn.Module) -> None:
-        self._policy = policy
+        self._policy: Any = policy  # a peft model (peft is an optional extra: not imported for its type)
 
     def __call__(self, *args, **kwargs):
         with self._policy.disable_adapter():
@@ -194,4 +199,5 @@ def base_tensors(named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[st
 
 def adapter_config(policy: nn.Module):
     """The peft `LoraConfig` of `policy`'s adapter (its `save_pretrained` writes `adapter_config.json`)."""
-    return policy.peft_config[ADAPTER]
+    peft_config: Any = policy.peft_config  # a peft model's (peft is optional: not imported for its type)
+    return peft_config[ADAPTER]

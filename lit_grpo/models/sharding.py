@@ -29,7 +29,7 @@ except ImportError:  # torch < 2.6 kept FSDP2 under _composable
 
 def decoder_layer_classes(model: nn.Module) -> set[str]:
     """The class names of `model`'s decoder layers (`_no_split_modules`), through a peft wrapper."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = get_base() if (get_base := getattr(model, "get_base_model", None)) else model
     names = set(getattr(base, "_no_split_modules", None) or ())
     if not names:
         raise ValueError(
@@ -69,6 +69,7 @@ def full_value(tensor: torch.Tensor) -> torch.Tensor:
 def gradient_sync_off(model: nn.Module) -> Iterator[None]:
     """FSDP2 keeps the gradients of the backwards inside unsharded and unreduced; the next backward
     outside reduce-scatters the sum (one reduction per optimizer step, as DDP's `no_sync`)."""
+    assert isinstance(model, FSDPModule), "gradient_sync_off is for an FSDP2-sharded model"
     model.set_requires_gradient_sync(False)
     try:
         yield

@@ -27,8 +27,8 @@ exchange for a rule that needs no rank to agree with another about which tensors
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Optional
+from collections.abc import Iterator, Sequence
+from typing import Any, Optional, cast
 
 import torch
 from torch import nn
@@ -76,6 +76,7 @@ class PolicyWeights:
 
     def named_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """`(name, full tensor)` pairs, lazily; on every rank, consumed to the end (a collective when sharded)."""
+        stream: Iterator[tuple[str, torch.Tensor]]
         if self._plain is not None:
             stream = ((name, tensor.detach()) for name, tensor in self._plain)
         else:
@@ -118,26 +119,25 @@ def _unwrapped(name: str) -> str:
     return name
 
 
-def _stream(state: dict[str, torch.Tensor], prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
+def _stream(state: dict[str, Any], prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
     """The entries under `prefix`, each DTensor gathered only when the consumer asks for it."""
     for name, tensor in state.items():
         if not name.startswith(prefix):
             continue
-        if isinstance(tensor, DTensor):
-            tensor = _gather(tensor)
-        yield name[len(prefix) :], tensor.detach()
-        del tensor  # drop this rank's reference before gathering the next one
+        full = _gather(tensor) if isinstance(tensor, DTensor) else tensor
+        yield name[len(prefix) :], full.detach()
+        del tensor, full  # drop this rank's reference before gathering the next one
 
 
 def _gather(tensor: DTensor) -> torch.Tensor:
     """The whole tensor on every rank of its mesh (a collective)."""
     if tensor.device.type != tensor.device_mesh.device_type:  # CPU-offloaded shards of a GPU mesh
-        tensor = tensor.to(tensor.device_mesh.device_type)
+        tensor = cast(DTensor, tensor.to(tensor.device_mesh.device_type))  # a DTensor's `to` is one
     with torch.no_grad():  # here, not around the yield: grad mode would leak into the consumer
         return tensor.full_tensor()
 
 
-def _reject_fsdp1_above(model: nn.Module, fsdp1_modules: list[nn.Module]) -> None:
+def _reject_fsdp1_above(model: nn.Module, fsdp1_modules: Sequence[nn.Module]) -> None:
     """Fail loudly when an FSDP1 wrapper above `model` owns some of its parameters (they hold shards)."""
     owned = {id(p) for m in fsdp1_modules for p in m.parameters()}
     if any(getattr(p, "_fsdp_flattened", False) and id(p) not in owned for p in model.parameters()):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from lit_grpo.rewards.registry import RewardFn, get_reward, reward_name
 
@@ -20,7 +20,7 @@ RESERVED_NAMES = ("mean", "std", "max", "histogram")
 """`reward/<name>` keys the run logs already: no component may take them."""
 
 
-def as_number(name: str, value: object) -> Optional[float]:
+def as_number(name: str, value: Any) -> Optional[float]:
     """A weighted component's value as a float (None stays None); anything else is a bug in
     reward `name`: a TypeError that stops the run with this message."""
     if value is None:

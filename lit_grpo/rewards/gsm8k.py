@@ -28,6 +28,7 @@ import functools
 import re
 from decimal import Decimal
 from fractions import Fraction
+from typing import Optional
 
 from lit_grpo.rewards.registry import RewardRowError, inline_reward, reference_field, register_reward
 
@@ -121,7 +122,7 @@ def parse_reference_answer(answer: str) -> str:
 
 
 @functools.lru_cache(maxsize=1 << 16)
-def _reference_value(answer: str) -> Fraction:
+def _reference_value(answer: str) -> Optional[Fraction]:
     """The reference as a number (cached: every completion of a row is scored against it)."""
     return _final_value(parse_reference_answer(answer))
 
@@ -133,7 +134,7 @@ def score(completion: str, answer: str) -> float:
     value = _final_value(completion)
     if value is None or reference is None:
         return 0.0
-    return 1.0 if abs(value - reference) <= _REL_TOL * max(1, abs(reference)) else 0.0
+    return 1.0 if abs(value - reference) <= _REL_TOL * max(Fraction(1), abs(reference)) else 0.0
 
 
 ANSWER_FIELDS = ("answer", "ground_truth", "solution")

@@ -38,7 +38,7 @@ import weakref
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import Optional, Union, cast
 
 from lit_grpo.errors import EnvironmentFault
 from lit_grpo.rewards.combine import WeightedReward
@@ -146,11 +146,11 @@ class RewardScorer:
         self.timed_out = 0
         """Of those, the ones one of whose components scored `timeout_reward` in place of its value."""
         self._recent: deque[bool] = deque(maxlen=TIMEOUT_WINDOW)
-        self.weighted = isinstance(reward_fn, WeightedReward)
-        if self.weighted:
-            self.components, self.weights = reward_fn.components, reward_fn.weights
-        else:
-            self.components, self.weights = [("reward", reward_fn)], [1.0]
+        self.weighted: Optional[WeightedReward] = reward_fn if isinstance(reward_fn, WeightedReward) else None
+        self.components: list[tuple[str, SyncOrAsyncReward]] = [("reward", reward_fn)]
+        self.weights = [1.0]
+        if self.weighted is not None:
+            self.components, self.weights = list(self.weighted.components), self.weighted.weights
         # One semaphore per event loop (the rollouts' loop, an evaluation's `asyncio.run`): an
         # asyncio primitive belongs to the loop it was first used in.
         self._limits: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -169,7 +169,7 @@ class RewardScorer:
         async def call() -> object:
             async with self._limit():
                 if is_async_reward(fn):
-                    return await fn(text, row)
+                    return await cast(Awaitable[object], fn(text, row))
                 return await in_daemon_thread(fn, text, row)
 
         try:
@@ -183,10 +183,12 @@ class RewardScorer:
         several components, each one's value in `parts` as `reward/<name>`."""
         results = await asyncio.gather(*(self._component(fn, completion_text, row) for _, fn in self.components))
         self._count([(name, fn) for (name, fn), (_, late) in zip(self.components, results) if late])
-        if not self.weighted:  # as it came: the rollout checks drop a non-number (`rollout/dropped_nonnumeric_reward`)
+        if (
+            self.weighted is None
+        ):  # as it came: the rollout checks drop a non-number (`rollout/dropped_nonnumeric_reward`)
             [(value, late)] = results
-            return Scored(value, {}, late)
-        total, parts = self.reward_fn.combine([value for value, _ in results])  # a weighted non-number: TypeError
+            return Scored(cast(Optional[float], value), {}, late)  # checked by the rollout
+        total, parts = self.weighted.combine([value for value, _ in results])  # a weighted non-number: TypeError
         return Scored(total, parts, any(late for _, late in results))
 
     def _count(self, late: list[tuple[str, SyncOrAsyncReward]]) -> None:

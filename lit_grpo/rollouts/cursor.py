@@ -14,6 +14,7 @@ first after a resume.
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 
 Position = tuple[int, int]
 
@@ -62,7 +63,7 @@ class RowCursor:
 
     def take_positioned(self, n: int) -> list[tuple[Position, dict]]:
         """Up to n next `(position, row)` pairs, replayed positions first (fewer only when the last epoch ends)."""
-        out = []
+        out: list[tuple[Position, dict]] = []
         while self.replay and len(out) < n:
             position = self.replay.pop(0)
             out.append((position, self.row_at(position)))
@@ -83,7 +84,7 @@ class RowCursor:
         """Up to n next rows (fewer only when the last epoch ends)."""
         return [row for _, row in self.take_positioned(n)]
 
-    def state_dict(self, unfinished: list[Position] = ()) -> dict:
+    def state_dict(self, unfinished: Sequence[Position] = ()) -> dict:
         """The position to resume from; `unfinished` positions are served again first."""
         return {
             "epoch": self.epoch,

@@ -99,7 +99,7 @@ async def call_rollout(
     *,
     timeout_s: float,
     max_retries: int,
-    count: Callable[[str, BaseException], None],
+    count: Callable[[str, Optional[BaseException]], None],
     retry_on: tuple[type[BaseException], ...] = TRANSIENT_ERRORS,
 ) -> Any:
     """`rollout_fn(row)`'s result, or the exception that ended the call (returned, not raised).
@@ -230,7 +230,7 @@ class LoopWatchdog:
         self._thread: Optional[threading.Thread] = None
         self._previous_handler: Any = None
         self._can_interrupt = False
-        self._loop_thread_id = threading.main_thread().ident
+        self._loop_thread_id = _main_thread_id()
 
     def _start(self) -> None:
         if self._thread is not None:
@@ -268,7 +268,7 @@ class LoopWatchdog:
             raise _LoopBlocked()
 
     def _watch(self) -> None:
-        main_id = threading.main_thread().ident
+        main_id = _main_thread_id()
         while not self._stop.is_set():
             if not self._armed.wait(timeout=60.0) or self._stop.is_set():  # idle between steps: no polling
                 continue
@@ -304,3 +304,9 @@ class LoopWatchdog:
         if self._can_interrupt and threading.current_thread() is threading.main_thread():
             signal.signal(self.SIGNAL, self._previous_handler if self._previous_handler is not None else signal.SIG_DFL)
             self._can_interrupt = False
+
+
+def _main_thread_id() -> int:
+    ident = threading.main_thread().ident
+    assert ident is not None  # the main thread has always started
+    return ident

@@ -81,7 +81,7 @@ class OffPolicyScheduler:
         self._rejected: deque[PromptGroup] = deque()
         self._error: Optional[BaseException] = None
         self._stopping = self._finished = False
-        self._wake: Optional[asyncio.Event] = None
+        self._wake = asyncio.Event()  # bound to the sampling loop on its first wait (Python >= 3.10)
         self._thread: Optional[threading.Thread] = None
         self._gate_wait_s = 0.0
         self._last_handover: Optional[float] = None
@@ -200,7 +200,6 @@ class OffPolicyScheduler:
     def _start(self) -> None:
         if self._thread is None:
             self.heartbeat.reset()
-            self._wake = asyncio.Event()
             self._thread = threading.Thread(target=self._run, name=THREAD_PREFIX + "rollout-scheduler", daemon=True)
             self._thread.start()
 
@@ -249,11 +248,12 @@ class OffPolicyScheduler:
 
     def _check_loop(self) -> None:
         """While the trainer waits: the sampling loop must be alive and running."""
-        stale = self.heartbeat.stale_for()
+        thread, stale = self._thread, self.heartbeat.stale_for()
+        assert thread is not None, "checked only once the sampling thread has started"
         if stale > self.groups.timeout_s:
             self._stalled = True
-            raise RolloutStalled(stall_report(stale, self.groups.timeout_s, self._thread.ident, self.groups.rollout_fn))
-        if not self._thread.is_alive() and self._ready.empty():
+            raise RolloutStalled(stall_report(stale, self.groups.timeout_s, thread.ident, self.groups.rollout_fn))
+        if not thread.is_alive() and self._ready.empty():
             self._finished = True
             raise RuntimeError("the rollout thread ended without handing over its groups or an error")
         # Nothing in flight and the gate shut while the trainer waits: only a version advance (which

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import inspect
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Optional
 
 from lit_grpo.rollouts.deadlines import MAX_BACKOFF_S, RETRY_BACKOFF_S, TRANSIENT_ERRORS, classify, function_name
@@ -109,7 +109,7 @@ def row_prompt_tokens(
     tokenizer,
     prompt_field: Optional[str] = None,
     *,
-    text_tokens: Optional[Callable[[str], list[int]]] = None,
+    text_tokens: Optional[Callable[[str], Sequence[int]]] = None,
 ) -> list[int]:
     """A row's prompt as token ids, from `prompt_field` or the first of `prompt_token_ids`,
     `messages`, `prompt` the row has (`lit_grpo.tasks.rows.prompt_field_of`), by the field's value:
@@ -138,8 +138,8 @@ in-process samplers, whose batched engine call fails or returns as a whole anywa
 
 def group_rollout_fn(
     rollout_fn: RolloutFn,
-) -> Optional[Callable[[dict, int], Awaitable[list[Optional[RolloutSample]]]]]:
-    """The rollout function's `sample_group`, if it has one (see GROUP_ATTRIBUTE)."""
+) -> Optional[Callable[..., Awaitable[list[Optional[RolloutSample] | BaseException]]]]:
+    """The rollout function's `sample_group(row, n)`, if it has one (see GROUP_ATTRIBUTE)."""
     return getattr(rollout_fn, GROUP_ATTRIBUTE, None)
 
 
@@ -184,7 +184,7 @@ def make_rollout_fn(setup: RolloutSetup) -> RolloutFn:
         completions = await sampler.sample_with_prompt_tokens(prompt, n=1, **sample_kwargs)
         return await scored(completions[0], row) if completions else None
 
-    async def sample_group(row: dict, n: int) -> list[Optional[RolloutSample]]:
+    async def sample_group(row: dict, n: int) -> list[Optional[RolloutSample] | BaseException]:
         prompt = row_prompt_tokens(row, tokenizer, prompt_field, text_tokens=cached_text_tokens)
         completions = await sampler.sample_with_prompt_tokens(prompt, n=n, **sample_kwargs)
         if len(completions) != n:
@@ -196,7 +196,7 @@ def make_rollout_fn(setup: RolloutSetup) -> RolloutFn:
                 raise result  # a cancellation or an interrupt
             if isinstance(result, Exception) and classify(result, retry_on) in ("bug", "fault"):
                 raise result
-        return list(results)
+        return list(results)  # a failed sample stays its exception: the group counts it
 
     # A sampler whose n completions may fail one by one is called per sample: a failure costs one
     # sample, not the group's.

@@ -7,7 +7,7 @@ import csv
 import importlib
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from lightning.fabric.loggers.logger import rank_zero_experiment
 from lightning.pytorch.loggers import CSVLogger
@@ -25,6 +25,9 @@ class _RunFolderWriter(ExperimentWriter):
     run's file aside (`run_folder.set_aside_metrics`), and a resume into its own folder rewrites it
     from the checkpoint's history (`StepSequence`), once the resume has gone through.
     """
+
+    metrics: list[dict[str, float]]  # ExperimentWriter's rows not yet written
+    _replaces_file: bool
 
     def _check_log_dir_exists(self) -> None:
         self._replaces_file = self._fs.isfile(self.metrics_file_path)
@@ -45,6 +48,8 @@ class _RunFolderWriter(ExperimentWriter):
 
 class RunFolderCSVLogger(CSVLogger):
     """`CSVLogger` for the run folder itself (`conf/logger/csv.yaml`: `name: ""`, `version: ""`)."""
+
+    _experiment: Optional[ExperimentWriter]
 
     @property
     @rank_zero_experiment

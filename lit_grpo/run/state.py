@@ -52,7 +52,8 @@ class UnsafeCheckpoint(UserError):
 
 def capture_rng() -> dict:
     """Every RNG a step draws from: python, numpy, torch CPU and (when present) each CUDA device."""
-    kind, keys, pos, has_gauss, cached_gaussian = np.random.get_state()
+    kind, keys, pos, has_gauss, cached_gaussian = np.random.get_state(legacy=True)
+    assert isinstance(keys, np.ndarray)  # the legacy tuple: ("MT19937", keys, pos, has_gauss, gaussian)
     return {
         "python": random.getstate(),
         "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached_gaussian)),
@@ -98,7 +99,7 @@ SHORT_WRITE = ("unexpected pos", "PytorchStreamWriter failed", "file write faile
 def failure_chain(err: BaseException) -> list[BaseException]:
     """`err`, what it was raised from, and each rank's error inside a DCP `CheckpointException`."""
     seen: list[BaseException] = []
-    todo = [err]
+    todo: list[Optional[BaseException]] = [err]
     while todo:
         e = todo.pop(0)
         if e is None or any(e is s for s in seen):

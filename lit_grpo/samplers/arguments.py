@@ -83,9 +83,11 @@ def render_chat(
 ) -> str:
     """`messages` as text through the policy's chat template (the one place lit_grpo renders one);
     `template_kwargs` reach the template (`tools`, `enable_thinking`, ...)."""
-    return tokenizer.apply_chat_template(
+    text = tokenizer.apply_chat_template(
         messages, tokenize=False, add_generation_prompt=add_generation_prompt, **template_kwargs
     )
+    assert isinstance(text, str)  # tokenize=False: one conversation's text
+    return text
 
 
 def chat_prompt_tokens(tokenizer: PreTrainedTokenizerBase, messages: list[dict], **template_kwargs: Any) -> list[int]:

@@ -105,7 +105,7 @@ class BatchingSampler(ABC):
         self._queue: list[_Request] = []
         self._flushing: dict[asyncio.AbstractEventLoop, asyncio.Task] = {}
         self._worker = DaemonWorker("sampler")
-        self._weights_lock = threading.Lock()
+        self._weights_lock: threading.Lock | threading.RLock = threading.Lock()
         self._score_queues: dict[asyncio.AbstractEventLoop, list[tuple[list[ScorePair], asyncio.Future]]] = {}
         self._score_tasks: set[asyncio.Task] = set()
 
@@ -281,7 +281,8 @@ class BatchingSampler(ABC):
     def _next_batch(self, head: _Request) -> list[_Request]:
         """The queued requests with `head`'s key, in order, up to `max_batch_size` prompts in all
         (`head` alone when its n is more: `_generate_all` splits it)."""
-        batch, size = [], 0
+        batch: list[_Request] = []
+        size = 0
         for r in self._queue:
             if r.key == head.key:
                 if batch and size + r.n > self.max_batch_size:

@@ -233,7 +233,7 @@ class HFSampler(BatchingSampler):
         return completions
 
     def _decode(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        return str(self.tokenizer.decode(token_ids, skip_special_tokens=True))
 
     @torch.inference_mode()
     def _score(self, pairs: list[tuple[list[int], list[int]]]) -> list[list[float]]:
@@ -280,6 +280,7 @@ class _LogprobRecorder(LogitsProcessor):
         return scores
 
     def _score(self, tokens_N: torch.Tensor) -> None:
+        assert self.pending_NV is not None  # a step's logits are pending before its token is scored
         logits_NV, tokens_N1 = self.pending_NV.float(), tokens_N[:, None].to(self.pending_NV.device)
         self.raw.append(torch.log_softmax(logits_NV, dim=-1).gather(-1, tokens_N1)[:, 0])
         self.sampling.append(
@@ -308,7 +309,7 @@ class _StopStrings(StoppingCriteria):
         """Row -> generated tokens when it was ended (what follows is padding)."""
         self._eos_rows: set[int] = set()
 
-    def __call__(self, input_ids: torch.LongTensor, scores, **kwargs) -> torch.BoolTensor:
+    def __call__(self, input_ids: torch.LongTensor, scores, **kwargs) -> torch.Tensor:
         generated = input_ids.shape[1] - self.width
         recent = input_ids[:, max(self.width, input_ids.shape[1] - self.window) :].tolist()
         eos_id = self.tokenizer.eos_token_id
@@ -327,7 +328,7 @@ class _StopStrings(StoppingCriteria):
         return done.to(input_ids.device)
 
     def _decode_row(self, input_ids: torch.Tensor, row: int) -> str:
-        return self.tokenizer.decode(input_ids[row, self.width :].tolist(), skip_special_tokens=True)
+        return str(self.tokenizer.decode(input_ids[row, self.width :].tolist(), skip_special_tokens=True))
 
 
 def _tied_aliases(state: dict[str, torch.Tensor]) -> dict[str, set[str]]:

@@ -116,7 +116,7 @@ def sources(opts: GSM8KOptions, data: DataConfig) -> list[str]:
         ("task.path", opts.path, False),
         ("task.eval_path", opts.eval_path if data.eval_rows else None, True),
     ):
-        if path and not Path(local_file(path, held_out=held_out)).is_file():
+        if path and not Path(local_file(path, held_out=held_out) or path).is_file():
             problems.append(f"{name}: no file {path}")
     needs_hub = not opts.path or (data.eval_rows > 0 and not opts.eval_path)
     if needs_hub and (why := hub_problem(opts.dataset, "dataset")):

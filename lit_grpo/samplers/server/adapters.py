@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from lit_grpo.samplers.server.host import ServerSamplerState
 from lit_grpo.samplers.server.weight_files import ServerError, WeightSyncError, write_weight_file
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -121,7 +122,7 @@ async def load_adapter(
         )
 
 
-class AdapterSync:
+class AdapterSync(ServerSamplerState):
     """The adapter-only weight sync of `VLLMServerSampler` (`enable_adapter_sync`, `update_adapter`,
     `release_adapters`)."""
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 from typing import Any, Optional
 
 from lit_grpo.samplers.arguments import SamplerTimeout
@@ -55,7 +55,7 @@ class InFlightStreams:
             self._open.set()
         return self._open
 
-    async def start(self, stream: Callable[[int], Awaitable[Any]]) -> asyncio.Task:
+    async def start(self, stream: Callable[[int], Coroutine[Any, Any, Any]]) -> asyncio.Task:
         """`stream(version)` as a task, once no sync runs; `version` is what the servers serve then."""
         while not self.open.is_set():
             await self.open.wait()
@@ -76,7 +76,7 @@ class InFlightStreams:
         self.interruptions += len(tasks)
         return len(tasks)
 
-    async def hold(self, work: Awaitable[Any], version: int, *, interrupt: bool) -> None:
+    async def hold(self, work: Coroutine[Any, Any, Any], version: int, *, interrupt: bool) -> None:
         """`work` (a weight sync) with no request starting meanwhile; with `interrupt` the streams in
         flight are closed first. After it requests start again, at `version` if `work` finished,
         else at the version before."""
@@ -139,10 +139,13 @@ async def stream_completions(
         finally:
             for task in tasks:  # this caller was cancelled: its streams close too
                 task.cancel()
-        errors = [t.exception() for t in tasks if not t.cancelled() and t.exception() is not None]
-        for err in errors:
-            if not isinstance(err, TransientError):
-                raise err
+        errors: list[TransientError] = []
+        for task in tasks:
+            if task.cancelled() or (failed := task.exception()) is None:
+                continue
+            if not isinstance(failed, TransientError):
+                raise failed
+            errors.append(failed)
         if not errors:  # every stream finished, or a sync interrupted it: go on from where they are
             failures = 0
             continue

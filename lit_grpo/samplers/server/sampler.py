@@ -33,7 +33,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Awaitable
+from collections.abc import Coroutine
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, TypeVar
 
@@ -182,10 +182,10 @@ class VLLMServerSampler(ServerScoring, AdapterSync, ServerWeightSync, BatchingSa
 
     # ------------------------------------------------------------------ the client's own loop
 
-    def _run(self, coro: Awaitable[T], timeout: Optional[float]) -> T:
+    def _run(self, coro: Coroutine[Any, Any, T], timeout: Optional[float]) -> T:
         """Run `coro` on the client's loop from any other thread, waiting at most `timeout` s."""
         self._check_open()
-        future = asyncio.run_coroutine_threadsafe(coro, self._loop)  # type: ignore[arg-type]
+        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
         try:
             return future.result(timeout)
         except TimeoutError:
@@ -350,7 +350,7 @@ class VLLMServerSampler(ServerScoring, AdapterSync, ServerWeightSync, BatchingSa
         )
 
     def _decode(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        return str(self.tokenizer.decode(token_ids, skip_special_tokens=True))
 
     # ------------------------------------------------------------------ end
 

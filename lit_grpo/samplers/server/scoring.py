@@ -9,9 +9,10 @@ from collections.abc import Sequence
 
 from lit_grpo.samplers.arguments import SamplerTimeout, check_score_pairs
 from lit_grpo.samplers.server.answers import score_request, target_logprobs
+from lit_grpo.samplers.server.host import ServerSamplerState
 
 
-class ServerScoring:
+class ServerScoring(ServerSamplerState):
     """`score` and `score_pairs` of `VLLMServerSampler`, on its client loop and router."""
 
     async def score(self, pairs: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[list[float]]:

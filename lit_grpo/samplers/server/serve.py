@@ -111,7 +111,7 @@ def patch_vllm_version() -> None:
             raise
 
     version._lit_grpo_patched = True  # type: ignore[attr-defined]
-    importlib.metadata.version = version
+    importlib.metadata.version = version  # type: ignore[assignment]  # the parameter's name differs
 
 
 def _announce_when_healthy(url: str, model: str, deadline_s: float = 3600.0) -> None:

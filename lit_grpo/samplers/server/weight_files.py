@@ -16,6 +16,7 @@ import torch
 
 from lit_grpo.errors import EnvironmentFault
 from lit_grpo.samplers.base import strip_wrapper_prefixes
+from lit_grpo.samplers.server.host import ServerSamplerState
 
 WEIGHTS_FILE = "model.safetensors"
 
@@ -110,7 +111,7 @@ async def sync_replicas(
 
     failed: dict[str, str] = {}
 
-    async def transfer_all() -> None:  # one collective over every paused server, then each one's tail
+    async def transfer_all(transfer: Callable[[list[str]], None]) -> None:  # one collective, then each one's tail
         targets = [r.url for r in live if r.url not in failed]
         if not targets:
             return
@@ -124,7 +125,8 @@ async def sync_replicas(
     phases += [reload] if transfer is None else [None, after_load]
     for phase in phases:
         if phase is None:
-            await transfer_all()
+            assert transfer is not None  # the phase exists only with a transfer
+            await transfer_all(transfer)
             continue
         results = await asyncio.gather(*(phase(r) for r in live if r.url not in failed), return_exceptions=True)
         for r, result in zip([r for r in live if r.url not in failed], results):
@@ -191,7 +193,7 @@ async def served_versions(call: Callable[..., Any], replicas: list[Any]) -> dict
     return dict(zip([r.url for r in replicas], await asyncio.gather(*(ask(r) for r in replicas))))
 
 
-class ServerWeightSync:
+class ServerWeightSync(ServerSamplerState):
     """The weight sync of `VLLMServerSampler`: its `_load`, and the version its replicas serve."""
 
     last_sync_bytes: int = 0

@@ -195,7 +195,7 @@ class WeightTransport:
                 ) from None
         address = self.address or address_towards(urls[0])
         port = free_port(address)
-        rendezvous = dict(master_address=address, master_port=port, world_size=1 + sum(workers), rank=0)
+        rendezvous: dict[str, Any] = dict(master_address=address, master_port=port, world_size=1 + sum(workers), rank=0)
         if self.transport == "gloo":
             from lit_grpo.samplers.server.vllm_plugin.gloo import GlooTrainerInitInfo
 

@@ -172,7 +172,8 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
                 (update_info.names[i], buffer[o : o + nbytes[i]].view(dtypes[i]).view(update_info.shapes[i]))
                 for i, o in chunk
             ]
-            self.model.load_weights([(n, w.to(self.device)) for n, w in weights])
+            load_weights: Any = self.model.load_weights  # vLLM's model method, not a torch Module's
+            load_weights([(n, w.to(self.device)) for n, w in weights])
 
     def shutdown(self) -> None:
         if self.group is not None:
@@ -278,10 +279,13 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
 
     def _checked(self, meta: list[ParamMeta]) -> Iterator[Any]:
         """The source's tensors, each checked against the metadata the workers were sent."""
+        assert self.source is not None, "trainer_init() first"
         it = iter(self.source)
         for expected in meta:
-            name, tensor = next(it, (None, None))
-            if name != expected.name or tensor.dtype != expected.dtype or tuple(tensor.shape) != tuple(expected.shape):
+            pair = next(it, None)
+            name, tensor = pair if pair is not None else (None, None)
+            got = (name, tensor.dtype, tuple(tensor.shape)) if tensor is not None else None
+            if got != (expected.name, expected.dtype, tuple(expected.shape)):
                 raise ValueError(f"the WeightSource disagrees with its metadata at {expected.name!r}: got {name!r}")
             yield tensor
         yield from it
