@@ -12,7 +12,7 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 from torch.testing import assert_close
 
-import lit_grpo.maths.losses
+import lit_grpo.maths.loss_registry
 import lit_grpo.samplers
 import lit_grpo.tasks.registry
 from lit_grpo.config import ConfigError, TrainConfig, ineffective_knobs
@@ -172,8 +172,8 @@ def test_validation_happens_before_any_model_is_loaded(tmp_path, monkeypatch):
 def isolated_losses(monkeypatch):
     """The loss registry without `user_losses`' entries (another test may have imported it), restored
     after the test, with `user_losses` not yet imported."""
-    registry = {k: v for k, v in lit_grpo.maths.losses.POLICY_LOSSES.items() if v.fn.__module__ != "user_losses"}
-    monkeypatch.setattr(lit_grpo.maths.losses, "POLICY_LOSSES", registry)
+    registry = {k: v for k, v in lit_grpo.maths.loss_registry.POLICY_LOSSES.items() if v.fn.__module__ != "user_losses"}
+    monkeypatch.setattr(lit_grpo.maths.loss_registry, "POLICY_LOSSES", registry)
     monkeypatch.delitem(sys.modules, "user_losses", raising=False)
     yield
     sys.modules.pop("user_losses", None)  # its import registered into the registry just dropped
