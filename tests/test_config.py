@@ -282,7 +282,7 @@ def test_a_user_task_is_a_registry_entry_with_its_own_options(tmp_path, monkeypa
 
 def test_sampler_kinds_come_from_the_registry(tmp_path, monkeypatch):
     monkeypatch.setattr(lit_grpo.samplers, "SAMPLERS", dict(lit_grpo.samplers.SAMPLERS))
-    lit_grpo.samplers.register_sampler("scripted")(lambda cfg, policy, tokenizer, **kw: None)
+    lit_grpo.samplers.register_sampler("scripted")(lambda cfg, weights, tokenizer, **kw: None)
     assert validate(compose_config("sampler.kind=scripted", output_dir=tmp_path)).sampler.kind == "scripted"
     with pytest.raises(ConfigError, match=r"sampler\.kind.*valid: hf, scripted, vllm"):
         validate(compose_config("sampler.kind=vlm", output_dir=tmp_path))
