@@ -102,7 +102,7 @@ class GRPOModule(L.LightningModule):
         """Rollout steps completed (each is `ppo_n_minibatches` optimizer steps)."""
         self.last_step: Optional[StepResult] = None
         """The latest step's result, for the step sequence and callbacks (histograms)."""
-        self.update = StepUpdate(config.max_nonfinite_steps, config.grad_clip_norm)
+        self.step_update = StepUpdate(config.max_nonfinite_steps, config.grad_clip_norm)
         """The end of each optimizer step: its update taken (clipped), or skipped on every rank."""
         self.budget_watch = BudgetWatch(config.micro_batch_max_tokens, config.data.max_seq_len)
         """Micro-batches over `micro_batch_max_tokens` (a sequence longer than it), counted and said once."""
@@ -282,7 +282,7 @@ class GRPOModule(L.LightningModule):
             totals.add(loss, {**metrics, **health}, micro_mask_BT)
         # Skipped on every rank together: a non-finite loss or gradient, or no advantage to learn from.
         signal = learning_signal(advantages[rows], mask_BT[rows])
-        return self.update.finish(
+        return self.step_update.finish(
             optimizer, self.lr_schedulers(), totals, signal, partial(self._clip, optimizer),
             step=self.rollout_step + 1, world_size=self.trainer.world_size, warn=self.trainer.is_global_zero,
         )  # fmt: skip
