@@ -180,3 +180,25 @@ def test_the_placement_check_reads_each_module_alone():
     # losses.py registers nothing itself: it only imports the families that do.
     assert _registered_names("lit_grpo.maths.losses", "register_policy_loss") == set()
     assert {"sapo", "gmpo", "dppo"} <= _registered_names("lit_grpo.maths.trust_region_losses", "register_policy_loss")
+
+
+def test_each_sampler_builder_lives_beside_its_sampler_and_reads_no_model_module():
+    import importlib
+
+    from lit_grpo.samplers import SAMPLERS
+
+    for kind in ("hf", "vllm", "vllm_server"):
+        module, _, function = SAMPLERS[kind].builder.partition(":")
+        assert module.startswith("lit_grpo.samplers.") and callable(getattr(importlib.import_module(module), function))
+    # The weights come from lit_grpo.build (samplers.StartingWeights): no builder reaches into lit_grpo.models.
+    for module in ("lit_grpo.samplers", "lit_grpo.samplers.vllm", "lit_grpo.samplers.server.build"):
+        assert not {t for t in GRAPH[module] if t.startswith("lit_grpo.models")}, module
+
+
+def test_the_sampler_registry_imports_no_backend():
+    # Config validation reads the kinds: that must not load a sampler (transformers, vLLM's client).
+    import subprocess
+
+    code = "import sys, lit_grpo.samplers; print([m for m in sys.modules if m.startswith('lit_grpo.samplers.')])"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out
