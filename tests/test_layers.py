@@ -140,16 +140,22 @@ def test_no_module_over_600_lines():
     assert not long, long
 
 
-def _registries() -> dict[str, tuple[str, dict]]:
-    """Each registry of the package: the decorator that fills it, and its entries (name -> spec)."""
+def _registries() -> dict[str, tuple[str, dict[str, str]]]:
+    """Each registry of functions in the package: the call that fills it, and where each entry's
+    function is defined (name -> module)."""
     from lit_grpo.advantages.registry import ADVANTAGES
     from lit_grpo.maths.correction import CORRECTIONS
     from lit_grpo.maths.losses import POLICY_LOSSES
+    from lit_grpo.rewards.registry import REWARDS
+
+    def modules(registry: dict) -> dict[str, str]:
+        return {name: getattr(entry, "fn", entry).__module__ for name, entry in registry.items()}
 
     return {
-        "policy loss": ("register_policy_loss", POLICY_LOSSES),
-        "advantage": ("register_advantage", ADVANTAGES),
-        "correction": ("register_correction", CORRECTIONS),
+        "policy loss": ("register_policy_loss", modules(POLICY_LOSSES)),
+        "advantage": ("register_advantage", modules(ADVANTAGES)),
+        "correction": ("register_correction", modules(CORRECTIONS)),
+        "reward": ("register_reward", modules(REWARDS)),
     }
 
 
@@ -166,10 +172,9 @@ def _registered_names(module: str, decorator: str) -> set[str]:
     }
 
 
-@pytest.mark.parametrize("what", ["policy loss", "advantage", "correction"])
+@pytest.mark.parametrize("what", ["policy loss", "advantage", "correction", "reward"])
 def test_every_built_in_entry_is_registered_where_it_is_defined(what):
-    decorator, registry = _registries()[what]
-    modules = {name: spec.fn.__module__ for name, spec in registry.items()}
+    decorator, modules = _registries()[what]
     built_in = {name: module for name, module in modules.items() if module.startswith("lit_grpo.")}
     assert built_in, what
     elsewhere = {name: module for name, module in built_in.items() if name not in _registered_names(module, decorator)}
