@@ -22,15 +22,16 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lit_grpo.advantages.registry import Advantage, get_advantage, make_advantage
 from lit_grpo.callbacks.export import HFExport
-from lit_grpo.config import ConfigError, TrainConfig, UserInputs
+from lit_grpo.config import ConfigError, ModelConfig, TrainConfig, UserInputs
 from lit_grpo.config.checks import exception_class
 from lit_grpo.loop.distributed import FSDP2Strategy
 from lit_grpo.loop.evaluation import Evaluator, GreedyEvaluator, RolloutEvaluator
 from lit_grpo.loop.module import GRPOModule
 from lit_grpo.loop.signals import StopSignals
 from lit_grpo.loop.step_sequence import StepSequence
-from lit_grpo.models.load import load_policy, load_tokenizer
-from lit_grpo.models.lora import with_lora
+from lit_grpo.models.load import load_policy, load_tokenizer, save_pretrained
+from lit_grpo.models.lora import adapter_config, adapter_tensors, base_tensors, is_lora, with_lora
+from lit_grpo.models.weights import full_named_tensors
 from lit_grpo.rewards.combine import component_names
 from lit_grpo.rewards.scoring import RewardScorer
 from lit_grpo.rollouts.datamodule import RolloutDataModule
@@ -38,7 +39,7 @@ from lit_grpo.rollouts.rollout import built_rollout_fn, load_rollout_factory
 from lit_grpo.run.checkpoint import CheckpointStore
 from lit_grpo.run.loggers import finish_runs
 from lit_grpo.run.state import RunCheckpointer
-from lit_grpo.samplers import build_sampler
+from lit_grpo.samplers import StartingWeights, build_sampler
 from lit_grpo.tasks import RewardFn, evaluation_rows, reward_fn, training_rows
 from lit_grpo.types import RolloutSetup
 
@@ -83,9 +84,8 @@ def build_datamodule(
             sampler_cfg = dataclasses.replace(c.sampler, server_urls=list(c.sampler.server_urls[rank::world_size]))
     sampler = build_sampler(
         sampler_cfg,
-        policy,
+        starting_weights(policy, tokenizer, c.model),
         tokenizer,
-        model=c.model,
         work_dir=work_dir,
         seed=c.seed + RANK_SEED_STRIDE * rank,
         share_weights=c.sampler_shares_policy_weights,
@@ -129,6 +129,27 @@ def build_datamodule(
     )
     datamodule.reward_scorer = scorer  # what the step sequence counts the reward's timeouts from
     return datamodule
+
+
+def starting_weights(policy, tokenizer, model: Optional[ModelConfig] = None) -> StartingWeights:
+    """What a sampler's builder reads of the policy it starts from (`StartingWeights`): the
+    policy, where it was loaded from (`model`: its config; None, or a model built here: nowhere),
+    and its weights, full, base or adapter, or written as a Hugging Face folder."""
+    lora = is_lora(policy)
+
+    def write_folder(out_dir: Path, tensors) -> Path:
+        saved = policy.get_base_model() if lora else policy
+        return save_pretrained(saved, tokenizer, out_dir, state_dict=None if tensors is None else dict(tensors))
+
+    return StartingWeights(
+        policy=policy,
+        loaded_from=model.name_or_path if model is not None and model.kind == "hf" else None,
+        lora_rank=adapter_config(policy).r if lora else 0,
+        full_tensors=lambda: full_named_tensors(policy),
+        base_tensors=lambda: base_tensors(policy.state_dict().items()),
+        adapter=lambda: (adapter_tensors(policy.state_dict().items()), adapter_config(policy)),
+        write_folder=write_folder,
+    )
 
 
 def run_advantage(c: TrainConfig) -> Advantage:

@@ -13,6 +13,7 @@ Lightning re-runs this script for rank 1.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -101,7 +102,7 @@ class Probe(L.Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         step = pl_module.rollout_step  # (with `dataloader_iter`, batch_idx lags the steps)
         if step < len(NORMALIZATIONS):
-            pl_module.config.policy_loss.loss_normalization = NORMALIZATIONS[step]
+            pl_module.loss_settings = dataclasses.replace(pl_module.loss_settings, normalization=NORMALIZATIONS[step])
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         if self.train:

@@ -14,6 +14,7 @@ from omegaconf import OmegaConf
 from torch.testing import assert_close
 
 import lit_grpo.advantages.registry as advantages_module
+from lit_grpo.advantages.estimators import group_advantages, ragged_group_advantages
 from lit_grpo.advantages.registry import (
     ADVANTAGES,
     advantage_defaults,
@@ -21,9 +22,7 @@ from lit_grpo.advantages.registry import (
     compute,
     compute_batch,
     get_advantage,
-    group_advantages,
     make_advantage,
-    ragged_group_advantages,
 )
 from lit_grpo.callbacks.reward_filter import UniformRewardFilter, has_reward_variance
 from lit_grpo.config import ConfigError

@@ -12,7 +12,7 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 from torch.testing import assert_close
 
-import lit_grpo.maths.losses
+import lit_grpo.maths.loss_registry
 import lit_grpo.samplers
 import lit_grpo.tasks.registry
 from lit_grpo.config import ConfigError, TrainConfig, ineffective_knobs
@@ -172,8 +172,8 @@ def test_validation_happens_before_any_model_is_loaded(tmp_path, monkeypatch):
 def isolated_losses(monkeypatch):
     """The loss registry without `user_losses`' entries (another test may have imported it), restored
     after the test, with `user_losses` not yet imported."""
-    registry = {k: v for k, v in lit_grpo.maths.losses.POLICY_LOSSES.items() if v.fn.__module__ != "user_losses"}
-    monkeypatch.setattr(lit_grpo.maths.losses, "POLICY_LOSSES", registry)
+    registry = {k: v for k, v in lit_grpo.maths.loss_registry.POLICY_LOSSES.items() if v.fn.__module__ != "user_losses"}
+    monkeypatch.setattr(lit_grpo.maths.loss_registry, "POLICY_LOSSES", registry)
     monkeypatch.delitem(sys.modules, "user_losses", raising=False)
     yield
     sys.modules.pop("user_losses", None)  # its import registered into the registry just dropped
@@ -282,7 +282,7 @@ def test_a_user_task_is_a_registry_entry_with_its_own_options(tmp_path, monkeypa
 
 def test_sampler_kinds_come_from_the_registry(tmp_path, monkeypatch):
     monkeypatch.setattr(lit_grpo.samplers, "SAMPLERS", dict(lit_grpo.samplers.SAMPLERS))
-    lit_grpo.samplers.register_sampler("scripted")(lambda cfg, policy, tokenizer, **kw: None)
+    lit_grpo.samplers.register_sampler("scripted")(lambda cfg, weights, tokenizer, **kw: None)
     assert validate(compose_config("sampler.kind=scripted", output_dir=tmp_path)).sampler.kind == "scripted"
     with pytest.raises(ConfigError, match=r"sampler\.kind.*valid: hf, scripted, vllm"):
         validate(compose_config("sampler.kind=vlm", output_dir=tmp_path))

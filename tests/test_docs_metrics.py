@@ -6,7 +6,7 @@ comments of `lit_grpo/`: in a code span, anything shaped like a metric (`rollout
 under. What the code logs is read from its source, statically:
 
 - a string literal shaped like a metric (not a docstring) is logged as it is, except in
-  `lit_grpo/maths/`, whose pure functions hand their dicts to the loop: `lit_grpo/loop/module.py`
+  `lit_grpo/maths/`, whose pure functions hand their dicts to the loop: `lit_grpo/loop/optimizer_step.py`
   logs the loss's and the drift terms' keys as `f"train/{key}"`; a maths key is logged as it is
   only under a namespace the rest of the code logs under too (the rollout health, which
   `lit_grpo/rollouts/pipeline.py` logs as it is);
@@ -147,7 +147,7 @@ def _episode_limits() -> set[str]:
 
 
 FAMILIES = (
-    Family("train/{}", "lit_grpo/loop/module.py", _loss_keys),  # the loss's metrics and the drift terms
+    Family("train/{}", "lit_grpo/loop/optimizer_step.py", _loss_keys),  # the loss's metrics and the drift terms
     Family("reward/{}", "lit_grpo/rewards/combine.py", None),  # a list `reward.fn`'s components, by name
     Family("reward/{}", "lit_grpo/build.py", None),
     Family("rollout/dropped_{}", "lit_grpo/rollouts/pipeline.py", _drop_reasons),

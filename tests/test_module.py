@@ -11,7 +11,7 @@ from lit_grpo.build import build_run
 from lit_grpo.loop.module import token_logprobs
 from lit_grpo.maths.logprobs import first_scored_prediction
 from lit_grpo.maths.loss_terms import LOSS_NORMALIZATIONS
-from lit_grpo.maths.losses import policy_loss
+from lit_grpo.maths.losses import policy_loss_with
 from lit_grpo.run.validate import validate
 
 
@@ -111,10 +111,10 @@ def test_ppo_minibatches_make_k_optimizer_steps(tmp_path):
     trainer, module, datamodule = _build(tmp_path, "ppo_n_minibatches=4", "~callbacks.reward_filter")
     trainer.fit(module, datamodule=datamodule)
     # Each minibatch is one optimizer step: taken (Lightning counts it), or skipped for want of signal
-    # (a minibatch whose groups' rewards are all equal, no filter here); the schedule counts both.
+    # (a minibatch whose groups' rewards are all equal, no filter here); the schedule counts the taken ones.
     (step,) = module.step_sequence.history.steps
     assert trainer.global_step + step["train/skipped_no_signal"] == 4
-    assert module.lr_schedulers().last_epoch == 4
+    assert module.lr_schedulers().last_epoch == trainer.global_step
 
 
 def test_ppo_old_logprobs_are_the_policy_before_the_first_minibatch(tmp_path, monkeypatch):
@@ -125,16 +125,16 @@ def test_ppo_old_logprobs_are_the_policy_before_the_first_minibatch(tmp_path, mo
 
     calls, forwards = [], []
 
-    def recording_loss(name, **kwargs):
+    def recording_loss(settings, **kwargs):
         calls.append({k: kwargs[k].detach().clone() for k in ("logprobs", "old_logprobs", "sampler_logprobs", "mask")})
-        return policy_loss(name, **kwargs)
+        return policy_loss_with(settings, **kwargs)
 
     def recording_logprobs(model, tokens, attention, temperature, first_scored=0, **kwargs):
         if torch.is_grad_enabled():  # the training forwards, one per minibatch here (no micro-batches)
             forwards.append((tokens.clone(), attention.clone()))
         return token_logprobs(model, tokens, attention, temperature, first_scored, **kwargs)
 
-    monkeypatch.setattr(module_py, "policy_loss", recording_loss)
+    monkeypatch.setattr(module_py, "policy_loss_with", recording_loss)
     monkeypatch.setattr(module_py, "token_logprobs", recording_logprobs)
     trainer, module, datamodule = _build(
         tmp_path, "ppo_n_minibatches=2", "~callbacks.reward_filter", "policy_loss.kl_beta=0", "micro_batch_size=0"

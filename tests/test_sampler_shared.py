@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import compose_config
 
-from lit_grpo.build import build_datamodule, fit
+from lit_grpo.build import build_datamodule, fit, starting_weights
 from lit_grpo.config import ConfigError
 from lit_grpo.loop.module import token_logprobs
 from lit_grpo.rollouts import GroupSampler, OffPolicyScheduler, RowCursor
@@ -196,7 +196,7 @@ def test_the_knob_is_checked_and_other_kinds_never_share(tiny_model, tokenizer):
     c = validate(compose_config("+experiment=arithmetic", "sampler=vllm", "model.num_heads=2"))
     assert not c.sampler_shares_policy_weights and "sampler.kind=vllm" in c.why_the_sampler_copies_the_policy()
     with pytest.raises(ValueError, match="only the hf sampler"):
-        build_sampler(c.sampler, tiny_model, tokenizer, share_weights=True)
+        build_sampler(c.sampler, starting_weights(tiny_model, tokenizer), tokenizer, share_weights=True)
 
 
 @pytest.mark.timeout(60)

@@ -1,6 +1,7 @@
 """An optimizer step with nothing to learn (no trained token with a non-zero advantage) is skipped:
 the weights and the optimizer's state stay bit-identical, `train/skipped_no_signal` counts it, and
-the first is said once; a step with a single non-zero advantage still moves. The PPO inner loop
+the first is said once; a step with a single non-zero advantage still moves. The learning-rate
+schedule counts the updates made: a skipped step leaves it where it was. The PPO inner loop
 decides per optimizer step; per-token advantages (IGPO's) are read where they are trained. The
 2-rank decision (every rank steps or skips together) is in tests/test_ddp.py."""
 
@@ -106,7 +107,7 @@ def test_a_step_without_signal_leaves_weights_and_optimizer_state_bit_identical(
     assert not _same_weights(w[3], w[4]) and not _same_optimizer_state(opt[3], opt[4])  # one advantage moves it
     assert [m["train/skipped_no_signal"] for m in snapshots.metrics] == [1.0, 0.0, 1.0, 0.0]
     assert [m["train/skipped_nonfinite"] for m in snapshots.metrics] == [0.0] * 4
-    assert snapshots.lr_steps == [0, 1, 2, 3, 4]  # the schedule counts every optimizer step, as for a non-finite one
+    assert snapshots.lr_steps == [0, 0, 1, 1, 2]  # the schedule counts the updates made: a skip leaves it
     said = [r.getMessage() for r in caplog.records if "skipped_no_signal" in r.getMessage()]
     assert len(said) == 1 and said[0].startswith("step 1: no trained token carries a non-zero advantage on any rank")
 
@@ -120,7 +121,7 @@ def test_ppo_minibatches_skip_only_the_optimizer_steps_without_signal(tmp_path):
     (state,) = {int(s["step"]) for s in snapshots.optimizer[1]["state"].values()}
     assert state == 1  # one Adam step: the second minibatch's
     assert snapshots.metrics[0]["train/skipped_no_signal"] == 1.0  # a count over the minibatches
-    assert snapshots.lr_steps == [0, 2]
+    assert snapshots.lr_steps == [0, 1]  # the skipped minibatch did not advance it
 
 
 @pytest.mark.timeout(300)

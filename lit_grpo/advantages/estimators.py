@@ -1,35 +1,84 @@
-"""The advantage estimators beyond GRPO's, as pure float64 tensor functions (registered by
-`lit_grpo.advantages.registry`), and the one test of a uniform group that every part of the package
-shares (`rewards_uniform`).
+"""The advantage estimators that score a group's samples one reward each, as pure float64 tensor
+functions, each registered here with its defaults (`lit_grpo.advantages.registry`).
 
-Per group (`rewards_G` [G] -> [G]): `rloo_advantages`, `passk_advantages`, `gdpo_advantages`
+Per group (`rewards_G` [G] -> [G]): `grpo_advantages` and `dr_grpo_advantages` (the group-relative
+maths of `group_advantages`), `rloo_advantages`, `passk_advantages`, `gdpo_advantages`
 (`rewards_GR` [G, R] -> [G]). Per batch (`rewards_P`, the step's groups, each [G_p], -> one [G_p]
-each): `batch_std_advantages`, `reinforce_pp_advantages`.
+each): `batch_std_advantages`, `reinforce_pp_advantages`. IGPO's turn-level credit is
+`lit_grpo.advantages.igpo`.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Optional
 
 import torch
 
-UNIFORM_TOLERANCE = 1e-6
-"""A group whose reward spread (max - min) is below this is uniform: no learning signal."""
+from lit_grpo.advantages.registry import positive, positive_int, register_advantage, rewards_uniform, uniform_rows
+
+_STD_FLOOR = 1e-8
+ADVANTAGE_SCALES = ("std", "none")
+"""`group_advantages`' scales: `std` is the `grpo` entry, `none` the `dr_grpo` entry."""
 
 
-def rewards_uniform(rewards: Iterable[float], tolerance: float = UNIFORM_TOLERANCE) -> bool:
-    """True when the spread (max - min) of `rewards` is below `tolerance` (1.0 and 0.99999994, a
-    float32 rounding apart, are one reward), so every group-relative advantage of them is zero."""
-    values = [float(r) for r in rewards]
-    return not values or max(values) - min(values) < tolerance
+# ---------------------------------------------------------------------------------- group-relative maths
 
 
-def uniform_rows(rewards_PG: torch.Tensor, tolerance: float = UNIFORM_TOLERANCE) -> torch.Tensor:
-    """[P, G] -> [P, 1]: which groups are uniform (`rewards_uniform`)."""
-    spread_P1 = rewards_PG.amax(dim=-1, keepdim=True) - rewards_PG.amin(dim=-1, keepdim=True)
-    return spread_P1 < tolerance
+def group_advantages(rewards_PG: torch.Tensor, scale: str = "std", eps: float = _STD_FLOOR) -> torch.Tensor:
+    """Advantages of P groups of G rewards each.
+
+    `std`: A = (r - mean) / (std + eps), with std the unbiased (n - 1) standard deviation of the
+    group; `none`: A = r - mean. A uniform group (reward spread below `UNIFORM_TOLERANCE`, 1e-6:
+    the reward filter's test) or one whose std is below `eps` (default 1e-8) gets zeros.
+    Shape: [P, G] -> [P, G], float32.
+    """
+    if scale not in ADVANTAGE_SCALES:
+        raise ValueError(f"unknown advantage scale {scale!r}; valid: {', '.join(ADVANTAGE_SCALES)}")
+    if rewards_PG.ndim != 2 or rewards_PG.shape[1] < 2:
+        raise ValueError(f"need rewards of shape [P, G] with G >= 2, got {tuple(rewards_PG.shape)}")
+    rewards_PG = rewards_PG.to(torch.float64)
+    centred_PG = rewards_PG - rewards_PG.mean(dim=1, keepdim=True)
+    # The std of the centred rewards divided by their largest magnitude, scaled back: squares of
+    # rewards near 1e200 would overflow float64.
+    magnitude_P1 = centred_PG.abs().amax(dim=1, keepdim=True)
+    magnitude_P1 = torch.where(magnitude_P1 > 0, magnitude_P1, torch.ones_like(magnitude_P1))
+    std_P1 = (centred_PG / magnitude_P1).std(dim=1, unbiased=True, keepdim=True) * magnitude_P1
+    uniform_P1 = (std_P1 < eps) | uniform_rows(rewards_PG)
+    if scale == "std":
+        centred_PG = centred_PG / (std_P1 + eps)
+    return torch.where(uniform_P1, torch.zeros_like(centred_PG), centred_PG).float()
+
+
+def ragged_group_advantages(rewards: list[list[float]], scale: str = "std") -> list[list[float]]:
+    """`group_advantages` for groups of different sizes (samples dropped by the rollout), one call
+    per distinct size."""
+    by_size: dict[int, list[int]] = {}
+    for i, group in enumerate(rewards):
+        by_size.setdefault(len(group), []).append(i)
+    out: list[list[float]] = [[] for _ in rewards]
+    for indices in by_size.values():
+        advantages = group_advantages(torch.tensor([rewards[i] for i in indices], dtype=torch.float64), scale).tolist()
+        for i, row in zip(indices, advantages):
+            out[i] = row
+    return out
+
+
+@register_advantage("grpo", checks={"eps": positive}, eps=_STD_FLOOR)
+def grpo_advantages(rewards_G: torch.Tensor, *, eps: float) -> torch.Tensor:
+    """A = (r - mean) / (std + eps), std the group's unbiased (n - 1) standard deviation; a group
+    whose std is below eps (default 1e-8: equal rewards) gets zeros (`group_advantages`, `std`)."""
+    return group_advantages(rewards_G[None], "std", eps)[0]
+
+
+@register_advantage("dr_grpo")
+def dr_grpo_advantages(rewards_G: torch.Tensor) -> torch.Tensor:
+    """Dr. GRPO: A = r - mean, no scaling; a group whose std is below 1e-8 gets zeros (`group_advantages`, `none`)."""
+    return group_advantages(rewards_G[None], "none")[0]
+
+
+# ---------------------------------------------------------------------------------- beyond GRPO
 
 
 def _need_two(rewards_G: torch.Tensor, name: str) -> None:
@@ -46,6 +95,7 @@ def _scaled_std(values: torch.Tensor) -> torch.Tensor:
     return (values / magnitude).std(unbiased=True) * magnitude
 
 
+@register_advantage("rloo")
 def rloo_advantages(rewards_G: torch.Tensor) -> torch.Tensor:
     """REINFORCE Leave-One-Out: A_i = r_i - mean_{j != i} r_j = G / (G - 1) · (r_i - mean).
     Ahmadian et al. 2024, "Back to Basics: Revisiting REINFORCE Style Optimization for Learning from
@@ -72,6 +122,7 @@ def _divided(centred_P: list[torch.Tensor], std: torch.Tensor, eps: float) -> li
     return [c / (std + eps) for c in centred_P]
 
 
+@register_advantage("batch_std", batch=True, checks={"eps": positive}, eps=_STD_FLOOR)
 def batch_std_advantages(rewards_P: Sequence[torch.Tensor], eps: float) -> list[torch.Tensor]:
     """Group mean, batch std: A = (r - mean_group) / (std_batch(r) + eps), std_batch the unbiased
     std of every reward of the step's groups (LitePPO, Liu et al. 2025 "Part I: Tricks or Traps? A
@@ -83,6 +134,7 @@ def batch_std_advantages(rewards_P: Sequence[torch.Tensor], eps: float) -> list[
     return _divided(centred, _scaled_std(torch.cat(list(rewards_P))), eps)
 
 
+@register_advantage("reinforce_pp", batch=True, checks={"eps": positive}, eps=_STD_FLOOR)
 def reinforce_pp_advantages(rewards_P: Sequence[torch.Tensor], eps: float) -> list[torch.Tensor]:
     """REINFORCE++-baseline (Hu et al. 2025, "REINFORCE++"; OpenRLHF `reinforce_baseline`, verl
     `reinforce_plus_plus_baseline`): c = r - mean_group, then c whitened over the batch,
@@ -96,6 +148,7 @@ def reinforce_pp_advantages(rewards_P: Sequence[torch.Tensor], eps: float) -> li
     return _divided(centred, _scaled_std(torch.cat(centred)), eps)
 
 
+@register_advantage("passk", binary_rewards=True, checks={"k": positive_int}, k=4)
 def passk_advantages(rewards_G: torch.Tensor, k: int) -> torch.Tensor:
     """Pass@k advantages, analytic, for binary rewards (Chen et al. 2025, "Pass@k Training for
     Adaptively Balancing Exploration and Exploitation of Large Reasoning Models", its analytic
@@ -129,6 +182,7 @@ def _z_scored(values_G: torch.Tensor, eps: float) -> torch.Tensor:
     return centred / (_scaled_std(centred) + eps)
 
 
+@register_advantage("gdpo", components=True, checks={"eps": positive}, weights=None, eps=_STD_FLOOR)
 def gdpo_advantages(rewards_GR: torch.Tensor, weights: Optional[Sequence[float]], eps: float) -> torch.Tensor:
     """GDPO (Liu et al. 2026, NVIDIA, "GDPO: Group reward-Decoupled Normalization Policy
     Optimization for Multi-reward RL Optimization"): each of the R reward components z-scored

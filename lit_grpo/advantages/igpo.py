@@ -19,6 +19,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Optional
 
+from lit_grpo.advantages.registry import Runs, positive, register_advantage
 from lit_grpo.types import RolloutSample
 
 DEFAULT_GAMMA = 0.95
@@ -27,7 +28,7 @@ DEFAULT_GAMMA = 0.95
 
 @dataclass(frozen=True)
 class IGPOSettings:
-    """How a group's turn rewards become advantages (`advantage=igpo`, `lit_grpo.advantages.registry`)."""
+    """How a group's turn rewards become advantages (`advantage=igpo`, registered at the end of this module)."""
 
     gamma: float = DEFAULT_GAMMA
     """Discount of the return over later turns."""
@@ -231,3 +232,33 @@ def turn_metric_values(runs: Iterable[list[RolloutSample]]) -> dict[str, list[fl
         for t, gain in enumerate(gains):
             values.setdefault(f"igpo/ig_turn_{t}", []).append(gain)
     return values
+
+
+# ---------------------------------------------------------------------------------- the registry entry
+
+
+def _igpo_settings(gamma: float, skip_last_ig: bool, eps: float) -> IGPOSettings:
+    return IGPOSettings(gamma=float(gamma), eps=float(eps), skip_last_ig=bool(skip_last_ig))
+
+
+def _igpo_signal(runs: Runs, *, gamma: float, skip_last_ig: bool, eps: float) -> bool:
+    return has_turn_signal(runs, _igpo_settings(gamma, skip_last_ig, eps))
+
+
+@register_advantage(
+    "igpo",
+    per_token=True,
+    needs_turns=True,
+    group_signal=_igpo_signal,
+    checks={"gamma": lambda g: None if 0.0 <= g <= 1.0 else f"must be in [0, 1], got {g}", "eps": positive},
+    gamma=DEFAULT_GAMMA,
+    skip_last_ig=False,
+    eps=1e-6,
+)
+def igpo_advantages(runs: Runs, *, gamma: float, skip_last_ig: bool, eps: float) -> list[list[float]]:
+    """IGPO's turn credit (`lit_grpo.advantages.igpo.group_token_advantages`): the group's information
+    gains (each segment's `turn_rewards`) and its outcomes (the runs' rewards) z-normalized apart
+    (population std, zeros below eps), combined per turn, discounted backwards by gamma over each
+    run's turns (across its segments), each turn's return on its `turn_spans` tokens. `skip_last_ig`:
+    each run's last turn carries the outcome only."""
+    return group_token_advantages([list(run) for run in runs], _igpo_settings(gamma, skip_last_ig, eps))

@@ -1,8 +1,9 @@
 """Advantages: a registry of estimators, each turning one prompt group's rewards into advantages.
 
-An entry is registered by name with its default hyper-parameters (`register_advantage`); a user's
-module registers its own and the config names it `module.path:name` (`advantage.name`), which
-imports the module first. An entry works at one of three levels:
+An entry is registered by name with its default hyper-parameters (`register_advantage`), in the
+module that defines it (the built-ins: `lit_grpo.advantages.estimators` and `.igpo`, imported with
+the package); a user's module registers its own and the config names it `module.path:name`
+(`advantage.name`), which imports the module first. An entry works at one of three levels:
 
 - per sequence (the default): `fn(rewards_G, **params) -> advantages_G`, `rewards_G` a float64
   tensor of the group's G run rewards. A `RolloutRun`'s segments share their run's reward, so
@@ -17,41 +18,25 @@ imports the module first. An entry works at one of three levels:
 An entry may register `group_signal(runs, **params) -> bool`: whether a group carries a learning
 signal under it even when all its rewards are equal (IGPO: its turns' information gains differ);
 without one, a group carries a signal when its reward spread reaches `UNIFORM_TOLERANCE`
-(`Advantage.group_signal`, `rewards_uniform`).
-
-Built-ins: `grpo` (r - mean) / (std + eps), `dr_grpo` r - mean (Dr. GRPO), `rloo`, `batch_std`,
-`reinforce_pp`, `passk`, `gdpo` (reward components `[G, R]`, `components=True`),
-`igpo` (IGPO's turn credit, `lit_grpo.advantages.igpo`); the maths of the newer ones is in
-`lit_grpo.advantages.estimators`. For scalar rewards: `compute("grpo", rewards_G) -> advantages_G`.
+(`Advantage.group_signal`, `rewards_uniform`, the one test of a uniform group the package shares).
+For scalar rewards: `compute("grpo", rewards_G) -> advantages_G`.
 """
 
 from __future__ import annotations
 
 import inspect
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
 
-from lit_grpo.advantages.estimators import (
-    UNIFORM_TOLERANCE,
-    batch_std_advantages,
-    gdpo_advantages,
-    passk_advantages,
-    reinforce_pp_advantages,
-    rewards_uniform,
-    rloo_advantages,
-    uniform_rows,
-)
-from lit_grpo.advantages.igpo import DEFAULT_GAMMA, IGPOSettings, group_token_advantages, has_turn_signal
 from lit_grpo.registry import lookup
 from lit_grpo.types import RolloutSample
 
 __all__ = [
     "ADVANTAGES",
-    "ADVANTAGE_SCALES",
     "UNIFORM_TOLERANCE",
     "Advantage",
     "AdvantageSpec",
@@ -62,16 +47,10 @@ __all__ = [
     "compute",
     "compute_batch",
     "get_advantage",
-    "group_advantages",
     "make_advantage",
-    "ragged_group_advantages",
     "register_advantage",
     "rewards_uniform",
 ]
-
-_STD_FLOOR = 1e-8
-ADVANTAGE_SCALES = ("std", "none")
-"""`group_advantages`' scales: `std` is the `grpo` entry, `none` the `dr_grpo` entry."""
 
 Runs = Sequence[Sequence[RolloutSample]]
 """One group's runs, each the `RolloutSample` segments of one rollout call (a lone sample: one segment)."""
@@ -79,46 +58,35 @@ ParamCheck = Callable[[Any], Optional[str]]
 """A hyper-parameter's bound: None when the value is fine, else why not."""
 
 
-# ---------------------------------------------------------------------------------- group-relative maths
+def positive(value: Any) -> Optional[str]:
+    """A `ParamCheck`: the value is > 0."""
+    return None if value > 0 else f"must be > 0, got {value}"
 
 
-def group_advantages(rewards_PG: torch.Tensor, scale: str = "std", eps: float = _STD_FLOOR) -> torch.Tensor:
-    """Advantages of P groups of G rewards each.
-
-    `std`: A = (r - mean) / (std + eps), with std the unbiased (n - 1) standard deviation of the
-    group; `none`: A = r - mean. A uniform group (reward spread below `UNIFORM_TOLERANCE`, 1e-6:
-    the reward filter's test) or one whose std is below `eps` (default 1e-8) gets zeros.
-    Shape: [P, G] -> [P, G], float32.
-    """
-    if scale not in ADVANTAGE_SCALES:
-        raise ValueError(f"unknown advantage scale {scale!r}; valid: {', '.join(ADVANTAGE_SCALES)}")
-    if rewards_PG.ndim != 2 or rewards_PG.shape[1] < 2:
-        raise ValueError(f"need rewards of shape [P, G] with G >= 2, got {tuple(rewards_PG.shape)}")
-    rewards_PG = rewards_PG.to(torch.float64)
-    centred_PG = rewards_PG - rewards_PG.mean(dim=1, keepdim=True)
-    # The std of the centred rewards divided by their largest magnitude, scaled back: squares of
-    # rewards near 1e200 would overflow float64.
-    magnitude_P1 = centred_PG.abs().amax(dim=1, keepdim=True)
-    magnitude_P1 = torch.where(magnitude_P1 > 0, magnitude_P1, torch.ones_like(magnitude_P1))
-    std_P1 = (centred_PG / magnitude_P1).std(dim=1, unbiased=True, keepdim=True) * magnitude_P1
-    uniform_P1 = (std_P1 < eps) | uniform_rows(rewards_PG)
-    if scale == "std":
-        centred_PG = centred_PG / (std_P1 + eps)
-    return torch.where(uniform_P1, torch.zeros_like(centred_PG), centred_PG).float()
+def positive_int(value: Any) -> Optional[str]:
+    """A `ParamCheck`: the value is an integer >= 1 (not a bool)."""
+    ok = isinstance(value, int) and not isinstance(value, bool) and value >= 1
+    return None if ok else f"must be an integer >= 1, got {value!r}"
 
 
-def ragged_group_advantages(rewards: list[list[float]], scale: str = "std") -> list[list[float]]:
-    """`group_advantages` for groups of different sizes (samples dropped by the rollout), one call
-    per distinct size."""
-    by_size: dict[int, list[int]] = {}
-    for i, group in enumerate(rewards):
-        by_size.setdefault(len(group), []).append(i)
-    out: list[list[float]] = [[] for _ in rewards]
-    for indices in by_size.values():
-        advantages = group_advantages(torch.tensor([rewards[i] for i in indices], dtype=torch.float64), scale).tolist()
-        for i, row in zip(indices, advantages):
-            out[i] = row
-    return out
+# ---------------------------------------------------------------------------------- a uniform group
+
+
+UNIFORM_TOLERANCE = 1e-6
+"""A group whose reward spread (max - min) is below this is uniform: no learning signal."""
+
+
+def rewards_uniform(rewards: Iterable[float], tolerance: float = UNIFORM_TOLERANCE) -> bool:
+    """True when the spread (max - min) of `rewards` is below `tolerance` (1.0 and 0.99999994, a
+    float32 rounding apart, are one reward), so every group-relative advantage of them is zero."""
+    values = [float(r) for r in rewards]
+    return not values or max(values) - min(values) < tolerance
+
+
+def uniform_rows(rewards_PG: torch.Tensor, tolerance: float = UNIFORM_TOLERANCE) -> torch.Tensor:
+    """[P, G] -> [P, 1]: which groups are uniform (`rewards_uniform`)."""
+    spread_P1 = rewards_PG.amax(dim=-1, keepdim=True) - rewards_PG.amin(dim=-1, keepdim=True)
+    return spread_P1 < tolerance
 
 
 # ---------------------------------------------------------------------------------- the registry
@@ -333,63 +301,3 @@ def compute_batch(name: str, rewards_PG: Sequence[Sequence[float]], **params: An
     advantage = _not_per_token(make_advantage(name, params))
     rewards = [g.tolist() if isinstance(g, torch.Tensor) else list(g) for g in rewards_PG]
     return [torch.tensor(a, dtype=torch.float32) for a in advantage.batch_advantages(rewards)]
-
-
-# ---------------------------------------------------------------------------------- built-ins
-
-
-def _positive(value: Any) -> Optional[str]:
-    return None if value > 0 else f"must be > 0, got {value}"
-
-
-@register_advantage("grpo", checks={"eps": _positive}, eps=_STD_FLOOR)
-def grpo_advantages(rewards_G: torch.Tensor, *, eps: float) -> torch.Tensor:
-    """A = (r - mean) / (std + eps), std the group's unbiased (n - 1) standard deviation; a group
-    whose std is below eps (default 1e-8: equal rewards) gets zeros (`group_advantages`, `std`)."""
-    return group_advantages(rewards_G[None], "std", eps)[0]
-
-
-def _positive_int(value: Any) -> Optional[str]:
-    ok = isinstance(value, int) and not isinstance(value, bool) and value >= 1
-    return None if ok else f"must be an integer >= 1, got {value!r}"
-
-
-_positive_eps = {"eps": _positive}
-register_advantage("rloo")(rloo_advantages)
-register_advantage("batch_std", batch=True, checks=_positive_eps, eps=_STD_FLOOR)(batch_std_advantages)
-register_advantage("reinforce_pp", batch=True, checks=_positive_eps, eps=_STD_FLOOR)(reinforce_pp_advantages)
-register_advantage("passk", binary_rewards=True, checks={"k": _positive_int}, k=4)(passk_advantages)
-register_advantage("gdpo", components=True, checks=_positive_eps, weights=None, eps=_STD_FLOOR)(gdpo_advantages)
-
-
-@register_advantage("dr_grpo")
-def dr_grpo_advantages(rewards_G: torch.Tensor) -> torch.Tensor:
-    """Dr. GRPO: A = r - mean, no scaling; a group whose std is below 1e-8 gets zeros (`group_advantages`, `none`)."""
-    return group_advantages(rewards_G[None], "none")[0]
-
-
-def _igpo_settings(gamma: float, skip_last_ig: bool, eps: float) -> IGPOSettings:
-    return IGPOSettings(gamma=float(gamma), eps=float(eps), skip_last_ig=bool(skip_last_ig))
-
-
-def _igpo_signal(runs: Runs, *, gamma: float, skip_last_ig: bool, eps: float) -> bool:
-    return has_turn_signal(runs, _igpo_settings(gamma, skip_last_ig, eps))
-
-
-@register_advantage(
-    "igpo",
-    per_token=True,
-    needs_turns=True,
-    group_signal=_igpo_signal,
-    checks={"gamma": lambda g: None if 0.0 <= g <= 1.0 else f"must be in [0, 1], got {g}", "eps": _positive},
-    gamma=DEFAULT_GAMMA,
-    skip_last_ig=False,
-    eps=1e-6,
-)
-def igpo_advantages(runs: Runs, *, gamma: float, skip_last_ig: bool, eps: float) -> list[list[float]]:
-    """IGPO's turn credit (`lit_grpo.advantages.igpo.group_token_advantages`): the group's information
-    gains (each segment's `turn_rewards`) and its outcomes (the runs' rewards) z-normalized apart
-    (population std, zeros below eps), combined per turn, discounted backwards by gamma over each
-    run's turns (across its segments), each turn's return on its `turn_spans` tokens. `skip_last_ig`:
-    each run's last turn carries the outcome only."""
-    return group_token_advantages([list(run) for run in runs], _igpo_settings(gamma, skip_last_ig, eps))

@@ -1,6 +1,8 @@
 """The training loop: the Lightning module and everything that happens at the end of its step.
 
 module.py          GRPOModule: policy, frozen reference, one step that reads like the maths
+optimizer_step.py  what an optimizer step reads of the config (the loss settings) and records: its
+                   normalizers and weighted metrics, and its update taken (clipped) or skipped
 micro_batches.py   which rows go through one forward: slices of the batch, or token-bounded groups
 skipped_steps.py   optimizer steps not taken (non-finite, or no learning signal), decided by all ranks together
 step_sequence.py   after each step, in a fixed order: weight sync, checkpoint, evaluation, metrics

@@ -33,17 +33,24 @@ from lit_grpo.config import TrainConfig
 from lit_grpo.errors import EnvironmentFault
 from lit_grpo.loop.distributed import all_reduce
 from lit_grpo.loop.entropy_control import EntropyControl
-from lit_grpo.loop.micro_batches import BudgetWatch, forward_counts, no_grad_logprobs, plan_forwards, with_fillers
+from lit_grpo.loop.micro_batches import (
+    BudgetWatch,
+    ForwardPlan,
+    forward_counts,
+    no_grad_logprobs,
+    plan_forwards,
+    with_fillers,
+)
 from lit_grpo.loop.optim import adamw, lr_multiplier
+from lit_grpo.loop.optimizer_step import StepTotals, StepUpdate, loss_settings, mean_over_minibatches
 from lit_grpo.loop.signals import StopRequested
-from lit_grpo.loop.skipped_steps import SKIP_METRICS, TAKEN, SkippedSteps, advance_schedule, step_verdict
 from lit_grpo.loop.step_sequence import StepResult, StepSequence
 from lit_grpo.maths.health import drift_per_token, drift_tis_cap, learning_signal
 from lit_grpo.maths.logprobs import first_scored_prediction, token_logprobs
 from lit_grpo.maths.loss_terms import masked_means
-from lit_grpo.maths.losses import policy_loss
+from lit_grpo.maths.losses import policy_loss_with
 from lit_grpo.models.lora import AdapterFreeView, is_lora, with_lora
-from lit_grpo.models.sharding import full_value, gradient_sync_off, is_fsdp2, shard_per_decoder_layer
+from lit_grpo.models.sharding import gradient_sync_off, is_fsdp2, shard_per_decoder_layer
 from lit_grpo.types import RolloutBatch
 
 
@@ -75,14 +82,14 @@ class GRPOModule(L.LightningModule):
             policy, config.model.lora, config.seed
         )  # only the adapters train when model.lora.rank > 0
         self.config = config
-        self.loss_hyperparams = config.policy_loss.hyperparams()
-        self.correction_params = config.correction.params()
-        self.drift_tis_cap = drift_tis_cap(config.correction.name, self.correction_params)
+        self.loss_settings = loss_settings(config)
+        """What the loss reads besides its tensors (the entropy coefficient moves with `entropy_control`)."""
+        self.drift_tis_cap = drift_tis_cap(self.loss_settings.correction, self.loss_settings.correction_params)
         """The cap of `train/drift/over_tis_cap_frac`: the correction's cap, else the default TIS one."""
         self.entropy_control = EntropyControl(config.entropy)
         """The entropy bonus's coefficient step by step, and the entropy alarm (the step sequence feeds it)."""
         self.reference: Optional[PreTrainedModel] = None
-        if self.loss_hyperparams.get("kl_beta", 0.0) > 0:
+        if self.loss_settings.kl_beta > 0:
             # LoRA: the base model is the policy with its adapters off, no second copy.
             self.reference = (
                 AdapterFreeView(self.policy)
@@ -95,8 +102,8 @@ class GRPOModule(L.LightningModule):
         """Rollout steps completed (each is `ppo_n_minibatches` optimizer steps)."""
         self.last_step: Optional[StepResult] = None
         """The latest step's result, for the step sequence and callbacks (histograms)."""
-        self.skipped_steps = SkippedSteps(config.max_nonfinite_steps)
-        """Optimizer steps whose update was skipped: non-finite, or without a learning signal."""
+        self.step_update = StepUpdate(config.max_nonfinite_steps, config.grad_clip_norm)
+        """The end of each optimizer step: its update taken (clipped), or skipped on every rank."""
         self.budget_watch = BudgetWatch(config.micro_batch_max_tokens, config.data.max_seq_len)
         """Micro-batches over `micro_batch_max_tokens` (a sequence longer than it), counted and said once."""
 
@@ -142,34 +149,18 @@ class GRPOModule(L.LightningModule):
         if batch is None:
             return None
         t0 = time.perf_counter()
-        temperature = self.config.sampler.temperature
-        tokens, attention = batch.tokens_BT, batch.attention_mask_BT
         mask_BT = align_to_predictions(batch.loss_mask_BT)
         sampler_logprobs_BT = align_to_predictions(batch.sampler_logprobs_BT)
         # Per-token advantages (IGPO's turn credit) shift exactly like the loss mask; else one per sequence.
         advantages = batch.advantages_B if batch.advantages_BT is None else align_to_predictions(batch.advantages_BT)
-        K = self.config.ppo_n_minibatches
-        k = min(K, fewest_sequences)  # every rank makes the same number of optimizer steps, even with a short batch
-        minibatches = even_slices(batch.num_sequences, k)
-        plan = plan_forwards(attention, minibatches, self.config.micro_batch_size, self.config.micro_batch_max_tokens)
-        if is_fsdp2(self.policy):  # each forward gathers shards from every rank: all ranks make as many
-            counts = all_reduce(torch.tensor(forward_counts(plan), device=self.device), "max")
-            plan = with_fillers(plan, counts.tolist())
+        # Every rank makes the same number of optimizer steps, even with a short batch.
+        minibatches = even_slices(batch.num_sequences, min(self.config.ppo_n_minibatches, fewest_sequences))
+        plan = self._plan(batch.attention_mask_BT, minibatches)
         ref_logprobs_BT = (
-            no_grad_logprobs(self.reference, tokens, attention, temperature, plan.no_grad, mask_BT)
-            if self.reference is not None
-            else None
+            None if self.reference is None else self._no_grad_logprobs(self.reference, batch, plan, mask_BT)
         )
         t_ref = time.perf_counter()
-        # `old` is the policy before this batch's first update; with one minibatch it equals the
-        # current policy, so the training forward itself provides it (no extra forward). Anchored on
-        # the rollout, the sampler's logprobs are `old`: no forward at all.
-        if self.config.anchor_logp == "rollout":
-            old_logprobs_BT = sampler_logprobs_BT
-        elif K > 1:
-            old_logprobs_BT = no_grad_logprobs(self.policy, tokens, attention, temperature, plan.no_grad, mask_BT)
-        else:
-            old_logprobs_BT = None
+        old_logprobs_BT = self._old_logprobs(batch, plan, mask_BT, sampler_logprobs_BT)
 
         per_minibatch = [
             self._optimizer_step(
@@ -177,11 +168,7 @@ class GRPOModule(L.LightningModule):
             )
             for rows, micros in zip(minibatches, plan.per_minibatch)
         ]
-        if len(per_minibatch) == 1:
-            metrics = per_minibatch[0]
-        else:
-            metrics = {key: sum(m[key] for m in per_minibatch) / len(per_minibatch) for key in per_minibatch[0]}
-            metrics.update({key: metrics[key] * len(per_minibatch) for key in SKIP_METRICS.values()})  # counts
+        metrics = mean_over_minibatches(per_minibatch)
         metrics["train/tokens"] = mask_BT.sum()  # this rank's loss-masked tokens: summed over ranks, the step's
         metrics.update(self.budget_watch.note(plan, self.rollout_step + 1, mask_BT.device))
         t_train = time.perf_counter()
@@ -196,11 +183,37 @@ class GRPOModule(L.LightningModule):
             timings={
                 "perf/ref_s": t_ref - t0,
                 "perf/train_s": t_train - t_ref,
-                "train_tokens": float(attention.sum()),
+                "train_tokens": float(batch.attention_mask_BT.sum()),
                 "train_token_slots": float(plan.token_slots),
             },
         )
         return {"loss": metrics["train/loss"]}
+
+    def _plan(self, attention_BT: torch.Tensor, minibatches: list[slice]) -> ForwardPlan:
+        """Which rows go through each forward; under FSDP2 every rank makes as many forwards (each
+        gathers shards from every rank), the short ones padded with fillers."""
+        plan = plan_forwards(
+            attention_BT, minibatches, self.config.micro_batch_size, self.config.micro_batch_max_tokens
+        )
+        if is_fsdp2(self.policy):
+            counts = all_reduce(torch.tensor(forward_counts(plan), device=self.device), "max")
+            plan = with_fillers(plan, counts.tolist())
+        return plan
+
+    def _no_grad_logprobs(self, model, batch: RolloutBatch, plan: ForwardPlan, mask_BT) -> torch.Tensor:
+        """`model`'s logprobs of the whole batch, without gradient. Shape: [B, T-1], like `mask_BT`."""
+        temperature = self.config.sampler.temperature
+        return no_grad_logprobs(model, batch.tokens_BT, batch.attention_mask_BT, temperature, plan.no_grad, mask_BT)
+
+    def _old_logprobs(self, batch, plan, mask_BT, sampler_logprobs_BT) -> Optional[torch.Tensor]:
+        """`old`, the policy before this batch's first update. With one minibatch it equals the current
+        policy, so the training forward itself provides it (None: no extra forward). Anchored on the
+        rollout, the sampler's logprobs are `old`: no forward at all. Shape: [B, T-1]."""
+        if self.config.anchor_logp == "rollout":
+            return sampler_logprobs_BT
+        if self.config.ppo_n_minibatches > 1:
+            return self._no_grad_logprobs(self.policy, batch, plan, mask_BT)
+        return None
 
     def _next_batch(self, dataloader_iter: Iterator) -> tuple[Optional[RolloutBatch], int]:
         """This rank's next batch and the fewest sequences any rank's batch has; (None, 0) on every
@@ -237,95 +250,47 @@ class GRPOModule(L.LightningModule):
         them). `advantages`: [B] per sequence, or [B, T-1] per token (aligned with the predictions, like `mask_BT`)."""
         optimizer = self.optimizers()
         optimizer.zero_grad()
-        world_size = self.trainer.world_size
-        # Normalizers of the whole optimizer step over every rank: W ranks' step = one step on the union.
-        counts = torch.stack([mask_BT[rows].sum(), torch.tensor(float(rows.stop - rows.start), device=mask_BT.device)])
-        num_tokens, num_sequences = all_reduce(counts)
-        num_tokens = num_tokens.clamp_min(1.0)
-        keys: list[str] = []
-        weighted_K: Optional[torch.Tensor] = (
-            None  # the metrics as one vector: one op per micro-batch, not one per metric
-        )
-        loss_sum = torch.zeros((), device=mask_BT.device)
+        totals = StepTotals(mask_BT[rows])  # the loss normalizers of the whole step, over every rank
+        settings = self.loss_settings.with_entropy_coef(self.entropy_control.coef(self.rollout_step))
         for i, micro in enumerate(micros):
-            # Cut to the micro-batch's own longest row: the columns dropped are padding, out of the loss mask.
-            tokens_BT, attention_BT = micro.tokens(batch.tokens_BT), micro.tokens(batch.attention_mask_BT)
-            micro_mask_BT = micro.predictions(mask_BT)
-            logprobs_BT, entropy_BT = token_logprobs(
-                self.policy,
-                tokens_BT,
-                attention_BT,
-                self.config.sampler.temperature,
-                first_scored=0 if micro.filler else first_scored_prediction(micro_mask_BT),
-                entropy_grad=self.config.entropy.differentiated,
-            )
             last = i == len(micros) - 1
+            micro_mask_BT = micro.predictions(mask_BT)
+            # Cut to the micro-batch's own longest row: the columns dropped are padding, out of the loss mask.
+            logprobs_BT, entropy_BT = token_logprobs(
+                self.policy, micro.tokens(batch.tokens_BT), micro.tokens(batch.attention_mask_BT),
+                self.config.sampler.temperature, entropy_grad=self.config.entropy.differentiated,
+                first_scored=0 if micro.filler else first_scored_prediction(micro_mask_BT),
+            )  # fmt: skip
             if micro.filler:  # a zero gradient, for the sharded model's collectives only
-                with contextlib.nullcontext() if last else self._no_gradient_sync():
-                    self.manual_backward(logprobs_BT.sum() * 0.0)
+                self._backward(logprobs_BT.sum() * 0.0, last)
                 continue
             # What the ratio is anchored on: the trainer's logprobs before this step's update, or the sampler's.
             anchor_BT = micro.predictions(old_logprobs_BT) if old_logprobs_BT is not None else logprobs_BT.detach()
+            micro_sampler_BT = micro.predictions(sampler_logprobs_BT)
+            loss, metrics = policy_loss_with(
+                settings, logprobs=logprobs_BT, old_logprobs=anchor_BT, sampler_logprobs=micro_sampler_BT,
+                ref_logprobs=None if ref_logprobs_BT is None else micro.predictions(ref_logprobs_BT),
+                advantages=micro.predictions(advantages), mask=micro_mask_BT, entropy=entropy_BT,
+                num_tokens=totals.num_tokens, num_sequences=totals.num_sequences,
+            )  # fmt: skip
+            # DDP averages gradients over ranks; the loss is already a share of the global sum.
+            self._backward(loss * self.trainer.world_size, last)
             # The drift is always the trainer's against the sampler's (anchored on the rollout, the current policy's).
             trainer_old_BT = logprobs_BT.detach() if self.config.anchor_logp == "rollout" else anchor_BT
-            micro_sampler_BT = micro.predictions(sampler_logprobs_BT)
-            loss, metrics = policy_loss(
-                self.config.policy_loss.name,
-                logprobs=logprobs_BT,
-                old_logprobs=anchor_BT,
-                sampler_logprobs=micro_sampler_BT,
-                ref_logprobs=micro.predictions(ref_logprobs_BT) if ref_logprobs_BT is not None else None,
-                advantages=micro.predictions(advantages),
-                mask=micro_mask_BT,
-                normalization=self.config.policy_loss.loss_normalization,
-                num_tokens=num_tokens,
-                num_sequences=num_sequences,
-                correction=self.config.correction.name,
-                correction_params=self.correction_params,
-                off_policy_delta=self.config.correction.off_policy_delta,
-                entropy=entropy_BT,
-                entropy_coef=self.entropy_control.coef(self.rollout_step),
-                top_entropy_quantile=self.config.entropy.top_quantile,
-                **self.loss_hyperparams,
-            )
-            # DDP averages gradients over ranks; the loss is already a share of the global sum.
-            with contextlib.nullcontext() if last else self._no_gradient_sync():
-                self.manual_backward(loss * world_size)
-            # Metrics are token means per micro-batch; weighted by tokens over the global count
-            # they add up (over micro-batches and ranks) to the step's token means.
-            weight = micro_mask_BT.sum() / num_tokens
-            health = {
-                "entropy": entropy_BT.detach(),
-                **drift_per_token(trainer_old_BT, micro_sampler_BT, micro_mask_BT, tis_cap=self.drift_tis_cap),
-            }
-            metrics = {**metrics, **masked_means(health, micro_mask_BT)}
-            keys = keys or [f"train/{key}" for key in metrics]
-            values_K = torch.stack([value.detach().float() for value in metrics.values()]) * weight
-            weighted_K = values_K if weighted_K is None else weighted_K + values_K
-            loss_sum = loss_sum + loss.detach()
-        totals = dict(zip(keys, weighted_K.unbind()))
-        totals["train/loss"] = loss_sum
-        # The optimizer's own list: walking the policy's modules for its parameters costs more than the norm.
-        with_grads = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        grad_norm = full_value(torch.nn.utils.get_total_norm([p.grad for p in with_grads]))  # sharded: all ranks' norm
-        totals["train/grad_norm"] = grad_norm.detach() / world_size  # summed over ranks (equal under DDP)
-        totals["train/grad_norm_clipped"] = totals["train/grad_norm"]  # no clipping: the norm the update used
+            drift = drift_per_token(trainer_old_BT, micro_sampler_BT, micro_mask_BT, tis_cap=self.drift_tis_cap)
+            health = masked_means({"entropy": entropy_BT.detach(), **drift}, micro_mask_BT)
+            totals.add(loss, {**metrics, **health}, micro_mask_BT)
         # Skipped on every rank together: a non-finite loss or gradient, or no advantage to learn from.
-        verdict = step_verdict(loss_sum, grad_norm, learning_signal(advantages[rows], mask_BT[rows]))
-        totals.update(self.skipped_steps.metrics(verdict, world_size, grad_norm.device))
-        self.skipped_steps.note(verdict, loss_sum, grad_norm, self.rollout_step + 1, self.trainer.is_global_zero)
-        if verdict == TAKEN:
-            if self.config.grad_clip_norm > 0:
-                self._clip(optimizer, with_grads, grad_norm)
-                # The norm after clipping, by clip_grad_norm_'s own factor min(1, c / (‖g‖ + 1e-6)): no second pass
-                # over the grads.
-                factor = (self.config.grad_clip_norm / (grad_norm.detach() + 1e-6)).clamp(max=1.0)
-                totals["train/grad_norm_clipped"] = totals["train/grad_norm"] * factor
-            optimizer.step()
-        else:
-            optimizer.zero_grad()  # the weights and the optimizer's state stay as they were
-        advance_schedule(self.lr_schedulers())
-        return totals
+        signal = learning_signal(advantages[rows], mask_BT[rows])
+        return self.step_update.finish(
+            optimizer, self.lr_schedulers(), totals, signal, partial(self._clip, optimizer),
+            step=self.rollout_step + 1, world_size=self.trainer.world_size, warn=self.trainer.is_global_zero,
+        )  # fmt: skip
+
+    def _backward(self, loss: torch.Tensor, last: bool) -> None:
+        """Backward of a micro-batch's loss; the gradients are all-reduced with the step's last only."""
+        with contextlib.nullcontext() if last else self._no_gradient_sync():
+            self.manual_backward(loss)
 
     def _clip(self, optimizer, with_grads: list[torch.Tensor], grad_norm: torch.Tensor) -> None:
         """Clip the gradients to `grad_clip_norm`. Where the precision plugin clips with plain

@@ -12,15 +12,13 @@ state left as they were, when
   such groups before they are batched; without it, this skip does the same for a whole step.
 
 One collective decides both (`step_verdict`), so every rank skips or steps together: DDP's ranks
-keep equal weights and FSDP2's shards stay one model. The learning-rate schedule still advances
-on a skipped step, as it always has for a non-finite one: it counts the run's optimizer steps
-(`max_steps` × `ppo_n_minibatches`), taken or not, so the decay ends where the run does.
+keep equal weights and FSDP2's shards stay one model. The learning-rate schedule stays where it
+was too: it counts the updates made (`lit_grpo.loop.optimizer_step` says why).
 """
 
 from __future__ import annotations
 
 import logging
-import warnings
 
 import torch
 
@@ -88,14 +86,3 @@ class SkippedSteps:
             key: torch.tensor(float(verdict == reason) / world_size, device=device)
             for reason, key in SKIP_METRICS.items()
         }
-
-
-def advance_schedule(scheduler: torch.optim.lr_scheduler.LRScheduler) -> None:
-    """`scheduler.step()` after every optimizer step, taken or skipped. Without torch's warning that
-    it came before any `optimizer.step()`: a run whose first steps were skipped does so on purpose,
-    and the learning rate of a skipped step was used by no update."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings(
-            "ignore", message=r"Detected call of `lr_scheduler.step\(\)` before", category=UserWarning
-        )
-        scheduler.step()

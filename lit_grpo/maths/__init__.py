@@ -1,7 +1,10 @@
 """The maths of a step, as pure tensor functions: nothing here knows about Lightning or a config.
 
-losses.py      the policy-loss registry (grpo, dapo, gspo, cispo, ...) and `policy_loss`
-trust_region_losses.py  sapo, gmpo, dppo (registered by losses.py): soft gate, geometric mean, divergence mask
+losses.py      `policy_loss`: the shared per-token loss around a variant (correction, KL, entropy), reduced;
+               `LossSettings`, what it reads besides tensors; importing it registers the built-ins
+loss_registry.py  the policy-loss registry (`register_policy_loss`, `get_policy_loss`)
+ppo_losses.py  grpo, dapo, gspo, cispo, importance_sampling, dro, reinforce, each registered where defined
+trust_region_losses.py  sapo, gmpo, dppo, registered where defined: soft gate, geometric mean, divergence mask
 loss_terms.py  what every loss shares: ratio, k3 KL, masked means, aggregation
 correction.py  training–inference mismatch correction (none, tis, mask, icepop, geo_mask, kl_reject), off-policy mask
 entropy.py     the entropy bonus's coefficient (decay, adaptive) and the top-entropy token mask

@@ -22,6 +22,11 @@ def masked_mean(x_BT: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
     return (x_BT * mask_BT).sum() / mask_BT.sum().clamp(min=1)
 
 
+def masked_frac(flags_BT: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
+    """The share of the masked-in tokens where `flags` holds (a clip fraction). Shape: [B, T], [B, T] -> []."""
+    return masked_mean(flags_BT.to(mask_BT.dtype), mask_BT)
+
+
 def masked_means(values: dict[str, torch.Tensor], mask_BT: torch.Tensor) -> dict[str, torch.Tensor]:
     """`masked_mean` of each value, as one stacked reduction (a handful of ops for any number of
     metrics, where one `masked_mean` each costs five: these run every micro-batch). Values are

@@ -1,9 +1,9 @@
 """Newer trust regions than PPO's hard ratio clip: SAPO's soft gate, GMPO's geometric-mean clip,
 DPPO's divergence mask.
 
-Plain variant functions with the signature `lit_grpo.maths.losses` expects (keyword-only `[B, T]`
-tensors, already zeroed on masked-out tokens, returning `(loss_BT, metrics)`); `losses` registers
-them with their defaults, so this module imports only the shared terms below it. Notation as in
+Plain variant functions with the signature `lit_grpo.maths.loss_registry` describes (keyword-only
+`[B, T]` tensors, already zeroed on masked-out tokens, returning `(loss_BT, metrics)`), each
+registered here with its defaults; what every variant shares is `lit_grpo.maths.losses`'. Notation as in
 docs/guides/policy-losses.md: π the current logprob, old the logprob before this batch's first
 update, r = exp(clamp(π - old, -20, 20)), A the advantage, w the TIS weight, sg stop-gradient.
 """
@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from lit_grpo.maths.loss_terms import masked_mean, masked_seq_mean, ratio
+from lit_grpo.maths.loss_registry import register_policy_loss
+from lit_grpo.maths.loss_terms import masked_frac, masked_mean, masked_seq_mean, ratio
 
 DPPO_DIVERGENCES = ("tv", "kl")
 """What `dppo_divergence` may name: the total-variation or the KL divergence of the two policies'
@@ -26,10 +27,7 @@ _LOG_RATIO_CLAMP = 20.0
 _PROB_FLOOR = 1e-8
 
 
-def _frac(flags_BT: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
-    return masked_mean(flags_BT.to(mask_BT.dtype), mask_BT)
-
-
+@register_policy_loss("sapo", sapo_tau_pos=1.0, sapo_tau_neg=1.05)
 def sapo_loss(*, logprobs, old_logprobs, advantages, mask, tis_weight, sapo_tau_pos, sapo_tau_neg):
     """SAPO, Soft Adaptive Policy Optimization (Qwen, arXiv 2511.20347): a sigmoid gate on the ratio
     in place of the hard clip,
@@ -53,6 +51,7 @@ def sapo_loss(*, logprobs, old_logprobs, advantages, mask, tis_weight, sapo_tau_
     return loss_BT, {"sapo/gate_weight_mean": masked_mean(gate_weight_BT, mask)}
 
 
+@register_policy_loss("gmpo", eps_clip=0.4, eps_clip_high=0.4)
 def gmpo_loss(*, logprobs, old_logprobs, advantages, mask, tis_weight, eps_clip, eps_clip_high):
     """GMPO, Geometric-Mean Policy Optimization (arXiv 2507.20673): a sequence's ratio is the
     geometric mean of its token ratios, each clipped PPO-style in log space,
@@ -94,12 +93,13 @@ def gmpo_loss(*, logprobs, old_logprobs, advantages, mask, tis_weight, eps_clip,
     token_log_ratio_BT = clipped_log_ratio_BT - clipped_log_ratio_BT.detach() + log_seq_ratio_B1
     seq_ratio_BT = torch.exp(token_log_ratio_BT)
     metrics = {
-        "clip_frac": _frac(clipped_low_BT | clipped_high_BT, mask),
+        "clip_frac": masked_frac(clipped_low_BT | clipped_high_BT, mask),
         "ratio_mean": masked_mean(seq_ratio_BT.detach(), mask),
     }
     return -seq_ratio_BT * advantages * tis_weight, metrics
 
 
+@register_policy_loss("dppo", dppo_divergence="tv", dppo_tv_threshold=None, dppo_kl_threshold=None, dppo_ratio_cap=20.0)
 def dppo_loss(
     *,
     logprobs,
@@ -171,8 +171,8 @@ def dppo_loss(
     keep_BT = (~dropped_BT).to(logprobs.dtype)
     loss_BT = -ratio_BT.clamp(max=dppo_ratio_cap) * logprobs * advantages * tis_weight * keep_BT
     metrics = {
-        "clip_frac": _frac(dropped_BT, mask),
+        "clip_frac": masked_frac(dropped_BT, mask),
         "dppo/divergence_mean": masked_mean(divergence_BT, mask),
-        "dppo/ratio_cap_frac": _frac(capped_BT, mask),
+        "dppo/ratio_cap_frac": masked_frac(capped_BT, mask),
     }
     return loss_BT, metrics

@@ -337,3 +337,9 @@ def _tied_aliases(state: dict[str, torch.Tensor]) -> dict[str, set[str]]:
     for name, tensor in state.items():
         by_pointer.setdefault(tensor.data_ptr(), set()).add(name)
     return {name: by_pointer[tensor.data_ptr()] for name, tensor in state.items()}
+
+
+def build_hf_sampler(cfg, weights, tokenizer, *, work_dir: str, seed: int, share_weights: bool = False) -> HFSampler:
+    """`sampler.kind=hf`: generates with the policy itself (`share_weights`) or a private copy of it;
+    `weights` is the run's `lit_grpo.samplers.StartingWeights`."""
+    return HFSampler(weights.policy, tokenizer, max_batch_size=cfg.max_batch_size, share_weights=share_weights)

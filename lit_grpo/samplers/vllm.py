@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
@@ -158,3 +159,26 @@ class VLLMSampler(BatchingSampler):
         if self._asleep:
             self.llm.wake_up()
             self._asleep = False
+
+
+def build_vllm_sampler(cfg, weights, tokenizer, *, work_dir: str, seed: int) -> VLLMSampler:
+    """`sampler.kind=vllm`: an engine in this process, loading the model the policy was loaded from,
+    or (a model built here) a folder of the policy's weights written now under `work_dir`;
+    `weights` is the run's `lit_grpo.samplers.StartingWeights`."""
+    import_vllm()  # fail with the install hint before writing anything
+    if weights.loaded_from is not None:
+        source = weights.loaded_from
+    else:
+        source = str(weights.write_folder(Path(work_dir) / "sampler_init", None))
+    return VLLMSampler(
+        source,
+        tokenizer,
+        dtype=cfg.dtype,
+        max_model_len=cfg.max_model_len,
+        gpu_memory_utilization=cfg.gpu_memory_utilization,
+        enforce_eager=cfg.enforce_eager,
+        tensor_parallel_size=cfg.tensor_parallel_size,
+        sleep_between_phases=cfg.sleep_between_phases,
+        seed=seed,
+        max_batch_size=cfg.max_batch_size,
+    )

@@ -1,6 +1,7 @@
 """The vLLM server wing: `sampler=vllm_server` and the servers it talks to.
 
 sampler.py          VLLMServerSampler: completions and scores over HTTP from server replicas
+build.py            its builder: attach to running servers or start them, serving the policy's starting weights
 requests.py         routing, bounded concurrency, retries and failover across replicas
 answers.py          the requests sent to a server and the reading of its answers (completions, streamed chunks, scores)
 partial.py          partial rollouts: streams a weight sync interrupts, continued on the new weights
