@@ -160,7 +160,7 @@ def turn_token_advantages(
 
 def run_turn_rewards(run: Sequence[RolloutSample]) -> list[float]:
     """A run's turn rewards, its segments' in order (each segment must report them). Shape: [T]."""
-    return [float(r) for s in run for r in s.turn_rewards]
+    return [float(r) for s in run for r in s.turn_rewards or ()]  # checked present: group_token_advantages
 
 
 def group_token_advantages(
@@ -184,9 +184,9 @@ def group_token_advantages(
     for run, run_returns in zip(runs, returns):
         offset = 0
         for s in run:
-            k = len(s.turn_spans)
-            per_sample.append(turn_token_advantages(run_returns[offset : offset + k], s.turn_spans, len(s.tokens)))
-            offset += k
+            spans = s.turn_spans or []  # checked present above
+            per_sample.append(turn_token_advantages(run_returns[offset : offset + len(spans)], spans, len(s.tokens)))
+            offset += len(spans)
     return per_sample
 
 

@@ -80,7 +80,7 @@ class GreedyEvaluator:
         sampler,
         tokenizer,
         rows: list[dict],
-        reward_fn: Callable[[str, dict], Optional[float]],
+        reward_fn: Optional[RewardScorer | Callable[[str, dict], Optional[float]]],
         *,
         interval: int = 0,
         max_tokens: int = 256,

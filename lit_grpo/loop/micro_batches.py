@@ -82,6 +82,12 @@ class MicroBatch:
     """A forward whose result is thrown away (it trains nothing): it only takes part in the
     collectives of a sharded model, whose every forward gathers weights from all ranks."""
 
+    @property
+    def padded_tokens(self) -> int:
+        """What its forward runs on: its rows × its width."""
+        n_rows = self.rows.stop - self.rows.start if isinstance(self.rows, slice) else self.rows.numel()
+        return n_rows * self.width
+
     def tokens(self, per_token_BT: torch.Tensor) -> torch.Tensor:
         """This micro-batch's part of a per-token tensor. Shape: `[B, T]` -> `[b, width]`."""
         return per_token_BT[self.rows, : self.width]
@@ -150,8 +156,8 @@ def plan_forwards(
         for rows in minibatches
     ]
     no_grad = [micro for micros in per_minibatch for micro in micros]
-    over_budget = tuple(m.width for m in no_grad if m.rows.numel() * m.width > micro_batch_max_tokens)
-    return ForwardPlan(per_minibatch, no_grad, sum(m.rows.numel() * m.width for m in no_grad), over_budget)
+    over_budget = tuple(m.width for m in no_grad if m.padded_tokens > micro_batch_max_tokens)
+    return ForwardPlan(per_minibatch, no_grad, sum(m.padded_tokens for m in no_grad), over_budget)
 
 
 def with_fillers(plan: ForwardPlan, counts: Sequence[int]) -> ForwardPlan:

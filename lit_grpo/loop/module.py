@@ -88,7 +88,7 @@ class GRPOModule(L.LightningModule):
         """The cap of `train/drift/over_tis_cap_frac`: the correction's cap, else the default TIS one."""
         self.entropy_control = EntropyControl(config.entropy)
         """The entropy bonus's coefficient step by step, and the entropy alarm (the step sequence feeds it)."""
-        self.reference: Optional[PreTrainedModel] = None
+        self.reference: Optional[torch.nn.Module | AdapterFreeView] = None
         if self.loss_settings.kl_beta > 0:
             # LoRA: the base model is the policy with its adapters off, no second copy.
             self.reference = (
@@ -302,7 +302,7 @@ class GRPOModule(L.LightningModule):
             if float(grad_norm) + 1e-6 > self.config.grad_clip_norm:
                 if is_fsdp2(self.policy):  # DTensor gradients take a plain factor, not a plain tensor
                     factor = self.config.grad_clip_norm / (float(grad_norm) + 1e-6)
-                    torch._foreach_mul_([p.grad for p in with_grads], factor)
+                    torch._foreach_mul_([p.grad for p in with_grads if p.grad is not None], factor)
                 else:
                     torch.nn.utils.clip_grads_with_norm_(with_grads, self.config.grad_clip_norm, grad_norm)
         else:

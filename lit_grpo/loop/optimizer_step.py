@@ -72,7 +72,7 @@ class StepTotals:
 
     def metrics(self) -> dict[str, torch.Tensor]:
         """`train/<metric>` of this rank's share (summed over ranks: the step's), and `train/loss`."""
-        totals = dict(zip(self._keys, self._weighted_K.unbind()))
+        totals = dict(zip(self._keys, self._weighted_K.unbind() if self._weighted_K is not None else ()))
         totals["train/loss"] = self.loss_sum
         return totals
 
@@ -134,6 +134,6 @@ def mean_over_minibatches(per_minibatch: list[dict[str, torch.Tensor]]) -> dict[
     the skip counts summed (how many of its optimizer steps were skipped)."""
     if len(per_minibatch) == 1:
         return per_minibatch[0]
-    metrics = {key: sum(m[key] for m in per_minibatch) / len(per_minibatch) for key in per_minibatch[0]}
+    metrics = {key: torch.stack([m[key] for m in per_minibatch]).mean(0) for key in per_minibatch[0]}
     metrics.update({key: metrics[key] * len(per_minibatch) for key in SKIP_METRICS.values()})
     return metrics

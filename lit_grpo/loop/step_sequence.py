@@ -251,6 +251,7 @@ class StepSequence:
         rng: Optional[dict] = None,
     ) -> float:
         start = time.perf_counter()
+        assert self.checkpointer is not None, "saved only when checkpoints are on"
         check_finite(module.policy, f"checkpoint step {step}")
         holds_policy = self.weight_sync_interval > 0 and step % self.weight_sync_interval == 0
         self.checkpointer.save(
@@ -276,6 +277,7 @@ class StepSequence:
         self._last_end = time.perf_counter()
         if self.resume_from is None:
             return
+        assert self.checkpointer is not None, "a resume always has a checkpointer (build.step_sequence)"
         state = self.checkpointer.load(self.resume_from, trainer, module)
         module.rollout_step = state["step"]
         self.datamodule.load_state_dict(state["datamodule"])

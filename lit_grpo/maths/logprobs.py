@@ -19,13 +19,14 @@ the entropy is detached, a metric).
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 from torch.autograd.function import once_differentiable
 
-if TYPE_CHECKING:
-    from transformers import PreTrainedModel
+CausalLM = Any
+"""A transformers causal LM, a peft model over one, or LoRA's adapter-free view of it: called as
+`model(input_ids=..., attention_mask=...)` for an output with `.logits`."""
 
 # Bytes of one float32 chunk. 32 MiB is 55 rows of Qwen2.5's vocabulary: small next to the logits
 # of a micro-batch (a 1,024-token sequence's bf16 logits are 311 MB) yet wide enough that the
@@ -220,7 +221,7 @@ def selected_logprobs_and_entropy(
 
 
 def token_logprobs(
-    model: PreTrainedModel,
+    model: CausalLM,
     tokens_BT: torch.Tensor,
     attention_mask_BT: torch.Tensor,
     temperature: float,
@@ -256,7 +257,7 @@ def token_logprobs(
     return torch.cat([skipped, logprobs_BK[:, :-1]], dim=1), torch.cat([skipped, entropy_BK[:, :-1]], dim=1)
 
 
-def keeps_logits(model: PreTrainedModel) -> bool:
+def keeps_logits(model: CausalLM) -> bool:
     """Whether `model`'s forward takes transformers' `logits_to_keep` (through a peft wrapper)."""
     cached = getattr(model, "_lit_grpo_keeps_logits", None)
     if cached is None:

@@ -143,11 +143,17 @@ def per_token_policy_loss(
         )  # fmt: skip
         per_token["correction/off_policy_frac"] = far_BT
         dropped_BT = dropped_BT | far_BT
-    if top_entropy_quantile is not None:
+    if (top_entropy_quantile is not None or entropy_coef != 0) and entropy is None:
+        raise ValueError("top_entropy_quantile and entropy_coef need the policy's entropy (`entropy`)")
+    if kl_beta > 0 and ref_logprobs is None:
+        raise ValueError("kl_beta > 0 needs the reference's logprobs (`ref_logprobs`)")
+    if top_entropy_quantile is not None and entropy is not None:
         low_entropy_BT = ~top_entropy_mask(entropy.detach(), mask_BT, top_entropy_quantile) & keep_BT
         per_token["entropy/kept_frac"] = ~low_entropy_BT
         dropped_BT = dropped_BT | low_entropy_BT
-    tensors = {"logprobs": logprobs, "old_logprobs": old_BT, "advantages": advantages_BT, "mask": mask_BT}
+    tensors: dict[str, Optional[torch.Tensor]] = {
+        "logprobs": logprobs, "old_logprobs": old_BT, "advantages": advantages_BT, "mask": mask_BT
+    }  # fmt: skip
     if spec.uses_tis:
         tensors["tis_weight"] = torch.where(dropped_BT, 0.0, w_BT)
     if spec.takes_sampler_logprobs:
@@ -160,11 +166,11 @@ def per_token_policy_loss(
         **masked_means(per_token, mask_BT),
     }
     metrics.update(variant_metrics)
-    if kl_beta > 0:
+    if kl_beta > 0 and ref_logprobs is not None:
         kl_BT = k3(torch.where(keep_BT, ref_logprobs.detach(), 0.0), logprobs)
         loss_BT = loss_BT + kl_beta * kl_BT
         metrics["ref_kl"] = masked_mean(kl_BT.detach(), mask_BT)
-    if entropy_coef != 0:
+    if entropy_coef != 0 and entropy is not None:
         loss_BT = loss_BT - entropy_coef * torch.where(keep_BT, entropy, 0.0)
     loss_BT = torch.where(keep_BT, loss_BT, 0.0)  # a user's variant may put loss on padding
     return loss_BT, {key: value.detach() for key, value in metrics.items()}

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -34,7 +35,7 @@ def build_server_sampler(
         )
     if cfg.weight_transfer == "nccl" and not torch.cuda.is_available():
         raise RuntimeError("sampler.weight_transfer=nccl needs CUDA in the trainer and the servers; on CPU use gloo")
-    options = dict(
+    options: dict[str, Any] = dict(
         weight_sync_dir=Path(cfg.weight_sync_dir).expanduser() if cfg.weight_sync_dir else run / "weight_sync",
         max_in_flight_per_server=cfg.max_in_flight_per_server,
         request_timeout_s=cfg.request_timeout_s,
