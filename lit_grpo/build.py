@@ -29,7 +29,7 @@ from lit_grpo.loop.evaluation import Evaluator, GreedyEvaluator, RolloutEvaluato
 from lit_grpo.loop.module import GRPOModule
 from lit_grpo.loop.signals import StopSignals
 from lit_grpo.loop.step_sequence import StepSequence
-from lit_grpo.models.load import load_policy, load_tokenizer
+from lit_grpo.models.load import load_policy, load_tokenizer, set_cpu_threads
 from lit_grpo.models.lora import with_lora
 from lit_grpo.rewards.combine import component_names
 from lit_grpo.rewards.scoring import RewardScorer
@@ -266,6 +266,7 @@ def build_run(
     eval_rows = evaluation_rows(c, eval_rows)
     tokenizer = load_tokenizer(c.model)
     policy = load_policy(c.model, tokenizer, c.seed)  # the same on every rank
+    set_cpu_threads(c.trainer.cpu_threads, policy)
     if c.adapter_sync:  # the servers serve its adapter from the start (the module adds none twice)
         policy = with_lora(policy, c.model.lora, c.seed)
     callbacks = (
