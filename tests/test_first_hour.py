@@ -3,11 +3,19 @@ bar, a refused run's folder, the first word of every refusal, and the built site
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from lit_grpo.config import ConfigError, TrainerConfig
 from lit_grpo.config.trainer import SMALL_MODEL_PARAMS
 from lit_grpo.models.load import cpu_threads
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def test_a_tiny_model_runs_on_one_torch_thread_unless_the_user_chose():
@@ -20,3 +28,59 @@ def test_a_tiny_model_runs_on_one_torch_thread_unless_the_user_chose():
     assert cpu_threads(4, big, {}) == 4
     with pytest.raises(ConfigError, match="trainer.cpu_threads"):
         TrainerConfig(cpu_threads=0)
+
+
+def _cli(cwd: Path, *overrides: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
+    env.pop("HYDRA_FULL_ERROR", None)
+    return subprocess.run(
+        [sys.executable, "-m", "lit_grpo.train", *overrides],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        stdin=subprocess.DEVNULL,
+    )
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize(
+    "override,needle",
+    [
+        ("learning_rate=-1", "config field `learning_rate`"),  # lit_grpo's validation
+        ("data.path=missing.jsonl", "data.path: no file missing.jsonl"),  # the preflight
+        ("max_steps=abc", "max_steps=abc"),  # Hydra's: a wrong type
+        ("policy_loss=nosuch", "policy_loss/nosuch"),  # Hydra's: an unknown group option
+    ],
+)
+def test_a_refusal_is_one_error_line_and_leaves_no_new_folder(tmp_path, override, needle):
+    proc = _cli(tmp_path, override)  # Hydra's default run folder: outputs/<date>/<time>, all of it new
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.startswith("error: ") and proc.stderr.count("error: ") == 1, proc.stderr
+    assert needle in proc.stderr and "Traceback" not in proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == [], list(tmp_path.rglob("*"))
+
+
+@pytest.mark.timeout(300)
+def test_a_refusal_keeps_a_folder_that_existed(tmp_path):
+    run = tmp_path / "earlier_run"
+    run.mkdir()
+    (run / "notes.txt").write_text("mine")
+    proc = _cli(tmp_path, "learning_rate=-1", f"hydra.run.dir={run}")
+    assert proc.returncode == 2 and (run / "notes.txt").read_text() == "mine"
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert _cli(tmp_path, "learning_rate=-1", f"hydra.run.dir={empty}").returncode == 2
+    assert empty.is_dir()  # existed before the run: never removed
+
+
+def test_the_package_prints_no_capitalised_error():
+    # Every message a user reads starts `error: ` (lit_grpo.errors.report); none `Error: `.
+    found = [
+        f"{path.relative_to(REPO)}:{n}"
+        for path in (REPO / "lit_grpo").rglob("*.py")
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if re.search(r"""["'`]Error:""", line)
+    ]
+    assert not found, found
