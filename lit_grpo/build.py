@@ -22,6 +22,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lit_grpo.advantages.registry import Advantage, get_advantage, make_advantage
 from lit_grpo.callbacks.export import HFExport
+from lit_grpo.callbacks.progress import StepProgressBar
 from lit_grpo.config import ConfigError, TrainConfig, UserInputs
 from lit_grpo.config.checks import exception_class
 from lit_grpo.loop.distributed import FSDP2Strategy
@@ -239,7 +240,8 @@ def build_trainer(c: TrainConfig, extra_callbacks: list[L.Callback] = ()) -> L.T
         num_sanity_val_steps=0,
         limit_val_batches=0,
         default_root_dir=c.output_dir,
-        callbacks=[*_instantiate_all(c.callbacks), *extra_callbacks],
+        callbacks=[*_instantiate_all(c.callbacks), *extra_callbacks]
+        + ([StepProgressBar(c.max_steps)] if t.enable_progress_bar else []),
         logger=_instantiate_all(c.logger) or False,
         **t.extra,
     )

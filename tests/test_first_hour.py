@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from lit_grpo.config import ConfigError, TrainerConfig
 from lit_grpo.config.trainer import SMALL_MODEL_PARAMS
@@ -84,3 +85,27 @@ def test_the_package_prints_no_capitalised_error():
         if re.search(r"""["'`]Error:""", line)
     ]
     assert not found, found
+
+
+@pytest.mark.timeout(600)
+def test_the_demo_from_the_cli_counts_to_max_steps_and_ends_tidy(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "HYDRA_FULL_ERROR")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "lit_grpo.train", "+experiment=arithmetic", "max_steps=4", "hydra.run.dir=run"],
+        cwd=tmp_path,
+        env={**env, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=500,
+        stdin=subprocess.DEVNULL,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout + proc.stderr
+    assert re.search(r"steps: 100%\|[^\r\n]*\| 4/4 \[\d\d:\d\d<00:00", out), out[-2000:]  # a total, an ETA
+    assert re.search(r"steps:  25%\|[^\r\n]*\| 1/4 \[", out), out[-2000:]
+    lines = re.split(r"[\r\n]", out)
+    export = [line for line in lines if "exported the trained policy" in line]
+    assert export and all(line.startswith("[") for line in export), export  # its own line, not on the bar's
+    if torch.get_num_threads() > 1:  # the demo's tiny model took one thread
+        assert "torch threads: 1 (was" in out
+    assert not (tmp_path / "run" / ".lit_grpo.lock").exists() and (tmp_path / "run" / "summary.json").is_file()
