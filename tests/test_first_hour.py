@@ -109,3 +109,38 @@ def test_the_demo_from_the_cli_counts_to_max_steps_and_ends_tidy(tmp_path):
     if torch.get_num_threads() > 1:  # the demo's tiny model took one thread
         assert "torch threads: 1 (was" in out
     assert not (tmp_path / "run" / ".lit_grpo.lock").exists() and (tmp_path / "run" / "summary.json").is_file()
+
+
+@pytest.mark.timeout(600)
+def test_the_built_site_links_to_html_files_so_it_works_opened_from_disk(tmp_path):
+    pytest.importorskip("mkdocs", reason="the docs extra is not installed: make install-docs")
+    site = tmp_path / "site"
+    env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=500,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    links, wrong = 0, []
+    for page in site.rglob("*.html"):
+        if page.name == "404.html":
+            continue  # served by a web server for any path: its links are absolute by design
+        for href in re.findall(r'href="([^"#?]*)', page.read_text(encoding="utf-8")):
+            if not href or re.match(r"[a-z]+:", href):
+                continue  # an anchor on the page, or another site
+            links += 1
+            target = (page.parent / href).resolve()
+            if href.endswith("/") or target.is_dir() or not target.is_file():
+                wrong.append(f"{page.relative_to(site)} -> {href}")  # a folder listing, or nothing, from disk
+    nav = re.findall(
+        r'class="md-nav__link"[^>]*href="([^"]+)"|href="([^"]+)"[^>]*class="md-nav__link',
+        (site / "index.html").read_text(),
+    )
+    nav_links = [a or b for a, b in nav]
+    assert links > 100 and len(nav_links) > 20, (links, nav_links)
+    assert all(link.split("#")[0].endswith(".html") for link in nav_links if not link.startswith("#")), nav_links
+    assert wrong == [], wrong[:20]
