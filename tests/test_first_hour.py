@@ -1,5 +1,6 @@
 """What a new user meets in the first hour (issue 41): torch's thread count for a tiny model, the progress
-bar, a refused run's folder, the first word of every refusal, and the built site's links."""
+bar and the lock file of a run from the CLI, a refused run's folder and the first word of every refusal,
+the built site's links, and one set of package versions for the demo, the tests and vLLM."""
 
 from __future__ import annotations
 
