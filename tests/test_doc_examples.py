@@ -36,6 +36,7 @@ PLACEHOLDER = "a placeholder of the user's own (a data file, a folder, '...')"
 SERVERS = "needs vLLM servers on other hosts or a model folder to serve"
 MAKE = "a make target: installs packages (make help; tests/test_docs_sources.py checks the target exists)"
 BENCH = "a benchmark: minutes, run by hand (docs/results.md has its numbers)"
+LENGTHS = "a real model's completion lengths (512 tokens a sample): hours with the default tiny model on CPU"
 REHEARSAL = "Qwen2.5-0.5B's shapes on CPU: minutes a step (benchmarks/rehearsal.py, tests/test_rehearsal.py)"
 
 COMMANDS: dict[str, str] = {
@@ -93,7 +94,7 @@ COMMANDS: dict[str, str] = {
     "\"sampler.server_urls=['http://infer-0:8000','http://infer-1:8000']\" "
     "sampler.weight_sync_dir=/shared/lit_grpo/weight_sync task.path=... task.eval_path=...": SERVERS,
     "python -m lit_grpo.train sampler.max_completion_tokens=512 rollout.mask_truncated=true "
-    "rollout.overlong_buffer_len=128 rollout.overlong_penalty_factor=1.0": "slow",
+    "rollout.overlong_buffer_len=128 rollout.overlong_penalty_factor=1.0": LENGTHS,
     "python -m lit_grpo.train +experiment=rehearsal_0p5b hydra.run.dir=outputs/rehearsal": REHEARSAL,
     "python -m lit_grpo.train +experiment=rehearsal_0p5b hydra.run.dir=outputs/rehearsal max_steps=6": REHEARSAL,
     "python -m lit_grpo.train +experiment=rehearsal_0p5b model.num_layers=24": REHEARSAL,
