@@ -79,7 +79,8 @@ COMMANDS: dict[str, str] = {
     "python -m lit_grpo.train task=gsm8k data.path=cookbook_train.jsonl reward.fn=[gsm8k,my_reward:format_bonus] "
     "reward.weights=[1.0,0.2]": PLACEHOLDER,
     "python -m lit_grpo.train trainer.devices=8 trainer.strategy=fsdp2 ...": GPU,
-    "python -m lit_grpo.train trainer.accelerator=cpu trainer.devices=2 trainer.strategy=fsdp2": "slow",
+    "python -m lit_grpo.train +experiment=arithmetic trainer.accelerator=cpu trainer.devices=2 trainer.strategy=fsdp2 "
+    "max_steps=50": "slow",
     "python -m lit_grpo.train +experiment=arithmetic rollout.factory=lit_grpo.envs.rollout:make_env_rollout_fn "
     "+rollout.extras.environment=my_env:Calculator +rollout.extras.max_turns=4 "
     "'+rollout.extras.stop=[\"</tool_call>\"]' max_steps=200": "slow",
