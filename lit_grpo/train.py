@@ -20,15 +20,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
 import hydra
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from lit_grpo.config import ConfigError, TrainConfig, UserInputs, ineffective_knobs
-from lit_grpo.errors import EnvironmentFault, run_cli, run_hydra_cli, user_message
+from lit_grpo.errors import EXIT_USER_ERROR, EnvironmentFault, run_cli, run_hydra_cli, user_message
 from lit_grpo.loop.signals import STOP_SIGNALS, StopRequested, StopSignals, quiet_abandoned_work
 from lit_grpo.run.checkpoint import check_resumable
 from lit_grpo.run.console import stop_reason, tidy_lightning_logging
 from lit_grpo.run.folder import claim_output_dir, find_resume_checkpoint, launched_as_rank_zero, set_aside_metrics
-from lit_grpo.run.preflight import check_sources
+from lit_grpo.run.preflight import check_sources, discard_refused_run_dir
 from lit_grpo.run.provenance import run_versions, warn_if_versions_differ, write_provenance
 from lit_grpo.run.validate import validate
 from lit_grpo.samplers.worker import run_threads
@@ -220,7 +221,12 @@ def main(cfg: DictConfig) -> float:
     try:
         # A config, data, rollout or environment problem: its message and exit code 2, no traceback
         # (HYDRA_FULL_ERROR=1 shows it); a bug keeps its traceback.
-        final_reward = run_cli(train, cfg)["final_reward"]
+        try:
+            final_reward = run_cli(train, cfg)["final_reward"]
+        except SystemExit as refused:
+            if refused.code == EXIT_USER_ERROR:  # before the run started: no folder of Hydra's files left behind
+                discard_refused_run_dir(f"{HydraConfig.get().job.name}.log")
+            raise
         for signum in STOP_SIGNALS:  # the run is over and its summary written: a late signal only ends the process
             cli_stop = getattr(signal.signal(signum, _signal_after_the_end), "__self__", None)
         if isinstance(cli_stop, StopSignals) and cli_stop.requested:  # it came as `train` returned

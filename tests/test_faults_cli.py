@@ -109,11 +109,13 @@ def test_a_bad_value_names_its_field(tmp_path):
     [("learning_rate=abc", "learning_rate"), ("learning_rte=1e-3", "learning_rte"), ("model=nope", "model")],
 )
 def test_a_config_hydra_cannot_compose_exits_2(tmp_path, override, needle):
-    # Hydra prints its own message (no `error:` prefix); needs `run_hydra_cli(main)` in train.py's
+    # Hydra's message, starting `error: ` like every other refusal; needs `run_hydra_cli(main)` in train.py's
     # `__main__` and the `RunDirCheck` callback, which turn Hydra's exit code 1 into 2.
     proc, _ = _cli(tmp_path, override, f"hydra.run.dir={tmp_path / 'run'}")
     assert proc.returncode == EXIT_USER_ERROR, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr and needle in proc.stderr
+    assert proc.stderr.startswith("error: ") and proc.stderr.count("error: ") == 1, proc.stderr
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize(

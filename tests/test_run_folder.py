@@ -115,6 +115,25 @@ def test_a_second_run_on_the_folder_is_refused_while_the_first_holds_it(tmp_path
             claim_output_dir(tmp_path)  # a second claim, even from this process
     with claim_output_dir(tmp_path) as lock:  # released at the end of the `with`
         assert lock.held
+    assert not (tmp_path / LOCK_FILE).exists()  # and its file removed
+
+
+def test_the_lock_file_goes_when_a_run_ends_and_never_someone_elses(tmp_path):
+    train(compose_config(*RUN, "max_steps=2", output_dir=tmp_path / "clean"))  # a clean run
+    assert (tmp_path / "clean" / "summary.json").is_file() and not (tmp_path / "clean" / LOCK_FILE).exists()
+    with pytest.raises(ConfigError, match="learning_rate"):
+        train(compose_config(*RUN, "learning_rate=-1", output_dir=tmp_path / "refused"))  # refused before the claim
+    fake_checkpoint(tmp_path / "held" / "checkpoints", 2, "earlier")
+    with pytest.raises(ConfigError, match="already holds checkpoints"):
+        train(compose_config(*RUN, "max_steps=2", output_dir=tmp_path / "held"))  # refused inside the claim
+    assert not (tmp_path / "held" / LOCK_FILE).exists()
+
+    lock = claim_output_dir(tmp_path / "taken")
+    (tmp_path / "taken" / LOCK_FILE).unlink()  # removed under the holder (by hand): a new run may lock a new file
+    with claim_output_dir(tmp_path / "taken") as theirs:
+        lock.release()  # the first holder's release leaves the new holder's file alone
+        assert theirs.held and f'"pid": {os.getpid()}' in (tmp_path / "taken" / LOCK_FILE).read_text()
+    assert not (tmp_path / "taken" / LOCK_FILE).exists()
 
 
 def test_other_ranks_neither_lock_nor_move_files(tmp_path, monkeypatch):

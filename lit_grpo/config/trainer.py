@@ -4,7 +4,7 @@ before anything loads: a value Lightning would refuse only once the model is bui
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 from lit_grpo.config.checks import require
 
@@ -17,6 +17,9 @@ FSDP2_PRECISIONS = ("32-true", "32", "bf16-mixed", "bf16-true", "16-true")
 """What Lightning's ModelParallelStrategy (trainer.strategy=fsdp2) accepts."""
 ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "mps", "tpu")
 """Lightning's accelerator names (whether this machine has one is checked in `lit_grpo.run.validate`)."""
+SMALL_MODEL_PARAMS = 20_000_000
+"""Below this many parameters a run takes one torch thread unless `trainer.cpu_threads` or `OMP_NUM_THREADS` says
+otherwise (docs/results.md, "Torch threads", has the measurements)."""
 
 
 @dataclass
@@ -44,6 +47,11 @@ class TrainerConfig:
     """Lightning's table of the policy's layers and parameter counts at the start."""
     deterministic: bool = False
     """Lightning's `deterministic`: torch's deterministic algorithms only (slower; an op without one raises)."""
+    cpu_threads: Optional[int] = None
+    """torch's intra-op threads in this process (`torch.set_num_threads`). null: one thread for a policy
+    under `SMALL_MODEL_PARAMS` parameters (a tiny model's matmuls are too small to split, and on cores
+    shared with other work two threads ran the demo 3.8x slower than one: docs/results.md), torch's
+    default otherwise; `OMP_NUM_THREADS` set in the environment is then left as it is."""
     extra: dict = field(default_factory=dict)
     """Any other `lightning.Trainer` argument, by its name, passed as given."""
 
@@ -64,6 +72,11 @@ class TrainerConfig:
             self.accelerator in ACCELERATORS,
             "trainer.accelerator",
             f"must be one of {', '.join(ACCELERATORS)}, got {self.accelerator!r}",
+        )
+        require(
+            self.cpu_threads is None or (isinstance(self.cpu_threads, int) and self.cpu_threads >= 1),
+            "trainer.cpu_threads",
+            f"must be null or a number >= 1, got {self.cpu_threads!r}",
         )
         fast = self.fast_dev_run
         require(

@@ -10,9 +10,12 @@ a model folder is reported as such, without trying the hub.
 
 from __future__ import annotations
 
+import logging
 import os
 import string
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Optional
 
 import torch
 from transformers import (
@@ -25,6 +28,7 @@ from transformers import (
 
 from lit_grpo.config import ModelConfig
 from lit_grpo.config.model import BUILT_KINDS
+from lit_grpo.config.trainer import SMALL_MODEL_PARAMS
 from lit_grpo.errors import UserError
 from lit_grpo.models.byte_bpe import as_transformers_tokenizer, build_byte_bpe_tokenizer
 
@@ -42,6 +46,7 @@ CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
+log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -160,6 +165,32 @@ def load_policy(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, seed: int)
         )
     except (OSError, ValueError) as err:
         raise _unreachable(name, err) from None
+
+
+def cpu_threads(setting: Optional[int], n_params: int, environ: Mapping[str, str] = os.environ) -> Optional[int]:
+    """The intra-op thread count a run sets for a policy of `n_params` parameters, or None to leave
+    torch's: `setting` (`trainer.cpu_threads`) when given; else 1 below `SMALL_MODEL_PARAMS`, unless
+    `OMP_NUM_THREADS` is set (the user chose)."""
+    if setting is not None:
+        return setting
+    if environ.get("OMP_NUM_THREADS", "").strip() or n_params >= SMALL_MODEL_PARAMS:
+        return None
+    return 1
+
+
+def set_cpu_threads(setting: Optional[int], policy: torch.nn.Module) -> None:
+    """Apply `cpu_threads` to this process for `policy` (logged when it changes torch's count)."""
+    n_params = sum(p.numel() for p in policy.parameters())
+    threads = cpu_threads(setting, n_params)
+    if threads is not None and threads != torch.get_num_threads():
+        log.info(
+            "torch threads: %d (was %d) for a policy of %.2fM parameters (trainer.cpu_threads=%s)",
+            threads,
+            torch.get_num_threads(),
+            n_params / 1e6,
+            "null" if setting is None else setting,
+        )
+        torch.set_num_threads(threads)
 
 
 def build_policy_skeleton(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, seed: int) -> PreTrainedModel:

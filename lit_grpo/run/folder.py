@@ -4,7 +4,8 @@
 model loads:
 
     claim_output_dir(out)             an exclusive lock on <out>/.lit_grpo.lock for the whole run:
-                                      a second run on the folder is refused at once, naming the holder
+                                      a second run on the folder is refused at once, naming the holder;
+                                      the file is removed when the run ends (a killed run's blocks nothing)
     find_resume_checkpoint(resume, out)
         resume=null                   fresh; refused when <out>/checkpoints holds checkpoints
         resume=auto                   the newest checkpoint there that verifies; none there: fresh;
@@ -66,7 +67,12 @@ class OutputDirLock:
         return self._file is not None
 
     def release(self) -> None:
+        """Remove the lock file, then unlock: a run that ends (cleanly, refused or stopped) leaves no
+        lock behind. The file is removed only while it is still the one this run locked (never a
+        later run's lock); a run that opened it meanwhile finds it unlinked and claims again."""
         if self._file is not None:
+            if _same_file(self.path, self._file):
+                self.path.unlink(missing_ok=True)
             fcntl.flock(self._file.fileno(), fcntl.LOCK_UN)
             self._file.close()
             self._file = None
@@ -88,8 +94,30 @@ def claim_output_dir(output_dir: str | os.PathLike) -> OutputDirLock:
     path = out / LOCK_FILE
     try:
         out.mkdir(parents=True, exist_ok=True)
-        if not launched_as_rank_zero():
-            return OutputDirLock(path, None)
+    except OSError as err:
+        raise ConfigError(f"output_dir={out}: cannot write there ({err})") from None
+    if not launched_as_rank_zero():
+        return OutputDirLock(path, None)
+    for _ in range(100):  # another attempt only when the file was removed by the run that released it
+        lock = _try_lock(out, path)
+        if lock is not None:
+            return lock
+    raise ConfigError(f"output_dir={out}: {path} keeps being removed and created again; is another run starting?")
+
+
+def _same_file(path: Path, file: IO[str]) -> bool:
+    """Whether `path` still names the file `file` has open."""
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return False
+    fst = os.fstat(file.fileno())
+    return (st.st_dev, st.st_ino) == (fst.st_dev, fst.st_ino)
+
+
+def _try_lock(out: Path, path: Path) -> Optional[OutputDirLock]:
+    """Lock `path` for this run; None when the file locked was unlinked by a run that ended meanwhile."""
+    try:
         file = path.open("a+")  # not truncated before the lock is ours: it names the holder
     except OSError as err:
         raise ConfigError(f"output_dir={out}: cannot write there ({err})") from None
@@ -108,6 +136,10 @@ def claim_output_dir(output_dir: str | os.PathLike) -> OutputDirLock:
         file.close()
         log.warning("cannot lock %s (%s): a second run on this folder will not be detected", path, err)
         return OutputDirLock(path, None)
+    if not _same_file(path, file):  # released and removed between our open and our lock: open the new one
+        fcntl.flock(file.fileno(), fcntl.LOCK_UN)
+        file.close()
+        return None
     file.seek(0)
     file.truncate()
     file.write(

@@ -4,12 +4,14 @@ On a machine without the Hugging Face hub, transformers and datasets retry for a
 in a deep traceback; a missing local model folder is tried on the hub as a repo name; an
 unwritable or full output folder fails after the model has loaded, or at the first checkpoint.
 `check_sources` answers in seconds, naming everything that is wrong and how to fix it, in one
-`ConfigError`. `RunDirCheck` (a Hydra callback) checks the run folder before Hydra writes to it.
+`ConfigError`. `RunDirCheck` (a Hydra callback) checks the run folder before Hydra writes to it, and a
+run refused before it starts leaves no folder it created (`discard_refused_run_dir`).
 """
 
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import shutil
 from pathlib import Path
@@ -184,15 +186,74 @@ def check_sources(c: TrainConfig) -> None:
         raise ConfigError("cannot start this run:" + "".join(f"\n  - {p}" for p in problems))
 
 
+HYDRA_FILES = {".hydra": {"config.yaml", "hydra.yaml", "overrides.yaml"}}
+"""What Hydra writes into a run folder before the job starts (beside the job's log, `<job name>.log`)."""
+_new_run_dir: Optional[tuple[Path, Path]] = None
+"""The run folder Hydra creates for this process's run, and the first of its folders that did not exist
+before it (itself, or a parent such as `outputs/<date>`); None when the run folder existed."""
+
+
+def _first_missing(path: Path) -> Optional[Path]:
+    """The outermost folder of `path` (`path` included) that does not exist, or None."""
+    path = path.absolute()
+    if path.exists():
+        return None
+    while not path.parent.exists() and path.parent != path.parent.parent:
+        path = path.parent
+    return path
+
+
+def _only_hydra_files(folder: Path, job_log: str) -> bool:
+    for entry in folder.iterdir():
+        if entry.name == job_log and entry.is_file():
+            continue
+        wrote = HYDRA_FILES.get(entry.name)
+        if wrote is None or not entry.is_dir() or any(f.name not in wrote for f in entry.iterdir()):
+            return False
+    return True
+
+
+def discard_refused_run_dir(job_log: str) -> Optional[Path]:
+    """After a run refused before it started (a user error, exit 2): remove the run folder Hydra
+    created for it, and the parent folders created with it once empty, so that a refusal leaves no
+    folder holding only Hydra's config and an empty log (`job_log`). Kept: a folder that existed
+    before this process's run, and one that holds anything else (the run had started). Returns the
+    removed folder."""
+    if _new_run_dir is None:
+        return None
+    run_dir, first_new = _new_run_dir
+    if not run_dir.is_dir() or not _only_hydra_files(run_dir, job_log):
+        return None
+    for logger in [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]:
+        for handler in list(getattr(logger, "handlers", [])):  # the job log's handler: closed, never reopened
+            if isinstance(handler, logging.FileHandler) and Path(handler.baseFilename).parent == run_dir:
+                logger.removeHandler(handler)
+                handler.close()
+    shutil.rmtree(run_dir, ignore_errors=True)
+    folder = run_dir.parent
+    while folder != first_new.parent and folder.is_dir() and not any(folder.iterdir()):
+        folder.rmdir()
+        folder = folder.parent
+    return run_dir
+
+
 class RunDirCheck(Callback):
     """Hydra callback: the run (or sweep) folder is checked with `check_output_dir` before Hydra
     creates it and writes its config there, so an unwritable or full one is one message, exit 2.
-    Its start also tells `errors.run_hydra_cli` that the config was composed."""
+    Its start also tells `errors.run_hydra_cli` that the config was composed, and notes whether the
+    run folder is new (`discard_refused_run_dir`)."""
 
     def __init__(self) -> None:
         config_composed()
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        global _new_run_dir
+        try:
+            path = OmegaConf.select(config, "hydra.run.dir")
+        except Exception:  # resolved by Hydra's job only: nothing to note
+            path = None
+        first_new = _first_missing(Path(path)) if path else None
+        _new_run_dir = (Path(path).absolute(), first_new) if first_new is not None else None
         self._check(config, "hydra.run.dir")
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:

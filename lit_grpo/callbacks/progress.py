@@ -1,0 +1,70 @@
+"""The progress bar of a run: rollout steps out of `max_steps`, with the rate and the time left.
+
+Lightning's bar takes its total from the training data's length, and a rollout stream has none,
+so it counted steps with no total and no ETA. This one counts the steps the module trained (a
+resumed run starts at its checkpoint's step) toward `max_steps` (none when `max_steps=-1`).
+While it is drawn, the console's log lines are written above it (`tqdm.write`), never through it.
+`lit_grpo.build` adds it when `trainer.enable_progress_bar` is true.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any, Optional
+
+import lightning as L
+from lightning.pytorch.callbacks import TQDMProgressBar
+from lightning.pytorch.callbacks.progress.tqdm_progress import Tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
+
+# The loggers whose console handlers could print while the bar is drawn: the root's (Hydra's, or the
+# caller's), and Lightning's own when nobody else prints (`lit_grpo.run.console.tidy_lightning_logging`).
+CONSOLE_LOGGERS = ("", "lightning", "lightning.pytorch", "lightning.fabric")
+
+
+class StepProgressBar(TQDMProgressBar):
+    """Lightning's tqdm bar over rollout steps: total `max_steps` (-1: unknown), the step's reward."""
+
+    def __init__(self, max_steps: int, refresh_rate: int = 1) -> None:
+        super().__init__(refresh_rate=refresh_rate)
+        self.max_steps = max_steps
+        self._redirect: Optional[contextlib.ExitStack] = None
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        super().on_train_start(trainer, pl_module)
+        if self.is_enabled and self._redirect is None:
+            self._redirect = contextlib.ExitStack()
+            self._redirect.enter_context(
+                logging_redirect_tqdm([logging.getLogger(name) for name in CONSOLE_LOGGERS], tqdm_class=Tqdm)
+            )
+
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        super().on_train_epoch_start(trainer, pl_module)
+        bar, start = self.train_progress_bar, getattr(pl_module, "rollout_step", 0)
+        bar.set_description("steps")
+        if self.max_steps > 0 and not trainer.fast_dev_run:
+            bar.total, bar.initial, bar.n = self.max_steps, start, start  # the rate counts this run's steps
+            bar.refresh()
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        bar = self.train_progress_bar
+        step = getattr(pl_module, "rollout_step", batch_idx + 1)
+        if bar is not None and self._should_update(step, bar.total):
+            bar.n = step
+            bar.set_postfix(self.get_metrics(trainer, pl_module))  # refreshes the bar
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        super().on_train_end(trainer, pl_module)
+        self._end_redirect()
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self._end_redirect()  # a run that raised ends here without on_train_end
+        super().teardown(trainer, pl_module, stage)
+
+    def _end_redirect(self) -> None:
+        if self._redirect is not None:
+            self._redirect.close()
+            self._redirect = None
