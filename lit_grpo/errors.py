@@ -12,7 +12,8 @@ the fix) and exit code 2, without a Python traceback:
 Anything else is a bug and keeps its traceback. `HYDRA_FULL_ERROR=1` (the switch Hydra's own
 errors name) prints the traceback of a user error too, before its message; the exit code stays 2.
 A config Hydra cannot compose (a wrong type, an unknown key without `+`, an unknown group option)
-is reported by Hydra itself, without a traceback; `run_hydra_cli` turns its exit code 1 into 2.
+ends with exit code 2 too, without a traceback: an unknown key as one line naming the key meant
+(or the new name of one that moved), anything else as Hydra words it (`run_hydra_cli`).
 
     @hydra.main(...)
     def main(cfg):
@@ -153,22 +154,62 @@ def config_composed() -> None:
     from then on an exit code 1 is no longer a composition error."""
     global _composed
     _composed = True
+    _restore_full_error()
 
 
-def run_hydra_cli(hydra_main: Callable[[], Any]) -> None:
-    """Run a `@hydra.main` function; when Hydra stops with exit code 1 before the config was
-    composed (`config_composed` never called: an override of the wrong type, an unknown key or
-    group option, whose message Hydra printed), exit with `EXIT_USER_ERROR` instead.
+def run_hydra_cli(
+    hydra_main: Callable[[], Any], explain: Optional[Callable[[BaseException], Optional[str]]] = None
+) -> None:
+    """Run a `@hydra.main` function; when Hydra cannot compose the config (`config_composed` not
+    yet called: an override of the wrong type, an unknown key or group option), exit with
+    `EXIT_USER_ERROR`. `explain(err)` may turn such an error into one line (an unknown key: the one
+    meant); else Hydra's own message is printed, as Hydra prints it.
 
-    Needs a Hydra callback that calls `config_composed` (conf/train.yaml: `RunDirCheck`): without
-    one, every exit code 1 (bugs too) would become 2.
+    Until the config is composed, `HYDRA_FULL_ERROR` is set so that Hydra raises its error here
+    instead of printing it; `config_composed` restores it. Needs a Hydra callback that calls
+    `config_composed` (conf/train.yaml: `RunDirCheck`): without one, every error would count as
+    a composition error.
     """
+    global _saved_full_error
+    _saved_full_error = (os.environ.get(TRACEBACK_ENV),)
+    os.environ[TRACEBACK_ENV] = "1"
     try:
         hydra_main()
     except SystemExit as stop:
         if stop.code == 1 and not _composed:
             sys.exit(EXIT_USER_ERROR)
         raise
+    except Exception as err:
+        if _composed:
+            raise
+        _restore_full_error()
+        if show_traceback():
+            traceback.print_exception(type(err), err, err.__traceback__)
+        line = explain(err) if explain is not None else None
+        if line is not None:
+            print(f"error: {line}", file=sys.stderr, flush=True)
+        else:  # as Hydra prints it
+            cause = err.__cause__
+            omegaconf_cause = cause is not None and type(cause).__module__.startswith("omegaconf")
+            print(f"{err}\n{cause}" if omegaconf_cause else str(err), file=sys.stderr, flush=True)
+        sys.exit(EXIT_USER_ERROR)
+    finally:
+        _restore_full_error()
+
+
+_saved_full_error: Optional[tuple[Optional[str]]] = None
+"""`HYDRA_FULL_ERROR` as the user had it, while `run_hydra_cli` holds it set (None: not held)."""
+
+
+def _restore_full_error() -> None:
+    global _saved_full_error
+    if _saved_full_error is None:
+        return
+    (value,), _saved_full_error = _saved_full_error, None
+    if value is None:
+        os.environ.pop(TRACEBACK_ENV, None)
+    else:
+        os.environ[TRACEBACK_ENV] = value
 
 
 def _user_frame(err: BaseException, module_file: Optional[str]) -> str:

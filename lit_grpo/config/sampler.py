@@ -7,9 +7,13 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from lit_grpo.config.checks import MAX_TEMPERATURE, require, require_finite
+from lit_grpo.config.model import BUILT_KINDS
+
+if TYPE_CHECKING:
+    from lit_grpo.config.run import TrainConfig
 
 ENGINE_THREADS = ("auto", "worker", "loop")
 """`sampler.engine_thread`."""
@@ -23,21 +27,22 @@ SHARDING_STRATEGY_WORDS = ("fsdp", "deepspeed", "model_parallel")
 """A `trainer.strategy` naming one of these may shard the policy: a sampler then needs whole weights of its own."""
 
 
-def sampler_copy_reason(
-    kind: str, synchronous_training: bool, weight_sync_interval: int, strategy: str
-) -> Optional[str]:
+def sampler_copy_reason(kind: str, synchronous: bool, weight_sync_interval: int, strategy: str) -> Optional[str]:
     """Why the sampler needs a copy of the policy's weights of its own, or None when nothing can
     make sampling overlap training and the `hf` sampler can generate with the policy itself."""
     if kind != "hf":
         return f"sampler.kind={kind} runs an engine of its own (only hf generates with the trainer's model)"
     if weight_sync_interval == 0:
-        return "weight_sync_interval=0: the sampler keeps the base weights on purpose"
+        return "offpolicy.weight_sync_interval=0: the sampler keeps the base weights on purpose"
     if weight_sync_interval != 1:
-        return f"weight_sync_interval={weight_sync_interval}: between syncs the sampler keeps the last synced weights"
-    if not synchronous_training:
         return (
-            "synchronous_training=false: rollouts run on a thread of their own, beside training (with "
-            "max_head_offpolicy_versions=0 too: rows oversampled for groups the filters may drop can still be "
+            f"offpolicy.weight_sync_interval={weight_sync_interval}: between syncs the sampler keeps the last "
+            "synced weights"
+        )
+    if not synchronous:
+        return (
+            "offpolicy.synchronous=false: rollouts run on a thread of their own, beside training (with "
+            "offpolicy.max_lag=0 too: rows oversampled for groups the filters may drop can still be "
             "generating when a step's groups are in)"
         )
     if any(word in strategy.lower() for word in SHARDING_STRATEGY_WORDS):
@@ -45,9 +50,21 @@ def sampler_copy_reason(
     return None
 
 
-def engine_on_loop(engine_thread: str, synchronous_training: bool) -> bool:
+def engine_on_loop(engine_thread: str, synchronous: bool) -> bool:
     """Whether the in-process engine runs on the rollout event loop's thread (`sampler.engine_thread`)."""
-    return engine_thread == "loop" or (engine_thread == "auto" and synchronous_training)
+    return engine_thread == "loop" or (engine_thread == "auto" and synchronous)
+
+
+def check_sampler_fits(c: TrainConfig) -> None:
+    """The sampler can run the model: vLLM's CPU attention needs a head size of 32 or more."""
+    if c.sampler.kind == "vllm" and c.model.kind in BUILT_KINDS:
+        head_dim = c.model.hidden_size // c.model.num_heads
+        require(
+            head_dim >= 32,
+            "model.num_heads",
+            f"vLLM's CPU attention needs a head size >= 32, got {head_dim}; "
+            f"try model.num_heads={max(c.model.hidden_size // 32, 1)}",
+        )
 
 
 @dataclass
@@ -129,7 +146,7 @@ class SamplerConfig:
     `server_urls` must run with runtime LoRA loading on (`python -m lit_grpo.serve --lora-rank R`)."""
     max_loras: int = 4
     """vllm_server with adapter sync: adapters a server keeps loaded (`--max-loras`): the newest
-    one and those older rollouts may still run on; must exceed max_head_offpolicy_versions + 1."""
+    one and those older rollouts may still run on; must exceed offpolicy.max_lag + 1."""
 
     @property
     def lora_sync_mode(self) -> str:

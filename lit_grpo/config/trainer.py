@@ -20,7 +20,7 @@ ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "mps", "tpu")
 
 
 @dataclass
-class TrainerConfig:
+class LightningTrainerConfig:
     """Arguments of `lightning.Trainer` that lit_grpo exposes; `extra` passes any other one."""
 
     accelerator: str = "auto"

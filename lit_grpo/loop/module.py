@@ -1,6 +1,6 @@
 """GRPOModule: the trainable policy, its frozen reference, and one training step that reads like the maths.
 
-Manual optimization, because one rollout batch makes `ppo_n_minibatches` optimizer steps (the
+Manual optimization, because one rollout batch makes `batching.ppo_minibatches` optimizer steps (the
 PPO inner loop), each accumulating gradients over micro-batches. The step pulls its batch from the
 rollout stream itself (`dataloader_iter`), which stops Lightning from sampling the next batch
 before this step's weights are synced.
@@ -92,13 +92,13 @@ class GRPOModule(L.LightningModule):
         self.step_sequence = step_sequence
         """Weight sync and version, checkpoint, evaluation, metrics: run after each step (see `on_train_batch_end`)."""
         self.rollout_step = 0
-        """Rollout steps completed (each is `ppo_n_minibatches` optimizer steps)."""
+        """Rollout steps completed (each is `batching.ppo_minibatches` optimizer steps)."""
         self.last_step: Optional[StepResult] = None
         """The latest step's result, for the step sequence and callbacks (histograms)."""
-        self.skipped_steps = SkippedSteps(config.max_nonfinite_steps)
+        self.skipped_steps = SkippedSteps(config.guards.max_nonfinite_steps)
         """Optimizer steps whose update was skipped: non-finite, or without a learning signal."""
-        self.budget_watch = BudgetWatch(config.micro_batch_max_tokens, config.data.max_seq_len)
-        """Micro-batches over `micro_batch_max_tokens` (a sequence longer than it), counted and said once."""
+        self.budget_watch = BudgetWatch(config.batching.micro_batch_max_tokens, config.data.max_seq_len)
+        """Micro-batches over `batching.micro_batch_max_tokens` (a sequence longer than it), counted and said once."""
 
     def train(self, mode: bool = True) -> GRPOModule:
         # Dropout stays off in both models: the trainer's logprobs must match the sampler's.
@@ -125,12 +125,15 @@ class GRPOModule(L.LightningModule):
         optimizer = adamw(
             [p for p in self.policy.parameters() if p.requires_grad],
             lr=c.learning_rate,
-            betas=(c.adam_beta1, c.adam_beta2),
-            eps=c.adam_eps,
-            weight_decay=c.weight_decay,
+            betas=(c.optim.adam_beta1, c.optim.adam_beta2),
+            eps=c.optim.adam_eps,
+            weight_decay=c.optim.weight_decay,
         )
         multiplier = partial(
-            lr_multiplier, warmup_steps=c.warmup_steps, decay=c.lr_decay, total_steps=c.max_steps * c.ppo_n_minibatches
+            lr_multiplier,
+            warmup_steps=c.optim.warmup_steps,
+            decay=c.optim.lr_decay,
+            total_steps=c.max_steps * c.batching.ppo_minibatches,
         )
         schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, multiplier)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
@@ -148,10 +151,12 @@ class GRPOModule(L.LightningModule):
         sampler_logprobs_BT = align_to_predictions(batch.sampler_logprobs_BT)
         # Per-token advantages (IGPO's turn credit) shift exactly like the loss mask; else one per sequence.
         advantages = batch.advantages_B if batch.advantages_BT is None else align_to_predictions(batch.advantages_BT)
-        K = self.config.ppo_n_minibatches
+        K = self.config.batching.ppo_minibatches
         k = min(K, fewest_sequences)  # every rank makes the same number of optimizer steps, even with a short batch
         minibatches = even_slices(batch.num_sequences, k)
-        plan = plan_forwards(attention, minibatches, self.config.micro_batch_size, self.config.micro_batch_max_tokens)
+        plan = plan_forwards(
+            attention, minibatches, self.config.batching.micro_batch_size, self.config.batching.micro_batch_max_tokens
+        )
         if is_fsdp2(self.policy):  # each forward gathers shards from every rank: all ranks make as many
             counts = all_reduce(torch.tensor(forward_counts(plan), device=self.device), "max")
             plan = with_fillers(plan, counts.tolist())
@@ -164,7 +169,7 @@ class GRPOModule(L.LightningModule):
         # `old` is the policy before this batch's first update; with one minibatch it equals the
         # current policy, so the training forward itself provides it (no extra forward). Anchored on
         # the rollout, the sampler's logprobs are `old`: no forward at all.
-        if self.config.anchor_logp == "rollout":
+        if self.config.policy_loss.anchor_logp == "rollout":
             old_logprobs_BT = sampler_logprobs_BT
         elif K > 1:
             old_logprobs_BT = no_grad_logprobs(self.policy, tokens, attention, temperature, plan.no_grad, mask_BT)
@@ -267,7 +272,7 @@ class GRPOModule(L.LightningModule):
             # What the ratio is anchored on: the trainer's logprobs before this step's update, or the sampler's.
             anchor_BT = micro.predictions(old_logprobs_BT) if old_logprobs_BT is not None else logprobs_BT.detach()
             # The drift is always the trainer's against the sampler's (anchored on the rollout, the current policy's).
-            trainer_old_BT = logprobs_BT.detach() if self.config.anchor_logp == "rollout" else anchor_BT
+            trainer_old_BT = logprobs_BT.detach() if self.config.policy_loss.anchor_logp == "rollout" else anchor_BT
             micro_sampler_BT = micro.predictions(sampler_logprobs_BT)
             loss, metrics = policy_loss(
                 self.config.policy_loss.name,
@@ -315,11 +320,11 @@ class GRPOModule(L.LightningModule):
         totals.update(self.skipped_steps.metrics(verdict, world_size, grad_norm.device))
         self.skipped_steps.note(verdict, loss_sum, grad_norm, self.rollout_step + 1, self.trainer.is_global_zero)
         if verdict == TAKEN:
-            if self.config.grad_clip_norm > 0:
+            if self.config.optim.grad_clip_norm > 0:
                 self._clip(optimizer, with_grads, grad_norm)
                 # The norm after clipping, by clip_grad_norm_'s own factor min(1, c / (‖g‖ + 1e-6)): no second pass
                 # over the grads.
-                factor = (self.config.grad_clip_norm / (grad_norm.detach() + 1e-6)).clamp(max=1.0)
+                factor = (self.config.optim.grad_clip_norm / (grad_norm.detach() + 1e-6)).clamp(max=1.0)
                 totals["train/grad_norm_clipped"] = totals["train/grad_norm"] * factor
             optimizer.step()
         else:
@@ -328,20 +333,22 @@ class GRPOModule(L.LightningModule):
         return totals
 
     def _clip(self, optimizer, with_grads: list[torch.Tensor], grad_norm: torch.Tensor) -> None:
-        """Clip the gradients to `grad_clip_norm`. Where the precision plugin clips with plain
+        """Clip the gradients to `optim.grad_clip_norm`. Where the precision plugin clips with plain
         `clip_grad_norm_`, the norm already taken is reused (no second pass over the gradients);
         a plugin with its own clipping (FSDP, DeepSpeed) keeps it."""
         if type(self.trainer.precision_plugin).clip_grad_by_norm is Precision.clip_grad_by_norm:
             # clip_grad_norm_ scales by min(1, c / (norm + 1e-6)): a factor of 1 changes nothing. The
             # finiteness check already waited for the norm, so reading it costs no further wait.
-            if float(grad_norm) + 1e-6 > self.config.grad_clip_norm:
+            if float(grad_norm) + 1e-6 > self.config.optim.grad_clip_norm:
                 if is_fsdp2(self.policy):  # DTensor gradients take a plain factor, not a plain tensor
-                    factor = self.config.grad_clip_norm / (float(grad_norm) + 1e-6)
+                    factor = self.config.optim.grad_clip_norm / (float(grad_norm) + 1e-6)
                     torch._foreach_mul_([p.grad for p in with_grads], factor)
                 else:
-                    torch.nn.utils.clip_grads_with_norm_(with_grads, self.config.grad_clip_norm, grad_norm)
+                    torch.nn.utils.clip_grads_with_norm_(with_grads, self.config.optim.grad_clip_norm, grad_norm)
         else:
-            self.clip_gradients(optimizer, gradient_clip_val=self.config.grad_clip_norm, gradient_clip_algorithm="norm")
+            self.clip_gradients(
+                optimizer, gradient_clip_val=self.config.optim.grad_clip_norm, gradient_clip_algorithm="norm"
+            )
 
     def _no_gradient_sync(self):
         """No gradient all-reduce for this backward (all but a step's last micro-batch): one per optimizer step."""
