@@ -8,8 +8,8 @@ from dataclasses import fields
 from lit_grpo.config.controls import EntropyConfig
 from lit_grpo.config.groups import DataConfig
 from lit_grpo.config.run import TrainConfig
-from lit_grpo.config.training import CheckpointConfig
 from lit_grpo.config.sources import source_kind
+from lit_grpo.config.training import CheckpointConfig
 
 
 def ineffective_knobs(c: TrainConfig) -> list[str]:

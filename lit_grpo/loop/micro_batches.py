@@ -182,9 +182,10 @@ class BudgetWatch:
         if plan.over_budget and not self.said:
             self.said = True
             log.warning(
-                "step %d: a sequence of %d tokens is longer than batching.micro_batch_max_tokens=%d, so it goes through a "
-                "forward and backward of its own, over the budget (a sequence cannot be split; counted in %s, "
-                "said once): set batching.micro_batch_max_tokens to at least data.max_seq_len=%d to bound every forward",
+                "step %d: a sequence of %d tokens is longer than batching.micro_batch_max_tokens=%d, so it goes "
+                "through a forward and backward of its own, over the budget (a sequence cannot be split; counted in "
+                "%s, said once): set batching.micro_batch_max_tokens to at least data.max_seq_len=%d to bound every "
+                "forward",
                 step,
                 max(plan.over_budget),
                 self.max_tokens,

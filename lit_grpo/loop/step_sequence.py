@@ -206,8 +206,9 @@ class StepSequence:
             what = f"No step had finished. {restart} and run again."
         else:
             what = (
-                f"Step {step} had finished, but checkpoints are off (checkpoint.save_interval=0), so the run cannot continue: "
-                f"{restart} and run again (set checkpoint.save_interval=N to make a run resumable after a fault)."
+                f"Step {step} had finished, but checkpoints are off (checkpoint.save_interval=0), so the run cannot "
+                f"continue: {restart} and run again (set checkpoint.save_interval=N to make a run resumable after "
+                "a fault)."
             )
         return EnvironmentFault(f"{str(fault).rstrip('.')}; training stopped after step {step}. {what}")
 

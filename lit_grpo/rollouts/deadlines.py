@@ -191,8 +191,8 @@ def stall_report(stale_s: float, deadline_s: float, thread_id: Optional[int], ro
     ] or frames  # the loop's own frames say nothing
     stack = traceback.format_list(frames[-4:]) if frames else ["  (no stack: the thread is gone)\n"]
     return (
-        f"the rollout event loop has not run for {stale_s:.1f} s (guards.rollout_timeout_s={deadline_s:g}): a rollout blocks "
-        "it (or an engine call of the sampler, with sampler.engine_thread=loop), so no deadline can fire. "
+        f"the rollout event loop has not run for {stale_s:.1f} s (guards.rollout_timeout_s={deadline_s:g}): a rollout "
+        "blocks it (or an engine call of the sampler, with sampler.engine_thread=loop), so no deadline can fire. "
         f"Rollout function: {function_name(rollout_fn)}. The loop's thread is at:\n"
         + "".join(stack)
         + "An async rollout must not block its event loop: use `await asyncio.sleep(...)` instead of time.sleep, an "
