@@ -47,9 +47,9 @@ from lit_grpo.train import compose_config, summarize
 from lit_grpo.types import RolloutSample
 
 MODES = {
-    "sync": ["synchronous_training=true"],
-    "async O=1": ["synchronous_training=false", "max_head_offpolicy_versions=1"],
-    "async O=2": ["synchronous_training=false", "max_head_offpolicy_versions=2"],
+    "sync": ["offpolicy.synchronous=true"],
+    "async O=1": ["offpolicy.synchronous=false", "offpolicy.max_lag=1"],
+    "async O=2": ["offpolicy.synchronous=false", "offpolicy.max_lag=2"],
 }
 
 
@@ -67,9 +67,9 @@ def make_latency_rollout_fn(setup):
 
 
 PARTIAL_MODES = {
-    "sync": ["synchronous_training=true"],
-    "async O=1": ["synchronous_training=false", "max_head_offpolicy_versions=1"],
-    "O=1 partial": ["synchronous_training=false", "max_head_offpolicy_versions=1", "partial_rollouts=true"],
+    "sync": ["offpolicy.synchronous=true"],
+    "async O=1": ["offpolicy.synchronous=false", "offpolicy.max_lag=1"],
+    "O=1 partial": ["offpolicy.synchronous=false", "offpolicy.max_lag=1", "offpolicy.partial_rollouts=true"],
 }
 
 

@@ -6,7 +6,7 @@ side by side: seconds per step and peak resident memory. Three sides by default:
     make bench-rehearsal                                  # installs the pinned trl here first
     python -m benchmarks.rehearsal                        # the experiment's settings: 4 layers, 2×8, 256 tokens
     python -m benchmarks.rehearsal --layers 2 --steps 2 --tokens 64          # a quick check
-    python -m benchmarks.rehearsal --sides lit --lit-override micro_batch_size=8   # any override, lit_grpo only
+    python -m benchmarks.rehearsal --sides lit --lit-override batching.micro_batch_size=8   # any override, lit_grpo only
     python -m benchmarks.rehearsal --trl-arg use_transformers_paged=true
 
 Both sides train the same model: the random-init Qwen2.5-0.5B-shaped `model=rehearsal_0p5b` cut to
@@ -98,7 +98,7 @@ class Settings:
     token_budget: int = 2048
     """lit_grpo's `lit_budget` side: `micro_batch_max_tokens` (no count of sequences) instead of `micro_batch`."""
     lit_overrides: list = dataclasses.field(default_factory=list)
-    """Hydra overrides for lit_grpo's side, e.g. micro_batch_max_tokens=4096."""
+    """Hydra overrides for lit_grpo's side, e.g. batching.micro_batch_max_tokens=4096."""
     trl_args: dict = dataclasses.field(default_factory=dict)
     """GRPOConfig fields for TRL's side, e.g. {"use_transformers_paged": True}."""
 
@@ -106,9 +106,9 @@ class Settings:
         """The lit_grpo run: the experiment at these settings, no checkpoints, no export; micro-batches
         of `micro_batch` sequences (`lit`) or of at most `token_budget` tokens (`lit_budget`)."""
         micro = (
-            ["micro_batch_size=0", f"micro_batch_max_tokens={self.token_budget}"]
+            ["batching.micro_batch_size=0", f"batching.micro_batch_max_tokens={self.token_budget}"]
             if side == "lit_budget"
-            else [f"micro_batch_size={self.micro_batch}", "micro_batch_max_tokens=0"]
+            else [f"batching.micro_batch_size={self.micro_batch}", "batching.micro_batch_max_tokens=0"]
         )
         return [
             "+experiment=rehearsal_0p5b",
@@ -124,7 +124,7 @@ class Settings:
             f"policy_loss.kl_beta={self.kl_beta}",
             f"seed={self.seed}",
             "data.shuffle=false",  # the rows in file order, as TRL's side takes them
-            "dcp_save_interval=0",
+            "checkpoint.save_interval=0",
             "resume=null",
             "output_model_id=null",
             "callbacks=none",

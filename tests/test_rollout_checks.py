@@ -216,7 +216,7 @@ def test_a_rollout_past_its_deadline_is_cancelled_and_counted(monkeypatch):
             raise
 
     result, events = _call(sleeps, timeout_s=0.05, max_retries=1)
-    assert isinstance(result, RolloutTimeout) and "rollout_timeout_s=0.05" in str(result)
+    assert isinstance(result, RolloutTimeout) and "guards.rollout_timeout_s=0.05" in str(result)
     assert events == ["rollout/timeouts", "rollout/retries", "rollout/timeouts"]
     assert len(cancelled) == 2
 
