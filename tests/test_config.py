@@ -138,7 +138,8 @@ def test_wrong_type_fails_at_compose_naming_it(tmp_path):
             "partial_rollouts`: needs offpolicy.synchronous",
         ),
         (
-            "offpolicy.partial_rollouts=true sampler=vllm_server offpolicy.synchronous=false offpolicy.weight_sync_interval=0",
+            "offpolicy.partial_rollouts=true sampler=vllm_server offpolicy.synchronous=false "
+            "offpolicy.weight_sync_interval=0",
             "partial_rollouts`: needs weight syncs",
         ),
     ],

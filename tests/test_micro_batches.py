@@ -281,10 +281,10 @@ def test_a_sequence_over_the_budget_is_counted_and_said_once(tmp_path, caplog):
     assert [m["train/micro_batches_over_budget"] for m in steps.metrics] == [2.0, 1.0, 0.0]
     said = [r.getMessage() for r in caplog.records if "micro_batch_max_tokens" in r.getMessage()]
     assert said == [
-        "step 1: a sequence of 96 tokens is longer than batching.micro_batch_max_tokens=32, so it goes through a forward "
-        "and backward of its own, over the budget (a sequence cannot be split; counted in "
-        "train/micro_batches_over_budget, said once): set batching.micro_batch_max_tokens to at least data.max_seq_len=96 "
-        "to bound every forward"
+        "step 1: a sequence of 96 tokens is longer than batching.micro_batch_max_tokens=32, so it goes through "
+        "a forward and backward of its own, over the budget (a sequence cannot be split; counted in "
+        "train/micro_batches_over_budget, said once): set batching.micro_batch_max_tokens to at least "
+        "data.max_seq_len=96 to bound every forward"
     ]
     steps = Steps([])
     fit_on(batches[:1], tmp_path / "off", callbacks=[steps])  # no budget: nothing to count
