@@ -2,7 +2,7 @@
 counted and survived), within seconds, never a silent stall.
 
 Each case runs `lit_grpo.train.train` on the arithmetic demo with small settings (2 prompts × 4
-completions, `max_rows_without_progress=8`, `rollout_timeout_s=1`); a rollout that blocks the
+completions, `guards.max_rows_without_progress=8`, `guards.rollout_timeout_s=1`); a rollout that blocks the
 trainer's thread runs in a subprocess (`python tests/hostile_rollouts.py <overrides>`), since the
 watchdog interrupts the main thread.
 `pytest --durations=0` shows how long each case takes to stop (model build included).
@@ -200,7 +200,7 @@ def test_a_30_percent_flaky_reward_trains_through_retried_as_configured(run, tmp
 
 @pytest.mark.timeout(120)
 def test_a_synchronous_reward_that_hangs_on_one_call_delays_only_its_own_sample(run, tmp_path):
-    """The 5th reward call sleeps 20 s, past rollout_timeout_s=10: it runs off the event loop, so
+    """The 5th reward call sleeps 20 s, past guards.rollout_timeout_s=10: it runs off the event loop, so
     the other samples keep flowing; its sample is cut at the deadline and retried, and the run ends."""
     summary, seconds = run(
         "reward.fn=hostile_rollouts:reward_slow_once",

@@ -244,7 +244,9 @@ def test_health_metrics_in_a_two_step_run(tmp_path):
         assert abs(step["train/drift/k1"]) < 1e-4
         assert 0.0 <= step["train/drift/k3"] < 1e-6  # k3 >= 0 on every token
         assert step["train/drift/over_tis_cap_frac"] == 0.0
-        assert 0.0 < step["train/grad_norm_clipped"] <= min(step["train/grad_norm"], 1.0) + 1e-6  # grad_clip_norm=1
+        assert (
+            0.0 < step["train/grad_norm_clipped"] <= min(step["train/grad_norm"], 1.0) + 1e-6
+        )  # optim.grad_clip_norm=1
         # One generated token per sequence (max_completion_tokens=1): tokens = accepted groups × G (8).
         assert step["train/tokens"] == step["rollout/groups_accepted"] * 8
         lengths = {k: v for k, v in step.items() if k.startswith("rollout/length_")}

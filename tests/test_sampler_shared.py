@@ -213,7 +213,7 @@ def test_the_data_module_builds_the_sampler_the_config_chose(tiny_model, tokeniz
 
 @pytest.mark.timeout(60)
 def test_with_no_version_ahead_the_off_policy_gate_still_admits_rows_a_step_may_not_need():
-    """Why `synchronous_training=false` keeps a copy even at O = 0: once filters dropped some groups
+    """Why `offpolicy.synchronous=false` keeps a copy even at O = 0: once filters dropped some groups
     the gate oversamples, so a row can start that is still generating when the step has its P groups
     (and trains while it generates); it is not trained, but it reads the weights meanwhile."""
     G, P = 4, 2

@@ -48,7 +48,7 @@ def test_sigterm_during_a_step_checkpoints_that_step_and_resumes_exactly(uninter
     proc, seconds = _stop(run_dir, "+callbacks.term={_target_:fault_injection.SignalAfterStep,step:5}")
     assert proc.returncode == 143, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
-    _resume_matches(run_dir, uninterrupted, stopped_at=5)  # 5 is not a multiple of dcp_save_interval=2
+    _resume_matches(run_dir, uninterrupted, stopped_at=5)  # 5 is not a multiple of checkpoint.save_interval=2
 
 
 @pytest.mark.parametrize("mode", ["offpolicy.synchronous=true", "offpolicy.synchronous=false"])

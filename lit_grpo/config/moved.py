@@ -76,6 +76,11 @@ def _open_dict_key(new: str) -> bool:
     return ".params." in new
 
 
+def _unset(old: str, value: Any) -> bool:
+    """Whether `old` holds "unset": null in the fields that were optional (`policy_loss.*`)."""
+    return value is None and old.startswith("policy_loss.")
+
+
 def _new_value(old: str, value: Any) -> Any:
     values = MOVED_VALUES.get(old)
     if values is None or not isinstance(value, str):
@@ -151,8 +156,8 @@ def _has(node: Any, dotted: str) -> bool:
 def _rename(node: Any, *, announce: bool) -> None:
     for old, new in MOVED.items():
         found, value = _pop(node, old)
-        if not found or value is None and (_open_dict_key(new) or new in GROUP_KEYS):
-            continue  # null was "unset" for the deprecated and the loss's own knobs
+        if not found or _unset(old, value):
+            continue
         if announce:
             log.warning(moved_note(old, value if old in MOVED_VALUES else None))
         _set(node, f"{new}.name" if new in GROUP_KEYS else new, _new_value(old, value))
@@ -179,7 +184,7 @@ def rename_saved(flat: dict[str, Any]) -> dict[str, Any]:
     for old, new in MOVED.items():
         if old in out:
             value = out.pop(old)
-            if value is not None or not (_open_dict_key(new) or new in GROUP_KEYS):
+            if not _unset(old, value):
                 out.setdefault(f"{new}.name" if new in GROUP_KEYS else new, _new_value(old, value))
     return out
 
