@@ -1,7 +1,7 @@
 """Benchmark of asynchronous training with a latency-bound environment (`make bench-async`).
 
 Each rollout samples one completion and then awaits `env_latency_s` (standing in for a tool
-call). The same arithmetic run is timed with `synchronous_training: true` and with the
+call). The same arithmetic run is timed with `offpolicy.synchronous: true` and with the
 off-policy gate at O = 1 and O = 2, in one process, and the medians are printed side by side.
 With `--repeats N` the three modes run N times in alternating order, and each mode's ratio to
 synchronous training is taken within a round, then the median over the rounds is printed: the

@@ -1,4 +1,5 @@
-"""Keys of a composed config that the schema does not have: a misspelt `+key=value` override.
+"""Keys of a config that the schema does not have: a misspelt `+key=value` override, and a key
+Hydra refuses while composing (a misspelt `key=value`, or an old name in a YAML file).
 
 Hydra's `+key=value` adds a key even where the schema has no such field, and
 `OmegaConf.to_object` then drops it without a word: `+learning_rte=1e-3` would train with the
@@ -6,6 +7,10 @@ default learning rate. `unknown_keys` walks the composed config next to the sche
 and names every such key with the closest valid name. A field typed `dict` (or `Any`) is open:
 its keys are checked elsewhere (`task` by the task's options) or passed on as given
 (`callbacks`, `logger`, `rollout.extras`, `policy_loss.params`, `trainer.extra`).
+
+Hydra words an unknown key as a block that suggests `+key=value` (which would be silently
+ignored); `composition_error` makes it one line naming the key meant (`closest_key`: the closest
+last part first, so `trainer.max_step` is `max_steps`) or the new name of one that moved.
 """
 
 from __future__ import annotations
