@@ -4,23 +4,20 @@
 composes them into `TrainConfig`.
 
 Every field has a docstring, and `__post_init__` checks what one group can check alone, naming
-the field (`check_rollout`: the rollout group's rules with the rest of the run); `ConfigError` is
-what a user sees.
+the field (`lit_grpo.config.run.check_rollout`: the rollout group's rules with the rest of the
+run); `ConfigError` is what a user sees.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 from lit_grpo.config.checks import (
     DEFINES_STATE,
     require,
     require_finite,
 )
-
-if TYPE_CHECKING:
-    from lit_grpo.config.run import TrainConfig
 
 
 @dataclass
@@ -128,21 +125,6 @@ class RolloutConfig:
             f"must be >= 0 (the penalty is subtracted), got {self.overlong_penalty_factor}",
         )
         require(self.max_concurrency >= 1, "rollout.max_concurrency", f"must be >= 1, got {self.max_concurrency}")
-
-
-def check_rollout(c: TrainConfig) -> None:
-    """Rows are admitted whole, and the overlong penalty starts inside the completion budget."""
-    require(
-        c.rollout.max_concurrency >= c.data.completions_per_prompt,
-        "rollout.max_concurrency",
-        f"must be >= data.completions_per_prompt ({c.data.completions_per_prompt}): rows are admitted whole",
-    )
-    require(
-        c.rollout.overlong_buffer_len < c.sampler.max_completion_tokens,
-        "rollout.overlong_buffer_len",
-        f"must be < sampler.max_completion_tokens ({c.sampler.max_completion_tokens}): the penalty starts "
-        f"at max_completion_tokens - overlong_buffer_len generated tokens, got {c.rollout.overlong_buffer_len}",
-    )
 
 
 @dataclass

@@ -1,19 +1,15 @@
 """The `offpolicy` group: how sampling overlaps training (synchronous steps, or the off-policy
 gate and its lag), how often the policy reaches the sampler, and partial rollouts.
 
-`OffPolicyConfig.__post_init__` checks its fields' ranges; `check_offpolicy` the rules that tie it
-to the sampler and the model.
+`OffPolicyConfig.__post_init__` checks its fields' ranges and the rules among them;
+`lit_grpo.config.run.check_offpolicy` the rules that tie it to the sampler and the model.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from lit_grpo.config.checks import require
-
-if TYPE_CHECKING:
-    from lit_grpo.config.run import TrainConfig
 
 
 @dataclass
@@ -57,27 +53,3 @@ class OffPolicyConfig:
             "(offpolicy.synchronous=false): the gate admits rows at most that many versions ahead, so a "
             "longer sync window would wait forever for rollouts",
         )
-
-
-def check_offpolicy(c: TrainConfig) -> None:
-    """The sampler can do what the schedule asks of it."""
-    o = c.offpolicy
-    if c.adapter_sync:
-        require(
-            o.synchronous or c.sampler.max_loras >= o.max_lag + 2,
-            "sampler.max_loras",
-            f"must be >= offpolicy.max_lag + 2 = {o.max_lag + 2} with adapter "
-            "sync: the rollouts still running on older adapters keep them loaded",
-        )
-    require(
-        not o.partial_rollouts or c.sampler.kind in ("vllm_server", "hf"),
-        "offpolicy.partial_rollouts",
-        f"needs sampler.kind=vllm_server (completions interrupted by a sync and continued) or hf "
-        f"(tokens tagged by generate call); sampler.kind={c.sampler.kind} does not tag its tokens' versions",
-    )
-    copy_reason = c.why_the_sampler_copies_the_policy()
-    require(
-        c.sampler.share_policy_weights != "true" or copy_reason is None,
-        "sampler.share_policy_weights",
-        f"true needs a sampler that never generates while the policy trains, but {copy_reason}",
-    )

@@ -29,23 +29,15 @@ from lit_grpo.config.groups import (
     PolicyLossConfig,
     RewardConfig,
     RolloutConfig,
-    check_rollout,
 )
 from lit_grpo.config.guards import GuardsConfig
 from lit_grpo.config.keys import unknown_keys, unknown_keys_message
-from lit_grpo.config.model import ModelConfig
+from lit_grpo.config.model import BUILT_KINDS, ModelConfig
 from lit_grpo.config.moved import rename_moved_keys
-from lit_grpo.config.offpolicy import OffPolicyConfig, check_offpolicy
-from lit_grpo.config.sampler import SamplerConfig, check_sampler_fits, sampler_copy_reason
+from lit_grpo.config.offpolicy import OffPolicyConfig
+from lit_grpo.config.sampler import SamplerConfig, sampler_copy_reason
 from lit_grpo.config.trainer import LightningTrainerConfig
-from lit_grpo.config.training import (
-    BatchingConfig,
-    CheckpointConfig,
-    OptimConfig,
-    check_batching,
-    check_checkpoint,
-    check_optim,
-)
+from lit_grpo.config.training import BatchingConfig, CheckpointConfig, OptimConfig
 
 MAX_SEED = 2**31 - 1
 """The largest `seed`: numpy takes seeds below 2**32, and rank r seeds with `seed + 1_000_003·r`."""
@@ -155,6 +147,91 @@ def check_top_level(c: TrainConfig) -> None:
         "output_model_id",
         "must be null or a folder name",
     )
+
+
+# The rules between one group and the rest of the run: one function per group, run by
+# `TrainConfig.__post_init__` (each field's own range is its group's `__post_init__`).
+
+
+def check_optim(c: TrainConfig) -> None:
+    """A decay needs the run's length."""
+    require(
+        c.optim.lr_decay == "constant" or c.max_steps > 0,
+        "optim.lr_decay",
+        f"{c.optim.lr_decay!r} decay needs max_steps > 0",
+    )
+
+
+def check_batching(c: TrainConfig) -> None:
+    """Every minibatch has a sequence."""
+    batch_size = c.data.prompt_groups_per_step * c.data.completions_per_prompt
+    require(
+        c.batching.ppo_minibatches <= batch_size,
+        "batching.ppo_minibatches",
+        f"must be <= the sequences per step (prompt_groups_per_step × completions_per_prompt = {batch_size})",
+    )
+
+
+def check_checkpoint(c: TrainConfig) -> None:
+    """A checkpoint is taken when the sampler holds the saved policy."""
+    every, sync = c.checkpoint.save_interval, c.offpolicy.weight_sync_interval
+    require(
+        every == 0 or sync == 0 or every % sync == 0,
+        "checkpoint.save_interval",
+        f"must be a multiple of offpolicy.weight_sync_interval ({sync}) so a checkpoint is taken when the "
+        "sampler holds the saved policy (an exact resume needs both)",
+    )
+
+
+def check_offpolicy(c: TrainConfig) -> None:
+    """The sampler can do what the schedule asks of it."""
+    o = c.offpolicy
+    if c.adapter_sync:
+        require(
+            o.synchronous or c.sampler.max_loras >= o.max_lag + 2,
+            "sampler.max_loras",
+            f"must be >= offpolicy.max_lag + 2 = {o.max_lag + 2} with adapter "
+            "sync: the rollouts still running on older adapters keep them loaded",
+        )
+    require(
+        not o.partial_rollouts or c.sampler.kind in ("vllm_server", "hf"),
+        "offpolicy.partial_rollouts",
+        f"needs sampler.kind=vllm_server (completions interrupted by a sync and continued) or hf "
+        f"(tokens tagged by generate call); sampler.kind={c.sampler.kind} does not tag its tokens' versions",
+    )
+    copy_reason = c.why_the_sampler_copies_the_policy()
+    require(
+        c.sampler.share_policy_weights != "true" or copy_reason is None,
+        "sampler.share_policy_weights",
+        f"true needs a sampler that never generates while the policy trains, but {copy_reason}",
+    )
+
+
+def check_rollout(c: TrainConfig) -> None:
+    """Rows are admitted whole, and the overlong penalty starts inside the completion budget."""
+    require(
+        c.rollout.max_concurrency >= c.data.completions_per_prompt,
+        "rollout.max_concurrency",
+        f"must be >= data.completions_per_prompt ({c.data.completions_per_prompt}): rows are admitted whole",
+    )
+    require(
+        c.rollout.overlong_buffer_len < c.sampler.max_completion_tokens,
+        "rollout.overlong_buffer_len",
+        f"must be < sampler.max_completion_tokens ({c.sampler.max_completion_tokens}): the penalty starts "
+        f"at max_completion_tokens - overlong_buffer_len generated tokens, got {c.rollout.overlong_buffer_len}",
+    )
+
+
+def check_sampler_fits(c: TrainConfig) -> None:
+    """The sampler can run the model: vLLM's CPU attention needs a head size of 32 or more."""
+    if c.sampler.kind == "vllm" and c.model.kind in BUILT_KINDS:
+        head_dim = c.model.hidden_size // c.model.num_heads
+        require(
+            head_dim >= 32,
+            "model.num_heads",
+            f"vLLM's CPU attention needs a head size >= 32, got {head_dim}; "
+            f"try model.num_heads={max(c.model.hidden_size // 32, 1)}",
+        )
 
 
 def register_configs() -> None:

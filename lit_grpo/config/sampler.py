@@ -7,13 +7,9 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 from lit_grpo.config.checks import MAX_TEMPERATURE, require, require_finite
-from lit_grpo.config.model import BUILT_KINDS
-
-if TYPE_CHECKING:
-    from lit_grpo.config.run import TrainConfig
 
 ENGINE_THREADS = ("auto", "worker", "loop")
 """`sampler.engine_thread`."""
@@ -53,18 +49,6 @@ def sampler_copy_reason(kind: str, synchronous: bool, weight_sync_interval: int,
 def engine_on_loop(engine_thread: str, synchronous: bool) -> bool:
     """Whether the in-process engine runs on the rollout event loop's thread (`sampler.engine_thread`)."""
     return engine_thread == "loop" or (engine_thread == "auto" and synchronous)
-
-
-def check_sampler_fits(c: TrainConfig) -> None:
-    """The sampler can run the model: vLLM's CPU attention needs a head size of 32 or more."""
-    if c.sampler.kind == "vllm" and c.model.kind in BUILT_KINDS:
-        head_dim = c.model.hidden_size // c.model.num_heads
-        require(
-            head_dim >= 32,
-            "model.num_heads",
-            f"vLLM's CPU attention needs a head size >= 32, got {head_dim}; "
-            f"try model.num_heads={max(c.model.hidden_size // 32, 1)}",
-        )
 
 
 @dataclass

@@ -2,19 +2,15 @@
 cut into forwards and optimizer steps (`batching.*`), and checkpoints (`checkpoint.*`).
 
 Each dataclass checks its own fields' ranges in `__post_init__`; the rules that tie a group to the
-rest of the run are one function per group (`check_optim`, `check_batching`, `check_checkpoint`),
-called by `TrainConfig`.
+rest of the run are one function per group (`check_optim`, `check_batching`, `check_checkpoint`,
+in `lit_grpo.config.run`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from lit_grpo.config.checks import DEFINES_STATE, require, require_finite
-
-if TYPE_CHECKING:
-    from lit_grpo.config.run import TrainConfig
 
 LR_DECAYS = ("constant", "linear", "cosine")
 """`optim.lr_decay`."""
@@ -51,15 +47,6 @@ class OptimConfig:
         require(self.lr_decay in LR_DECAYS, "optim.lr_decay", f"must be {', '.join(LR_DECAYS)}")
 
 
-def check_optim(c: TrainConfig) -> None:
-    """A decay needs the run's length."""
-    require(
-        c.optim.lr_decay == "constant" or c.max_steps > 0,
-        "optim.lr_decay",
-        f"{c.optim.lr_decay!r} decay needs max_steps > 0",
-    )
-
-
 @dataclass
 class BatchingConfig:
     """How a step's batch is cut: into optimizer steps (PPO minibatches) and into forwards (micro-batches)."""
@@ -81,16 +68,6 @@ class BatchingConfig:
         require(self.ppo_minibatches >= 1, "batching.ppo_minibatches", "must be >= 1")
 
 
-def check_batching(c: TrainConfig) -> None:
-    """Every minibatch has a sequence."""
-    batch_size = c.data.prompt_groups_per_step * c.data.completions_per_prompt
-    require(
-        c.batching.ppo_minibatches <= batch_size,
-        "batching.ppo_minibatches",
-        f"must be <= the sequences per step (prompt_groups_per_step × completions_per_prompt = {batch_size})",
-    )
-
-
 @dataclass
 class CheckpointConfig:
     """Resumable checkpoints in `<output_dir>/checkpoints` (where to resume from is the top-level `resume`)."""
@@ -103,14 +80,3 @@ class CheckpointConfig:
     def __post_init__(self) -> None:
         require(self.save_interval >= 0, "checkpoint.save_interval", "must be >= 0 (0: off)")
         require(self.keep_last >= 1, "checkpoint.keep_last", "must be >= 1")
-
-
-def check_checkpoint(c: TrainConfig) -> None:
-    """A checkpoint is taken when the sampler holds the saved policy."""
-    every, sync = c.checkpoint.save_interval, c.offpolicy.weight_sync_interval
-    require(
-        every == 0 or sync == 0 or every % sync == 0,
-        "checkpoint.save_interval",
-        f"must be a multiple of offpolicy.weight_sync_interval ({sync}) so a checkpoint is taken when the "
-        "sampler holds the saved policy (an exact resume needs both)",
-    )
