@@ -675,7 +675,7 @@ def test_an_export_that_fails_after_training_saves_the_policy_in_the_run_folder(
         ("trainer.fast_dev_run=banana", "trainer.fast_dev_run"),
         ("trainer.precision=bogus", "trainer.precision"),
         ("seed=-1", "seed"),
-        ("guards.rollout_retry_on=[NoSuchError]", "rollout_retry_on"),
+        ("guards.rollout_retry_on=[NoSuchError]", "guards.rollout_retry_on"),
         ("sampler.api_key_env=not-a-name", "sampler.api_key_env"),
     ],
 )
