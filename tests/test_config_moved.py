@@ -183,8 +183,8 @@ def test_an_old_name_in_a_yaml_file_is_one_line_naming_the_new_key(tmp_path):
     out = _cli(tmp_path, "--config-dir", str(tmp_path / "mine"), "+experiment=old")
     assert out.returncode == 2
     assert out.stderr.strip().splitlines() == [
-        "error: config key `adam_beta1` is now `optim.adam_beta1`; rename it (the old name works on the "
-        "command line only)"
+        "error: config key `adam_beta1` is now `optim.adam_beta1`; rename it (old names work on the command "
+        "line and in Python for one release, not in a YAML file)"
     ]
 
 

@@ -115,7 +115,10 @@ def misspelt_key_message(key: str, schema: type, moved: Mapping[str, str]) -> st
     """One line for a key the schema does not have: where an old name went, the key meant, or how
     to add a key to an open dict (`+task.num_rows=...`)."""
     if key in moved:
-        return f"config key `{key}` is now `{moved[key]}`; rename it (the old name works on the command line only)"
+        return (
+            f"config key `{key}` is now `{moved[key]}`; rename it (old names work on the command line and "
+            "in Python for one release, not in a YAML file)"
+        )
     if (parent := _open_dict_parent(key, schema)) is not None:
         return (
             f"config key `{key}`: `{parent}` has no `{key[len(parent) + 1 :]}` here; "
