@@ -91,7 +91,8 @@ def _new_value(old: str, value: Any) -> Any:
 def moved_note(old: str, value: Any = None) -> str:
     """The one line that says where `old` went."""
     if old in MOVED_VALUES and value is not None:
-        return f"{old}={value} is now {MOVED[old]}={_new_value(old, value)}; the old name works until the next release"
+        new_value = _cli_values(old, value) if isinstance(value, str) else value
+        return f"{old}={value} is now {MOVED[old]}={new_value}; the old name works until the next release"
     return f"{old} is now {MOVED[old]}; the old name works until the next release"
 
 
