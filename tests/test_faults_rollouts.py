@@ -268,7 +268,7 @@ def test_a_rollout_that_blocks_the_event_loop_is_named(tmp_path, synchronous):
     assert "RolloutStalled" in err, err[-3000:]
     assert "make_blocking.<locals>.rollout_fn" in err and "time.sleep(10**6)" in err
     assert "asyncio.to_thread" in err
-    print(f"blocked rollout (synchronous_training={synchronous}) stopped the CLI in {seconds:.1f} s")
+    print(f"blocked rollout (offpolicy.synchronous={synchronous}) stopped the CLI in {seconds:.1f} s")
 
 
 @pytest.mark.timeout(200)

@@ -262,7 +262,7 @@ def test_the_no_progress_message_names_the_dominant_reason_and_what_to_check():
     with pytest.raises(NoProgressError) as stopped:
         guard.rejected("rollout/dropped_small_group", {"rollout/failures": 4})
     message = str(stopped.value)
-    assert "last 4 rows sampled (max_rows_without_progress=4)" in message
+    assert "last 4 rows sampled (guards.max_rows_without_progress=4)" in message
     assert "2  nonnumeric_reward: a reward that is not a number" in message
     assert "1  filtered_groups" in message and "1  failures" in message
     assert "6  rollout/dropped_nonnumeric_reward" in message

@@ -97,7 +97,7 @@ def test_without_checkpoints_the_message_says_the_run_cannot_continue(tmp_path):
         f"+callbacks.fault={{_target_:fault_injection.FailSyncAtStep,step:2,url:'{URL}'}}",
     )
     message = _one_message(failed)
-    assert "training stopped after step 2" in message and "checkpoints are off (dcp_save_interval=0)" in message
+    assert "training stopped after step 2" in message and "checkpoints are off (checkpoint.save_interval=0)" in message
 
 
 def _sync(live: list[Replica], dead: set[str]) -> None:
