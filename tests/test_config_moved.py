@@ -204,3 +204,20 @@ def test_old_names_on_the_command_line_train(tmp_path):
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == 2
     job = OmegaConf.load(run_dir / ".hydra" / "config.yaml")
     assert (job.optim.grad_clip_norm, job.offpolicy.synchronous) == (0.5, True)
+
+
+def test_a_checkpoint_saved_under_the_old_names_resumes_and_its_state_fields_are_compared(tmp_path):
+    from lit_grpo.config import ConfigError
+    from lit_grpo.run.checkpoint import CONFIG_FILE, check_resumable, config_as_dict
+
+    c = validate(compose_config(output_dir=tmp_path))
+    saved = config_as_dict(c)
+    batching, offpolicy = saved.pop("batching"), saved.pop("offpolicy")
+    saved.update(ppo_n_minibatches=batching["ppo_minibatches"], synchronous_training=offpolicy["synchronous"])
+    saved["policy_loss"]["eps_clip"] = saved["policy_loss"]["params"].pop("eps_clip")
+    (tmp_path / CONFIG_FILE).write_text(OmegaConf.to_yaml(saved))
+    check_resumable(tmp_path, c)  # the same run under its old names
+    saved["ppo_n_minibatches"] = 2
+    (tmp_path / CONFIG_FILE).write_text(OmegaConf.to_yaml(saved))
+    with pytest.raises(ConfigError, match=r"batching\.ppo_minibatches: 2 in the checkpoint, 1 now"):
+        check_resumable(tmp_path, c)
