@@ -1,7 +1,7 @@
 """Benchmark of asynchronous training with a latency-bound environment (`make bench-async`).
 
 Each rollout samples one completion and then awaits `env_latency_s` (standing in for a tool
-call). The same arithmetic run is timed with `synchronous_training: true` and with the
+call). The same arithmetic run is timed with `offpolicy.synchronous: true` and with the
 off-policy gate at O = 1 and O = 2, in one process, and the medians are printed side by side.
 With `--repeats N` the three modes run N times in alternating order, and each mode's ratio to
 synchronous training is taken within a round, then the median over the rounds is printed: the
@@ -47,9 +47,9 @@ from lit_grpo.train import compose_config, summarize
 from lit_grpo.types import RolloutSample
 
 MODES = {
-    "sync": ["synchronous_training=true"],
-    "async O=1": ["synchronous_training=false", "max_head_offpolicy_versions=1"],
-    "async O=2": ["synchronous_training=false", "max_head_offpolicy_versions=2"],
+    "sync": ["offpolicy.synchronous=true"],
+    "async O=1": ["offpolicy.synchronous=false", "offpolicy.max_lag=1"],
+    "async O=2": ["offpolicy.synchronous=false", "offpolicy.max_lag=2"],
 }
 
 
@@ -67,9 +67,9 @@ def make_latency_rollout_fn(setup):
 
 
 PARTIAL_MODES = {
-    "sync": ["synchronous_training=true"],
-    "async O=1": ["synchronous_training=false", "max_head_offpolicy_versions=1"],
-    "O=1 partial": ["synchronous_training=false", "max_head_offpolicy_versions=1", "partial_rollouts=true"],
+    "sync": ["offpolicy.synchronous=true"],
+    "async O=1": ["offpolicy.synchronous=false", "offpolicy.max_lag=1"],
+    "O=1 partial": ["offpolicy.synchronous=false", "offpolicy.max_lag=1", "offpolicy.partial_rollouts=true"],
 }
 
 

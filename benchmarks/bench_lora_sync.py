@@ -30,7 +30,7 @@ def run_mode(lora_sync: str, steps: int, warmup: int, shape: list[str]) -> dict[
                     "sampler.server_kv_cache_memory_bytes=64M",
                     "model.num_heads=2",
                     f"max_steps={steps}",
-                    "lr_decay=constant",
+                    "optim.lr_decay=constant",
                     "logger=none",
                     "output_model_id=null",
                     "~callbacks.reward_curve",

@@ -3,7 +3,7 @@ a few GRPO steps on GSM8K rows on one CUDA GPU, bf16 mixed precision, the `hf` s
 on the GPU, once per variant, each in its own process:
 
     padded         the experiment's micro-batches of 4 sequences, padded to the step's longest
-    token_budget   micro_batch_max_tokens (sorted by length, each cut to its own longest row)
+    token_budget   batching.micro_batch_max_tokens (sorted by length, each cut to its own longest row)
     private_copy   the sampler on its own copy of the weights: a real weight sync every step
 
 It prints, per variant, the medians over the steps after the first: seconds per step, sampled and
@@ -30,7 +30,7 @@ from pathlib import Path
 
 VARIANTS = {
     "padded": [],
-    "token_budget": ["micro_batch_size=0", "micro_batch_max_tokens=4096"],
+    "token_budget": ["batching.micro_batch_size=0", "batching.micro_batch_max_tokens=4096"],
     "private_copy": ["sampler.share_policy_weights=false"],
 }
 GPU = [
@@ -56,7 +56,7 @@ DRY_RUN = [  # the same code on CPU, at a width a CI host trains in seconds (the
 ]
 COMMON = [
     "+experiment=rehearsal_0p5b",
-    "dcp_save_interval=0",
+    "checkpoint.save_interval=0",
     "logger=none",
     "output_model_id=null",
     "trainer.enable_progress_bar=false",

@@ -1,12 +1,12 @@
 """Benchmark: the CPU rehearsal (`+experiment=rehearsal_0p5b`) in lit_grpo and in TRL's `GRPOTrainer`,
 side by side: seconds per step and peak resident memory. Three sides by default: lit_grpo with
 `--micro-batch` sequences per forward (`lit`), lit_grpo with `--token-budget` tokens per forward
-(`lit_budget`: `micro_batch_max_tokens`), and TRL with `--micro-batch` (`trl`).
+(`lit_budget`: `batching.micro_batch_max_tokens`), and TRL with `--micro-batch` (`trl`).
 
     make bench-rehearsal                                  # installs the pinned trl here first
     python -m benchmarks.rehearsal                        # the experiment's settings: 4 layers, 2×8, 256 tokens
     python -m benchmarks.rehearsal --layers 2 --steps 2 --tokens 64          # a quick check
-    python -m benchmarks.rehearsal --sides lit --lit-override micro_batch_size=8   # any override, lit_grpo only
+    python -m benchmarks.rehearsal --sides lit --lit-override batching.micro_batch_size=8  # lit_grpo only
     python -m benchmarks.rehearsal --trl-arg use_transformers_paged=true
 
 Both sides train the same model: the random-init Qwen2.5-0.5B-shaped `model=rehearsal_0p5b` cut to
@@ -16,7 +16,7 @@ GSM8K rows (the 256 shipped in the package, in file order, unshuffled on both si
 reward; with the same G, prompts per step, completion length, learning rate, β (k3 KL to a frozen
 reference), clip ε = 0.2, token-mean loss over the whole step (TRL's `loss_type="dapo"`), AdamW
 (weight decay 0.01, gradient clip 1.0), a constant learning rate, sequences per forward/backward
-(`--micro-batch`: lit_grpo's `micro_batch_size`, TRL's `per_device_train_batch_size`, with
+(`--micro-batch`: lit_grpo's `batching.micro_batch_size`, TRL's `per_device_train_batch_size`, with
 gradient accumulation over the step), one optimizer step per batch of rollouts, float32, no
 gradient checkpointing. Each side runs in a process of its own, one after the other, so their peaks
 do not mix: a step's time is the wall time between the ends of consecutive optimizer steps (the
@@ -96,9 +96,9 @@ class Settings:
     dtype: str = "float32"
     seed: int = 0
     token_budget: int = 2048
-    """lit_grpo's `lit_budget` side: `micro_batch_max_tokens` (no count of sequences) instead of `micro_batch`."""
+    """lit_grpo's `lit_budget` side: `batching.micro_batch_max_tokens` (no count of sequences), not `micro_batch`."""
     lit_overrides: list = dataclasses.field(default_factory=list)
-    """Hydra overrides for lit_grpo's side, e.g. micro_batch_max_tokens=4096."""
+    """Hydra overrides for lit_grpo's side, e.g. batching.micro_batch_max_tokens=4096."""
     trl_args: dict = dataclasses.field(default_factory=dict)
     """GRPOConfig fields for TRL's side, e.g. {"use_transformers_paged": True}."""
 
@@ -106,9 +106,9 @@ class Settings:
         """The lit_grpo run: the experiment at these settings, no checkpoints, no export; micro-batches
         of `micro_batch` sequences (`lit`) or of at most `token_budget` tokens (`lit_budget`)."""
         micro = (
-            ["micro_batch_size=0", f"micro_batch_max_tokens={self.token_budget}"]
+            ["batching.micro_batch_size=0", f"batching.micro_batch_max_tokens={self.token_budget}"]
             if side == "lit_budget"
-            else [f"micro_batch_size={self.micro_batch}", "micro_batch_max_tokens=0"]
+            else [f"batching.micro_batch_size={self.micro_batch}", "batching.micro_batch_max_tokens=0"]
         )
         return [
             "+experiment=rehearsal_0p5b",
@@ -124,7 +124,7 @@ class Settings:
             f"policy_loss.kl_beta={self.kl_beta}",
             f"seed={self.seed}",
             "data.shuffle=false",  # the rows in file order, as TRL's side takes them
-            "dcp_save_interval=0",
+            "checkpoint.save_interval=0",
             "resume=null",
             "output_model_id=null",
             "callbacks=none",
@@ -163,7 +163,7 @@ def versions() -> dict[str, str]:
 
 def run_lit_side(settings: Settings, work_dir: Path, side: str = "lit") -> dict:
     """lit_grpo's side, in this process: the experiment through `train`; its steps from metrics.csv.
-    `lit_budget` cuts micro-batches by tokens (`micro_batch_max_tokens`) instead of by sequences."""
+    `lit_budget` cuts micro-batches by tokens (`batching.micro_batch_max_tokens`) instead of by sequences."""
     import csv
 
     from lit_grpo.train import compose_config, train

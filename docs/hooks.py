@@ -1,8 +1,9 @@
 """MkDocs hooks: shape notes in docstrings are not cross-references; the tables that restate the
 code are made from it at build time, each where its marker line stands in a page: the module table
 (`<!-- module-table -->`, from the modules' docstrings), the `make` targets (`<!-- make-targets -->`,
-from the Makefile's `## ` comments) and the config fields with their defaults
-(`<!-- config-fields top|groups -->`, from the dataclasses and the default composed config).
+from the Makefile's `## ` comments), the config fields with their defaults
+(`<!-- config-fields top|groups -->`, from the dataclasses and the default composed config) and
+the config keys that moved (`<!-- moved-keys -->`, from `lit_grpo.config.moved.MOVED`).
 docs/development.md lists what is made and what `tests/test_docs_*.py` check.
 
 Docstrings write shapes as `[G][T_i]` or `[N][len(target)]`, which autorefs reads as
@@ -204,9 +205,26 @@ def config_fields(part: str) -> str:
     return "\n\n".join(sections)
 
 
+_MOVED_KEYS = re.compile(r"^<!-- moved-keys -->$", re.M)
+
+
+def moved_keys_table() -> str:
+    """One row per config key that moved (`lit_grpo.config.moved.MOVED`): its old and new name,
+    and the values that are renamed with it."""
+    from lit_grpo.config.moved import MOVED, MOVED_VALUES
+
+    rows = ["| old key | new key |", "|---|---|"]
+    for old, new in MOVED.items():
+        values = MOVED_VALUES.get(old)
+        shown = ", ".join(f"`{old}={a}` is `{new}={b}`" for a, b in values.items()) if values else f"`{new}`"
+        rows.append(f"| `{old}` | {_cell(shown)} |")
+    return "\n".join(rows)
+
+
 def on_page_markdown(markdown: str, page, config, **kwargs) -> str:
-    """Fill in the tables made from the code: modules, `make` targets, config fields."""
+    """Fill in the tables made from the code: modules, `make` targets, config fields, moved keys."""
     root = Path(config.config_file_path).parent
     markdown = _MODULE_TABLE.sub(lambda m: module_table(root / "lit_grpo"), markdown)
     markdown = _MAKE_TARGETS.sub(lambda m: make_table(root / "Makefile", m["prefix"] or ""), markdown)
+    markdown = _MOVED_KEYS.sub(lambda m: moved_keys_table(), markdown)
     return _CONFIG_FIELDS.sub(lambda m: config_fields(m["part"]), markdown)

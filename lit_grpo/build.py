@@ -105,8 +105,8 @@ def build_datamodule(
             "reward_fn": reward,
             "reward_scorer": scorer,
             "prompt_field": c.data.prompt_field,
-            "retry_on": tuple(exception_class(name) for name in c.rollout_retry_on),
-            "max_retries": c.rollout_max_retries,
+            "retry_on": tuple(exception_class(name) for name in c.guards.rollout_retry_on),
+            "max_retries": c.guards.rollout_max_retries,
             **c.rollout.extras,
             **inputs.rollout_extras,
         },
@@ -184,12 +184,12 @@ def build_step_sequence(
 ) -> StepSequence:
     """Weight sync, checkpoints (and the resume) and evaluation, as the run's config sets them."""
     checkpointer = None
-    if c.dcp_save_interval > 0 or resume_from is not None:
-        store = CheckpointStore(Path(c.output_dir) / "checkpoints", keep_last=c.dcp_keep_last)
-        checkpointer = RunCheckpointer(store, interval=c.dcp_save_interval, run_config=c)
+    if c.checkpoint.save_interval > 0 or resume_from is not None:
+        store = CheckpointStore(Path(c.output_dir) / "checkpoints", keep_last=c.checkpoint.keep_last)
+        checkpointer = RunCheckpointer(store, interval=c.checkpoint.save_interval, run_config=c)
     return StepSequence(
         datamodule,
-        weight_sync_interval=c.weight_sync_interval,
+        weight_sync_interval=c.offpolicy.weight_sync_interval,
         checkpointer=checkpointer,
         evaluators=evaluators(c, datamodule, eval_rows or [], reward, inputs),
         resume_from=resume_from,

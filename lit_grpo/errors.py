@@ -12,8 +12,8 @@ the fix) and exit code 2, without a Python traceback:
 Anything else is a bug and keeps its traceback. `HYDRA_FULL_ERROR=1` (the switch Hydra's own
 errors name) prints the traceback of a user error too, before its message; the exit code stays 2.
 A config Hydra cannot compose (a wrong type, an unknown key without `+`, an unknown group option)
-is reported with Hydra's message, also as `error: <message>` without a traceback, and exit code 2
-(`run_hydra_cli`).
+ends with exit code 2 too, without a traceback: an unknown key as one line naming the key meant
+(or the new name of one that moved), anything else as Hydra words it, after `error: ` (`run_hydra_cli`).
 
     @hydra.main(...)
     def main(cfg):
@@ -149,87 +149,78 @@ def run_cli(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
 _composed = False
 
 
-class _HeldStderr:
-    """Stands in for `sys.stderr` while Hydra composes the config: what is written is held, then
-    written as it was once the config is composed, or as one `error: ` message when composing failed
-    (Hydra's own text starts `Error merging override ...` or `In 'train': Could not find ...`).
-    Once released, a stream handler that kept it writes through."""
-
-    def __init__(self, real) -> None:
-        self.real, self.parts, self.released = real, [], False
-
-    def write(self, text: str) -> int:
-        if self.released:
-            return self.real.write(text)
-        self.parts.append(text)
-        return len(text)
-
-    def flush(self) -> None:
-        if self.released:
-            self.real.flush()
-
-    def __getattr__(self, name: str) -> Any:  # encoding, fileno, isatty: the real stream's
-        return getattr(self.real, name)
-
-    def release(self, *, as_error: bool = False) -> None:
-        if self.released:
-            return
-        self.released = True
-        if sys.stderr is self:
-            sys.stderr = self.real
-        text = "".join(self.parts)
-        if as_error and text.strip():
-            text = as_error_message(text)
-        self.real.write(text)
-        self.real.flush()
+def config_composed() -> None:
+    """Record that Hydra composed the config (called by a Hydra callback, `preflight.RunDirCheck`):
+    from then on an exit code 1 is no longer a composition error."""
+    global _composed
+    _composed = True
+    _restore_full_error()
 
 
-_held: Optional[_HeldStderr] = None
+def run_hydra_cli(
+    hydra_main: Callable[[], Any], explain: Optional[Callable[[BaseException], Optional[str]]] = None
+) -> None:
+    """Run a `@hydra.main` function; when Hydra cannot compose the config (`config_composed` not
+    yet called: an override of the wrong type, an unknown key or group option), exit with
+    `EXIT_USER_ERROR`. `explain(err)` may turn such an error into one line (an unknown key: the one
+    meant); else Hydra's own message is printed as `error: <message>`, like every other refusal.
+
+    Until the config is composed, `HYDRA_FULL_ERROR` is set so that Hydra raises its error here
+    instead of printing it; `config_composed` restores it. Needs a Hydra callback that calls
+    `config_composed` (conf/train.yaml: `RunDirCheck`): without one, every error would count as
+    a composition error.
+    """
+    global _saved_full_error
+    _saved_full_error = (os.environ.get(TRACEBACK_ENV),)
+    os.environ[TRACEBACK_ENV] = "1"
+    try:
+        hydra_main()
+    except SystemExit as stop:
+        if stop.code == 1 and not _composed:
+            sys.exit(EXIT_USER_ERROR)
+        raise
+    except Exception as err:
+        if _composed:
+            raise
+        _restore_full_error()
+        if show_traceback():
+            traceback.print_exception(type(err), err, err.__traceback__)
+        line = explain(err) if explain is not None else None
+        if line is not None:
+            print(f"error: {line}", file=sys.stderr, flush=True)
+        else:  # as Hydra words it
+            cause = err.__cause__
+            omegaconf_cause = cause is not None and type(cause).__module__.startswith("omegaconf")
+            text = f"{err}\n{cause}" if omegaconf_cause else str(err)
+            print(as_error_message(text), file=sys.stderr, flush=True)
+        sys.exit(EXIT_USER_ERROR)
+    finally:
+        _restore_full_error()
+
+
+_saved_full_error: Optional[tuple[Optional[str]]] = None
+"""`HYDRA_FULL_ERROR` as the user had it, while `run_hydra_cli` holds it set (None: not held)."""
+
+
+def _restore_full_error() -> None:
+    global _saved_full_error
+    if _saved_full_error is None:
+        return
+    (value,), _saved_full_error = _saved_full_error, None
+    if value is None:
+        os.environ.pop(TRACEBACK_ENV, None)
+    else:
+        os.environ[TRACEBACK_ENV] = value
 
 
 def as_error_message(text: str) -> str:
-    """`text` (a message printed by someone else, Hydra) starting with `error: ` like lit_grpo's own."""
+    """`text` (a message worded by someone else, Hydra) starting with `error: ` like lit_grpo's own."""
     text = text.lstrip("\n")
     if text.startswith("error: "):
         return text
     if text.startswith("Error") and text[5:6] in (":", " "):  # Hydra's `Error merging override ...`
         return "error: " + text[5:].lstrip(": ")
     return "error: " + text
-
-
-def config_composed() -> None:
-    """Record that Hydra composed the config (called by a Hydra callback, `preflight.RunDirCheck`):
-    from then on an exit code 1 is no longer a composition error, and stderr is written through."""
-    global _composed
-    _composed = True
-    if _held is not None:
-        _held.release()
-
-
-def run_hydra_cli(hydra_main: Callable[[], Any]) -> None:
-    """Run a `@hydra.main` function; when Hydra stops with exit code 1 before the config was
-    composed (`config_composed` never called: an override of the wrong type, an unknown key or
-    group option), print Hydra's message as `error: <message>` and exit with `EXIT_USER_ERROR`,
-    as every other refusal does.
-
-    Needs a Hydra callback that calls `config_composed` (conf/train.yaml: `RunDirCheck`): without
-    one, every exit code 1 (bugs too) would become 2.
-    """
-    global _held
-    _held = None if _composed else _HeldStderr(sys.stderr)
-    if _held is not None:
-        sys.stderr = _held
-    try:
-        hydra_main()
-    except SystemExit as stop:
-        if stop.code == 1 and not _composed:
-            if _held is not None:
-                _held.release(as_error=True)
-            sys.exit(EXIT_USER_ERROR)
-        raise
-    finally:
-        if _held is not None:
-            _held.release()
 
 
 def _user_frame(err: BaseException, module_file: Optional[str]) -> str:

@@ -24,6 +24,8 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from lit_grpo.config import ConfigError, TrainConfig, UserInputs, ineffective_knobs
+from lit_grpo.config.keys import composition_error
+from lit_grpo.config.moved import MOVED, rename_overrides
 from lit_grpo.errors import EXIT_USER_ERROR, EnvironmentFault, run_cli, run_hydra_cli, user_message
 from lit_grpo.loop.signals import STOP_SIGNALS, StopRequested, StopSignals, quiet_abandoned_work
 from lit_grpo.run.checkpoint import check_resumable
@@ -137,7 +139,7 @@ def what_a_stop_wrote(c: TrainConfig, module: Optional[GRPOModule]) -> str:
         written.append("metrics")
     written.append("summary")
     missing = (
-        "no checkpoint: checkpoints are off (dcp_save_interval=0)"
+        "no checkpoint: checkpoints are off (checkpoint.save_interval=0)"
         if checkpointer is None and module is not None
         else "no checkpoint: no step had finished"
         if not saved
@@ -203,7 +205,7 @@ def compose_config(overrides: list[str]) -> DictConfig:
     from hydra import compose, initialize_config_dir
 
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return compose("train", overrides=overrides)
+        return compose("train", overrides=rename_overrides(list(overrides)))
 
 
 def _signal_after_the_end(signum: int, frame) -> None:
@@ -266,8 +268,9 @@ def cli() -> None:
     # Caught from the process's start, never restored: a stop while Hydra sets up is `train`'s stop
     # (its summary alone); after the run, `main` hands the handlers to `_signal_after_the_end`.
     StopSignals().__enter__()
+    sys.argv[1:] = rename_overrides(sys.argv[1:])  # old key names: one line each, then their new names
     try:
-        run_hydra_cli(main)
+        run_hydra_cli(main, explain=lambda err: composition_error(err, TrainConfig, MOVED))
     except SystemExit as stop:
         exit_past_stuck_threads(0 if stop.code is None else stop.code if isinstance(stop.code, int) else 1)
         raise

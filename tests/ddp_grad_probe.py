@@ -7,7 +7,7 @@ same weights).
 With 2 devices (DDP or FSDP2, gloo), rank r trains on batch r; with 1 device, on the union of the
 batches. Under FSDP2 each gradient is saved whole (gathered from its shards). With `train`, the
 optimizer steps are taken and the whole weights after the last one are saved instead. Further
-arguments are config overrides (e.g. micro_batch_max_tokens=20).
+arguments are config overrides (e.g. batching.micro_batch_max_tokens=20).
 Lightning re-runs this script for rank 1.
 """
 
@@ -140,8 +140,8 @@ def main() -> None:
     c = validate(
         compose_config(
             [
-                "micro_batch_size=3",
-                "grad_clip_norm=0",
+                "batching.micro_batch_size=3",
+                "optim.grad_clip_norm=0",
                 f"policy_loss.kl_beta={kl_beta}",  # > 0: the reference forward (sharded too under FSDP2)
                 "logger=none",
                 f"output_dir={out}",

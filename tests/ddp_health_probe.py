@@ -39,8 +39,8 @@ def main() -> None:
     c = validate(
         compose_config(
             [
-                "micro_batch_size=3",
-                "grad_clip_norm=0.5",
+                "batching.micro_batch_size=3",
+                "optim.grad_clip_norm=0.5",
                 "policy_loss.kl_beta=0",
                 "correction.cap=1.5",
                 "logger=none",

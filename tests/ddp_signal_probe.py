@@ -61,7 +61,9 @@ class SignalData(L.LightningDataModule):
 
 def main() -> None:
     out = Path(sys.argv[1])
-    c = validate(compose_config(["micro_batch_size=3", "policy_loss.kl_beta=0.1", "logger=none", f"output_dir={out}"]))
+    c = validate(
+        compose_config(["batching.micro_batch_size=3", "policy_loss.kl_beta=0.1", "logger=none", f"output_dir={out}"])
+    )
     L.seed_everything(0, verbose=False)
     tokenizer = load_tokenizer(c.model)
     weights, merged = Weights(), MergedMetrics()

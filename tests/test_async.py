@@ -130,10 +130,10 @@ def test_o1_overlaps_the_next_steps_rollouts_with_training():
 def test_version_offset_never_exceeds_the_bound(offpolicy, tmp_path):
     cfg = compose_config(
         "+experiment=arithmetic",
-        "synchronous_training=false",
-        f"max_head_offpolicy_versions={offpolicy}",
+        "offpolicy.synchronous=false",
+        f"offpolicy.max_lag={offpolicy}",
         "max_steps=12",
-        "lr_decay=constant",
+        "optim.lr_decay=constant",
         "rollout.factory=test_async:make_slow_rollout_fn",
         "trainer.enable_progress_bar=false",
         "+callbacks.slow._target_=test_async.SlowTrainer",
@@ -202,7 +202,7 @@ def _overlap_count(monkeypatch, tmp_path, *overrides):
         compose_config(
             "+experiment=arithmetic",
             "max_steps=8",
-            "lr_decay=constant",
+            "optim.lr_decay=constant",
             "rollout.factory=test_async:make_slow_rollout_fn",
             "trainer.enable_progress_bar=false",
             *overrides,
@@ -213,11 +213,8 @@ def _overlap_count(monkeypatch, tmp_path, *overrides):
 
 
 def test_synchronous_training_never_overlaps(monkeypatch, tmp_path):
-    assert _overlap_count(monkeypatch, tmp_path / "sync", "synchronous_training=true") == 0
-    assert (
-        _overlap_count(monkeypatch, tmp_path / "async", "synchronous_training=false", "max_head_offpolicy_versions=1")
-        > 0
-    )
+    assert _overlap_count(monkeypatch, tmp_path / "sync", "offpolicy.synchronous=true") == 0
+    assert _overlap_count(monkeypatch, tmp_path / "async", "offpolicy.synchronous=false", "offpolicy.max_lag=1") > 0
 
 
 def test_rollout_failures_in_async_mode_stop_training(tmp_path):
@@ -227,9 +224,9 @@ def test_rollout_failures_in_async_mode_stop_training(tmp_path):
         train(
             compose_config(
                 "+experiment=arithmetic",
-                "synchronous_training=false",
+                "offpolicy.synchronous=false",
                 "max_steps=3",
-                "lr_decay=constant",
+                "optim.lr_decay=constant",
                 "rollout.factory=test_async:make_failing_rollout_fn",
                 "trainer.enable_progress_bar=false",
                 output_dir=tmp_path,
@@ -248,10 +245,10 @@ def test_interval_zero_keeps_admitting_rows(tmp_path):
     summary = train(
         compose_config(
             "+experiment=arithmetic",
-            "synchronous_training=false",
-            "weight_sync_interval=0",
+            "offpolicy.synchronous=false",
+            "offpolicy.weight_sync_interval=0",
             "max_steps=5",
-            "lr_decay=constant",
+            "optim.lr_decay=constant",
             "trainer.enable_progress_bar=false",
             output_dir=tmp_path,
         )
@@ -334,11 +331,11 @@ def test_partial_rollouts_on_the_hf_sampler_count_from_the_resumed_version(tmp_p
 
     common = [
         "+experiment=arithmetic",
-        "synchronous_training=false",
-        "max_head_offpolicy_versions=1",
-        "partial_rollouts=true",
-        "dcp_save_interval=2",
-        "lr_decay=constant",
+        "offpolicy.synchronous=false",
+        "offpolicy.max_lag=1",
+        "offpolicy.partial_rollouts=true",
+        "checkpoint.save_interval=2",
+        "optim.lr_decay=constant",
         "trainer.enable_progress_bar=false",
         "output_model_id=null",
     ]

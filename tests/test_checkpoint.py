@@ -34,7 +34,7 @@ STEPS, EVERY = 8, 2
 RUN = [
     "+experiment=arithmetic",
     f"max_steps={STEPS}",
-    f"dcp_save_interval={EVERY}",
+    f"checkpoint.save_interval={EVERY}",
     "trainer.enable_progress_bar=false",
 ]
 
@@ -342,7 +342,7 @@ def test_off_policy_scheduler_state_loses_no_row_and_repeats_none():
 
 def test_an_async_run_resumes_after_sigkill(tmp_path):
     run_dir = tmp_path / "run"
-    async_run = ["synchronous_training=false", "max_head_offpolicy_versions=1"]
+    async_run = ["offpolicy.synchronous=false", "offpolicy.max_lag=1"]
     killed = run_cli(run_dir, *async_run, "+callbacks.kill={_target_:fault_injection.KillAfterStep,step:5}")
     assert killed.returncode == -9, killed.stderr[-3000:]
     resumed = run_cli(run_dir, *async_run, "resume=auto")
@@ -401,7 +401,7 @@ EPOCH_RUN = [
     "data.prompt_groups_per_step=2",
     "data.epochs=2",
     "max_steps=12",
-    "dcp_save_interval=8",
+    "checkpoint.save_interval=8",
     "~callbacks.reward_filter",
     "trainer.enable_progress_bar=false",
 ]

@@ -40,7 +40,9 @@ def cli(run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize("synchronous", [True, False], ids=["synchronous", "off_policy"])
 def test_no_thread_of_the_run_outlives_train(tmp_path, synchronous):
     before = set(threading.enumerate())
-    summary = train(compose_config(*SHORT_RUN, f"synchronous_training={str(synchronous).lower()}", output_dir=tmp_path))
+    summary = train(
+        compose_config(*SHORT_RUN, f"offpolicy.synchronous={str(synchronous).lower()}", output_dir=tmp_path)
+    )
     assert summary["steps"] == 3
     # The run's own threads (the sampler's worker, the watchdog, the scheduler's event loop) are
     # joined; threads other tests in this process left behind are not this run's.

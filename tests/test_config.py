@@ -84,50 +84,62 @@ def test_wrong_type_fails_at_compose_naming_it(tmp_path):
         ("sampler.temperature=0", "sampler.temperature"),
         ("learning_rate=0", "learning_rate"),
         ("model.kind=hf", "model.name_or_path"),
-        ("policy_loss.dro_beta=0.1", "policy_loss.dro_beta"),
-        ("policy_loss.sapo_tau_pos=2.0", "policy_loss.sapo_tau_pos"),  # grpo takes no sapo temperature
-        ("policy_loss=sapo policy_loss.sapo_tau_neg=0", "policy_loss.sapo_tau_neg"),
-        ("policy_loss=dppo policy_loss.dppo_divergence=js", "policy_loss.dppo_divergence"),
-        ("policy_loss=dppo policy_loss.dppo_kl_threshold=-0.1", "policy_loss.dppo_kl_threshold"),
-        ("policy_loss=dppo policy_loss.dppo_ratio_cap=inf", "policy_loss.dppo_ratio_cap"),
+        ("++policy_loss.params.dro_beta=0.1", "policy_loss.params.dro_beta"),
+        ("++policy_loss.params.sapo_tau_pos=2.0", "policy_loss.params.sapo_tau_pos"),  # grpo takes no sapo temperature
+        ("policy_loss=sapo policy_loss.params.sapo_tau_neg=0", "policy_loss.params.sapo_tau_neg"),
+        ("policy_loss=dppo policy_loss.params.dppo_divergence=js", "policy_loss.params.dppo_divergence"),
+        (
+            "policy_loss=dppo policy_loss.params.dppo_divergence=kl policy_loss.params.dppo_kl_threshold=-0.1",
+            "dppo_kl_threshold",
+        ),
+        ("policy_loss=dppo policy_loss.params.dppo_ratio_cap=inf", "policy_loss.params.dppo_ratio_cap"),
+        ("policy_loss=dapo policy_loss.params.eps_clip_c=0.5", "policy_loss.params.eps_clip_c"),
+        ("policy_loss=grpo policy_loss.params.eps_clip=-0.1", "policy_loss.params.eps_clip"),
         ("policy_loss.loss_normalization=mean", "policy_loss.loss_normalization"),
         ("policy_loss.name=no_such_module:mine", "policy_loss.name"),
         ("task.max_answer=-1", "task.max_answer"),
         ("task=gsm8k task.on_error=ignore", "task.on_error"),
         ("task=gsm8k task.path=train.jsonl data.eval_rows=5", "task.eval_path"),
-        ("ppo_n_minibatches=1000", "ppo_n_minibatches"),
-        ("weight_sync_interval=3", "weight_sync_interval"),
-        ("max_concurrency_rollout_sample=4", "max_concurrency_rollout_sample"),
-        ("lr_decay=cosine", "lr_decay"),
+        ("batching.ppo_minibatches=1000", "batching.ppo_minibatches"),
+        ("offpolicy.weight_sync_interval=3", "offpolicy.weight_sync_interval"),
+        ("rollout.max_concurrency=4", "rollout.max_concurrency"),
+        ("optim.lr_decay=cosine", "optim.lr_decay"),
         ("rollout.factory=no_colon", "rollout.factory"),
         ("data.min_group_size=9", "data.min_group_size"),
         ("sampler=vllm", "model.num_heads"),
-        ("dcp_save_interval=3 max_head_offpolicy_versions=1 weight_sync_interval=2", "dcp_save_interval"),
-        ("dcp_keep_last=0", "dcp_keep_last"),
+        ("checkpoint.save_interval=3 offpolicy.max_lag=1 offpolicy.weight_sync_interval=2", "checkpoint.save_interval"),
+        ("checkpoint.keep_last=0", "checkpoint.keep_last"),
         ("learning_rate=nan", "learning_rate"),
         ("learning_rate=inf", "learning_rate"),
         ("learning_rate=3", "learning_rate"),
-        ("adam_eps=inf", "adam_eps"),
-        ("weight_decay=nan", "weight_decay"),
-        ("grad_clip_norm=inf", "grad_clip_norm"),
+        ("optim.adam_eps=inf", "optim.adam_eps"),
+        ("optim.weight_decay=nan", "optim.weight_decay"),
+        ("optim.grad_clip_norm=inf", "optim.grad_clip_norm"),
         ("policy_loss.kl_beta=inf", "policy_loss.kl_beta"),
         ("policy_loss.kl_beta=nan", "policy_loss.kl_beta"),
-        ("policy_loss.eps_clip=nan", "policy_loss.eps_clip"),
+        ("policy_loss.params.eps_clip=nan", "policy_loss.params.eps_clip"),
         ("sampler.temperature=nan", "sampler.temperature"),
         ("sampler.temperature=inf", "sampler.temperature"),
         ("sampler.temperature=1000", "sampler.temperature"),
-        ("rollout_timeout_s=0", "rollout_timeout_s"),
-        ("rollout_timeout_s=inf", "rollout_timeout_s"),
-        ("rollout_max_retries=-1", "rollout_max_retries"),
-        ("max_rows_without_progress=0", "max_rows_without_progress"),
-        ("max_nonfinite_steps=0", "max_nonfinite_steps"),
+        ("guards.rollout_timeout_s=0", "guards.rollout_timeout_s"),
+        ("guards.rollout_timeout_s=inf", "guards.rollout_timeout_s"),
+        ("guards.rollout_max_retries=-1", "guards.rollout_max_retries"),
+        ("guards.max_rows_without_progress=0", "guards.max_rows_without_progress"),
+        ("guards.max_nonfinite_steps=0", "guards.max_nonfinite_steps"),
         ("trainer.strategy=fsdp2 trainer.precision=16-mixed", "trainer.precision"),
-        ("micro_batch_max_tokens=-1", "micro_batch_max_tokens"),
-        ("max_rollout_versions=-1", "max_rollout_versions"),
-        ("partial_rollouts=true sampler=vllm synchronous_training=false", "partial_rollouts`: needs sampler"),
-        ("partial_rollouts=true sampler=vllm_server synchronous_training=true", "partial_rollouts`: needs synchronous"),
+        ("batching.micro_batch_max_tokens=-1", "batching.micro_batch_max_tokens"),
+        ("offpolicy.max_rollout_versions=-1", "offpolicy.max_rollout_versions"),
         (
-            "partial_rollouts=true sampler=vllm_server synchronous_training=false weight_sync_interval=0",
+            "offpolicy.partial_rollouts=true sampler=vllm offpolicy.synchronous=false",
+            "partial_rollouts`: needs sampler",
+        ),
+        (
+            "offpolicy.partial_rollouts=true sampler=vllm_server offpolicy.synchronous=true",
+            "partial_rollouts`: needs offpolicy.synchronous",
+        ),
+        (
+            "offpolicy.partial_rollouts=true sampler=vllm_server offpolicy.synchronous=false "
+            "offpolicy.weight_sync_interval=0",
             "partial_rollouts`: needs weight syncs",
         ),
     ],
@@ -140,7 +152,8 @@ def test_bad_value_fails_validation_naming_the_field(override, field, tmp_path):
 
 def test_the_run_guards_have_documented_defaults(tmp_path):
     c = validate(compose_config(output_dir=tmp_path))
-    assert (c.rollout_timeout_s, c.rollout_max_retries, c.max_rows_without_progress, c.max_nonfinite_steps) == (
+    g = c.guards
+    assert (g.rollout_timeout_s, g.rollout_max_retries, g.max_rows_without_progress, g.max_nonfinite_steps) == (
         300.0,
         2,
         1000,
@@ -201,8 +214,8 @@ def test_a_user_loss_and_its_hyperparameter_come_from_the_command_line(isolated_
 def test_a_misspelt_loss_hyperparameter_is_refused_naming_it(isolated_losses, tmp_path):
     with pytest.raises(ConfigError, match=r"policy_loss\.params\.scael.*valid hyper-parameters.*scale"):
         validate(compose_config(*USER_LOSS, "+policy_loss.params.scael=3.0", output_dir=tmp_path))
-    with pytest.raises(ConfigError, match=r"policy_loss\.params\.eps_clip.*set it as policy_loss\.eps_clip"):
-        validate(compose_config("+policy_loss.params.eps_clip=0.1", output_dir=tmp_path))
+    with pytest.raises(ConfigError, match=r"policy_loss\.params\.kl_beta.*set it as policy_loss\.kl_beta"):
+        validate(compose_config("+policy_loss.params.kl_beta=0.1", output_dir=tmp_path))
 
 
 def test_a_user_loss_module_is_imported_from_the_working_directory(isolated_losses, tmp_path, monkeypatch):
@@ -291,28 +304,30 @@ def test_sampler_kinds_come_from_the_registry(tmp_path, monkeypatch):
 def test_the_state_defining_fields_are_the_marked_ones():
     assert set(STATE_DEFINING_FIELDS) == {
         "model", "seed", "policy_loss.name", "task", "data.completions_per_prompt", "data.prompt_groups_per_step",
-        "data.max_rows", "data.shuffle", "data.path", "data.split", "data.dataset_config", "ppo_n_minibatches",
+        "data.max_rows", "data.shuffle", "data.path", "data.split", "data.dataset_config", "batching.ppo_minibatches",
     }  # fmt: skip
 
 
 def test_synchronous_training_may_sync_every_n_steps(tmp_path):
     with pytest.raises(ConfigError, match="weight_sync_interval.*off-policy"):
-        validate(compose_config("synchronous_training=false", "weight_sync_interval=3", output_dir=tmp_path))
-    c = validate(compose_config("synchronous_training=true", "weight_sync_interval=3", output_dir=tmp_path))
-    assert c.weight_sync_interval == 3
+        validate(compose_config("offpolicy.synchronous=false", "offpolicy.weight_sync_interval=3", output_dir=tmp_path))
+    c = validate(compose_config("offpolicy.synchronous=true", "offpolicy.weight_sync_interval=3", output_dir=tmp_path))
+    assert c.offpolicy.weight_sync_interval == 3
 
 
 def test_ineffective_knobs_are_named(tmp_path):
     assert ineffective_knobs(validate(compose_config(output_dir=tmp_path))) == []
     assert ineffective_knobs(validate(compose_config("+experiment=arithmetic", output_dir=tmp_path))) == []
     c = validate(
-        compose_config(
-            "synchronous_training=true", "max_head_offpolicy_versions=2", "eval_interval=5", output_dir=tmp_path
-        )
+        compose_config("offpolicy.synchronous=true", "offpolicy.max_lag=2", "eval_interval=5", output_dir=tmp_path)
     )
     knobs = ineffective_knobs(c)
     assert len(knobs) == 2
-    assert "max_head_offpolicy_versions=2" in knobs[0] and "synchronous_training=true" in knobs[0]
+    assert "offpolicy.max_lag=2" in knobs[0] and "offpolicy.synchronous=true" in knobs[0]
     assert "eval_interval=5" in knobs[1] and "data.eval_rows=0" in knobs[1]
-    knobs = ineffective_knobs(validate(compose_config("max_rollout_versions=3", output_dir=tmp_path)))
-    assert len(knobs) == 1 and "max_rollout_versions=3" in knobs[0] and "partial_rollouts=false" in knobs[0]
+    knobs = ineffective_knobs(validate(compose_config("offpolicy.max_rollout_versions=3", output_dir=tmp_path)))
+    assert (
+        len(knobs) == 1
+        and "offpolicy.max_rollout_versions=3" in knobs[0]
+        and "offpolicy.partial_rollouts=false" in knobs[0]
+    )

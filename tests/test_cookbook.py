@@ -130,7 +130,7 @@ def test_config_fields_reach_the_run_config_and_hosted_ones_are_named_once(tmp_p
     hosted = [r.getMessage() for r in caplog.records if "hosted-service" in r.getMessage()]
     assert len(hosted) == 1
     assert all(name in hosted[0] for name in ("trainer.training_shape_id", "deployment.replica_count", "router_replay"))
-    assert (c.output_dir, c.learning_rate, c.seed, c.grad_clip_norm) == (str(tmp_path), 3e-4, 0, 0.5)
+    assert (c.output_dir, c.learning_rate, c.seed, c.optim.grad_clip_norm) == (str(tmp_path), 3e-4, 0, 0.5)
     assert (c.data.completions_per_prompt, c.data.prompt_groups_per_step, c.data.epochs, c.data.max_rows) == (
         6,
         3,
@@ -138,8 +138,8 @@ def test_config_fields_reach_the_run_config_and_hosted_ones_are_named_once(tmp_p
         40,
     )
     assert (c.sampler.max_completion_tokens, c.sampler.temperature) == (5, 0.7)
-    assert (c.policy_loss.name, c.policy_loss.kl_beta, c.policy_loss.eps_clip) == ("dapo", 0.0, 0.2)
-    assert (c.max_head_offpolicy_versions, c.weight_sync_interval, c.dcp_save_interval) == (2, 2, 4)
+    assert (c.policy_loss.name, c.policy_loss.kl_beta, c.policy_loss.params["eps_clip"]) == ("dapo", 0.0, 0.2)
+    assert (c.offpolicy.max_lag, c.offpolicy.weight_sync_interval, c.checkpoint.save_interval) == (2, 2, 4)
     assert c.output_model_id == "my-model" and c.model.kind == "tiny"
     assert c.data.max_seq_len == c.model.max_position_embeddings  # max_seq_len=None: the model's context
     assert "reward_filter" not in c.callbacks  # the cookbook filters groups only with dynamic_filter_fn

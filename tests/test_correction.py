@@ -262,12 +262,12 @@ def test_a_parameter_the_mode_does_not_take_is_named():
         validate(compose_config("correction.name=nope"))
 
 
-def test_legacy_tis_cap_is_read_as_the_correction(caplog):
+def test_the_old_tis_names_are_the_correction_group(caplog):
     c = validate(compose_config("policy_loss.tis_cap=2.5", "policy_loss.tis_level=sequence"))
     assert (c.correction.name, c.correction.params()) == ("tis", {"level": "sequence", "cap": 2.5})
-    assert c.policy_loss.tis_cap is None and "tis_cap" not in c.policy_loss.hyperparams()
-    assert "deprecated: policy_loss.tis_cap" in caplog.text
-    with pytest.raises(ConfigError, match=r"policy_loss\.tis_cap.*correction=icepop"):
+    assert "tis_cap" not in c.policy_loss.hyperparams()
+    assert "policy_loss.tis_cap is now correction.cap" in caplog.text
+    with pytest.raises(ConfigError, match=r"correction\.cap.*correction=icepop takes low, high"):
         validate(compose_config("policy_loss.tis_cap=2.5", "correction=icepop"))
 
 
@@ -300,7 +300,7 @@ def _fit_shifted(tmp_path, monkeypatch, *overrides):
     c = validate(
         compose_config(
             "+experiment=arithmetic", "trainer.fast_dev_run=2", "trainer.enable_progress_bar=false",
-            "~callbacks.reward_filter", "ppo_n_minibatches=2", "policy_loss.kl_beta=0", *overrides,
+            "~callbacks.reward_filter", "batching.ppo_minibatches=2", "policy_loss.kl_beta=0", *overrides,
             output_dir=tmp_path,
         )
     )  # fmt: skip
@@ -321,7 +321,7 @@ def test_anchor_on_the_rollout_skips_the_old_forward(tmp_path, monkeypatch):
     assert step["train/correction/capped_frac"] == pytest.approx(1.0)
     # rollout: no such forward; `old` is the sampler's logprobs, so the ratio is π/π_sampler ≈ e²
     # (the first minibatch exactly, the second after one small update) and the correction is identity.
-    step, forwards = _fit_shifted(tmp_path / "rollout", monkeypatch, "anchor_logp=rollout")
+    step, forwards = _fit_shifted(tmp_path / "rollout", monkeypatch, "policy_loss.anchor_logp=rollout")
     assert forwards == 0
     assert step["train/ratio_mean"] == pytest.approx(math.exp(2.0), rel=0.02)
     assert step["train/correction/weight_mean"] == pytest.approx(1.0)

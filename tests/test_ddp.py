@@ -35,7 +35,7 @@ def test_ranks_sample_disjoint_rows_that_together_are_a_single_process_run_with_
     common = [
         "callbacks=none",
         "max_steps=3",
-        "synchronous_training=true",
+        "offpolicy.synchronous=true",
         "data.completions_per_prompt=2",
         "task.num_rows=64",
         "task.max_operand=300",
@@ -86,7 +86,7 @@ def test_both_ranks_step_when_either_has_a_signal_and_skip_together_when_neither
 
 
 def test_a_killed_ddp_run_resumes_bit_identical(tmp_path):
-    ddp = [*DDP, "max_steps=6", "dcp_save_interval=2"]
+    ddp = [*DDP, "max_steps=6", "checkpoint.save_interval=2"]
     whole, killed = tmp_path / "whole", tmp_path / "killed"
     proc = run_cli(whole, *ddp)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -107,7 +107,7 @@ def test_a_killed_ddp_run_resumes_bit_identical(tmp_path):
 def test_a_two_rank_lora_run_resumes_bit_identical(tmp_path):
     """LoRA under DDP: only the adapters are synced and saved; resuming the step-2 checkpoint of a
     4-step run (its later checkpoint and outputs removed) ends with the same merged model."""
-    lora = [*DDP, "model.lora.rank=4", "learning_rate=1e-2", "max_steps=4", "dcp_save_interval=2"]
+    lora = [*DDP, "model.lora.rank=4", "learning_rate=1e-2", "max_steps=4", "checkpoint.save_interval=2"]
     whole, again = tmp_path / "whole", tmp_path / "again"
     proc = run_cli(whole, *lora)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -234,3 +234,12 @@ def test_the_docs_commands_name_only_groups_choices_and_fields_that_exist():
             elif root != "hydra" and (root not in roots or not schema_has(root + rest)):
                 wrong.append(f"{where}: {root}{rest}")
     assert wrong == [], "overrides naming a choice or a field that does not exist"
+
+
+def test_the_moved_page_lists_every_moved_key():
+    from lit_grpo.config.moved import MOVED
+
+    page = rendered("reference/moved.md")
+    assert "<!-- moved-keys -->" not in page
+    for old, new in MOVED.items():
+        assert f"| `{old}` |" in page and f"`{new}" in page, old

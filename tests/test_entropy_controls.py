@@ -171,13 +171,13 @@ def test_adaptive_coef_rises_and_survives_a_resume(tmp_path):
     # The tiny policy's entropy (about 3.1 nats) is below the target 10, so the coefficient rises
     # by 0.01 a step from 0: 0, 0.01, 0.02, 0.03 are the coefficients steps 1-4 train with. Resumed
     # from the step-2 checkpoint, steps 3 and 4 must train with 0.02 and 0.03 again, to the same losses.
-    whole = _run(tmp_path / "whole", "max_steps=4", "dcp_save_interval=2")
+    whole = _run(tmp_path / "whole", "max_steps=4", "checkpoint.save_interval=2")
     assert [row["train/entropy/coef"] for row in whole] == pytest.approx([0.0, 0.01, 0.02, 0.03])
     assert all(row["train/entropy_alarm"] == 1.0 for row in whole)  # below the floor of 5
     # The bonus is in the loss: the loss of step 2 is lower than step 1's by about 0.01·H ≈ 0.03.
     assert whole[1]["train/loss"] < whole[0]["train/loss"] - 0.005
     [step_2] = [p for p in (tmp_path / "whole" / "checkpoints").iterdir() if p.name.endswith("2")]
-    resumed = _run(tmp_path / "resumed", "max_steps=4", "dcp_save_interval=2", f"resume={step_2}")
+    resumed = _run(tmp_path / "resumed", "max_steps=4", "checkpoint.save_interval=2", f"resume={step_2}")
     assert [row["train/entropy/coef"] for row in resumed][-2:] == pytest.approx([0.02, 0.03])
     assert [row["train/loss"] for row in resumed][-2:] == [row["train/loss"] for row in whole][-2:]
     assert math.isfinite(resumed[-1]["train/entropy"])

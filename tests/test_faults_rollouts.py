@@ -2,7 +2,7 @@
 counted and survived), within seconds, never a silent stall.
 
 Each case runs `lit_grpo.train.train` on the arithmetic demo with small settings (2 prompts × 4
-completions, `max_rows_without_progress=8`, `rollout_timeout_s=1`); a rollout that blocks the
+completions, `guards.max_rows_without_progress=8`, `guards.rollout_timeout_s=1`); a rollout that blocks the
 trainer's thread runs in a subprocess (`python tests/hostile_rollouts.py <overrides>`), since the
 watchdog interrupts the main thread.
 `pytest --durations=0` shows how long each case takes to stop (model build included).
@@ -36,8 +36,8 @@ SMALL = (
     "max_steps=2",
     "data.prompt_groups_per_step=2",
     "data.completions_per_prompt=4",
-    "max_rows_without_progress=8",
-    "rollout_timeout_s=1",
+    "guards.max_rows_without_progress=8",
+    "guards.rollout_timeout_s=1",
     "trainer.enable_progress_bar=false",
     "output_model_id=null",
     "~callbacks.reward_curve",
@@ -81,9 +81,9 @@ def _factory(name: str) -> str:
 )
 def test_a_rollout_that_never_gives_a_usable_sample_stops_the_run(run, factory, reason, shown):
     with pytest.raises(NoProgressError) as stopped:
-        run(_factory(factory), "synchronous_training=true")
+        run(_factory(factory), "offpolicy.synchronous=true")
     message = str(stopped.value)
-    assert "max_rows_without_progress=8" in message
+    assert "guards.max_rows_without_progress=8" in message
     assert f"       8  {reason}:" in message  # all 8 rows, by their reason
     assert f"rollout/dropped_{reason}" in message  # and their samples, by metric
     assert shown in message and "Check: " in message
@@ -94,7 +94,7 @@ def test_a_rollout_that_never_gives_a_usable_sample_stops_the_run(run, factory, 
 @pytest.mark.timeout(120)
 def test_no_progress_stops_the_off_policy_scheduler_too(run):
     with pytest.raises(NoProgressError, match=r"(?s)8  none:.*Check: the rollout function returns None"):
-        run(_factory("always_none"), "synchronous_training=false")
+        run(_factory("always_none"), "offpolicy.synchronous=false")
 
 
 @pytest.mark.timeout(120)
@@ -103,7 +103,7 @@ def test_every_group_uniform_with_the_filter_on_names_the_temperature(run):
     with pytest.raises(
         NoProgressError, match=r"(?s)8  filtered_groups:.*sampler\.temperature.*~callbacks\.reward_filter"
     ):
-        run("sampler.temperature=1e-6", "synchronous_training=true")
+        run("sampler.temperature=1e-6", "offpolicy.synchronous=true")
 
 
 @pytest.mark.timeout(120)
@@ -125,8 +125,10 @@ def test_prompts_longer_than_max_seq_len_are_never_sampled(run, monkeypatch):
 @pytest.mark.parametrize("synchronous", ["true", "false"])
 def test_a_rollout_that_sleeps_forever_is_cancelled_and_trips_the_breaker(run, synchronous):
     start = time.perf_counter()
-    with pytest.raises(RolloutCircuitOpen, match=r"RolloutTimeout.*rollout_timeout_s=1 s.*raise rollout_timeout_s"):
-        run(_factory("sleeps_forever"), "rollout_max_retries=1", f"synchronous_training={synchronous}")
+    with pytest.raises(
+        RolloutCircuitOpen, match=r"RolloutTimeout.*guards.rollout_timeout_s=1 s.*raise guards.rollout_timeout_s"
+    ):
+        run(_factory("sleeps_forever"), "guards.rollout_max_retries=1", f"offpolicy.synchronous={synchronous}")
     assert time.perf_counter() - start < 60  # 1 s deadline, one retry after 0.5 s, model build
 
 
@@ -141,7 +143,7 @@ def test_a_bug_in_the_rollout_stops_at_once_with_its_traceback(run):
 
 @pytest.mark.timeout(120)
 def test_a_flaky_environment_is_retried_and_training_goes_on(run, tmp_path):
-    summary, _ = run(_factory("flaky_connection"), "synchronous_training=true", "~callbacks.reward_filter")
+    summary, _ = run(_factory("flaky_connection"), "offpolicy.synchronous=true", "~callbacks.reward_filter")
     assert summary["steps"] == 2
     steps = list(csv.DictReader((tmp_path / "metrics.csv").open()))
     total = lambda key: sum(float(s[key]) for s in steps if s.get(key))  # noqa: E731
@@ -176,13 +178,17 @@ def test_a_reward_that_always_raises_still_stops_the_run(run):
 def test_a_30_percent_flaky_reward_trains_through_retried_as_configured(run, tmp_path, error, retried):
     """30 % of the reward's calls raise: each failing sample is dropped, or retried when its
     exception is in rollout_retry_on (ConnectionError by default, RuntimeError when listed)."""
-    retry_on = "rollout_retry_on=[ConnectionError,RuntimeError]" if retried else "rollout_retry_on=[ConnectionError]"
+    retry_on = (
+        "guards.rollout_retry_on=[ConnectionError,RuntimeError]"
+        if retried
+        else "guards.rollout_retry_on=[ConnectionError]"
+    )
     summary, _ = run(
         f"reward.fn=hostile_rollouts:reward_flaky_{error}",
         retry_on,
         "max_steps=6",
         "~callbacks.reward_filter",
-        "rollout_timeout_s=30",  # a retry backs off 0.5 s, then 1 s
+        "guards.rollout_timeout_s=30",  # a retry backs off 0.5 s, then 1 s
     )
     assert summary["steps"] == 6
     failures, retries = _totals(tmp_path, "rollout/failures", "reward/retries")
@@ -194,10 +200,13 @@ def test_a_30_percent_flaky_reward_trains_through_retried_as_configured(run, tmp
 
 @pytest.mark.timeout(120)
 def test_a_synchronous_reward_that_hangs_on_one_call_delays_only_its_own_sample(run, tmp_path):
-    """The 5th reward call sleeps 20 s, past rollout_timeout_s=10: it runs off the event loop, so
+    """The 5th reward call sleeps 20 s, past guards.rollout_timeout_s=10: it runs off the event loop, so
     the other samples keep flowing; its sample is cut at the deadline and retried, and the run ends."""
     summary, seconds = run(
-        "reward.fn=hostile_rollouts:reward_slow_once", "rollout_timeout_s=10", "max_steps=3", "~callbacks.reward_filter"
+        "reward.fn=hostile_rollouts:reward_slow_once",
+        "guards.rollout_timeout_s=10",
+        "max_steps=3",
+        "~callbacks.reward_filter",
     )
     assert summary["steps"] == 3 and seconds < 60
     (timeouts,) = _totals(tmp_path, "rollout/timeouts")
@@ -209,7 +218,7 @@ def test_a_rollout_that_blocks_its_loop_ends_with_one_message_and_nothing_after_
     """From the command line: the watchdog's message is the last thing printed, with no asyncio
     clean-up noise (pending tasks, exceptions never retrieved, a closed loop) after it."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), str(REPO)])}
-    args = [*SMALL, _factory("blocking"), "rollout_timeout_s=2", f"hydra.run.dir={tmp_path / 'run'}"]
+    args = [*SMALL, _factory("blocking"), "guards.rollout_timeout_s=2", f"hydra.run.dir={tmp_path / 'run'}"]
     proc = subprocess.run(
         [sys.executable, "-m", "lit_grpo.train", *args],
         cwd=tmp_path,
@@ -229,7 +238,7 @@ def test_a_rollout_that_blocks_its_loop_ends_with_one_message_and_nothing_after_
 
 @pytest.mark.timeout(120)
 def test_huge_rewards_keep_finite_statistics(run, tmp_path):
-    run(_factory("huge_reward"), "synchronous_training=true", "~callbacks.reward_filter")
+    run(_factory("huge_reward"), "offpolicy.synchronous=true", "~callbacks.reward_filter")
     steps = list(csv.DictReader((tmp_path / "metrics.csv").open()))
     for key in ("reward/mean", "reward/std", "reward/max"):
         values = [float(s[key]) for s in steps if s.get(key)]
@@ -253,13 +262,13 @@ def _cli(tmp_path: Path, *overrides: str, timeout: float) -> tuple[subprocess.Co
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("synchronous", ["true", "false"])
 def test_a_rollout_that_blocks_the_event_loop_is_named(tmp_path, synchronous):
-    proc, seconds = _cli(tmp_path, _factory("blocking"), f"synchronous_training={synchronous}", timeout=150)
+    proc, seconds = _cli(tmp_path, _factory("blocking"), f"offpolicy.synchronous={synchronous}", timeout=150)
     err = proc.stderr
     assert proc.returncode != 0, err[-3000:]
     assert "RolloutStalled" in err, err[-3000:]
     assert "make_blocking.<locals>.rollout_fn" in err and "time.sleep(10**6)" in err
     assert "asyncio.to_thread" in err
-    print(f"blocked rollout (synchronous_training={synchronous}) stopped the CLI in {seconds:.1f} s")
+    print(f"blocked rollout (offpolicy.synchronous={synchronous}) stopped the CLI in {seconds:.1f} s")
 
 
 @pytest.mark.timeout(200)
@@ -274,7 +283,7 @@ def test_a_hung_engine_call_stops_the_run_on_either_thread(tmp_path, engine_thre
     if engine_thread == "loop":
         assert "hung_generate" in err  # the stall report shows where the loop's thread is stuck
     else:
-        assert "rollout_timeout_s=1 s" in err
+        assert "guards.rollout_timeout_s=1 s" in err
     print(f"hung engine call (engine_thread={engine_thread}) stopped the CLI in {seconds:.1f} s")
 
 

@@ -29,7 +29,7 @@ def _records(out: Path, name: str, rank: int) -> list[dict]:
 # with fewer must still take part in every gather of the other's forwards and backwards.
 @pytest.mark.parametrize(
     "sizes,overrides",
-    [("4,6", []), ("4,7", []), ("4,6", ["micro_batch_max_tokens=20"])],
+    [("4,6", []), ("4,7", []), ("4,6", ["batching.micro_batch_max_tokens=20"])],
     ids=["even", "uneven", "token_budget"],
 )
 def test_sharded_gradient_equals_one_process_gradient_on_the_union(sizes, overrides, tmp_path):
@@ -65,7 +65,13 @@ def test_sharded_training_ends_with_the_weights_of_one_process_on_the_union(tmp_
 
 def test_a_killed_fsdp2_run_resumes_bit_identical_and_every_sync_hands_the_sampler_full_weights(tmp_path):
     # Two PPO minibatches: the sharded `old` forward runs too.
-    sharded = [*FSDP2, "max_steps=6", "dcp_save_interval=2", "weight_sync_interval=1", "ppo_n_minibatches=2"]
+    sharded = [
+        *FSDP2,
+        "max_steps=6",
+        "checkpoint.save_interval=2",
+        "offpolicy.weight_sync_interval=1",
+        "batching.ppo_minibatches=2",
+    ]
     whole, killed = tmp_path / "whole", tmp_path / "killed"
     probe = f"+callbacks.sync={{_target_:sharding_probes.SamplerHoldsPolicy,out_dir:{tmp_path}}}"
     proc = run_cli(whole, *sharded, probe)

@@ -35,7 +35,7 @@ ON_CPU = [
     "data.prompt_groups_per_step=2",
     "data.completions_per_prompt=4",
     "sampler.max_completion_tokens=24",
-    "micro_batch_size=0",
+    "batching.micro_batch_size=0",
     "trainer.enable_progress_bar=false",
     "~callbacks.reward_filter",  # a random-init model never solves GSM8K: every group is uniform (all 0)
 ]
@@ -70,7 +70,7 @@ def test_evaluation_every_n_steps_is_logged(tmp_path):
             *ON_CPU,
             "max_steps=4",
             "eval_interval=2",
-            "dcp_save_interval=0",
+            "checkpoint.save_interval=0",
             "output_model_id=null",
             output_dir=tmp_path,
         )

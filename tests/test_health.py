@@ -185,7 +185,7 @@ def test_grad_norm_clipped_and_tokens_by_hand(tmp_path):
     # the step trains 64 sequences of exactly one generated (loss-masked) token: 64 tokens.
     capture = PostClipGrads()
     clip = 1e-3  # far below any gradient norm of a random-init model: the clip always acts
-    [step] = _fit(tmp_path / "clip", "~callbacks.reward_filter", f"grad_clip_norm={clip}", callbacks=[capture])
+    [step] = _fit(tmp_path / "clip", "~callbacks.reward_filter", f"optim.grad_clip_norm={clip}", callbacks=[capture])
     assert step["train/tokens"] == 64.0
     assert step["train/grad_norm"] > clip
     # ‖g‖·min(1, c / (‖g‖ + 1e-6)) = c·‖g‖ / (‖g‖ + 1e-6) ≈ c; and it is what the optimizer saw.
@@ -193,7 +193,7 @@ def test_grad_norm_clipped_and_tokens_by_hand(tmp_path):
     assert capture.norms == [pytest.approx(step["train/grad_norm_clipped"], rel=1e-4)]
     # grad_clip_norm=0: nothing is clipped, the two norms are the same.
     capture = PostClipGrads()
-    [step] = _fit(tmp_path / "noclip", "~callbacks.reward_filter", "grad_clip_norm=0", callbacks=[capture])
+    [step] = _fit(tmp_path / "noclip", "~callbacks.reward_filter", "optim.grad_clip_norm=0", callbacks=[capture])
     assert step["train/grad_norm_clipped"] == step["train/grad_norm"]
     assert capture.norms == [pytest.approx(step["train/grad_norm"], rel=1e-4)]
 
@@ -202,7 +202,7 @@ def test_grad_norm_clipped_and_tokens_by_hand(tmp_path):
 @pytest.mark.parametrize(
     "loss, overrides, over_cap",
     [
-        ("grpo", ("correction.cap=10.0", "ppo_n_minibatches=2"), 0.0),  # old logprobs from their own forward
+        ("grpo", ("correction.cap=10.0", "batching.ppo_minibatches=2"), 0.0),  # old logprobs from their own forward
         ("reinforce", (), 1.0),  # no TIS weight in the loss: the correction's default cap 5 (below e^2)
     ],
 )
@@ -244,7 +244,9 @@ def test_health_metrics_in_a_two_step_run(tmp_path):
         assert abs(step["train/drift/k1"]) < 1e-4
         assert 0.0 <= step["train/drift/k3"] < 1e-6  # k3 >= 0 on every token
         assert step["train/drift/over_tis_cap_frac"] == 0.0
-        assert 0.0 < step["train/grad_norm_clipped"] <= min(step["train/grad_norm"], 1.0) + 1e-6  # grad_clip_norm=1
+        assert (
+            0.0 < step["train/grad_norm_clipped"] <= min(step["train/grad_norm"], 1.0) + 1e-6
+        )  # optim.grad_clip_norm=1
         # One generated token per sequence (max_completion_tokens=1): tokens = accepted groups × G (8).
         assert step["train/tokens"] == step["rollout/groups_accepted"] * 8
         lengths = {k: v for k, v in step.items() if k.startswith("rollout/length_")}

@@ -246,8 +246,8 @@ def test_the_experiment_trains_with_igpo_and_as_plain_grpo(tmp_path):
         compose_config(
             "+experiment=igpo_lookup",
             *quiet,
-            "policy_loss.advantage=group",
-            "policy_loss.igpo_skip_last_ig=null",
+            "advantage=grpo",
+            "advantage.params.skip_last_ig=null",
             "rollout.extras.score_turns=false",
             output_dir=tmp_path / "grpo",
         )

@@ -220,7 +220,7 @@ def test_a_private_sampler_after_sync_holds_exactly_the_merged_weights(tmp_path)
     c = validate(compose_config(*LORA, "max_steps=2", "sampler.share_policy_weights=false", output_dir=tmp_path))
     trainer, module = fit(c)
     merged = copy.deepcopy(module.policy).merge_and_unload()
-    sampler = trainer.datamodule.sampler  # synced after the last step (weight_sync_interval=1)
+    sampler = trainer.datamodule.sampler  # synced after the last step (offpolicy.weight_sync_interval=1)
     assert not sampler.shares_weights
     assert max_diff(sampler.model.state_dict(), merged.state_dict()) <= 1e-6
     attention = torch.ones_like(TOKENS)

@@ -179,9 +179,9 @@ def test_lora_sync_config():
             compose_config(
                 "+experiment=arithmetic_lora",
                 "sampler=vllm_server",
-                "synchronous_training=false",
-                "max_head_offpolicy_versions=3",
-                "weight_sync_interval=1",
+                "offpolicy.synchronous=false",
+                "offpolicy.max_lag=3",
+                "offpolicy.weight_sync_interval=1",
             )
         )
 
@@ -199,7 +199,7 @@ def test_a_lora_run_syncs_its_adapter_to_the_servers_it_starts(tmp_path):
             "sampler.server_kv_cache_memory_bytes=64M",
             "model.num_heads=2",
             "max_steps=4",
-            "lr_decay=constant",
+            "optim.lr_decay=constant",
             "trainer.enable_progress_bar=false",
             output_dir=tmp_path,
         )
@@ -229,9 +229,9 @@ def _lora_run_args(url: str, *overrides: str) -> list[str]:
         "model.num_heads=2",
         "model.lora.rank=8",
         "model.lora.alpha=16",
-        "lr_decay=constant",
+        "optim.lr_decay=constant",
         "max_steps=6",
-        "dcp_save_interval=1",
+        "checkpoint.save_interval=1",
         "trainer.enable_progress_bar=false",
         *overrides,
     ]
@@ -267,7 +267,9 @@ def test_one_server_pool_serves_run_after_run_and_a_preempted_run_resumes_on_it(
     leaves metrics.csv as it was."""
     pool, _, _ = lora_server
     url = pool.urls[0]
-    first = train(compose_config(*_lora_run_args(url, "max_steps=2", "dcp_save_interval=0"), output_dir=tmp_path / "a"))
+    first = train(
+        compose_config(*_lora_run_args(url, "max_steps=2", "checkpoint.save_interval=0"), output_dir=tmp_path / "a")
+    )
     assert first["steps"] == 2
     assert _served_adapters(url) == []  # the first run unloaded its own
 

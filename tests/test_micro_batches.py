@@ -143,7 +143,7 @@ class Steps(L.Callback):
 
 def fit_on(batches: list[RolloutBatch], tmp_path, *overrides: str, callbacks=()) -> GRPOModule:
     """Train a fresh tiny policy (seed 0) one rollout step per batch, without a sampler."""
-    c = validate(compose_config("grad_clip_norm=0", "logger=none", *overrides, output_dir=tmp_path))
+    c = validate(compose_config("optim.grad_clip_norm=0", "logger=none", *overrides, output_dir=tmp_path))
     L.seed_everything(0, verbose=False)
     tokenizer = load_tokenizer(c.model)
     module = GRPOModule(load_policy(c.model, tokenizer, c.seed), c)
@@ -178,12 +178,12 @@ def test_the_gradient_is_the_whole_batch_one_whatever_the_cut(tmp_path):
     normalizations = ["token_mean", "seq_mean", "sum"] * 2
     vocab = vocab_size()
     batches = [ragged_batch(LENGTHS, vocab, seed=i, per_token=i >= 3) for i in range(6)]
-    common = ("ppo_n_minibatches=2", "policy_loss.kl_beta=0.1")
+    common = ("batching.ppo_minibatches=2", "policy_loss.kl_beta=0.1")
     grads, metrics = {}, {}
     for name, cut in [
-        ("whole", ("micro_batch_size=0",)),
-        ("budget", ("micro_batch_max_tokens=48",)),
-        ("budget_and_rows", ("micro_batch_max_tokens=48", "micro_batch_size=2")),
+        ("whole", ("batching.micro_batch_size=0",)),
+        ("budget", ("batching.micro_batch_max_tokens=48",)),
+        ("budget_and_rows", ("batching.micro_batch_max_tokens=48", "batching.micro_batch_size=2")),
     ]:
         steps = Steps(normalizations)
         fit_on(batches, tmp_path / name, *common, *cut, callbacks=[steps])
@@ -249,7 +249,7 @@ def test_a_long_outlier_does_not_set_the_memory_of_every_forward(tmp_path):
                 [batch],
                 tmp_path / str(budget),
                 "policy_loss.kl_beta=0.1",  # the reference's forwards go through the same micro-batches
-                f"micro_batch_max_tokens={budget}",
+                f"batching.micro_batch_max_tokens={budget}",
                 callbacks=[record],
             )
         runs[budget] = record
@@ -275,14 +275,16 @@ def test_a_sequence_over_the_budget_is_counted_and_said_once(tmp_path, caplog):
     batches = [ragged_batch(rows, vocab, seed=i, width=96) for i, rows in enumerate(lengths)]
     steps = Steps([])
     with caplog.at_level(logging.WARNING, logger="lit_grpo.loop.micro_batches"):
-        fit_on(batches, tmp_path / "budget", "micro_batch_max_tokens=32", "data.max_seq_len=96", callbacks=[steps])
+        fit_on(
+            batches, tmp_path / "budget", "batching.micro_batch_max_tokens=32", "data.max_seq_len=96", callbacks=[steps]
+        )
     assert [m["train/micro_batches_over_budget"] for m in steps.metrics] == [2.0, 1.0, 0.0]
     said = [r.getMessage() for r in caplog.records if "micro_batch_max_tokens" in r.getMessage()]
     assert said == [
-        "step 1: a sequence of 96 tokens is longer than micro_batch_max_tokens=32, so it goes through a forward "
-        "and backward of its own, over the budget (a sequence cannot be split; counted in "
-        "train/micro_batches_over_budget, said once): set micro_batch_max_tokens to at least data.max_seq_len=96 "
-        "to bound every forward"
+        "step 1: a sequence of 96 tokens is longer than batching.micro_batch_max_tokens=32, so it goes through "
+        "a forward and backward of its own, over the budget (a sequence cannot be split; counted in "
+        "train/micro_batches_over_budget, said once): set batching.micro_batch_max_tokens to at least "
+        "data.max_seq_len=96 to bound every forward"
     ]
     steps = Steps([])
     fit_on(batches[:1], tmp_path / "off", callbacks=[steps])  # no budget: nothing to count
@@ -293,9 +295,11 @@ def test_a_budget_below_the_longest_sequence_allowed_is_named_at_start_up(tmp_pa
     def knobs(*overrides):
         return ineffective_knobs(validate(compose_config("data.max_seq_len=64", *overrides, output_dir=tmp_path)))
 
-    assert knobs("micro_batch_max_tokens=64") == knobs("micro_batch_max_tokens=0") == []
-    (note,) = knobs("micro_batch_max_tokens=48")
-    assert note.startswith("micro_batch_max_tokens=48 is below data.max_seq_len=64: a sequence longer than the budget")
+    assert knobs("batching.micro_batch_max_tokens=64") == knobs("batching.micro_batch_max_tokens=0") == []
+    (note,) = knobs("batching.micro_batch_max_tokens=48")
+    assert note.startswith(
+        "batching.micro_batch_max_tokens=48 is below data.max_seq_len=64: a sequence longer than the budget"
+    )
 
 
 # ------------------------------------------------------------------ perf/padding_frac
@@ -310,7 +314,7 @@ def test_padding_frac_counts_the_token_slots_the_forwards_computed(tmp_path):
     assert sum(LENGTHS) == 115
     fracs = {}
     for budget, slots in [(0, 320), (48, 137)]:
-        module = fit_on([batch], tmp_path / str(budget), f"micro_batch_max_tokens={budget}")
+        module = fit_on([batch], tmp_path / str(budget), f"batching.micro_batch_max_tokens={budget}")
         timings = module.last_step.timings
         assert (timings["train_tokens"], timings["train_token_slots"]) == (115.0, slots)
         merged = merge_step_metrics(RolloutRecord(), module.last_step.train_metrics, timings)
@@ -338,7 +342,7 @@ def test_padding_frac_reaches_the_step_metrics(tmp_path):
             "trainer.fast_dev_run=1",
             "trainer.enable_progress_bar=false",
             "sampler.max_completion_tokens=3",
-            "micro_batch_max_tokens=16",
+            "batching.micro_batch_max_tokens=16",
             output_dir=tmp_path,
         )
     )

@@ -87,9 +87,9 @@ def test_micro_batches_accumulate_to_the_whole_batch_step(tmp_path, normalizatio
     for micro in (0, 1, 3):
         trainer, module, datamodule = _build(
             tmp_path / str(micro),
-            f"micro_batch_size={micro}",
+            f"batching.micro_batch_size={micro}",
             "sampler.max_completion_tokens=3",
-            "grad_clip_norm=0",
+            "optim.grad_clip_norm=0",
             f"policy_loss.loss_normalization={normalization}",
             "data.prompt_groups_per_step=2",
             "data.completions_per_prompt=8",
@@ -108,7 +108,7 @@ def test_micro_batches_accumulate_to_the_whole_batch_step(tmp_path, normalizatio
 
 
 def test_ppo_minibatches_make_k_optimizer_steps(tmp_path):
-    trainer, module, datamodule = _build(tmp_path, "ppo_n_minibatches=4", "~callbacks.reward_filter")
+    trainer, module, datamodule = _build(tmp_path, "batching.ppo_minibatches=4", "~callbacks.reward_filter")
     trainer.fit(module, datamodule=datamodule)
     # Each minibatch is one optimizer step: taken (Lightning counts it), or skipped for want of signal
     # (a minibatch whose groups' rewards are all equal, no filter here); the schedule counts the taken ones.
@@ -137,7 +137,11 @@ def test_ppo_old_logprobs_are_the_policy_before_the_first_minibatch(tmp_path, mo
     monkeypatch.setattr(module_py, "policy_loss_with", recording_loss)
     monkeypatch.setattr(module_py, "token_logprobs", recording_logprobs)
     trainer, module, datamodule = _build(
-        tmp_path, "ppo_n_minibatches=2", "~callbacks.reward_filter", "policy_loss.kl_beta=0", "micro_batch_size=0"
+        tmp_path,
+        "batching.ppo_minibatches=2",
+        "~callbacks.reward_filter",
+        "policy_loss.kl_beta=0",
+        "batching.micro_batch_size=0",
     )
     initial = copy.deepcopy(module.policy)
     trainer.fit(module, datamodule=datamodule)

@@ -20,7 +20,7 @@ RUN = [
     "policy_loss=user",
     "policy_loss.name=user_losses:nan_on_calls",
     "~callbacks.reward_filter",
-    "lr_decay=constant",
+    "optim.lr_decay=constant",
     "logger=none",
     "output_model_id=null",
     "trainer.enable_progress_bar=false",
@@ -74,7 +74,9 @@ def test_a_skipped_step_leaves_the_learning_rate_where_it_was(tmp_path, monkeypa
 def test_nonfinite_steps_in_a_row_stop_the_run_and_leave_the_weights_alone(tmp_path, monkeypatch):
     monkeypatch.setattr(user_losses, "NAN_ON_CALLS", {-1})
     c = validate(
-        compose_config(*RUN, "max_steps=10", "max_nonfinite_steps=3", "dcp_save_interval=1", output_dir=tmp_path)
+        compose_config(
+            *RUN, "max_steps=10", "guards.max_nonfinite_steps=3", "checkpoint.save_interval=1", output_dir=tmp_path
+        )
     )
     trainer, module, datamodule = build_run(c)
     before = {k: v.detach().clone() for k, v in module.policy.state_dict().items()}

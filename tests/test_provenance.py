@@ -16,7 +16,7 @@ from lit_grpo.run.checkpoint import CheckpointStore
 from lit_grpo.run.provenance import PROVENANCE_FILE, git_commit, run_versions, version_changes
 from lit_grpo.train import train
 
-RUN = ["+experiment=arithmetic", "trainer.enable_progress_bar=false", "lr_decay=constant"]
+RUN = ["+experiment=arithmetic", "trainer.enable_progress_bar=false", "optim.lr_decay=constant"]
 
 
 def test_versions_name_python_the_libraries_and_lit_grpo():
@@ -35,7 +35,7 @@ def test_versions_name_python_the_libraries_and_lit_grpo():
 
 @pytest.mark.timeout(300)
 def test_the_run_folder_and_its_checkpoints_record_the_versions_and_the_config(tmp_path):
-    train(compose_config(*RUN, "max_steps=2", "dcp_save_interval=2", output_dir=tmp_path))
+    train(compose_config(*RUN, "max_steps=2", "checkpoint.save_interval=2", output_dir=tmp_path))
     record = json.loads((tmp_path / PROVENANCE_FILE).read_text())
     assert record["versions"] == run_versions("hf")
     assert record["config"]["max_steps"] == 2 and record["config"]["sampler"]["kind"] == "hf"
@@ -59,7 +59,7 @@ def test_a_crashed_run_has_its_provenance(tmp_path):
 
 @pytest.mark.timeout(300)
 def test_a_resume_under_other_versions_names_them_once(tmp_path, caplog):
-    train(compose_config(*RUN, "max_steps=2", "dcp_save_interval=2", output_dir=tmp_path))
+    train(compose_config(*RUN, "max_steps=2", "checkpoint.save_interval=2", output_dir=tmp_path))
     ((_, checkpoint),) = CheckpointStore(tmp_path / "checkpoints").step_dirs()
     manifest_path = checkpoint / "manifest.json"
     manifest = json.loads(manifest_path.read_text())  # the manifest's `versions` are not hashed: it stays valid
@@ -68,7 +68,9 @@ def test_a_resume_under_other_versions_names_them_once(tmp_path, caplog):
     manifest_path.write_text(json.dumps(manifest))
 
     with caplog.at_level(logging.WARNING):
-        summary = train(compose_config(*RUN, "max_steps=3", "dcp_save_interval=2", "resume=auto", output_dir=tmp_path))
+        summary = train(
+            compose_config(*RUN, "max_steps=3", "checkpoint.save_interval=2", "resume=auto", output_dir=tmp_path)
+        )
     assert summary["steps"] == 3
     warnings = [r.getMessage() for r in caplog.records if "other versions" in r.getMessage()]
     assert len(warnings) == 1, warnings
@@ -82,7 +84,7 @@ def test_a_resume_under_other_versions_names_them_once(tmp_path, caplog):
 
 @pytest.mark.timeout(300)
 def test_a_resume_under_the_same_versions_says_nothing(tmp_path, caplog):
-    train(compose_config(*RUN, "max_steps=2", "dcp_save_interval=2", output_dir=tmp_path))
+    train(compose_config(*RUN, "max_steps=2", "checkpoint.save_interval=2", output_dir=tmp_path))
     with caplog.at_level(logging.WARNING):
-        train(compose_config(*RUN, "max_steps=3", "dcp_save_interval=2", "resume=auto", output_dir=tmp_path))
+        train(compose_config(*RUN, "max_steps=3", "checkpoint.save_interval=2", "resume=auto", output_dir=tmp_path))
     assert not [r for r in caplog.records if "other versions" in r.getMessage()]

@@ -186,8 +186,8 @@ def test_the_experiment_composes_with_bundled_rows(tmp_path):
 
     c = validate(compose_config("+experiment=rehearsal_0p5b", output_dir=tmp_path))
     assert (c.model.kind, c.model.num_layers, c.model.vocab_size, c.sampler.kind) == ("qwen2_shape", 4, VOCAB, "hf")
-    assert (c.sampler.max_completion_tokens, c.weight_sync_interval, c.resume) == (256, 1, "auto")
-    assert c.dcp_save_interval > 0 and c.callbacks["reward_filter"] is None
+    assert (c.sampler.max_completion_tokens, c.offpolicy.weight_sync_interval, c.resume) == (256, 1, "auto")
+    assert c.checkpoint.save_interval > 0 and c.callbacks["reward_filter"] is None
     assert source_problems(c) == []
     rows = training_rows(c)
     assert len(rows) == 256 == len(BUNDLED_FILES["train"].read_text().splitlines())
@@ -209,7 +209,7 @@ CI_RUN = [
     "data.completions_per_prompt=2",
     "data.prompt_groups_per_step=2",
     "sampler.max_completion_tokens=16",
-    "dcp_save_interval=2",
+    "checkpoint.save_interval=2",
     "callbacks.sample_log.every_n_steps=1",  # samples.jsonl: every step's completions
     "trainer.enable_progress_bar=false",
 ]

@@ -215,7 +215,7 @@ def test_a_weighted_run_logs_one_curve_per_component(tmp_path, user_rewards):
         compose_config(
             "+experiment=arithmetic",
             "max_steps=3",
-            "lr_decay=constant",
+            "optim.lr_decay=constant",
             "reward.fn=[arithmetic,my_rewards:brevity]",
             "reward.weights=[1.0,0.25]",
             "trainer.enable_progress_bar=false",

@@ -216,7 +216,7 @@ def test_a_rollout_past_its_deadline_is_cancelled_and_counted(monkeypatch):
             raise
 
     result, events = _call(sleeps, timeout_s=0.05, max_retries=1)
-    assert isinstance(result, RolloutTimeout) and "rollout_timeout_s=0.05" in str(result)
+    assert isinstance(result, RolloutTimeout) and "guards.rollout_timeout_s=0.05" in str(result)
     assert events == ["rollout/timeouts", "rollout/retries", "rollout/timeouts"]
     assert len(cancelled) == 2
 
@@ -262,7 +262,7 @@ def test_the_no_progress_message_names_the_dominant_reason_and_what_to_check():
     with pytest.raises(NoProgressError) as stopped:
         guard.rejected("rollout/dropped_small_group", {"rollout/failures": 4})
     message = str(stopped.value)
-    assert "last 4 rows sampled (max_rows_without_progress=4)" in message
+    assert "last 4 rows sampled (guards.max_rows_without_progress=4)" in message
     assert "2  nonnumeric_reward: a reward that is not a number" in message
     assert "1  filtered_groups" in message and "1  failures" in message
     assert "6  rollout/dropped_nonnumeric_reward" in message

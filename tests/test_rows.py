@@ -60,7 +60,7 @@ ONE_STEP = [
     "data.prompt_groups_per_step=2",
     "data.completions_per_prompt=2",
     "~callbacks.reward_filter",
-    "synchronous_training=true",
+    "offpolicy.synchronous=true",
     "output_model_id=null",
 ]
 
@@ -395,7 +395,7 @@ def test_the_cli_trains_on_plain_prompts_with_a_reward_module_of_ones_own(tmp_pa
         "reward.fn=my_reward:score",
         "model=tiny",
         "max_steps=3",
-        "synchronous_training=true",
+        "offpolicy.synchronous=true",
         "data.prompt_groups_per_step=4",
         "data.completions_per_prompt=4",
         "sampler.max_completion_tokens=2",

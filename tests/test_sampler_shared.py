@@ -162,11 +162,11 @@ def test_the_hold_waits_for_a_running_generate_call_within_its_deadline(tiny_mod
 SHARED_WHERE_NOTHING_OVERLAPS = [
     ((), True),  # the CPU demo: synchronous, a sync after every step
     (("sampler.engine_thread=worker",), True),  # a call that outlives its rollout is held off by `sleep`
-    (("max_head_offpolicy_versions=2",), True),  # no effect with synchronous training
-    (("synchronous_training=false",), False),  # O = 0, but oversampled rows may still generate as a step trains
-    (("synchronous_training=false", "max_head_offpolicy_versions=1", "weight_sync_interval=2"), False),
-    (("weight_sync_interval=2",), False),  # the sampler keeps the last synced weights between syncs
-    (("weight_sync_interval=0",), False),  # the base weights, on purpose
+    (("offpolicy.max_lag=2",), True),  # no effect with synchronous training
+    (("offpolicy.synchronous=false",), False),  # O = 0, but oversampled rows may still generate as a step trains
+    (("offpolicy.synchronous=false", "offpolicy.max_lag=1", "offpolicy.weight_sync_interval=2"), False),
+    (("offpolicy.weight_sync_interval=2",), False),  # the sampler keeps the last synced weights between syncs
+    (("offpolicy.weight_sync_interval=0",), False),  # the base weights, on purpose
     (("trainer.strategy=fsdp",), False),  # sharded: a sync gathers whole weights for the sampler
     (("trainer.strategy=fsdp2",), False),
     (("sampler.share_policy_weights=false",), False),
@@ -200,7 +200,7 @@ def test_the_knob_is_checked_and_other_kinds_never_share(tiny_model, tokenizer):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("overrides, shared", [((), True), (("weight_sync_interval=2",), False)])
+@pytest.mark.parametrize("overrides, shared", [((), True), (("offpolicy.weight_sync_interval=2",), False)])
 def test_the_data_module_builds_the_sampler_the_config_chose(tiny_model, tokenizer, overrides, shared, tmp_path):
     c = validate(compose_config("+experiment=arithmetic", *overrides, output_dir=tmp_path))
     datamodule = build_datamodule(c, tiny_model, tokenizer, [{"prompt": "1+2=", "answer": "3"}], lambda *_: 1.0)
@@ -213,7 +213,7 @@ def test_the_data_module_builds_the_sampler_the_config_chose(tiny_model, tokeniz
 
 @pytest.mark.timeout(60)
 def test_with_no_version_ahead_the_off_policy_gate_still_admits_rows_a_step_may_not_need():
-    """Why `synchronous_training=false` keeps a copy even at O = 0: once filters dropped some groups
+    """Why `offpolicy.synchronous=false` keeps a copy even at O = 0: once filters dropped some groups
     the gate oversamples, so a row can start that is still generating when the step has its P groups
     (and trains while it generates); it is not trained, but it reads the weights meanwhile."""
     G, P = 4, 2
@@ -237,7 +237,7 @@ def _run(tmp_path, *overrides):
             "+experiment=arithmetic",
             "max_steps=6",
             "learning_rate=0.01",
-            "lr_decay=constant",
+            "optim.lr_decay=constant",
             "logger=none",
             "output_model_id=null",
             "trainer.enable_progress_bar=false",

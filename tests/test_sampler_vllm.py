@@ -170,7 +170,7 @@ def test_a_training_run_with_the_vllm_sampler(tmp_path):
             "sampler.max_model_len=64",
             "sampler.enforce_eager=true",
             "max_steps=3",
-            "lr_decay=constant",
+            "optim.lr_decay=constant",
             "trainer.enable_progress_bar=false",
             output_dir=tmp_path,
         )

@@ -258,7 +258,7 @@ def test_stop_strings_keep_the_completing_token_and_cut_the_text(servers, sample
 def _train_attached(pool, tmp_path, *overrides: str) -> dict:
     """The arithmetic demo (2 heads, constant learning rate) trained on the servers of `pool`."""
     urls = ",".join(f"'{u}'" for u in pool.urls)
-    common = ["sampler=vllm_server", f"sampler.server_urls=[{urls}]", "model.num_heads=2", "lr_decay=constant"]
+    common = ["sampler=vllm_server", f"sampler.server_urls=[{urls}]", "model.num_heads=2", "optim.lr_decay=constant"]
     return train(
         compose_config(
             "+experiment=arithmetic", *common, *overrides, "trainer.enable_progress_bar=false", output_dir=tmp_path
@@ -295,9 +295,9 @@ def test_an_asynchronous_run_with_partial_rollouts_attached_to_the_servers(serve
         "sampler.max_completion_tokens=48",
         "data.max_seq_len=96",
         "max_steps=6",
-        "synchronous_training=false",
-        "max_head_offpolicy_versions=1",
-        "partial_rollouts=true",
+        "offpolicy.synchronous=false",
+        "offpolicy.max_lag=1",
+        "offpolicy.partial_rollouts=true",
     )
     assert summary["steps"] == 6
     rows = list(csv.DictReader(open(tmp_path / "metrics.csv")))
@@ -322,8 +322,8 @@ def test_two_ddp_ranks_each_sync_their_own_server_with_the_same_weights(servers,
         f"sampler.server_urls=[{urls}]",
         "model.num_heads=2",
         "max_steps=3",
-        "dcp_save_interval=0",
-        "lr_decay=constant",
+        "checkpoint.save_interval=0",
+        "optim.lr_decay=constant",
         "learning_rate=0.05",
         "trainer.accelerator=cpu",
         "trainer.devices=2",

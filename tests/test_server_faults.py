@@ -26,7 +26,7 @@ from lit_grpo.samplers.server.requests import Replica
 from lit_grpo.samplers.server.weight_files import WeightSyncError, sync_replicas
 
 URL = "http://127.0.0.1:9"
-FAST = ["max_steps=6", "dcp_save_interval=2", "lr_decay=constant", "~callbacks.reward_filter"]
+FAST = ["max_steps=6", "checkpoint.save_interval=2", "optim.lr_decay=constant", "~callbacks.reward_filter"]
 """A short run whose steps take 8 rows of 8 rollout calls each (no filter drops a group)."""
 
 
@@ -93,11 +93,11 @@ def test_without_checkpoints_the_message_says_the_run_cannot_continue(tmp_path):
     failed = run_cli(
         tmp_path / "run",
         "max_steps=6",
-        "dcp_save_interval=0",
+        "checkpoint.save_interval=0",
         f"+callbacks.fault={{_target_:fault_injection.FailSyncAtStep,step:2,url:'{URL}'}}",
     )
     message = _one_message(failed)
-    assert "training stopped after step 2" in message and "checkpoints are off (dcp_save_interval=0)" in message
+    assert "training stopped after step 2" in message and "checkpoints are off (checkpoint.save_interval=0)" in message
 
 
 def _sync(live: list[Replica], dead: set[str]) -> None:

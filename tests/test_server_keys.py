@@ -167,7 +167,12 @@ def _files_holding(folder: Path, text: str) -> list[str]:
 @pytest.mark.timeout(300)
 def test_a_run_with_the_key_trains_and_a_wrong_key_stops_it_naming_the_server(keyed_server, tmp_path, monkeypatch):
     url = keyed_server.urls[0]
-    overrides = ["sampler=vllm_server", f"sampler.server_urls=['{url}']", "model.num_heads=2", "lr_decay=constant"]
+    overrides = [
+        "sampler=vllm_server",
+        f"sampler.server_urls=['{url}']",
+        "model.num_heads=2",
+        "optim.lr_decay=constant",
+    ]
     monkeypatch.setenv("MY_SERVER_KEY", KEY)
     summary = train(
         compose_config(
@@ -175,7 +180,7 @@ def test_a_run_with_the_key_trains_and_a_wrong_key_stops_it_naming_the_server(ke
             *overrides,
             "sampler.api_key_env=MY_SERVER_KEY",
             "max_steps=3",
-            "dcp_save_interval=3",
+            "checkpoint.save_interval=3",
             "trainer.enable_progress_bar=false",
             output_dir=tmp_path / "ok",
         )

@@ -48,10 +48,10 @@ def test_sigterm_during_a_step_checkpoints_that_step_and_resumes_exactly(uninter
     proc, seconds = _stop(run_dir, "+callbacks.term={_target_:fault_injection.SignalAfterStep,step:5}")
     assert proc.returncode == 143, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
-    _resume_matches(run_dir, uninterrupted, stopped_at=5)  # 5 is not a multiple of dcp_save_interval=2
+    _resume_matches(run_dir, uninterrupted, stopped_at=5)  # 5 is not a multiple of checkpoint.save_interval=2
 
 
-@pytest.mark.parametrize("mode", ["synchronous_training=true", "synchronous_training=false"])
+@pytest.mark.parametrize("mode", ["offpolicy.synchronous=true", "offpolicy.synchronous=false"])
 @pytest.mark.parametrize("name,code", [("SIGTERM", 143), ("SIGINT", 130)])
 def test_a_signal_during_a_hung_rollout_stops_within_seconds(mode, name, code, uninterrupted_no_filter, tmp_path):
     run_dir = tmp_path / "run"
@@ -66,7 +66,7 @@ def test_a_signal_during_a_hung_rollout_stops_within_seconds(mode, name, code, u
     assert proc.returncode == code, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
     assert seconds < 60, seconds
-    if mode == "synchronous_training=true":  # asynchronous sampling runs ahead of training: no exact step
+    if mode == "offpolicy.synchronous=true":  # asynchronous sampling runs ahead of training: no exact step
         _resume_matches(run_dir, uninterrupted_no_filter, 3, mode, NO_FILTER)
     else:
         summary = json.loads((run_dir / "summary.json").read_text())
@@ -242,7 +242,14 @@ def test_fifty_sigints_at_random_moments_each_leave_the_summary_the_stop_line_cl
     def one(i: int) -> str:
         run_dir = tmp_path / f"run{i}"
         proc = subprocess.Popen(
-            [sys.executable, "-m", "lit_grpo.train", "+experiment=arithmetic", "max_steps=60", "dcp_save_interval=7"]
+            [
+                sys.executable,
+                "-m",
+                "lit_grpo.train",
+                "+experiment=arithmetic",
+                "max_steps=60",
+                "checkpoint.save_interval=7",
+            ]
             + ["trainer.enable_progress_bar=false", f"hydra.run.dir={run_dir}"],
             cwd=tmp_path,
             env=env,

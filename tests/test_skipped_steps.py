@@ -99,7 +99,7 @@ def test_a_step_without_signal_leaves_weights_and_optimizer_state_bit_identical(
     snapshots = Snapshots()
     with caplog.at_level(logging.WARNING, logger="lit_grpo.loop.skipped_steps"), warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*lr_scheduler.step.*")  # skipped on purpose: no torch warning
-        fit_on(batches, tmp_path, "policy_loss.kl_beta=0.1", "grad_clip_norm=1.0", callbacks=[snapshots])
+        fit_on(batches, tmp_path, "policy_loss.kl_beta=0.1", "optim.grad_clip_norm=1.0", callbacks=[snapshots])
     w, opt = snapshots.weights, snapshots.optimizer  # [before, after step 1, ..., after step 4]
     assert _same_weights(w[0], w[1]) and opt[1]["state"] == {}  # nothing moved, Adam untouched
     assert not _same_weights(w[1], w[2])
@@ -117,7 +117,7 @@ def test_ppo_minibatches_skip_only_the_optimizer_steps_without_signal(tmp_path):
     # Two minibatches of 4 rows: the first's advantages are all 0, the second's are not.
     advantages = torch.tensor([0.0, 0.0, 0.0, 0.0, 1.0, -1.0, 0.5, -0.5])
     snapshots = Snapshots()
-    fit_on([_with_advantages(LENGTHS, 0, advantages)], tmp_path, "ppo_n_minibatches=2", callbacks=[snapshots])
+    fit_on([_with_advantages(LENGTHS, 0, advantages)], tmp_path, "batching.ppo_minibatches=2", callbacks=[snapshots])
     (state,) = {int(s["step"]) for s in snapshots.optimizer[1]["state"].values()}
     assert state == 1  # one Adam step: the second minibatch's
     assert snapshots.metrics[0]["train/skipped_no_signal"] == 1.0  # a count over the minibatches

@@ -32,9 +32,9 @@ NO_EXTRAS = [
 @pytest.mark.parametrize(
     "sweep",
     [
-        ["synchronous_training=true", "weight_sync_interval=0,1,2"],
-        ["synchronous_training=false", "max_head_offpolicy_versions=0", "weight_sync_interval=0,1"],
-        ["synchronous_training=false", "max_head_offpolicy_versions=1,2", "weight_sync_interval=0,1,2"],
+        ["offpolicy.synchronous=true", "offpolicy.weight_sync_interval=0,1,2"],
+        ["offpolicy.synchronous=false", "offpolicy.max_lag=0", "offpolicy.weight_sync_interval=0,1"],
+        ["offpolicy.synchronous=false", "offpolicy.max_lag=1,2", "offpolicy.weight_sync_interval=0,1,2"],
     ],
     ids=["sync", "async-O0", "async-O1-O2"],
 )
@@ -89,10 +89,10 @@ def test_sampler_holds_the_policy_exactly_when_a_sync_was_due(interval, tmp_path
         compose_config(
             "+experiment=arithmetic",
             f"max_steps={steps}",
-            f"weight_sync_interval={interval}",
-            "synchronous_training=true",  # the reward filter on: every step has a signal, so every step moves
+            f"offpolicy.weight_sync_interval={interval}",
+            "offpolicy.synchronous=true",  # the reward filter on: every step has a signal, so every step moves
             "learning_rate=0.01",
-            "lr_decay=constant",
+            "optim.lr_decay=constant",
             "logger=none",
             "output_model_id=null",
             "trainer.enable_progress_bar=false",
@@ -128,7 +128,7 @@ def test_build_run_hands_the_module_the_step_sequence_of_its_data(tmp_path):
     c = validate(
         compose_config(
             *NO_EXTRAS[:3],
-            "synchronous_training=false",
+            "offpolicy.synchronous=false",
             "logger=none",
             "output_model_id=null",
             "trainer.enable_progress_bar=false",

@@ -152,7 +152,7 @@ def test_training_ends_cleanly_when_the_rows_run_out(tmp_path):
             "task.num_rows=16",
             "data.epochs=1",
             "max_steps=-1",
-            "lr_decay=constant",
+            "optim.lr_decay=constant",
             "~callbacks.reward_filter",
             "trainer.enable_progress_bar=false",
             output_dir=tmp_path,

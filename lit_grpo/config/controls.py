@@ -6,13 +6,10 @@ parameters are checked against the correction registry in `lit_grpo.run.validate
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Any, Optional
 
 from lit_grpo.config.checks import require, require_finite
-
-log = logging.getLogger(__name__)
 
 CORRECTION_PARAMS = ("level", "cap", "low", "high", "estimator", "threshold")
 """CorrectionConfig's fields that are a mode's parameters (the registry says which mode takes which)."""
@@ -59,31 +56,6 @@ class CorrectionConfig:
                 require_finite(getattr(self, key), f"correction.{key}")
         if self.off_policy_delta is not None:
             require(self.off_policy_delta >= 0, "correction.off_policy_delta", "must be >= 0 (null: off)")
-
-
-def adopt_legacy_tis(tis_cap: Optional[float], tis_level: Optional[str], c: CorrectionConfig) -> CorrectionConfig:
-    """The correction that the deprecated `policy_loss.tis_cap` / `policy_loss.tis_level` ask for:
-    `correction=tis` with that cap and level (they win, as they did); `c` when neither is set."""
-    if tis_cap is None and tis_level is None:
-        return c
-    require(
-        c.name in ("tis", "none"),
-        "policy_loss.tis_cap",
-        f"is the deprecated form of correction=tis; it cannot go with correction={c.name} (drop one of them)",
-    )
-    new = CorrectionConfig(
-        name="tis",
-        level=tis_level if tis_level is not None else c.level,
-        cap=tis_cap if tis_cap is not None else c.cap,
-        off_policy_delta=c.off_policy_delta,
-    )
-    log.warning(
-        "deprecated: policy_loss.tis_cap / policy_loss.tis_level are read as correction=tis%s%s; "
-        "use the `correction` group",
-        f" correction.cap={new.cap}" if new.cap is not None else "",
-        f" correction.level={new.level}" if new.level is not None else "",
-    )
-    return new
 
 
 @dataclass

@@ -4,12 +4,12 @@
 composes them into `TrainConfig`.
 
 Every field has a docstring, and `__post_init__` checks what one group can check alone, naming
-the field; `ConfigError` is what a user sees.
+the field (`lit_grpo.config.run.check_rollout`: the rollout group's rules with the rest of the
+run); `ConfigError` is what a user sees.
 """
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -18,8 +18,6 @@ from lit_grpo.config.checks import (
     require,
     require_finite,
 )
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -110,6 +108,8 @@ class RolloutConfig:
     at most `-factor`, where L_max is `sampler.max_completion_tokens`; logged as `reward/overlong_penalty`."""
     overlong_penalty_factor: float = 1.0
     """The overlong penalty at L >= L_max (taken negative): `-overlong_penalty_factor`."""
+    max_concurrency: int = 256
+    """Most rollout calls in flight at once (asynchronous mode)."""
 
     def __post_init__(self) -> None:
         require(":" in self.factory, "rollout.factory", f"must be 'module:function', got {self.factory!r}")
@@ -124,6 +124,7 @@ class RolloutConfig:
             "rollout.overlong_penalty_factor",
             f"must be >= 0 (the penalty is subtracted), got {self.overlong_penalty_factor}",
         )
+        require(self.max_concurrency >= 1, "rollout.max_concurrency", f"must be >= 1, got {self.max_concurrency}")
 
 
 @dataclass
@@ -205,76 +206,17 @@ class AdvantageConfig:
         self.params = {k: v for k, v in self.params.items() if v is not None}  # null: unset (an experiment's undo)
 
 
-LEGACY_ADVANTAGE_FIELDS = ("advantage", "advantage_scale", "igpo_gamma", "igpo_skip_last_ig")
-"""PolicyLossConfig's former advantage knobs, still read (`adopt_legacy_advantage`)."""
-_LEGACY_SCALES = {"std": "grpo", "none": "dr_grpo"}
-
-
-def adopt_legacy_advantage(p: PolicyLossConfig, a: AdvantageConfig) -> AdvantageConfig:
-    """The advantage that `policy_loss`'s deprecated knobs ask for (they win over `a`, as they did:
-    `policy_loss.advantage=igpo` is `advantage=igpo`, `advantage_scale=none` is `advantage=dr_grpo`,
-    `igpo_gamma`/`igpo_skip_last_ig` are igpo's `gamma`/`skip_last_ig`); `a` when none is set.
-    The knobs are then cleared and one line is logged."""
-    legacy = {k: getattr(p, k) for k in LEGACY_ADVANTAGE_FIELDS if getattr(p, k) is not None}
-    if not legacy:
-        return a
-    kind = p.advantage or ("igpo" if a.name == "igpo" else "group")
-    params = {k: legacy[f"igpo_{k}"] for k in ("gamma", "skip_last_ig") if f"igpo_{k}" in legacy}
-    for key in params:
-        require(kind == "igpo", f"policy_loss.igpo_{key}", f"applies to advantage=igpo only (it is {a.name!r})")
-    require(
-        kind != "igpo" or p.advantage_scale in (None, "std"),
-        "policy_loss.advantage_scale",
-        f"igpo z-normalizes its IG and outcome rewards itself; leave it at std (got {p.advantage_scale!r})",
-    )
-    name = "igpo" if kind == "igpo" else _LEGACY_SCALES[p.advantage_scale or "std"]
-    new = AdvantageConfig(name, {**a.params, **params} if name == a.name else params)
-    for key in LEGACY_ADVANTAGE_FIELDS:
-        setattr(p, key, None)
-    set_ = " ".join(f"policy_loss.{k}={v}" for k, v in legacy.items())
-    log.warning(
-        "deprecated: %s is read as advantage=%s%s; use the `advantage` group",
-        set_,
-        new.name,
-        "".join(f" advantage.params.{k}={v}" for k, v in params.items()),
-    )
-    return new
-
-
-# PolicyLossConfig's named hyper-parameters; any other goes in `params`.
-ADVANTAGE_KINDS = ("group", "igpo")
-"""Deprecated `policy_loss.advantage`: per-sequence group-relative advantages, or IGPO's turn credit."""
-NAMED_LOSS_HYPERPARAMS = (
-    "eps_clip",
-    "eps_clip_high",
-    "eps_clip_c",
-    "dro_beta",
-    "sapo_tau_pos",
-    "sapo_tau_neg",
-    "dppo_divergence",
-    "dppo_tv_threshold",
-    "dppo_kl_threshold",
-    "dppo_ratio_cap",
-)
-_FLOAT_LOSS_HYPERPARAMS = (*(k for k in NAMED_LOSS_HYPERPARAMS if k != "dppo_divergence"), "tis_cap")
-_POSITIVE_LOSS_HYPERPARAMS = (
-    "sapo_tau_pos",
-    "sapo_tau_neg",
-    "dppo_tv_threshold",
-    "dppo_kl_threshold",
-    "dppo_ratio_cap",
-)
-DPPO_DIVERGENCES = ("tv", "kl")
-"""dppo's trust-region measures (the config layer cannot import lit_grpo.maths, which has the same tuple)."""
+ANCHORS = ("old_policy", "rollout")
+"""`policy_loss.anchor_logp`: the trainer's logprobs before the update, or the sampler's."""
 
 
 @dataclass
 class PolicyLossConfig:
     """The policy objective; `conf/policy_loss/<name>.yaml` holds each built-in variant's defaults.
 
-    Variant hyper-parameters are null unless the variant takes them; validation checks every one
-    that is set (named here or in `params`) against the loss registry, so a hyper-parameter the
-    variant does not take is an error naming its field, not a silent no-op.
+    A variant's own hyper-parameters (`eps_clip`, `dro_beta`, ...) live in `params` only, where
+    validation checks each against the loss registry (its name, type and bounds), so one the
+    variant does not take is an error naming it, not a silent no-op.
     """
 
     name: str = field(default="grpo", metadata=DEFINES_STATE)
@@ -282,105 +224,35 @@ class PolicyLossConfig:
     gspo, cispo, sapo, gmpo, dppo), or `module.path:name` for a user's loss: `module.path` is imported first (the
     working directory is importable) and its `@register_policy_loss("name")` registers it."""
     kl_beta: float = 0.001
-    """β of the k3 KL penalty to the frozen reference; > 0 builds the reference model."""
+    """β of the k3 KL penalty to the frozen reference (every variant takes it); > 0 builds the reference model."""
     loss_normalization: str = "token_mean"
     """A registered normalization (`lit_grpo.maths.loss_terms.LOSS_NORMALIZATIONS`): token_mean (over
     the whole optimizer step), seq_mean or sum."""
-    advantage_scale: Optional[str] = None
-    """Deprecated (`advantage=grpo` / `advantage=dr_grpo`): `std` or `none` (null: unset)."""
-    advantage: Optional[str] = None
-    """Deprecated (`advantage=grpo` / `advantage=igpo`): `group` or `igpo` (null: unset)."""
-    igpo_gamma: Optional[float] = None
-    """Deprecated (`advantage.params.gamma` under `advantage=igpo`)."""
-    igpo_skip_last_ig: Optional[bool] = None
-    """Deprecated (`advantage.params.skip_last_ig` under `advantage=igpo`)."""
-    eps_clip: Optional[float] = None
-    """Lower clip ε of the ratio (1 - ε); for gmpo, of the log-ratio (-ε)."""
-    eps_clip_high: Optional[float] = None
-    """Upper clip ε of the ratio (1 + ε); for gmpo, of the log-ratio (+ε)."""
-    eps_clip_c: Optional[float] = None
-    """dapo's dual-clip constant c for negative advantages (null: off)."""
-    dro_beta: Optional[float] = None
-    """dro's quadratic penalty β."""
-    sapo_tau_pos: Optional[float] = None
-    """sapo's gate temperature for tokens with A > 0."""
-    sapo_tau_neg: Optional[float] = None
-    """sapo's gate temperature for tokens with A <= 0."""
-    dppo_divergence: Optional[str] = None
-    """dppo's trust-region measure: `tv` (p - p_old) or `kl` (the Bernoulli KL of p_old to p)."""
-    dppo_tv_threshold: Optional[float] = None
-    """dppo's TV threshold, read with dppo_divergence=tv only (null: 0.2); set with kl it is an error."""
-    dppo_kl_threshold: Optional[float] = None
-    """dppo's KL threshold, read with dppo_divergence=kl only (null: 0.05); set with tv it is an error."""
-    dppo_ratio_cap: Optional[float] = None
-    """dppo's truncation of the detached ratio that weighs each kept token."""
-    tis_cap: Optional[float] = None
-    """Deprecated (`correction=tis correction.cap=...`): read as that correction."""
-    tis_level: Optional[str] = None
-    """Deprecated (`correction=tis correction.level=...`): read as that correction."""
+    anchor_logp: str = "old_policy"
+    """What the loss's ratio is anchored on ("old"): `old_policy`, the trainer's logprobs before
+    this batch's first update (a no-gradient forward when batching.ppo_minibatches > 1); or `rollout`, the
+    sampler's logprobs, which skips that forward and makes the mismatch correction an identity
+    (the cookbook's `anchor_logp`, verl's bypass mode)."""
     params: dict = field(default_factory=dict)
-    """Any other hyper-parameter of the registered loss, by the name it was registered with
-    (`register_policy_loss("mine", scale=1.0)`: `+policy_loss.params.scale=3.0`)."""
+    """The variant's own hyper-parameters by their registered names (grpo, gspo, cispo, gmpo:
+    eps_clip, eps_clip_high; dapo: those and eps_clip_c; dro: dro_beta; sapo: sapo_tau_pos,
+    sapo_tau_neg; dppo: dppo_divergence, dppo_tv_threshold, dppo_kl_threshold, dppo_ratio_cap; a
+    user's: what it was registered with, `+policy_loss.params.scale=3.0`); unset or null ones
+    take the registered default."""
 
     def __post_init__(
         self,
-    ) -> None:  # names and hyper-parameters are checked against the loss registry in lit_grpo.run.validate
+    ) -> None:  # the name and `params` are checked against the loss registry in lit_grpo.run.validate
         require_finite(self.kl_beta, "policy_loss.kl_beta")
         require(self.kl_beta >= 0, "policy_loss.kl_beta", f"must be >= 0, got {self.kl_beta}")
-        for key in _FLOAT_LOSS_HYPERPARAMS:
-            if getattr(self, key) is not None:
-                require_finite(getattr(self, key), f"policy_loss.{key}")
-        for key in _POSITIVE_LOSS_HYPERPARAMS:
-            value = getattr(self, key)
-            require(value is None or value > 0, f"policy_loss.{key}", f"must be > 0, got {value}")
         require(
-            self.dppo_divergence in (None, *DPPO_DIVERGENCES),
-            "policy_loss.dppo_divergence",
-            f"must be one of {', '.join(DPPO_DIVERGENCES)}, got {self.dppo_divergence!r}",
+            self.anchor_logp in ANCHORS,
+            "policy_loss.anchor_logp",
+            f"must be one of {', '.join(ANCHORS)}, got {self.anchor_logp!r}",
         )
-        self._check_dppo_threshold()
-        self._check_advantage()
-
-    def _check_dppo_threshold(self) -> None:  # dppo reads one threshold: the other would be silently ignored
-        for divergence in DPPO_DIVERGENCES:
-            key = f"dppo_{divergence}_threshold"
-            require(
-                getattr(self, key) is None or self.dppo_divergence in (None, divergence),
-                f"policy_loss.{key}",
-                f"is ignored with policy_loss.dppo_divergence={self.dppo_divergence}: set "
-                f"policy_loss.dppo_divergence={divergence}, or leave policy_loss.{key} unset",
-            )
-
-    def _check_advantage(self) -> None:  # the deprecated knobs, read by `adopt_legacy_advantage`
-        require(
-            self.advantage in (None, *ADVANTAGE_KINDS),
-            "policy_loss.advantage",
-            f"must be one of {', '.join(ADVANTAGE_KINDS)}, got {self.advantage!r}",
-        )
-        require(
-            self.advantage_scale in (None, *_LEGACY_SCALES),
-            "policy_loss.advantage_scale",
-            f"must be one of {', '.join(_LEGACY_SCALES)}, got {self.advantage_scale!r}",
-        )
-        for key in ("igpo_gamma", "igpo_skip_last_ig"):
-            require(
-                getattr(self, key) is None or self.advantage != "group",
-                f"policy_loss.{key}",
-                f"applies to policy_loss.advantage=igpo only (it is {self.advantage!r})",
-            )
-        if self.igpo_gamma is not None:
-            require_finite(self.igpo_gamma, "policy_loss.igpo_gamma")
-            require(
-                0.0 <= self.igpo_gamma <= 1.0, "policy_loss.igpo_gamma", f"must be in [0, 1], got {self.igpo_gamma}"
-            )
-        if self.advantage == "igpo":  # igpo z-normalizes its rewards itself: another scale would be a silent no-op
-            require(
-                self.advantage_scale in (None, "std"),
-                "policy_loss.advantage_scale",
-                f"igpo z-normalizes its IG and outcome rewards itself; leave it at std (got {self.advantage_scale!r})",
-            )
+        require("kl_beta" not in self.params, "policy_loss.params.kl_beta", "set it as policy_loss.kl_beta")
+        self.params = {k: v for k, v in self.params.items() if v is not None}  # null: unset (an experiment's undo)
 
     def hyperparams(self) -> dict[str, Any]:
-        """The hyper-parameters to call the loss with: the named ones that are set, `params`, kl_beta."""
-        named = {n: getattr(self, n) for n in NAMED_LOSS_HYPERPARAMS if getattr(self, n) is not None}
-        return {**named, **self.params, "kl_beta": self.kl_beta}
+        """The hyper-parameters to call the loss with: `params` and kl_beta."""
+        return {**self.params, "kl_beta": self.kl_beta}

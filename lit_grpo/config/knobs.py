@@ -9,6 +9,7 @@ from lit_grpo.config.controls import EntropyConfig
 from lit_grpo.config.groups import DataConfig
 from lit_grpo.config.run import TrainConfig
 from lit_grpo.config.sources import source_kind
+from lit_grpo.config.training import CheckpointConfig
 
 
 def ineffective_knobs(c: TrainConfig) -> list[str]:
@@ -17,16 +18,16 @@ def ineffective_knobs(c: TrainConfig) -> list[str]:
     A knob at its default is not reported: only values someone chose and that do nothing.
     """
     knobs = []
-    if c.synchronous_training and c.max_head_offpolicy_versions > 0:
+    o = c.offpolicy
+    if o.synchronous and o.max_lag > 0:
         knobs.append(
-            f"max_head_offpolicy_versions={c.max_head_offpolicy_versions} "
-            "has no effect with synchronous_training=true: "
+            f"offpolicy.max_lag={o.max_lag} has no effect with offpolicy.synchronous=true: "
             "every rollout is drained before each step, so none is ever off-policy"
         )
-    if c.max_rollout_versions > 0 and not c.partial_rollouts:
+    if o.max_rollout_versions > 0 and not o.partial_rollouts:
         knobs.append(
-            f"max_rollout_versions={c.max_rollout_versions} has no effect with partial_rollouts=false: "
-            "no sampler reports its tokens' versions"
+            f"offpolicy.max_rollout_versions={o.max_rollout_versions} has no effect with "
+            "offpolicy.partial_rollouts=false: no sampler reports its tokens' versions"
         )
     if c.eval_interval > 0 and c.data.eval_rows == 0:
         knobs.append(
@@ -47,16 +48,19 @@ def ineffective_knobs(c: TrainConfig) -> list[str]:
             f"rollout.overlong_penalty_factor={c.rollout.overlong_penalty_factor} has no effect with "
             "rollout.overlong_buffer_len=0: the overlong penalty is off"
         )
-    if 0 < c.micro_batch_max_tokens < c.data.max_seq_len:  # not without effect, but not the bound it says
+    budget = c.batching.micro_batch_max_tokens
+    if 0 < budget < c.data.max_seq_len:  # not without effect, but not the bound it says
         knobs.append(
-            f"micro_batch_max_tokens={c.micro_batch_max_tokens} is below data.max_seq_len={c.data.max_seq_len}: "
+            f"batching.micro_batch_max_tokens={budget} is below data.max_seq_len={c.data.max_seq_len}: "
             "a sequence longer than the budget cannot be split and goes through a forward of its own, over it "
             "(counted in train/micro_batches_over_budget); set it to at least data.max_seq_len to bound every forward"
         )
     knobs += _ineffective_entropy_knobs(c.entropy)
-    default_keep = TrainConfig.__dataclass_fields__["dcp_keep_last"].default
-    if c.dcp_save_interval == 0 and c.dcp_keep_last != default_keep:
-        knobs.append(f"dcp_keep_last={c.dcp_keep_last} has no effect with dcp_save_interval=0: no checkpoint is saved")
+    if c.checkpoint.save_interval == 0 and c.checkpoint.keep_last != CheckpointConfig().keep_last:
+        knobs.append(
+            f"checkpoint.keep_last={c.checkpoint.keep_last} has no effect with checkpoint.save_interval=0: "
+            "no checkpoint is saved"
+        )
     return knobs
 
 

@@ -23,21 +23,22 @@ SHARDING_STRATEGY_WORDS = ("fsdp", "deepspeed", "model_parallel")
 """A `trainer.strategy` naming one of these may shard the policy: a sampler then needs whole weights of its own."""
 
 
-def sampler_copy_reason(
-    kind: str, synchronous_training: bool, weight_sync_interval: int, strategy: str
-) -> Optional[str]:
+def sampler_copy_reason(kind: str, synchronous: bool, weight_sync_interval: int, strategy: str) -> Optional[str]:
     """Why the sampler needs a copy of the policy's weights of its own, or None when nothing can
     make sampling overlap training and the `hf` sampler can generate with the policy itself."""
     if kind != "hf":
         return f"sampler.kind={kind} runs an engine of its own (only hf generates with the trainer's model)"
     if weight_sync_interval == 0:
-        return "weight_sync_interval=0: the sampler keeps the base weights on purpose"
+        return "offpolicy.weight_sync_interval=0: the sampler keeps the base weights on purpose"
     if weight_sync_interval != 1:
-        return f"weight_sync_interval={weight_sync_interval}: between syncs the sampler keeps the last synced weights"
-    if not synchronous_training:
         return (
-            "synchronous_training=false: rollouts run on a thread of their own, beside training (with "
-            "max_head_offpolicy_versions=0 too: rows oversampled for groups the filters may drop can still be "
+            f"offpolicy.weight_sync_interval={weight_sync_interval}: between syncs the sampler keeps the last "
+            "synced weights"
+        )
+    if not synchronous:
+        return (
+            "offpolicy.synchronous=false: rollouts run on a thread of their own, beside training (with "
+            "offpolicy.max_lag=0 too: rows oversampled for groups the filters may drop can still be "
             "generating when a step's groups are in)"
         )
     if any(word in strategy.lower() for word in SHARDING_STRATEGY_WORDS):
@@ -45,9 +46,9 @@ def sampler_copy_reason(
     return None
 
 
-def engine_on_loop(engine_thread: str, synchronous_training: bool) -> bool:
+def engine_on_loop(engine_thread: str, synchronous: bool) -> bool:
     """Whether the in-process engine runs on the rollout event loop's thread (`sampler.engine_thread`)."""
-    return engine_thread == "loop" or (engine_thread == "auto" and synchronous_training)
+    return engine_thread == "loop" or (engine_thread == "auto" and synchronous)
 
 
 @dataclass
@@ -129,7 +130,7 @@ class SamplerConfig:
     `server_urls` must run with runtime LoRA loading on (`python -m lit_grpo.serve --lora-rank R`)."""
     max_loras: int = 4
     """vllm_server with adapter sync: adapters a server keeps loaded (`--max-loras`): the newest
-    one and those older rollouts may still run on; must exceed max_head_offpolicy_versions + 1."""
+    one and those older rollouts may still run on; must exceed offpolicy.max_lag + 1."""
 
     @property
     def lora_sync_mode(self) -> str:

@@ -23,7 +23,7 @@ otherwise (docs/results.md, "Torch threads", has the measurements)."""
 
 
 @dataclass
-class TrainerConfig:
+class LightningTrainerConfig:
     """Arguments of `lightning.Trainer` that lit_grpo exposes; `extra` passes any other one."""
 
     accelerator: str = "auto"

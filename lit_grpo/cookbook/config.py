@@ -17,6 +17,7 @@ from typing import Any, Optional
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from lit_grpo.config import ConfigError
+from lit_grpo.config.moved import rename_overrides
 
 log = logging.getLogger(__name__)
 
@@ -230,7 +231,7 @@ def to_hydra_config(cfg: Config) -> DictConfig:
     groups.append(f"policy_loss={cfg.policy_loss}" if builtin else "policy_loss=user")
     use_wandb = bool(cfg.wandb.entity)  # as the cookbook: W&B only with an entity
     groups.append("logger=[csv,wandb]" if use_wandb else "logger=csv")
-    overrides = [str(o) for o in cfg.overrides]
+    overrides = rename_overrides([str(o) for o in cfg.overrides])  # old key names: renamed here, said once
     composed = compose_config(groups + overrides)  # the user's overrides win over the fields below
     overridden = {o.split("=", 1)[0].lstrip("+~") for o in overrides}
     values.update(
@@ -238,11 +239,11 @@ def to_hydra_config(cfg: Config) -> DictConfig:
             "output_dir": cfg.log_path,
             "seed": cfg.seed,
             "learning_rate": cfg.learning_rate,
-            "grad_clip_norm": cfg.grad_clip_norm,
-            "weight_sync_interval": sync.weight_sync_interval,
-            "dcp_save_interval": sync.dcp_save_interval,
-            "synchronous_training": cfg.synchronous_training,
-            "max_head_offpolicy_versions": cfg.max_head_offpolicy_versions,
+            "optim.grad_clip_norm": cfg.grad_clip_norm,
+            "offpolicy.weight_sync_interval": sync.weight_sync_interval,
+            "checkpoint.save_interval": sync.dcp_save_interval,
+            "offpolicy.synchronous": cfg.synchronous_training,
+            "offpolicy.max_lag": cfg.max_head_offpolicy_versions,
             "output_model_id": cfg.output_model_id or "final_model",
             "resume": cfg.init_from_checkpoint,
             "data.completions_per_prompt": cfg.completions_per_prompt,
@@ -256,7 +257,7 @@ def to_hydra_config(cfg: Config) -> DictConfig:
             "sampler.max_completion_tokens": cfg.max_completion_tokens,
             "sampler.temperature": cfg.temperature,
             "policy_loss.kl_beta": cfg.kl_beta,
-            "anchor_logp": cfg.anchor_logp,
+            "policy_loss.anchor_logp": cfg.anchor_logp,
         }
     )
     if not builtin:
@@ -266,7 +267,7 @@ def to_hydra_config(cfg: Config) -> DictConfig:
         values["model.lora.rank"] = cfg.lora_rank
         values["model.lora.alpha"] = cfg.lora_alpha
     if cfg.max_concurrency_rollout_sample is not None:
-        values["max_concurrency_rollout_sample"] = cfg.max_concurrency_rollout_sample
+        values["rollout.max_concurrency"] = cfg.max_concurrency_rollout_sample
     if cfg.dataset:
         values["data.path"] = cfg.dataset
     if cfg.reward:
@@ -293,11 +294,11 @@ def to_hydra_config(cfg: Config) -> DictConfig:
 def _set_loss_knobs(composed: DictConfig, values: dict, cfg: Config) -> None:
     """The clip range, on the losses that take it (others have it null), and the TIS settings: the
     `correction=tis` every loss gets (the cookbook's `reinforce` has none: its ratio is to the sampler)."""
-    loss = composed.policy_loss
-    if loss.get("eps_clip") is not None:
-        values["policy_loss.eps_clip"] = cfg.eps_clip
-    if loss.get("eps_clip_high") is not None:
-        values["policy_loss.eps_clip_high"] = cfg.eps_clip if cfg.eps_clip_high is None else cfg.eps_clip_high
+    params = composed.policy_loss.params
+    if params.get("eps_clip") is not None:
+        values["policy_loss.params.eps_clip"] = cfg.eps_clip
+    if params.get("eps_clip_high") is not None:
+        values["policy_loss.params.eps_clip_high"] = cfg.eps_clip if cfg.eps_clip_high is None else cfg.eps_clip_high
     if composed.correction.name == "tis":
         values["correction.cap"] = cfg.tis.cap
         values["correction.level"] = cfg.tis.level

@@ -1,8 +1,8 @@
 """Micro-batches bounded by tokens: which rows of an optimizer step go through one forward together.
 
 A rollout batch is right-padded to its longest sequence, so a micro-batch cut as a slice of it
-(`micro_batch_size` rows) costs rows × the whole batch's longest length, whatever its own rows
-hold. With `micro_batch_max_tokens`, a step's rows are instead grouped by length
+(`batching.micro_batch_size` rows) costs rows × the whole batch's longest length, whatever its own rows
+hold. With `batching.micro_batch_max_tokens`, a step's rows are instead grouped by length
 (`plan_token_budget`) and each micro-batch is cut down to its own longest row
 (`MicroBatch.width`): its padded tokens, the size of the logits and of the activations, stay
 within the budget, whatever the longest sample of the batch.
@@ -139,7 +139,7 @@ def plan_forwards(
 ) -> ForwardPlan:
     """The micro-batches of a step whose optimizer steps train on `minibatches` (rows of the batch).
 
-    Without a token budget (`micro_batch_max_tokens` 0): slices of `micro_batch_size` rows (0: all)
+    Without a token budget (`batching.micro_batch_max_tokens` 0): slices of `micro_batch_size` rows (0: all)
     of the padded batch, views of it, within each minibatch for training and over the whole batch
     for the no-gradient forwards. With one: token-bounded micro-batches within each minibatch
     (`plan_token_budget`), each cut to its own longest row, and the no-gradient forwards run the very
@@ -174,7 +174,7 @@ def with_fillers(plan: ForwardPlan, counts: Sequence[int]) -> ForwardPlan:
 
 
 class BudgetWatch:
-    """Counts each step's micro-batches over `micro_batch_max_tokens` and says the first once."""
+    """Counts each step's micro-batches over `batching.micro_batch_max_tokens` and says the first once."""
 
     def __init__(self, max_tokens: int, max_seq_len: int) -> None:
         self.max_tokens, self.max_seq_len = max_tokens, max_seq_len
@@ -188,9 +188,10 @@ class BudgetWatch:
         if plan.over_budget and not self.said:
             self.said = True
             log.warning(
-                "step %d: a sequence of %d tokens is longer than micro_batch_max_tokens=%d, so it goes through a "
-                "forward and backward of its own, over the budget (a sequence cannot be split; counted in %s, "
-                "said once): set micro_batch_max_tokens to at least data.max_seq_len=%d to bound every forward",
+                "step %d: a sequence of %d tokens is longer than batching.micro_batch_max_tokens=%d, so it goes "
+                "through a forward and backward of its own, over the budget (a sequence cannot be split; counted in "
+                "%s, said once): set batching.micro_batch_max_tokens to at least data.max_seq_len=%d to bound every "
+                "forward",
                 step,
                 max(plan.over_budget),
                 self.max_tokens,

@@ -1,6 +1,6 @@
 """GRPOModule: the trainable policy, its frozen reference, and one training step that reads like the maths.
 
-Manual optimization, because one rollout batch makes `ppo_n_minibatches` optimizer steps (the
+Manual optimization, because one rollout batch makes `batching.ppo_minibatches` optimizer steps (the
 PPO inner loop), each accumulating gradients over micro-batches. The step pulls its batch from the
 rollout stream itself (`dataloader_iter`), which stops Lightning from sampling the next batch
 before this step's weights are synced.
@@ -99,12 +99,12 @@ class GRPOModule(L.LightningModule):
         self.step_sequence = step_sequence
         """Weight sync and version, checkpoint, evaluation, metrics: run after each step (see `on_train_batch_end`)."""
         self.rollout_step = 0
-        """Rollout steps completed (each is `ppo_n_minibatches` optimizer steps)."""
+        """Rollout steps completed (each is `batching.ppo_minibatches` optimizer steps)."""
         self.last_step: Optional[StepResult] = None
         """The latest step's result, for the step sequence and callbacks (histograms)."""
-        self.step_update = StepUpdate(config.max_nonfinite_steps, config.grad_clip_norm)
+        self.step_update = StepUpdate(config.guards.max_nonfinite_steps, config.optim.grad_clip_norm)
         """The end of each optimizer step: its update taken (clipped), or skipped on every rank."""
-        self.budget_watch = BudgetWatch(config.micro_batch_max_tokens, config.data.max_seq_len)
+        self.budget_watch = BudgetWatch(config.batching.micro_batch_max_tokens, config.data.max_seq_len)
         """Micro-batches over `micro_batch_max_tokens` (a sequence longer than it), counted and said once."""
 
     def train(self, mode: bool = True) -> GRPOModule:
@@ -132,12 +132,15 @@ class GRPOModule(L.LightningModule):
         optimizer = adamw(
             [p for p in self.policy.parameters() if p.requires_grad],
             lr=c.learning_rate,
-            betas=(c.adam_beta1, c.adam_beta2),
-            eps=c.adam_eps,
-            weight_decay=c.weight_decay,
+            betas=(c.optim.adam_beta1, c.optim.adam_beta2),
+            eps=c.optim.adam_eps,
+            weight_decay=c.optim.weight_decay,
         )
         multiplier = partial(
-            lr_multiplier, warmup_steps=c.warmup_steps, decay=c.lr_decay, total_steps=c.max_steps * c.ppo_n_minibatches
+            lr_multiplier,
+            warmup_steps=c.optim.warmup_steps,
+            decay=c.optim.lr_decay,
+            total_steps=c.max_steps * c.batching.ppo_minibatches,
         )
         schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, multiplier)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
@@ -154,7 +157,7 @@ class GRPOModule(L.LightningModule):
         # Per-token advantages (IGPO's turn credit) shift exactly like the loss mask; else one per sequence.
         advantages = batch.advantages_B if batch.advantages_BT is None else align_to_predictions(batch.advantages_BT)
         # Every rank makes the same number of optimizer steps, even with a short batch.
-        minibatches = even_slices(batch.num_sequences, min(self.config.ppo_n_minibatches, fewest_sequences))
+        minibatches = even_slices(batch.num_sequences, min(self.config.batching.ppo_minibatches, fewest_sequences))
         plan = self._plan(batch.attention_mask_BT, minibatches)
         ref_logprobs_BT = (
             None if self.reference is None else self._no_grad_logprobs(self.reference, batch, plan, mask_BT)
@@ -192,9 +195,8 @@ class GRPOModule(L.LightningModule):
     def _plan(self, attention_BT: torch.Tensor, minibatches: list[slice]) -> ForwardPlan:
         """Which rows go through each forward; under FSDP2 every rank makes as many forwards (each
         gathers shards from every rank), the short ones padded with fillers."""
-        plan = plan_forwards(
-            attention_BT, minibatches, self.config.micro_batch_size, self.config.micro_batch_max_tokens
-        )
+        batching = self.config.batching
+        plan = plan_forwards(attention_BT, minibatches, batching.micro_batch_size, batching.micro_batch_max_tokens)
         if is_fsdp2(self.policy):
             counts = all_reduce(torch.tensor(forward_counts(plan), device=self.device), "max")
             plan = with_fillers(plan, counts.tolist())
@@ -209,9 +211,9 @@ class GRPOModule(L.LightningModule):
         """`old`, the policy before this batch's first update. With one minibatch it equals the current
         policy, so the training forward itself provides it (None: no extra forward). Anchored on the
         rollout, the sampler's logprobs are `old`: no forward at all. Shape: [B, T-1]."""
-        if self.config.anchor_logp == "rollout":
+        if self.config.policy_loss.anchor_logp == "rollout":
             return sampler_logprobs_BT
-        if self.config.ppo_n_minibatches > 1:
+        if self.config.batching.ppo_minibatches > 1:
             return self._no_grad_logprobs(self.policy, batch, plan, mask_BT)
         return None
 
@@ -276,7 +278,7 @@ class GRPOModule(L.LightningModule):
             # DDP averages gradients over ranks; the loss is already a share of the global sum.
             self._backward(loss * self.trainer.world_size, last)
             # The drift is always the trainer's against the sampler's (anchored on the rollout, the current policy's).
-            trainer_old_BT = logprobs_BT.detach() if self.config.anchor_logp == "rollout" else anchor_BT
+            trainer_old_BT = logprobs_BT.detach() if self.config.policy_loss.anchor_logp == "rollout" else anchor_BT
             drift = drift_per_token(trainer_old_BT, micro_sampler_BT, micro_mask_BT, tis_cap=self.drift_tis_cap)
             health = masked_means({"entropy": entropy_BT.detach(), **drift}, micro_mask_BT)
             totals.add(loss, {**metrics, **health}, micro_mask_BT)
@@ -293,20 +295,22 @@ class GRPOModule(L.LightningModule):
             self.manual_backward(loss)
 
     def _clip(self, optimizer, with_grads: list[torch.Tensor], grad_norm: torch.Tensor) -> None:
-        """Clip the gradients to `grad_clip_norm`. Where the precision plugin clips with plain
+        """Clip the gradients to `optim.grad_clip_norm`. Where the precision plugin clips with plain
         `clip_grad_norm_`, the norm already taken is reused (no second pass over the gradients);
         a plugin with its own clipping (FSDP, DeepSpeed) keeps it."""
         if type(self.trainer.precision_plugin).clip_grad_by_norm is Precision.clip_grad_by_norm:
             # clip_grad_norm_ scales by min(1, c / (norm + 1e-6)): a factor of 1 changes nothing. The
             # finiteness check already waited for the norm, so reading it costs no further wait.
-            if float(grad_norm) + 1e-6 > self.config.grad_clip_norm:
+            if float(grad_norm) + 1e-6 > self.config.optim.grad_clip_norm:
                 if is_fsdp2(self.policy):  # DTensor gradients take a plain factor, not a plain tensor
-                    factor = self.config.grad_clip_norm / (float(grad_norm) + 1e-6)
+                    factor = self.config.optim.grad_clip_norm / (float(grad_norm) + 1e-6)
                     torch._foreach_mul_([p.grad for p in with_grads if p.grad is not None], factor)
                 else:
-                    torch.nn.utils.clip_grads_with_norm_(with_grads, self.config.grad_clip_norm, grad_norm)
+                    torch.nn.utils.clip_grads_with_norm_(with_grads, self.config.optim.grad_clip_norm, grad_norm)
         else:
-            self.clip_gradients(optimizer, gradient_clip_val=self.config.grad_clip_norm, gradient_clip_algorithm="norm")
+            self.clip_gradients(
+                optimizer, gradient_clip_val=self.config.optim.grad_clip_norm, gradient_clip_algorithm="norm"
+            )
 
     def _no_gradient_sync(self):
         """No gradient all-reduce for this backward (all but a step's last micro-batch): one per optimizer step."""

@@ -4,7 +4,7 @@ An optimizer step's update is skipped, its gradients dropped and the weights and
 state left as they were, when
 
 - its loss or gradient norm is non-finite on any rank (`train/skipped_nonfinite`; after
-  `max_nonfinite_steps` of them in a row the run stops: `NonFiniteTraining`);
+  `guards.max_nonfinite_steps` of them in a row the run stops: `NonFiniteTraining`);
 - no rank has a trained token with a non-zero advantage (`train/skipped_no_signal`,
   `lit_grpo.maths.health.learning_signal`): the policy term has no gradient, and the KL and
   entropy terms alone are float noise (3e-8 at the first step) that Adam, dividing by the root of
@@ -43,7 +43,7 @@ def step_verdict(loss: torch.Tensor, grad_norm: torch.Tensor, signal: torch.Tens
 
 
 class SkippedSteps:
-    """What the skips of a run do beyond the step: stop after `max_nonfinite_steps` non-finite
+    """What the skips of a run do beyond the step: stop after `guards.max_nonfinite_steps` non-finite
     ones in a row, and say the first skip for want of signal once."""
 
     def __init__(self, max_nonfinite_steps: int) -> None:
@@ -73,7 +73,7 @@ class SkippedSteps:
             raise NonFiniteTraining(
                 f"the loss ({float(loss):.4g}) or the gradient norm ({float(grad_norm):.4g}) was non-finite in "
                 f"{self.nonfinite_in_a_row} optimizer steps in a row "
-                f"(max_nonfinite_steps={self.max_nonfinite_steps}); "
+                f"(guards.max_nonfinite_steps={self.max_nonfinite_steps}); "
                 "each update was skipped, so the weights are those before them. Check learning_rate, the rewards and "
                 "the sampler's logprobs (a rollout that reports positive or NaN logprobs poisons the importance "
                 "weights)."

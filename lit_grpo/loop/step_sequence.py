@@ -4,11 +4,11 @@ After a step's optimizer steps, `GRPOModule.on_train_batch_end` runs `StepSequen
 on every rank:
 
     0. merge    the step's metrics over all ranks (rewards pooled, counts summed, slowest timings)
-    1. sync     if due (every `weight_sync_interval` steps): the policy's full weights into the
-                sampler; then the policy version advances (with `weight_sync_interval=0` the
+    1. sync     if due (every `offpolicy.weight_sync_interval` steps): the policy's full weights into the
+                sampler; then the policy version advances (with `offpolicy.weight_sync_interval=0` the
                 sampler keeps its weights and only the version advances, every step, so the
                 off-policy gate keeps admitting rows)
-    2. save     a DCP checkpoint if due (`dcp_save_interval`)
+    2. save     a DCP checkpoint if due (`checkpoint.save_interval`)
     3. eval     greedy accuracy on the held-out rows if due (`eval_interval`)
     4. log      the metrics to the loggers (and the history the run summary reads)
 
@@ -206,8 +206,9 @@ class StepSequence:
             what = f"No step had finished. {restart} and run again."
         else:
             what = (
-                f"Step {step} had finished, but checkpoints are off (dcp_save_interval=0), so the run cannot continue: "
-                f"{restart} and run again (set dcp_save_interval=N to make a run resumable after a fault)."
+                f"Step {step} had finished, but checkpoints are off (checkpoint.save_interval=0), so the run cannot "
+                f"continue: {restart} and run again (set checkpoint.save_interval=N to make a run resumable after "
+                "a fault)."
             )
         return EnvironmentFault(f"{str(fault).rstrip('.')}; training stopped after step {step}. {what}")
 

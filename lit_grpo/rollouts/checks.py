@@ -6,7 +6,7 @@ and a search for usable groups that finds none.
 - A rollout function that keeps raising on whole rows trips the circuit breaker (`CircuitBreaker`), which stops
   training with a clear error rather than training on whatever trickles through.
 - Rows that never give an accepted group (every sample None or malformed, every group uniform,
-  every prompt too long) stop the run after `max_rows_without_progress` rows (`ProgressGuard`),
+  every prompt too long) stop the run after `guards.max_rows_without_progress` rows (`ProgressGuard`),
   with the counts per reason and what to check (`NoProgressError`).
 """
 
@@ -246,14 +246,14 @@ class CircuitBreaker:
             len(self.recent) == self.recent.maxlen and rate >= self.max_failure_rate
         ):
             hint = (
-                "raise rollout_timeout_s if the rollouts are slow but sound"
+                "raise guards.rollout_timeout_s if the rollouts are slow but sound"
                 if isinstance(error, TimeoutError)
                 else "fix the rollout function (or its environment) and resume"
             )
             raise RolloutCircuitOpen(
                 f"rollout_fn failed on {self.consecutive} rows in a row and on {sum(self.recent)} of the last "
                 f"{len(self.recent)} rows (every call of a failed row raised); last error: {error!r}. "
-                f"Training stops: {hint} (the limits: rollout_failure_share, rollout_failure_window)."
+                f"Training stops: {hint} (the limits: guards.rollout_failure_share, guards.rollout_failure_window)."
             ) from error
 
 
@@ -293,7 +293,7 @@ class ProgressGuard:
         self.row_reasons[short_reason(main)] += 1
         if self.rows >= self.max_rows:
             raise NoProgressError(
-                self.message(f"the last {self.rows} rows sampled (max_rows_without_progress={self.max_rows})")
+                self.message(f"the last {self.rows} rows sampled (guards.max_rows_without_progress={self.max_rows})")
             )
 
     def message(self, where: str) -> str:

@@ -119,8 +119,8 @@ class RolloutDataModule(L.LightningDataModule):
         world_size: int = 1,
     ) -> None:
         """This rank's share of `rows` (`c.data`: G, P, epochs, shuffle, lengths), scheduled as
-        `c.synchronous_training` and `c.max_head_offpolicy_versions` say, each rollout call under
-        `c.rollout_timeout_s`, `c.rollout_max_retries` and `c.max_rows_without_progress`."""
+        `c.offpolicy.synchronous` and `c.offpolicy.max_lag` say, each rollout call under
+        `c.guards.rollout_timeout_s`, `c.guards.rollout_max_retries` and `c.guards.max_rows_without_progress`."""
         super().__init__()
         data = c.data
         self.tokenizer, self.sampler = tokenizer, sampler
@@ -132,40 +132,42 @@ class RolloutDataModule(L.LightningDataModule):
             min_group_size=data.min_group_size,
             filters=[],
             vocab_size=len(tokenizer),
-            rollout_timeout_s=c.rollout_timeout_s,
-            max_retries=c.rollout_max_retries,
-            max_rows_without_progress=c.max_rows_without_progress,
+            rollout_timeout_s=c.guards.rollout_timeout_s,
+            max_retries=c.guards.rollout_max_retries,
+            max_rows_without_progress=c.guards.max_rows_without_progress,
             max_completion_tokens=c.sampler.max_completion_tokens,
             overlong_buffer_len=c.rollout.overlong_buffer_len,
             overlong_penalty_factor=c.rollout.overlong_penalty_factor,
-            retry_on=tuple(exception_class(name) for name in c.rollout_retry_on),
-            failure_share=c.rollout_failure_share,
-            failure_window=c.rollout_failure_window,
+            retry_on=tuple(exception_class(name) for name in c.guards.rollout_retry_on),
+            failure_share=c.guards.rollout_failure_share,
+            failure_window=c.guards.rollout_failure_window,
         )
         # The sampler's calls get the same bounds as the rollouts.
         sampler.bound_calls(
-            c.rollout_timeout_s, data.max_seq_len, engine_on_loop(c.sampler.engine_thread, c.synchronous_training)
+            c.guards.rollout_timeout_s,
+            data.max_seq_len,
+            engine_on_loop(c.sampler.engine_thread, c.offpolicy.synchronous),
         )
         self.scheduler: Scheduler
-        if c.synchronous_training:
+        if c.offpolicy.synchronous:
             self.scheduler = SynchronousScheduler(
-                self.cursor, self.groups, data.prompt_groups_per_step, max_concurrency=c.max_concurrency_rollout_sample
+                self.cursor, self.groups, data.prompt_groups_per_step, max_concurrency=c.rollout.max_concurrency
             )
         else:
             self.scheduler = OffPolicyScheduler(
                 self.cursor,
                 self.groups,
                 data.prompt_groups_per_step,
-                max_head_offpolicy_versions=c.max_head_offpolicy_versions,
-                max_concurrency=c.max_concurrency_rollout_sample,
-                max_rollout_versions=c.max_rollout_versions,
+                max_head_offpolicy_versions=c.offpolicy.max_lag,
+                max_concurrency=c.rollout.max_concurrency,
+                max_rollout_versions=c.offpolicy.max_rollout_versions,
             )
         self.adapter_sync = c.adapter_sync
         """A weight sync sends the LoRA adapter alone (`push_adapter`), not every weight."""
         self.reward_scorer: Optional[RewardScorer] = None
         """The scorer of the run's reward in the rollouts (`lit_grpo.build` sets it): its timeouts are counted."""
-        self.partial_rollouts = c.partial_rollouts
-        if c.partial_rollouts:
+        self.partial_rollouts = c.offpolicy.partial_rollouts
+        if c.offpolicy.partial_rollouts:
             sampler.enable_partial_rollouts()
             self._align_sampler_version(self.scheduler.version)  # servers attached at build were synced once already
         self.stream = RolloutStream(
@@ -176,7 +178,7 @@ class RolloutDataModule(L.LightningDataModule):
             advantage=advantage,
             mask_truncated=c.rollout.mask_truncated,
         )
-        if c.synchronous_training:
+        if c.offpolicy.synchronous:
             # A colocated vLLM frees its memory (it wakes itself for the next sync or sample); an hf
             # sampler that shares the policy's weights keeps them for training until the sync.
             self.stream.rest_between_steps = sampler.sleep

@@ -1,7 +1,7 @@
 """Deadlines on the user's rollout code: every call is bounded, its errors are classified, and an
 event loop that a rollout blocks is detected and named.
 
-- `call_rollout`: one rollout call under `rollout_timeout_s` (cancelled when it expires); a
+- `call_rollout`: one rollout call under `guards.rollout_timeout_s` (cancelled when it expires); a
   transient error (a timeout, `ConnectionError`, `OSError`) is retried with backoff a bounded
   number of times; a bug in the rollout (`TypeError`, `KeyError`, ...) is raised at once with the
   user's traceback; anything else is returned, to be counted as a failure.
@@ -58,12 +58,12 @@ STALL_EXIT_CODE = 70
 
 
 class RolloutTimeout(TimeoutError):
-    """A rollout call did not return within `rollout_timeout_s`; it was cancelled."""
+    """A rollout call did not return within `guards.rollout_timeout_s`; it was cancelled."""
 
 
 class RolloutStalled(UserError, RuntimeError):
     """Something on the rollout event loop (a blocking call in an async rollout) kept it from
-    running for longer than `rollout_timeout_s`; the message names the function and the line."""
+    running for longer than `guards.rollout_timeout_s`; the message names the function and the line."""
 
 
 def classify(err: BaseException, retry_on: tuple[type[BaseException], ...] = TRANSIENT_ERRORS) -> str:
@@ -128,7 +128,7 @@ async def call_rollout(
                 count("rollout/timeouts", None)
                 raise RolloutTimeout(
                     f"the rollout function {function_name(rollout_fn)} did not return within "
-                    f"rollout_timeout_s={timeout_s:g} s; it was cancelled"
+                    f"guards.rollout_timeout_s={timeout_s:g} s; it was cancelled"
                 ) from None
         except Exception as err:
             kind = "transient" if isinstance(err, RolloutTimeout) else classify(err, retry_on)
@@ -191,8 +191,8 @@ def stall_report(stale_s: float, deadline_s: float, thread_id: Optional[int], ro
     ] or frames  # the loop's own frames say nothing
     stack = traceback.format_list(frames[-4:]) if frames else ["  (no stack: the thread is gone)\n"]
     return (
-        f"the rollout event loop has not run for {stale_s:.1f} s (rollout_timeout_s={deadline_s:g}): a rollout blocks "
-        "it (or an engine call of the sampler, with sampler.engine_thread=loop), so no deadline can fire. "
+        f"the rollout event loop has not run for {stale_s:.1f} s (guards.rollout_timeout_s={deadline_s:g}): a rollout "
+        "blocks it (or an engine call of the sampler, with sampler.engine_thread=loop), so no deadline can fire. "
         f"Rollout function: {function_name(rollout_fn)}. The loop's thread is at:\n"
         + "".join(stack)
         + "An async rollout must not block its event loop: use `await asyncio.sleep(...)` instead of time.sleep, an "
@@ -241,7 +241,7 @@ class LoopWatchdog:
         else:
             log.warning(
                 "the rollout event loop runs off the main thread: a rollout that blocks it cannot be "
-                "interrupted, and the process will exit %s s after rollout_timeout_s instead",
+                "interrupted, and the process will exit %s s after guards.rollout_timeout_s instead",
                 self.grace_s,
             )
         self._thread = threading.Thread(target=self._watch, name=THREAD_PREFIX + "rollout-watchdog", daemon=True)

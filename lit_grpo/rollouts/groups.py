@@ -29,10 +29,10 @@ log = logging.getLogger(__name__)
 class GroupSampler:
     """Samples the `completions_per_prompt` trajectories of a row and judges the group.
 
-    Each rollout call is bounded by `rollout_timeout_s` and transient errors are retried up to
+    Each rollout call is bounded by `guards.rollout_timeout_s` and transient errors are retried up to
     `max_retries` times (`lit_grpo.rollouts.deadlines.call_rollout`); a row whose prompt
     (`prompt_token_ids`) leaves no room for a completion within `max_seq_len` is never sampled;
-    token ids are checked against `[0, vocab_size)` when it is given; `max_rows_without_progress`
+    token ids are checked against `[0, vocab_size)` when it is given; `guards.max_rows_without_progress`
     rows in a row without an accepted group raise `NoProgressError`. With `overlong_buffer_len` > 0,
     each kept run's reward gets DAPO's overlong penalty against `max_completion_tokens`
     (`lit_grpo.rollouts.pipeline.penalize_overlong`): here, because every training rollout (the

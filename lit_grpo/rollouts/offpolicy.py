@@ -1,8 +1,8 @@
-"""The off-policy scheduler (`synchronous_training: false`): rollouts run on a background event
+"""The off-policy scheduler (`offpolicy.synchronous: false`): rollouts run on a background event
 loop and overlap training, admitted through the off-policy gate
 (docs/guides/async-training.md).
 
-With B = P·G samples per step and O = max_head_offpolicy_versions, the samples of version v may be
+With B = P·G samples per step and O = offpolicy.max_lag, the samples of version v may be
 accepted while `accepted <= budget(v) = (O + v + 1) · B`, where `accepted` counts samples of groups
 that passed the filters so far. A group sampled at version v is kept only if it is among the first
 budget(v) accepted samples, so it trains at most O versions after it was sampled; O = 0 is strictly
@@ -16,9 +16,9 @@ that rejects half the groups does not refill a step in a chain of rounds of one 
 each. A group accepted past its budget (the surplus, or a straggler) is not trained: its row goes
 back to the cursor and is sampled again, later (`rollout/stale_groups`).
 
-With partial rollouts (`partial_rollouts: true`) a trajectory may go on across weight syncs; its
+With partial rollouts (`offpolicy.partial_rollouts: true`) a trajectory may go on across weight syncs; its
 group counts at the oldest version among its tokens (`PromptGroup.version`), so it still trains at
-most O versions after its first token. `max_rollout_versions` (K > 0) also bounds how many
+most O versions after its first token. `offpolicy.max_rollout_versions` (K > 0) also bounds how many
 versions one trajectory may span: a group with one that spans more is sampled again
 (`rollout/span_groups`).
 
@@ -188,7 +188,7 @@ class OffPolicyScheduler:
 
     def _sample_again_later(self, position: Position, group: PromptGroup, why: str = "rollout/stale_groups") -> None:
         """An accepted group past its version's budget would train > O versions late (or one of its
-        trajectories spans more than `max_rollout_versions`): resample its row."""
+        trajectories spans more than `offpolicy.max_rollout_versions`): resample its row."""
         with self._lock:
             self._unfinished.discard(position)
             self.cursor.sample_again(position)
@@ -264,7 +264,7 @@ class OffPolicyScheduler:
             raise RuntimeError(
                 f"the off-policy gate admits no row while the trainer waits for groups (version {self.version}, "
                 f"{self.accepted_samples} samples accepted, {self.trained_samples} trained, B={self.B}): check "
-                "weight_sync_interval <= max_head_offpolicy_versions + 1"
+                "offpolicy.weight_sync_interval <= offpolicy.max_lag + 1"
             )
         self._gate_shut_before = gate_shut
 

@@ -4,7 +4,7 @@ A user's own `make_rollout_fn(setup)` replaces this one (multi-turn, tools, retr
 to return a `RolloutSample` (or None to drop the sample) per call. The default one reads the row as
 stored: its prompt is token ids, chat messages or text (`row_prompt_tokens`), its reward the
 run's `reward_fn(completion_text, row)`. Each call is bounded by
-`rollout_timeout_s`; a prompt (token ids or a templated chat) that leaves no room for a completion
+`guards.rollout_timeout_s`; a prompt (token ids or a templated chat) that leaves no room for a completion
 within `data.max_seq_len` is refused by the sampler with `PromptTooLong` before it reaches the
 engine, and the sample is counted as `rollout/dropped_prompt_too_long`.
 """
@@ -67,7 +67,7 @@ def built_rollout_fn(factory: Callable[[RolloutSetup], RolloutFn], setup: Rollou
         if fn is not None and not is_async_callable(fn):
             raise ConfigError(
                 f"config field `rollout.factory`: {name} returned {function_name(fn)}, a plain function; "
-                f"it must be `async def {signature}` (the trainer awaits each call under rollout_timeout_s)"
+                f"it must be `async def {signature}` (the trainer awaits each call under guards.rollout_timeout_s)"
             )
     return rollout_fn
 

@@ -1,9 +1,9 @@
 """The scheduler interface and synchronous training: when rows are sampled relative to training.
 One small interface (`Scheduler`); both schedulers compose the same `RowCursor` and `GroupSampler`.
 
-- `SynchronousScheduler` (here; `synchronous_training: true`): a step's groups are sampled on the
+- `SynchronousScheduler` (here; `offpolicy.synchronous: true`): a step's groups are sampled on the
   trainer's thread, then the step trains, then the weights sync; nothing overlaps.
-- `OffPolicyScheduler` (`lit_grpo.rollouts.offpolicy`; `synchronous_training: false`): rollouts
+- `OffPolicyScheduler` (`lit_grpo.rollouts.offpolicy`; `offpolicy.synchronous: false`): rollouts
   run on a background event loop and overlap training, admitted through the off-policy gate.
 
 The policy `version` of both is advanced by the step sequence (`lit_grpo.loop.step_sequence`) after each

@@ -35,6 +35,7 @@ from typing import Optional, get_type_hints
 from omegaconf import OmegaConf
 
 from lit_grpo.config import ConfigError, TrainConfig
+from lit_grpo.config.moved import rename_saved
 
 log = logging.getLogger(__name__)
 MANIFEST = "manifest.json"
@@ -327,7 +328,8 @@ def check_resumable(checkpoint: Path, c: TrainConfig) -> None:
     Raises `ConfigError` naming every such field with both values; other differences (more
     steps, another logger) are allowed and logged.
     """
-    saved = _flatten(OmegaConf.to_container(OmegaConf.load(checkpoint / CONFIG_FILE), resolve=True))
+    # A checkpoint saved before keys moved (`lit_grpo.config.moved`) is read under today's names.
+    saved = rename_saved(_flatten(OmegaConf.to_container(OmegaConf.load(checkpoint / CONFIG_FILE), resolve=True)))
     now = _flatten(config_as_dict(c))
     # A field added after the checkpoint was saved had, in effect, its default value then.
     defaults = _flatten(config_as_dict(type(c)()))

@@ -214,7 +214,7 @@ class RunCheckpointer:
         return (
             f"checkpoint {root / step_dir_name(step)} could not be written ({reason}); {free}. Its partial "
             f"folder was removed; the earlier checkpoints are kept ({', '.join(kept) or 'none'}). Free some "
-            "space (or lower dcp_keep_last) and run again with resume=auto"
+            "space (or lower checkpoint.keep_last) and run again with resume=auto"
         )
 
     def load(self, path: Path, trainer: L.Trainer, module: L.LightningModule) -> dict:

@@ -194,7 +194,7 @@ class BatchingSampler(ABC):
                 call.exception()
                 or SamplerTimeout(
                     f"the sampler's batched score of {len(flat)} pairs did not return within {self.call_timeout_s} s "
-                    "(rollout_timeout_s)"
+                    "(guards.rollout_timeout_s)"
                 )
             )
         )
@@ -235,7 +235,7 @@ class BatchingSampler(ABC):
         `call_timeout_s` (a stuck engine would otherwise hold the sync, and training, forever)."""
         if not self._weights_lock.acquire(timeout=-1 if self.call_timeout_s is None else self.call_timeout_s):
             raise SamplerTimeout(
-                f"the weight sync waited {self.call_timeout_s:g} s (rollout_timeout_s) for the sampler's "
+                f"the weight sync waited {self.call_timeout_s:g} s (guards.rollout_timeout_s) for the sampler's "
                 "running generate call to end: the engine looks stuck"
             )
         try:
@@ -329,7 +329,7 @@ class BatchingSampler(ABC):
             call.add_done_callback(lambda f: f.cancelled() or f.exception())  # its late outcome is nobody's to log
             raise SamplerTimeout(
                 f"the sampler's batched generate of {num_prompts} prompts did not return within "
-                f"{self.call_timeout_s:g} s (rollout_timeout_s): the engine looks stuck"
+                f"{self.call_timeout_s:g} s (guards.rollout_timeout_s): the engine looks stuck"
             )
         return call.result()
 

@@ -96,7 +96,7 @@ class HFSampler(BatchingSampler):
             return
         if not self._weights_lock.acquire(timeout=-1 if self.call_timeout_s is None else self.call_timeout_s):
             raise SamplerTimeout(
-                f"the training step waited {self.call_timeout_s:g} s (rollout_timeout_s) for the sampler's "
+                f"the training step waited {self.call_timeout_s:g} s (guards.rollout_timeout_s) for the sampler's "
                 "running generate call to end: the engine looks stuck"
             )
         self._held_for_training_by = threading.get_ident()

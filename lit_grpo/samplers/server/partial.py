@@ -1,4 +1,4 @@
-"""In-flight weight updates for the vLLM server sampler (`partial_rollouts: true`): a weight sync
+"""In-flight weight updates for the vLLM server sampler (`offpolicy.partial_rollouts: true`): a weight sync
 interrupts the completions being generated, and each goes on, after the sync, from where it was,
 on the new weights; every token is tagged with the version of the weights that produced it.
 

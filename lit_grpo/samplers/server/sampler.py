@@ -278,7 +278,7 @@ class VLLMServerSampler(ServerScoring, AdapterSync, ServerWeightSync, BatchingSa
         except TimeoutError:
             raise SamplerTimeout(
                 f"{len(prompts)} requests to the vLLM servers did not all complete within "
-                f"{self.call_timeout_s:g} s (rollout_timeout_s)"
+                f"{self.call_timeout_s:g} s (guards.rollout_timeout_s)"
             ) from None
 
     async def _complete(

@@ -28,7 +28,7 @@ class ServerScoring(ServerSamplerState):
         except TimeoutError:
             raise SamplerTimeout(
                 f"{len(checked)} scoring requests to the vLLM servers did not all complete within "
-                f"{self.call_timeout_s} s (rollout_timeout_s)"
+                f"{self.call_timeout_s} s (guards.rollout_timeout_s)"
             ) from None
 
     def score_pairs(self, pairs: list[tuple[list[int], list[int]]]) -> list[list[float]]:

@@ -1,0 +1,64 @@
+"""The `guards` group: the bounds that keep a run from hanging or going on broken: each rollout
+call's deadline and retries, the share of failed rows, the rows without progress and the
+non-finite steps a run survives. Every field is checked alone, here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from lit_grpo.config.checks import exception_class, require, require_finite
+
+
+@dataclass
+class GuardsConfig:
+    """When a rollout is retried or given up on, and when the run stops rather than go on."""
+
+    rollout_timeout_s: float = 300.0
+    """Deadline of each rollout call, in seconds: a call still running is cancelled and counted in
+    `rollout/timeouts` (retried like any transient error, then a `rollout/failures`). It also bounds
+    each batched sampler call, and how long the rollout event loop may go without running: a
+    rollout that blocks it (`time.sleep` in an async rollout) stops the run with `RolloutStalled`."""
+    rollout_max_retries: int = 2
+    """Retries of a rollout call that ended in a transient error (`rollout_retry_on`), with backoff
+    0.5 s, 1 s, 2 s, ...; counted in `rollout/retries`. A bug in the rollout (`TypeError`,
+    `KeyError`, ...) is never retried: it stops the run at once."""
+    rollout_retry_on: list[str] = field(default_factory=lambda: ["TimeoutError", "ConnectionError", "OSError"])
+    """The exceptions (builtin names, or `module.Class` paths) of a rollout call that are retried;
+    any other (not a bug) drops the call's sample, counted in `rollout/failures`."""
+    rollout_failure_share: float = 0.5
+    """The run stops when at least this share of the last `rollout_failure_window` rows failed (a
+    row fails when every rollout call of it raised), or 5 rows in a row did; below that a failed
+    row only drops its group (`rollout/failures`)."""
+    rollout_failure_window: int = 20
+    """The rows `rollout_failure_share` is taken over."""
+    max_rows_without_progress: int = 1000
+    """Consecutive rows sampled without one accepted group before the run stops with
+    `NoProgressError`, whose message counts the rows per drop reason (None returned, malformed
+    samples, non-finite rewards, uniform groups filtered, prompts too long, failures)."""
+    max_nonfinite_steps: int = 3
+    """Consecutive training steps whose loss or gradient norm is non-finite before the run stops;
+    each such step's update is skipped."""
+
+    def __post_init__(self) -> None:
+        require_finite(self.rollout_timeout_s, "guards.rollout_timeout_s")
+        require(
+            self.rollout_timeout_s > 0,
+            "guards.rollout_timeout_s",
+            f"must be > 0 seconds, got {self.rollout_timeout_s}",
+        )
+        require(
+            0 <= self.rollout_max_retries <= 10,
+            "guards.rollout_max_retries",
+            f"must be in [0, 10], got {self.rollout_max_retries}",
+        )
+        for name in self.rollout_retry_on:
+            require(
+                exception_class(name) is not None,
+                "guards.rollout_retry_on",
+                f"{name!r} is not an exception class (a builtin name such as ConnectionError, or module.Class)",
+            )
+        require_finite(self.rollout_failure_share, "guards.rollout_failure_share")
+        require(0 < self.rollout_failure_share <= 1, "guards.rollout_failure_share", "must be in (0, 1]")
+        require(self.rollout_failure_window >= 1, "guards.rollout_failure_window", "must be >= 1")
+        require(self.max_rows_without_progress >= 1, "guards.max_rows_without_progress", "must be >= 1")
+        require(self.max_nonfinite_steps >= 1, "guards.max_nonfinite_steps", "must be >= 1")

@@ -1,0 +1,82 @@
+"""The groups of the trainer's side of a step: the optimizer (`optim.*`), how a step's batch is
+cut into forwards and optimizer steps (`batching.*`), and checkpoints (`checkpoint.*`).
+
+Each dataclass checks its own fields' ranges in `__post_init__`; the rules that tie a group to the
+rest of the run are one function per group (`check_optim`, `check_batching`, `check_checkpoint`,
+in `lit_grpo.config.run`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from lit_grpo.config.checks import DEFINES_STATE, require, require_finite
+
+LR_DECAYS = ("constant", "linear", "cosine")
+"""`optim.lr_decay`."""
+
+
+@dataclass
+class OptimConfig:
+    """AdamW and its learning-rate schedule (the peak learning rate is the top-level `learning_rate`)."""
+
+    adam_beta1: float = 0.9
+    """AdamW's β1, the decay of the gradient's running mean."""
+    adam_beta2: float = 0.999
+    """AdamW's β2, the decay of the squared gradient's running mean."""
+    adam_eps: float = 1e-8
+    """AdamW's ε, added to the root of the squared-gradient mean."""
+    weight_decay: float = 0.01
+    """AdamW's decoupled weight decay."""
+    grad_clip_norm: float = 1.0
+    """Clip the global gradient norm (0: off)."""
+    warmup_steps: int = 0
+    """Linear learning-rate warm-up, in optimizer steps."""
+    lr_decay: str = "constant"
+    """After warm-up: `constant`, or `linear` / `cosine` decay to 0 at the last step (needs max_steps)."""
+
+    def __post_init__(self) -> None:
+        for name in ("adam_beta1", "adam_beta2", "adam_eps", "weight_decay", "grad_clip_norm"):
+            require_finite(getattr(self, name), f"optim.{name}")
+        require(0 <= self.adam_beta1 < 1, "optim.adam_beta1", "must be in [0, 1)")
+        require(0 <= self.adam_beta2 < 1, "optim.adam_beta2", "must be in [0, 1)")
+        require(self.adam_eps > 0, "optim.adam_eps", "must be > 0")
+        require(self.weight_decay >= 0, "optim.weight_decay", "must be >= 0")
+        require(self.grad_clip_norm >= 0, "optim.grad_clip_norm", "must be >= 0 (0: off)")
+        require(self.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0")
+        require(self.lr_decay in LR_DECAYS, "optim.lr_decay", f"must be {', '.join(LR_DECAYS)}")
+
+
+@dataclass
+class BatchingConfig:
+    """How a step's batch is cut: into optimizer steps (PPO minibatches) and into forwards (micro-batches)."""
+
+    micro_batch_size: int = 0
+    """Sequences per forward/backward; gradients accumulate over a step (0: the whole batch)."""
+    micro_batch_max_tokens: int = 0
+    """Padded tokens per forward/backward (0: off, micro-batches are `micro_batch_size` rows of the
+    batch padded to its longest sequence). When > 0, a step's sequences are grouped by length, each
+    micro-batch cut to its own longest one, so that rows × that length stays within this budget; a
+    sequence longer than the budget goes alone. With `micro_batch_size` > 0 too, both bounds apply.
+    The gradient is the same either way; the memory of a forward follows the budget, not the longest sample."""
+    ppo_minibatches: int = field(default=1, metadata=DEFINES_STATE)
+    """K: optimizer steps per rollout batch, each on 1/K of it, all against the same old policy."""
+
+    def __post_init__(self) -> None:
+        require(self.micro_batch_size >= 0, "batching.micro_batch_size", "must be >= 0 (0: whole batch)")
+        require(self.micro_batch_max_tokens >= 0, "batching.micro_batch_max_tokens", "must be >= 0 (0: off)")
+        require(self.ppo_minibatches >= 1, "batching.ppo_minibatches", "must be >= 1")
+
+
+@dataclass
+class CheckpointConfig:
+    """Resumable checkpoints in `<output_dir>/checkpoints` (where to resume from is the top-level `resume`)."""
+
+    save_interval: int = 0
+    """Save a resumable DCP checkpoint every N rollout steps, and after the last one (0: off)."""
+    keep_last: int = 2
+    """Complete checkpoints kept in `<output_dir>/checkpoints` (older ones are deleted)."""
+
+    def __post_init__(self) -> None:
+        require(self.save_interval >= 0, "checkpoint.save_interval", "must be >= 0 (0: off)")
+        require(self.keep_last >= 1, "checkpoint.keep_last", "must be >= 1")
