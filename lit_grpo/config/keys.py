@@ -60,6 +60,7 @@ def unknown_keys(cfg: DictConfig | Mapping, schema: type) -> list[str]:
     """One message per key of `cfg` that the dataclass `schema` (and its nested dataclasses) does
     not declare, naming the closest valid key; [] when there is none. Interpolations are not resolved."""
     node = OmegaConf.to_container(cfg, resolve=False) if isinstance(cfg, DictConfig) else cfg
+    assert isinstance(node, Mapping)  # a DictConfig's container is a dict
     out: list[str] = []
     _walk(node, schema, "", out)
     return out

@@ -16,7 +16,7 @@ from __future__ import annotations
 import copy
 import logging
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf, open_dict
@@ -132,7 +132,7 @@ def _pop(node: Any, dotted: str) -> tuple[bool, Any]:
         if not isinstance(node, (Mapping, DictConfig)) or part not in node:
             return False, None
         node = node[part]
-    if not isinstance(node, (Mapping, DictConfig)) or leaf not in node:
+    if not isinstance(node, (MutableMapping, DictConfig)) or leaf not in node:
         return False, None
     return True, node.pop(leaf)
 
@@ -171,6 +171,7 @@ def rename_moved_keys(cfg: DictConfig | Mapping) -> DictConfig | Mapping:
         return cfg
     if isinstance(cfg, DictConfig):
         renamed = OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))
+        assert isinstance(renamed, DictConfig)  # made from a mapping
         with open_dict(renamed):
             _rename(renamed, announce=True)
         return renamed

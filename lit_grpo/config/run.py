@@ -249,7 +249,9 @@ def parse(cfg: DictConfig | TrainConfig) -> TrainConfig:
         return cfg
     renamed = rename_moved_keys(cfg)  # a config built in Python (or saved by an older release) with old names
     if renamed is not cfg:
-        cfg = OmegaConf.merge(OmegaConf.structured(TrainConfig), renamed)
+        merged = OmegaConf.merge(OmegaConf.structured(TrainConfig), renamed)
+        assert isinstance(merged, DictConfig)  # merged onto the schema's node
+        cfg = merged
     if problems := unknown_keys(cfg, TrainConfig):  # a misspelt `+key=value`: to_object would drop it silently
         raise ConfigError(unknown_keys_message(problems))
     obj = OmegaConf.to_object(cfg)

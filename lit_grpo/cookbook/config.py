@@ -163,7 +163,7 @@ def ignored_settings(cfg: Config) -> list[str]:
     names = []
     for name in IGNORED_FIELDS:
         value, default = getattr(cfg, name), getattr(defaults, name)
-        if dataclasses.is_dataclass(value):
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
             names += [
                 f"{name}.{k}" for k, v in dataclasses.asdict(value).items() if v != dataclasses.asdict(default)[k]
             ]

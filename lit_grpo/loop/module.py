@@ -27,7 +27,6 @@ from typing import Optional
 import lightning as L
 import torch
 from lightning.pytorch.plugins.precision import Precision
-from transformers import PreTrainedModel
 
 from lit_grpo.config import TrainConfig
 from lit_grpo.errors import EnvironmentFault
@@ -74,7 +73,7 @@ class GRPOModule(L.LightningModule):
     With `model.lora.rank > 0` the policy is wrapped with LoRA adapters here (`lit_grpo.models.lora`)."""
 
     def __init__(
-        self, policy: PreTrainedModel, config: TrainConfig, step_sequence: Optional[StepSequence] = None
+        self, policy: torch.nn.Module, config: TrainConfig, step_sequence: Optional[StepSequence] = None
     ) -> None:
         super().__init__()
         self.automatic_optimization = False

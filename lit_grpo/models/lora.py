@@ -197,6 +197,12 @@ def base_tensors(named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[st
             yield base_name(name), tensor
 
 
+def base_model(policy: nn.Module) -> nn.Module:
+    """The transformers model under a LoRA policy's adapters (peft's `get_base_model`)."""
+    peft_model: Any = policy  # a peft model (peft is optional: not imported for its type)
+    return peft_model.get_base_model()
+
+
 def adapter_config(policy: nn.Module):
     """The peft `LoraConfig` of `policy`'s adapter (its `save_pretrained` writes `adapter_config.json`)."""
     peft_config: Any = policy.peft_config  # a peft model's (peft is optional: not imported for its type)

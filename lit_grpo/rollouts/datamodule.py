@@ -138,7 +138,7 @@ class RolloutDataModule(L.LightningDataModule):
             max_completion_tokens=c.sampler.max_completion_tokens,
             overlong_buffer_len=c.rollout.overlong_buffer_len,
             overlong_penalty_factor=c.rollout.overlong_penalty_factor,
-            retry_on=tuple(exception_class(name) for name in c.guards.rollout_retry_on),
+            retry_on=tuple(cls for name in c.guards.rollout_retry_on if (cls := exception_class(name)) is not None),
             failure_share=c.guards.rollout_failure_share,
             failure_window=c.guards.rollout_failure_window,
         )

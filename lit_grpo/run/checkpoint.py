@@ -30,7 +30,7 @@ import shutil
 import time
 import uuid
 from pathlib import Path
-from typing import Optional, get_type_hints
+from typing import Any, Optional, get_type_hints
 
 from omegaconf import OmegaConf
 
@@ -149,8 +149,8 @@ def new_run_id() -> str:
 def verify(folder: Path) -> Optional[str]:
     """None when `folder` is a complete checkpoint, else what is wrong with it."""
     manifest, problem = read_manifest(folder)
-    if problem is not None:
-        return problem
+    if problem is not None or manifest is None:
+        return problem or "no manifest"
     files = manifest["files"]
     for required in (".metadata", CONFIG_FILE, trainer_state_file(0)):
         if required not in files:
@@ -304,7 +304,14 @@ def locate_checkpoint(path: str | os.PathLike) -> Path:
 
 
 def config_as_dict(c: TrainConfig) -> dict:
-    return OmegaConf.to_container(OmegaConf.structured(c), resolve=True)
+    return _as_dict(OmegaConf.structured(c))
+
+
+def _as_dict(node: Any) -> dict:
+    """An OmegaConf mapping node as a plain dict, interpolations resolved."""
+    value = OmegaConf.to_container(node, resolve=True)
+    assert isinstance(value, dict), f"expected a mapping, got {type(value).__name__}"
+    return value
 
 
 def _flatten(tree: dict, prefix: str = "") -> dict[str, object]:
@@ -329,7 +336,7 @@ def check_resumable(checkpoint: Path, c: TrainConfig) -> None:
     steps, another logger) are allowed and logged.
     """
     # A checkpoint saved before keys moved (`lit_grpo.config.moved`) is read under today's names.
-    saved = rename_saved(_flatten(OmegaConf.to_container(OmegaConf.load(checkpoint / CONFIG_FILE), resolve=True)))
+    saved = rename_saved(_flatten(_as_dict(OmegaConf.load(checkpoint / CONFIG_FILE))))
     now = _flatten(config_as_dict(c))
     # A field added after the checkpoint was saved had, in effect, its default value then.
     defaults = _flatten(config_as_dict(type(c)()))

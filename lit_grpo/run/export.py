@@ -13,16 +13,16 @@ import logging
 import shutil
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Optional, cast
 
 import torch
 import torch.distributed.checkpoint as dcp
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from lit_grpo.config import TrainConfig
 from lit_grpo.models.load import build_policy_skeleton, load_tokenizer, save_pretrained
-from lit_grpo.models.lora import is_lora, lora_layers, merged_lora_tensors, with_lora
+from lit_grpo.models.lora import base_model, is_lora, lora_layers, merged_lora_tensors, with_lora
 from lit_grpo.run.checkpoint import CONFIG_FILE, locate_checkpoint
 from lit_grpo.run.validate import validate
 
@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 
 
 def export_pretrained(
-    policy: PreTrainedModel,
+    policy: torch.nn.Module,
     tokenizer: PreTrainedTokenizerBase,
     out_dir: str | Path,
     *,
@@ -49,8 +49,8 @@ def export_pretrained(
         # state dict may be gathered from shards.
         source = state_dict if state_dict is not None else policy.state_dict()
         state_dict = dict(merged_lora_tensors(source.items(), lora_layers(policy)))
-        model = policy.get_base_model()
-    save_pretrained(model, tokenizer, staging, state_dict=state_dict)
+        model = base_model(policy)
+    save_pretrained(cast(PreTrainedModel, model), tokenizer, staging, state_dict=state_dict)  # a transformers model
     if out.exists():
         shutil.rmtree(out)
     staging.rename(out)
@@ -59,8 +59,9 @@ def export_pretrained(
 
 def load_run_config(checkpoint: Path) -> TrainConfig:
     """The `TrainConfig` a checkpoint was written with."""
-    schema = OmegaConf.structured(TrainConfig)
-    return validate(OmegaConf.merge(schema, OmegaConf.load(checkpoint / CONFIG_FILE)))
+    saved = OmegaConf.merge(OmegaConf.structured(TrainConfig), OmegaConf.load(checkpoint / CONFIG_FILE))
+    assert isinstance(saved, DictConfig)  # merged onto the schema's node
+    return validate(saved)
 
 
 def export_checkpoint(checkpoint: str | Path, out_dir: str | Path) -> Path:

@@ -254,7 +254,7 @@ def _check_resumes_into(checkpoint: Path, root: Path) -> None:
     the resumed run (a later resume=auto would continue those instead of this run). Only those
     later ones are hashed; a broken one of this run is replaced when this run saves that step."""
     manifest, _ = read_manifest(checkpoint)
-    step, run_id = manifest.get("step"), run_id_of(checkpoint)
+    step, run_id = (manifest or {}).get("step"), run_id_of(checkpoint)
     in_the_way = []
     for other_step, path in CheckpointStore(root).step_dirs():
         other_id = run_id_of(path)

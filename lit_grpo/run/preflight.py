@@ -158,8 +158,7 @@ def check_sources(c: TrainConfig) -> None:
     from lit_grpo.tasks import source_problems
 
     problems = []
-    if c.model.kind == "hf":
-        name = c.model.name_or_path
+    if c.model.kind == "hf" and (name := c.model.name_or_path) is not None:
         if why := model_path_problem(name):
             problems.append(f"model.name_or_path={name}: {why}")
         elif why := hub_problem(name, "model"):
@@ -190,7 +189,7 @@ HYDRA_FILES = {".hydra": {"config.yaml", "hydra.yaml", "overrides.yaml"}}
 """What Hydra writes into a run folder before the job starts (beside the job's log, `<job name>.log`)."""
 _new_run_dir: Optional[tuple[Path, Path]] = None
 """The run folder Hydra creates for this process's run, and the first of its folders that did not exist
-before it (itself, or a parent such as `outputs/<date>`); None when the run folder existed."""
+before it (itself, or a parent such as the day's folder under `outputs`); None when the run folder existed."""
 
 
 def _first_missing(path: Path) -> Optional[Path]:
@@ -224,7 +223,8 @@ def discard_refused_run_dir(job_log: str) -> Optional[Path]:
     run_dir, first_new = _new_run_dir
     if not run_dir.is_dir() or not _only_hydra_files(run_dir, job_log):
         return None
-    for logger in [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]:
+    known = (logger for logger in logging.Logger.manager.loggerDict.values() if isinstance(logger, logging.Logger))
+    for logger in [logging.getLogger(), *known]:
         for handler in list(getattr(logger, "handlers", [])):  # the job log's handler: closed, never reopened
             if isinstance(handler, logging.FileHandler) and Path(handler.baseFilename).parent == run_dir:
                 logger.removeHandler(handler)
