@@ -31,14 +31,14 @@ from lit_grpo.config import ConfigError
 AUTO_MIN_HIDDEN_X_LAYERS = 16_384
 """`model.gradient_checkpointing: null` turns it on from this `hidden_size × num_layers` up (e.g. 1024 × 16).
 
-A Qwen2-style layer saves about 84 bytes per token and per unit of hidden size in float32 for its
-backward (its inputs, q/k/v, the attention output, gate/up/act of an MLP about 5× as wide), so a
-step's activations are about 84 · hidden · layers bytes per token: 1.4 GB per 1,000 tokens here,
-where the model's weights, gradients and Adam state (16 bytes a parameter) are about 3 GB. Past
-it a micro-batch of a few thousand tokens holds more in activations than in the model, and
-checkpointing (one more forward per layer, about a third more compute) keeps a layer's input
-alone. Real models start above it (Qwen2.5-0.5B: 896 × 24 = 21,504; SmolLM2-135M: 576 × 30);
-the CPU demo's tiny model (64 × 2) and the 4-layer test cuts stay below, so their speed is unchanged.
+Without it, a step's activations are about 110 bytes per token and per unit of `hidden × layers`
+in float32 (measured: 896 MB for 4 × 512 over 8 × 512 tokens, 280 MB with it on; docs/results.md),
+so 1.8 MB per token here: 7 GB for a micro-batch of 4,096 tokens, where the weights, gradients and
+Adam state of a model of this shape (1024 × 16, about 200M parameters at 16 bytes each) are about
+3 GB. Past it the activations outgrow the model, and checkpointing (one more forward per layer,
+about a third more compute) keeps a layer's input alone. Real models start above it (Qwen2.5-0.5B:
+896 × 24 = 21,504; SmolLM2-135M: 576 × 30); the CPU demo's tiny model (64 × 2) and the 4-layer cuts
+of tests and benchmarks stay below, so their speed is unchanged.
 """
 
 
