@@ -1,7 +1,7 @@
 """Gradient checkpointing (`model.gradient_checkpointing`, `lit_grpo.models.checkpointing`): the same
 gradients with it on as off (full and LoRA), the recompute really runs (and only in the training
-forward), the auto default resolves as documented, and a 2-process FSDP2 step with it on has the
-gradient of one process without it."""
+forward), the auto default resolves as documented, and a 2-process FSDP2 or DDP step with it on has
+the gradient of one process without it."""
 
 from __future__ import annotations
 
@@ -140,10 +140,11 @@ def test_the_setting_must_be_a_bool_or_null():
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_a_sharded_checkpointed_step_has_the_gradient_of_one_process_without_it(tmp_path):
-    run_probe(tmp_path, 1, "4,6", "fsdp2", "0.01", "grads", "model.gradient_checkpointing=false")
-    run_probe(tmp_path, 2, "4,6", "fsdp2", "0.01", "grads", "model.gradient_checkpointing=true")
-    assert_ranks_equal_the_union(tmp_path, "fsdp2")
-    assert torch.load(tmp_path / "recomputes_fsdp2_world1_rank0.pt") == 0
-    for rank in (0, 1):  # 2 layers, 3 steps of at least 1 micro-batch each: the sharded layers recomputed
-        assert torch.load(tmp_path / f"recomputes_fsdp2_world2_rank{rank}.pt") >= 2 * 3
+@pytest.mark.parametrize("strategy", ["fsdp2", "ddp"])
+def test_a_2_process_checkpointed_step_has_the_gradient_of_one_process_without_it(tmp_path, strategy):
+    run_probe(tmp_path, 1, "4,6", strategy, "0.01", "grads", "model.gradient_checkpointing=false")
+    run_probe(tmp_path, 2, "4,6", strategy, "0.01", "grads", "model.gradient_checkpointing=true")
+    assert_ranks_equal_the_union(tmp_path, strategy)
+    assert torch.load(tmp_path / f"recomputes_{strategy}_world1_rank0.pt") == 0
+    for rank in (0, 1):  # 2 layers, 3 steps of at least 1 micro-batch each: the (sharded) layers recomputed
+        assert torch.load(tmp_path / f"recomputes_{strategy}_world2_rank{rank}.pt") >= 2 * 3
