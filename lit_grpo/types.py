@@ -170,8 +170,13 @@ class Sampler(Protocol):
         the next call (default: nothing to do)."""
         ...
 
+    def cancel(self) -> None:
+        """End in-flight generation now (the run is ending), from any thread: a running engine call
+        stops at its next step and fails with `SamplerClosed`, as does every later call."""
+        ...
+
     def close(self) -> None:
-        """Stop the engine's threads and processes."""
+        """Cancel, then stop the engine's threads and processes."""
         ...
 
     async def score(self, pairs: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[list[float]]:

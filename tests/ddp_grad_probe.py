@@ -98,6 +98,15 @@ class Probe(L.Callback):
         self.weights: dict[str, torch.Tensor] = {}
         self.losses: list[float] = []
         """Each step's loss on this rank: its share of the step's loss (the normalizers are global)."""
+        self.recomputes = 0
+        """Decoder-layer forwards run inside a backward: gradient checkpointing's recomputes."""
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        for layer in pl_module.checkpointed_layers:
+            layer.register_forward_pre_hook(self._count_recompute)
+
+    def _count_recompute(self, module, args) -> None:
+        self.recomputes += int(torch._C._current_graph_task_id() != -1)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         step = pl_module.rollout_step  # (with `dataloader_iter`, batch_idx lags the steps)
@@ -168,6 +177,7 @@ def main() -> None:
     trainer.fit(GRPOModule(policy, c), datamodule=FixedData(sizes, len(tokenizer)))
     kind = "weights" if train else "grads"
     torch.save(probe.losses, out / f"losses_{strategy}_world{devices}_rank{trainer.global_rank}.pt")
+    torch.save(probe.recomputes, out / f"recomputes_{strategy}_world{devices}_rank{trainer.global_rank}.pt")
     torch.save(
         probe.weights if train else probe.grads, out / f"{kind}_{strategy}_world{devices}_rank{trainer.global_rank}.pt"
     )

@@ -10,6 +10,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -113,3 +114,72 @@ def test_a_finished_run_exits_0_every_time(tmp_path):
         assert proc.returncode == 0, f"run {i} exited {proc.returncode}: {proc.stderr[-3000:]}"
         assert "stopped: max_steps=3 reached" in proc.stdout
     assert [p.returncode for p in procs] == [0] * REPEATS
+
+
+def _long_completion_sampler():
+    """An hf sampler on a random 4096-id model: eos is 1 of 4096 ids, so every completion runs to `max_tokens`."""
+    from lit_grpo.config import ModelConfig
+    from lit_grpo.models.load import load_policy, load_tokenizer
+    from lit_grpo.samplers.hf import HFSampler
+
+    cfg = ModelConfig(kind="qwen2_shape", vocab_size=4096, max_position_embeddings=4096)
+    tokenizer = load_tokenizer(cfg)
+    return HFSampler(load_policy(cfg, tokenizer, seed=0), tokenizer, max_batch_size=2)
+
+
+@pytest.mark.timeout(120)
+def test_cancel_ends_a_running_hf_generate_at_its_next_token():
+    from lit_grpo.samplers.arguments import SamplerClosed
+
+    sampler = _long_completion_sampler()
+    outcome: dict[str, object] = {}
+
+    def generate() -> None:
+        try:
+            outcome["completions"] = sampler.generate([[10, 11, 12], [13, 14]], 1.0, 4000)
+        except SamplerClosed as err:
+            outcome["error"] = err
+
+    thread = threading.Thread(target=generate)
+    thread.start()
+    time.sleep(1.0)  # well into the 4000 tokens (several seconds on a CPU)
+    assert thread.is_alive(), "the call ended before it was cancelled: make it longer"
+    start = time.monotonic()
+    sampler.cancel()
+    thread.join(5.0)
+    assert not thread.is_alive() and time.monotonic() - start < 2.0
+    assert isinstance(outcome.get("error"), SamplerClosed), outcome  # partial completions are never returned
+    with pytest.raises(SamplerClosed):  # and nothing generates any more
+        sampler.generate([[10, 11]], 1.0, 4)
+    sampler.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_run_that_stops_mid_generation_ends_at_once_and_cleanly(tmp_path):
+    # Off-policy: the next step's rows are being sampled when the last step ends, each completion
+    # 5000 tokens long (a random model of 4096 ids almost never samples eos): tens of seconds on a CPU.
+    proc = subprocess.run(
+        [
+            sys.executable, "-m", "lit_grpo.train", "+experiment=arithmetic", "max_steps=1",
+            "trainer.enable_progress_bar=false", "synchronous_training=false", "callbacks=none",
+            "data.prompt_groups_per_step=1", "data.completions_per_prompt=2", "sampler.max_batch_size=2",
+            "sampler.max_completion_tokens=5000", "data.max_seq_len=5050", "model.kind=qwen2_shape",
+            "model.vocab_size=4096", "model.max_position_embeddings=5050", f"hydra.run.dir={tmp_path / 'run'}",
+        ],
+        cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=280,
+    )  # fmt: skip
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-3000:]
+    assert "stopped: max_steps=1 reached" in output
+    assert "abandoned" not in output and "threads still running" not in output, output[-3000:]
+    # The run's end (the export is its last callback; then the data module closes) takes no longer
+    # than the close itself: the in-flight call was cut, not waited for (it had seconds to go).
+    stamps = {
+        key: datetime.strptime(line[1:24], "%Y-%m-%d %H:%M:%S,%f")
+        for line in output.splitlines()
+        for key in ("exported the trained policy", "run summary")
+        if key in line
+    }
+    end_s = (stamps["run summary"] - stamps["exported the trained policy"]).total_seconds()
+    assert end_s < 2.0, f"the run's end took {end_s:.1f} s: it waited for the in-flight generation"

@@ -176,3 +176,39 @@ def test_a_training_run_with_the_vllm_sampler(tmp_path):
         )
     )
     assert summary["steps"] == 3
+
+
+@pytest.mark.timeout(300)
+def test_cancel_aborts_the_running_generate_call(tmp_path):
+    import threading
+    import time
+
+    from lit_grpo.models.load import load_policy, load_tokenizer
+    from lit_grpo.samplers.arguments import SamplerClosed
+
+    # 4096 ids: eos is about never sampled, so the call would run its 4000 tokens (minutes on a CPU).
+    cfg = ModelConfig(kind="qwen2_shape", vocab_size=4096, num_heads=2, max_position_embeddings=4096)
+    tokenizer = load_tokenizer(cfg)
+    folder = save_pretrained(load_policy(cfg, tokenizer, seed=0), tokenizer, tmp_path / "model")
+    sampler = VLLMSampler(str(folder), tokenizer, dtype="float32", max_model_len=4096, enforce_eager=True)
+    outcome: dict[str, object] = {}
+
+    def generate() -> None:
+        try:
+            outcome["completions"] = sampler.generate([[10, 11, 12], [13, 14]], 1.0, 4000)
+        except SamplerClosed as err:
+            outcome["error"] = err
+
+    thread = threading.Thread(target=generate)
+    thread.start()
+    time.sleep(1.0)
+    assert thread.is_alive(), "the call ended before it was cancelled: make it longer"
+    start = time.monotonic()
+    sampler.cancel()
+    thread.join(10.0)
+    assert not thread.is_alive() and time.monotonic() - start < 2.0
+    assert isinstance(outcome.get("error"), SamplerClosed), outcome
+    assert not sampler.llm.llm_engine.has_unfinished_requests()  # aborted in the engine, not just left behind
+    with pytest.raises(SamplerClosed):
+        sampler.generate([[10, 11]], 1.0, 4)
+    sampler.close()

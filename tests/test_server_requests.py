@@ -189,3 +189,90 @@ def test_a_failed_adapter_load_suggests_lora_only_when_the_server_lacks_it():
         "loaded. If you want to load the adapter in place, set 'load_inplace' to True."
     )
     assert why_load_failed(taken) == ""  # the server's own answer says it all
+
+
+class _HangingServer:
+    """A loopback HTTP server that answers `/v1/models` and never answers `/v1/completions`: it
+    records when a completion request's connection is closed by the client."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.completion_started = threading.Event()
+        self.completion_closed = threading.Event()
+        self.loop = asyncio.new_event_loop()
+        ready = threading.Event()
+
+        def serve() -> None:
+            asyncio.set_event_loop(self.loop)
+            self.server = self.loop.run_until_complete(asyncio.start_server(self._handle, "127.0.0.1", 0))
+            self.port = self.server.sockets[0].getsockname()[1]
+            ready.set()
+            self.loop.run_forever()
+
+        self.thread = threading.Thread(target=serve, daemon=True)
+        self.thread.start()
+        assert ready.wait(10)
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = next(
+                (int(h.split(b":")[1]) for h in head.split(b"\r\n") if h.lower().startswith(b"content-length")), 0
+            )
+            await reader.readexactly(length)
+            if head.startswith(b"GET /v1/models"):
+                body = json.dumps({"data": [{"id": "tiny", "max_model_len": 4096}]}).encode()
+                writer.write(
+                    b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body)
+                    + body
+                )
+                await writer.drain()
+                continue
+            self.completion_started.set()
+            await reader.read()  # the answer never comes; this returns when the client closes the connection
+            self.completion_closed.set()
+            return
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
+@pytest.mark.timeout(60)
+def test_cancel_closes_the_requests_in_flight(tmp_path):
+    import threading
+    import time
+
+    from conftest import tiny_arithmetic_model
+
+    from lit_grpo.samplers.server.sampler import VLLMServerSampler
+
+    server = _HangingServer()
+    _, tokenizer = tiny_arithmetic_model()
+    sampler = VLLMServerSampler(
+        tokenizer, [f"http://127.0.0.1:{server.port}"], weight_sync_dir=tmp_path, request_timeout_s=30
+    )
+    outcome: dict[str, BaseException] = {}
+
+    def sample() -> None:
+        try:
+            asyncio.run(sampler.sample_with_prompt_tokens([5, 6, 7], n=1, max_tokens=4000))
+        except BaseException as err:  # noqa: BLE001 (which one is the assertion's)
+            outcome["error"] = err
+
+    caller = threading.Thread(target=sample)
+    caller.start()
+    try:
+        assert server.completion_started.wait(10)
+        start = time.monotonic()
+        sampler.cancel()
+        caller.join(5)
+        assert not caller.is_alive() and time.monotonic() - start < 3.0
+        assert isinstance(outcome.get("error"), asyncio.CancelledError), outcome
+    finally:
+        sampler.close()  # the run's end closes right after it cancels: no connection is left open
+        assert server.completion_closed.wait(5), (
+            "the request's connection stayed open: the server would go on generating"
+        )
+        server.stop()

@@ -48,6 +48,12 @@ from lit_grpo.maths.health import drift_per_token, drift_tis_cap, learning_signa
 from lit_grpo.maths.logprobs import first_scored_prediction, token_logprobs
 from lit_grpo.maths.loss_terms import masked_means
 from lit_grpo.maths.losses import policy_loss_with
+from lit_grpo.models.checkpointing import (
+    checkpointed_forward,
+    checkpointed_layers,
+    checkpointing_wanted,
+    enable_gradient_checkpointing,
+)
 from lit_grpo.models.lora import AdapterFreeView, is_lora, with_lora
 from lit_grpo.models.sharding import gradient_sync_off, is_fsdp2, shard_per_decoder_layer
 from lit_grpo.types import RolloutBatch
@@ -95,6 +101,14 @@ class GRPOModule(L.LightningModule):
                 if is_lora(self.policy)
                 else copy.deepcopy(policy).requires_grad_(False).eval()
             )
+        # After the reference's copy (it runs without gradient: nothing to recompute) and before
+        # `configure_model` shards the layers.
+        self.checkpointed_layers = (
+            checkpointed_layers(enable_gradient_checkpointing(self.policy))
+            if checkpointing_wanted(config.model.gradient_checkpointing, self.policy)
+            else []
+        )
+        """The policy's decoder layers recomputed in the backward (`model.gradient_checkpointing`; [] when off)."""
         self.step_sequence = step_sequence
         """Weight sync and version, checkpoint, evaluation, metrics: run after each step (see `on_train_batch_end`)."""
         self.rollout_step = 0
@@ -257,11 +271,12 @@ class GRPOModule(L.LightningModule):
             last = i == len(micros) - 1
             micro_mask_BT = micro.predictions(mask_BT)
             # Cut to the micro-batch's own longest row: the columns dropped are padding, out of the loss mask.
-            logprobs_BT, entropy_BT = token_logprobs(
-                self.policy, micro.tokens(batch.tokens_BT), micro.tokens(batch.attention_mask_BT),
-                self.config.sampler.temperature, entropy_grad=self.config.entropy.differentiated,
-                first_scored=0 if micro.filler else first_scored_prediction(micro_mask_BT),
-            )  # fmt: skip
+            with checkpointed_forward(self.checkpointed_layers):
+                logprobs_BT, entropy_BT = token_logprobs(
+                    self.policy, micro.tokens(batch.tokens_BT), micro.tokens(batch.attention_mask_BT),
+                    self.config.sampler.temperature, entropy_grad=self.config.entropy.differentiated,
+                    first_scored=0 if micro.filler else first_scored_prediction(micro_mask_BT),
+                )  # fmt: skip
             if micro.filler:  # a zero gradient, for the sharded model's collectives only
                 self._backward(logprobs_BT.sum() * 0.0, last)
                 continue

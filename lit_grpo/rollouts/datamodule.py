@@ -241,8 +241,11 @@ class RolloutDataModule(L.LightningDataModule):
         self._align_sampler_version(self.scheduler.version)
 
     def close(self) -> None:
-        """Stop the scheduler's event loop, then the sampler's worker."""
-        self.scheduler.close()  # first: in-flight rollouts still need the sampler to finish
+        """Cancel the sampler's in-flight generation, stop the scheduler's event loop, then the sampler's worker."""
+        # First: a running engine call (the next batch's rollouts, which nobody will train on) ends
+        # at its next token instead of holding the loop or the worker thread past the run's end.
+        self.sampler.cancel()
+        self.scheduler.close()
         self.sampler.close()
 
     def train_dataloader(self) -> DataLoader:

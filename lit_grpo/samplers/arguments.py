@@ -117,6 +117,10 @@ class PromptTooLong(ValueError):
     sample counted as `rollout/dropped_prompt_too_long` (not a failure)."""
 
 
+class SamplerClosed(RuntimeError):
+    """The sampler was cancelled (the run is ending): a call cut short, or made after, has no completions."""
+
+
 class SamplerTimeout(TimeoutError):
     """A batched generate call did not return within the sampler's deadline (`call_timeout_s`),
     or a request's completion not within its `http_timeout`."""

@@ -15,6 +15,7 @@ from transformers import PreTrainedTokenizerBase
 
 from lit_grpo.samplers.arguments import (
     PromptTooLong,
+    SamplerClosed,
     SamplerTimeout,
     ScorePair,
     chat_prompt_tokens,
@@ -93,6 +94,8 @@ class BatchingSampler(ABC):
         self.eos_token_id = tokenizer.eos_token_id
         """Looked up once: a transformers tokenizer resolves it through the vocabulary at each access."""
         self.max_batch_size = max_batch_size
+        self.cancelled = threading.Event()
+        """Set by `cancel` (the run's end): engine calls end early and new ones are refused."""
         self.call_timeout_s: Optional[float] = None
         """A batched generate that takes longer fails its requests with `SamplerTimeout` (None: no bound)."""
         self.max_seq_len: Optional[int] = None
@@ -213,6 +216,7 @@ class BatchingSampler(ABC):
         with self._weights_lock:
             out: list[list[float]] = []
             for start in range(0, len(pairs), self.max_batch_size):
+                self._refuse_if_cancelled()
                 out += self._score(pairs[start : start + self.max_batch_size])
             return out
 
@@ -243,9 +247,28 @@ class BatchingSampler(ABC):
         finally:
             self._weights_lock.release()
 
+    def cancel(self) -> None:
+        """Stop generating, from any thread: a running engine call ends at its next step
+        (`_cancel_running`) and raises `SamplerClosed`, as does every call from now on. The run's end
+        calls it first, so nothing it then joins waits for a completion nobody will train on."""
+        self.cancelled.set()
+        self._cancel_running()
+
+    def _cancel_running(self) -> None:  # noqa: B027 (a default, not abstract)
+        """End the engine call now running at its next step (an engine that can stop one overrides
+        it; the flag `cancelled` is set already). By default it runs to its end."""
+
+    def _refuse_if_cancelled(self, call_cut_short: bool = False) -> None:
+        if self.cancelled.is_set():
+            raise SamplerClosed(
+                "the sampler was cancelled (the run is ending): "
+                + ("this engine call was cut short" if call_cut_short else "no more engine calls")
+            )
+
     def close(self) -> None:
-        """Drop queued calls and let a running one finish, for at most CLOSE_WAIT_S (a stuck engine
-        call is left to its daemon thread rather than keeping the process alive)."""
+        """Cancel (`cancel`), drop queued calls and join the worker, for at most CLOSE_WAIT_S (an engine
+        call that cannot be stopped is left to its daemon thread rather than keeping the process alive)."""
+        self.cancel()
         self._worker.close(CLOSE_WAIT_S)
 
     async def _flush(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -336,11 +359,16 @@ class BatchingSampler(ABC):
     def generate(
         self, prompts: list[list[int]], temperature: float, max_tokens: int, stop: tuple[str, ...] = ()
     ) -> list[Completion]:
-        """One batched call. Returns one `Completion` per prompt."""
+        """One batched call. Returns one `Completion` per prompt; `SamplerClosed` once cancelled
+        (a call that `cancel` cut short included: its completions would be partial)."""
         with self._weights_lock:
+            self._refuse_if_cancelled()
             if stop:
-                return self._generate(prompts, temperature, max_tokens, stop=tuple(stop))
-            return self._generate(prompts, temperature, max_tokens)
+                completions = self._generate(prompts, temperature, max_tokens, stop=tuple(stop))
+            else:
+                completions = self._generate(prompts, temperature, max_tokens)
+        self._refuse_if_cancelled(call_cut_short=True)
+        return completions
 
     @abstractmethod
     def _generate(

@@ -209,7 +209,7 @@ class HFSampler(BatchingSampler):
                 attention_mask=attention.to(device),
                 generation_config=gen_config,
                 logits_processor=LogitsProcessorList([recorder]),
-                stopping_criteria=StoppingCriteriaList([ends]) if ends else None,
+                stopping_criteria=StoppingCriteriaList([_UntilCancelled(self.cancelled), *([ends] if ends else [])]),
             )
         new_tokens_NS = out.sequences[:, width:].cpu()
         sampling_NS, raw_NS = recorder.finish(out.sequences[:, -1])
@@ -253,6 +253,17 @@ class HFSampler(BatchingSampler):
             logprobs_BT[i, len(prompt) - 1 : len(prompt) + len(target) - 1].tolist()
             for i, (prompt, target) in enumerate(pairs)
         ]
+
+
+class _UntilCancelled(StoppingCriteria):
+    """Ends every row of a generate call at its next token once `cancelled` is set (`cancel`: the
+    run's end), so a long completion nobody will train on stops within a token's time."""
+
+    def __init__(self, cancelled: threading.Event) -> None:
+        self.cancelled = cancelled
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs) -> torch.BoolTensor:
+        return torch.full((input_ids.shape[0],), self.cancelled.is_set(), dtype=torch.bool, device=input_ids.device)  # type: ignore[return-value]
 
 
 class _LogprobRecorder(LogitsProcessor):

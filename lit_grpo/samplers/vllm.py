@@ -88,6 +88,12 @@ class VLLMSampler(BatchingSampler):
         self.sleep_between_phases = sleep_between_phases and self.on_cuda
         self._asleep = False
         self.llm = vllm.LLM(**kwargs)
+        # `LLM.generate` steps the engine until its requests finish; a cancelled run's end aborts them
+        # between two steps, on the engine's own thread (`_step_unless_cancelled`).
+        self._engine_step = self.llm.llm_engine.step
+        self.llm.llm_engine.step = self._step_unless_cancelled
+        self._first_request_id = 0
+        """The id (`LLM.request_counter`) of the running generate call's first request."""
         self._SamplingParams = vllm.SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -101,6 +107,7 @@ class VLLMSampler(BatchingSampler):
             temperature=temperature, top_p=1.0, top_k=0, max_tokens=max_tokens, logprobs=0, stop=list(stop) or None
         )
         raw_known = temperature in (0.0, 1.0)  # processed logprobs == raw ones there (see the module docstring)
+        self._first_request_id = self.llm.request_counter.counter
         outputs = self.llm.generate([self._TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
         completions = []
         for prompt, out in zip(prompts, outputs):
@@ -129,6 +136,7 @@ class VLLMSampler(BatchingSampler):
         self.wake_up()
         params = self._SamplingParams(temperature=1.0, max_tokens=1, prompt_logprobs=0, detokenize=False)
         rows = [p + t for p, t in pairs]
+        self._first_request_id = self.llm.request_counter.counter
         outputs = self.llm.generate([self._TokensPrompt(prompt_token_ids=r) for r in rows], params, use_tqdm=False)
         scores = []
         for (prompt, _target), row, out in zip(pairs, rows, outputs):
@@ -136,6 +144,18 @@ class VLLMSampler(BatchingSampler):
             per_position = out.prompt_logprobs
             scores.append([per_position[j][row[j]].logprob for j in range(len(prompt), len(row))])
         return scores
+
+    def _step_unless_cancelled(self) -> list:
+        """One engine step; once cancelled (`cancel`, the run's end), the running call's requests
+        are aborted instead, so `LLM.generate` returns at once (its partial outputs are dropped:
+        `BatchingSampler.generate` raises `SamplerClosed`). Runs on the thread of the generate call,
+        never concurrently with the engine's own work."""
+        if self.cancelled.is_set():
+            engine = self.llm.llm_engine
+            running = [str(i) for i in range(self._first_request_id, self.llm.request_counter.counter)]
+            engine.abort_request(running)
+            return []
+        return self._engine_step()
 
     @torch.no_grad()
     def _load(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:

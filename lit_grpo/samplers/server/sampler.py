@@ -68,6 +68,8 @@ if TYPE_CHECKING:
     from lit_grpo.samplers.server.pool import ServerPool
 
 log = logging.getLogger(__name__)
+CANCEL_WAIT_S = 2.0
+"""How long the run's end gives the requests it cancels to close their connections."""
 T = TypeVar("T")
 
 MAX_SERVER_STOPS = 4
@@ -219,6 +221,7 @@ class VLLMServerSampler(ServerScoring, AdapterSync, ServerWeightSync, BatchingSa
         is cancelled on the server's side too."""
         args = check_sample_kwargs(kwargs)
         self._check_open()
+        self._refuse_if_cancelled()
         prompt = [int(t) for t in prompt_token_ids]
         max_tokens = self._bounded_max_tokens(len(prompt), args.max_tokens, args.max_seq_len)
         deadline = None if args.http_timeout is None else time.monotonic() + args.http_timeout
@@ -353,6 +356,25 @@ class VLLMServerSampler(ServerScoring, AdapterSync, ServerWeightSync, BatchingSa
         return str(self.tokenizer.decode(token_ids, skip_special_tokens=True))
 
     # ------------------------------------------------------------------ end
+
+    def _cancel_running(self) -> None:
+        """Cancel every request in flight on the client's loop (the run is ending): each closes its
+        HTTP request or stream, and the server aborts a request whose client went away. Bounded:
+        the cancelled requests get CANCEL_WAIT_S to unwind."""
+        if self._closed or not self._loop.is_running():
+            return
+
+        async def cancel_requests() -> None:
+            running = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in running:
+                task.cancel()
+            if running:
+                await asyncio.wait(running, timeout=CANCEL_WAIT_S)
+
+        try:
+            asyncio.run_coroutine_threadsafe(cancel_requests(), self._loop).result(CANCEL_WAIT_S + 1.0)
+        except Exception:  # a request that would not unwind must not keep the run from ending
+            log.debug("cancelling the requests in flight failed", exc_info=True)
 
     def close(self) -> None:
         """Close the HTTP client and stop the servers this sampler started. Idempotent."""
