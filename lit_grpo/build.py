@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import lightning as L
+import torch
 from hydra.utils import instantiate
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch import nn
@@ -291,7 +292,7 @@ def build_run(
     eval_rows = evaluation_rows(c, eval_rows)
     tokenizer = load_tokenizer(c.model)
     policy: nn.Module = load_policy(c.model, tokenizer, c.seed)  # the same on every rank
-    set_cpu_threads(c.trainer.cpu_threads, policy)
+    set_cpu_threads(c.trainer.cpu_threads, policy, engine_in_process=c.sampler.kind == "vllm")
     if c.adapter_sync:  # the servers serve its adapter from the start (the module adds none twice)
         policy = with_lora(policy, c.model.lora, c.seed)
     callbacks = (
@@ -313,6 +314,7 @@ def build_run(
 
 def fit(c: TrainConfig, resume_from: Optional[Path] = None, **build_kwargs) -> tuple[L.Trainer, GRPOModule]:
     """Build a run from a validated config and train it (from `resume_from`'s state)."""
+    threads = torch.get_num_threads()  # the run may set its own (`set_cpu_threads`): put back at its end
     trainer, module, datamodule = build_run(c, resume_from=resume_from, **build_kwargs)
     # The models, tokenizer and libraries are built: a full collection every few thousand new
     # objects (each step makes thousands) would walk all of them again, milliseconds a step.
@@ -327,4 +329,5 @@ def fit(c: TrainConfig, resume_from: Optional[Path] = None, **build_kwargs) -> t
         gc.unfreeze()  # a process that fits again (tests, sweeps) can free this run's objects
         datamodule.close()
         finish_runs(trainer.loggers)
+        torch.set_num_threads(threads)
     return trainer, module

@@ -28,8 +28,27 @@ def test_a_tiny_model_runs_on_one_torch_thread_unless_the_user_chose():
     assert cpu_threads(None, tiny, {"OMP_NUM_THREADS": "2"}) is None  # the environment's choice stands
     assert cpu_threads(3, tiny, {"OMP_NUM_THREADS": "2"}) == 3  # and the config's wins over both
     assert cpu_threads(4, big, {}) == 4
+    # vLLM's CPU engine in this process binds torch's count as it starts: left as it is.
+    assert cpu_threads(None, tiny, {}, engine_in_process=True) is None
     with pytest.raises(ConfigError, match="trainer.cpu_threads"):
         LightningTrainerConfig(cpu_threads=0)
+
+
+def test_a_run_puts_the_thread_count_back_when_it_ends(tmp_path):
+    """A process that trains in-process and then starts vLLM's CPU engine (a test session, a notebook)
+    must find torch's count as it was: the engine fails when the count it bound differs later."""
+    import torch
+
+    from conftest import compose_config
+    from lit_grpo.train import train
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)  # the demo's tiny policy trains on 1
+    try:
+        train(compose_config("+experiment=arithmetic", "max_steps=1", output_dir=tmp_path))
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
 
 
 def _cli(cwd: Path, *overrides: str) -> subprocess.CompletedProcess:

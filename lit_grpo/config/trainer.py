@@ -51,7 +51,9 @@ class LightningTrainerConfig:
     """torch's intra-op threads in this process (`torch.set_num_threads`). null: one thread for a policy
     under `SMALL_MODEL_PARAMS` parameters (a tiny model's matmuls are too small to split, and on cores
     shared with other work two threads ran the demo 3.8x slower than one: docs/results.md), torch's
-    default otherwise; `OMP_NUM_THREADS` set in the environment is then left as it is."""
+    default otherwise; `OMP_NUM_THREADS` set in the environment is then left as it is, and so is the
+    count with `sampler.kind=vllm` (its CPU engine, in this process, binds torch's count as it starts).
+    A run puts the count back when it ends."""
     extra: dict = field(default_factory=dict)
     """Any other `lightning.Trainer` argument, by its name, passed as given."""
 

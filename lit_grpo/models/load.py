@@ -167,22 +167,31 @@ def load_policy(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, seed: int)
         raise _unreachable(name, err) from None
 
 
-def cpu_threads(setting: Optional[int], n_params: int, environ: Mapping[str, str] = os.environ) -> Optional[int]:
+def cpu_threads(
+    setting: Optional[int],
+    n_params: int,
+    environ: Mapping[str, str] = os.environ,
+    *,
+    engine_in_process: bool = False,
+) -> Optional[int]:
     """The intra-op thread count a run sets for a policy of `n_params` parameters, or None to leave
     torch's: `setting` (`trainer.cpu_threads`) when given; else 1 below `SMALL_MODEL_PARAMS`, unless
-    `OMP_NUM_THREADS` is set (the user chose)."""
+    `OMP_NUM_THREADS` is set (the user chose) or vLLM's engine runs in this process
+    (`engine_in_process`: its CPU attention binds torch's thread count when it starts and fails when
+    the count differs later)."""
     if setting is not None:
         return setting
-    if environ.get("OMP_NUM_THREADS", "").strip() or n_params >= SMALL_MODEL_PARAMS:
+    if environ.get("OMP_NUM_THREADS", "").strip() or n_params >= SMALL_MODEL_PARAMS or engine_in_process:
         return None
     return 1
 
 
-def set_cpu_threads(setting: Optional[int], policy: torch.nn.Module) -> None:
+def set_cpu_threads(setting: Optional[int], policy: torch.nn.Module, *, engine_in_process: bool = False) -> None:
     """Apply `cpu_threads` to this process for `policy` (logged when it changes torch's count)."""
+    before = torch.get_num_threads()
     n_params = sum(p.numel() for p in policy.parameters())
-    threads = cpu_threads(setting, n_params)
-    if threads is not None and threads != torch.get_num_threads():
+    threads = cpu_threads(setting, n_params, engine_in_process=engine_in_process)
+    if threads is not None and threads != before:
         log.info(
             "torch threads: %d (was %d) for a policy of %.2fM parameters (trainer.cpu_threads=%s)",
             threads,
