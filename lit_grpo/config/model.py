@@ -111,6 +111,11 @@ class ModelConfig:
     """Passed to transformers when `kind=hf`."""
     lora: LoraConfig = field(default_factory=LoraConfig)
     """LoRA adapters (`lora.rank` 0: full fine-tuning)."""
+    fused_lm_head: bool = True
+    """Apply the LM head a chunk of tokens at a time in the trainer's forwards (policy, reference,
+    old policy), straight into logprobs, recomputed in the backward: no `[rows, T, V]` logits.
+    Used for any model whose head is a plain linear layer (not a LoRA-wrapped one, not FSDP2-sharded);
+    false: the model's full logits (`guides/long-sequences.md`)."""
 
     def __post_init__(self) -> None:
         require(self.kind in MODEL_KINDS, "model.kind", f"must be one of {', '.join(MODEL_KINDS)}, got {self.kind!r}")

@@ -18,11 +18,14 @@ the entropy is detached, a metric).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch.autograd.function import once_differentiable
+
+log = logging.getLogger(__name__)
 
 CausalLM = Any
 """A transformers causal LM, a peft model over one, or LoRA's adapter-free view of it: called as
@@ -227,6 +230,7 @@ def token_logprobs(
     temperature: float,
     first_scored: int = 0,
     entropy_grad: bool = False,
+    fused_head: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Next-token logprobs of each token and the policy's entropy at each position.
 
@@ -240,8 +244,22 @@ def token_logprobs(
     the model computes logits for the last T - first_scored positions only (transformers'
     `logits_to_keep`), which at a 150k vocabulary is most of the cost of a prompt's tokens, in the
     forward and again in the backward; the skipped predictions come back as 0 (logprob and entropy).
+
+    With `fused_head` (`model.fused_lm_head`), a model whose logits are exactly its LM head applied
+    to its last hidden states is run without its head, and the head is applied a chunk of tokens at
+    a time (`lit_grpo.maths.head_logprobs`): no `[B, T, V]` logits at all, forward or backward.
+    Other models (`split_lm_head` says which, in a debug line) take the path below: the model's own
+    logits, turned into logprobs a chunk at a time.
     """
+    from lit_grpo.maths.head_logprobs import fused_token_logprobs, split_lm_head
+
     T = tokens_BT.shape[1]
+    if fused_head:
+        split, why_not = split_lm_head(model)
+        if split is not None:
+            first = first_scored if 0 < first_scored < T - 1 else 0
+            return fused_token_logprobs(split, tokens_BT, attention_mask_BT, temperature, first, entropy_grad)
+        _say_unfused(model, why_not)
     first_scored = first_scored if 0 < first_scored < T - 1 and keeps_logits(model) else 0
     kept = {"logits_to_keep": T - first_scored} if first_scored else {}
     logits_BKV = model(input_ids=tokens_BT, attention_mask=attention_mask_BT, use_cache=False, **kept).logits
@@ -255,6 +273,17 @@ def token_logprobs(
         return logprobs_BK[:, :-1], entropy_BK[:, :-1]
     skipped = logprobs_BK.new_zeros(tokens_BT.shape[0], first_scored)
     return torch.cat([skipped, logprobs_BK[:, :-1]], dim=1), torch.cat([skipped, entropy_BK[:, :-1]], dim=1)
+
+
+_SAID_UNFUSED: set[tuple[str, str]] = set()
+
+
+def _say_unfused(model: CausalLM, why_not: str) -> None:
+    """One debug line per kind of model and reason: its logprobs come from its full logits."""
+    key = (type(model).__name__, why_not)
+    if key not in _SAID_UNFUSED:
+        _SAID_UNFUSED.add(key)
+        log.debug("fused LM head off for %s: %s; its full logits are computed instead", *key)
 
 
 def keeps_logits(model: CausalLM) -> bool:
