@@ -49,20 +49,32 @@ def _in_dtype(
     return weight_VH.to(dtype), None if bias_V is None else bias_V.to(dtype)
 
 
-def _chunk_logits(
-    hidden_NH: torch.Tensor, weight_VH: torch.Tensor, bias_V: torch.Tensor | None, start: int, stop: int
-) -> torch.Tensor:
-    """The head's logits of rows `[start, stop)`, in the weight's dtype. Shapes: `[N, H]`, `[V, H]`, `[V]` -> `[C, V]`."""
+def _scaled_chunk_logits(
+    hidden_NH: torch.Tensor,
+    weight_VH: torch.Tensor,
+    bias_V: torch.Tensor | None,
+    start: int,
+    stop: int,
+    temperature: float,
+    out_CV: torch.Tensor,
+) -> tuple[torch.Tensor, torch.dtype]:
+    """`linear(hidden[start:stop], weight, bias).float() / temperature` in (a `[C, V]` view of) the
+    float32 scratch `out_CV`, and the dtype the logits were computed in (the weight's, which
+    `_in_dtype` has set to the compute dtype). A float32 head writes its matmul straight into the
+    scratch (no logits-sized temporary); a half one makes its logits in its dtype, as `nn.Linear`
+    does, then copies them. Shapes: `[N, H]`, `[V, H]`, `[V]` -> `[C, V]` float32.
+    """
+    chunk_CV = out_CV[: stop - start]
+    hidden_CH = hidden_NH[start:stop].to(weight_VH.dtype)
     with torch.autocast(hidden_NH.device.type, enabled=False):  # the dtype is chosen by `_compute_dtype`
-        return torch.nn.functional.linear(hidden_NH[start:stop].to(weight_VH.dtype), weight_VH, bias_V)
-
-
-def _scaled(logits_CV: torch.Tensor, temperature: float, out_CV: torch.Tensor) -> torch.Tensor:
-    """`logits.float() / temperature` written into (a `[C, V]` view of) the float32 scratch `out_CV`."""
-    chunk_CV = out_CV[: logits_CV.shape[0]]
-    chunk_CV.copy_(logits_CV)
+        if weight_VH.dtype != torch.float32:
+            chunk_CV.copy_(torch.nn.functional.linear(hidden_CH, weight_VH, bias_V))
+        elif bias_V is None:  # the ops `nn.Linear` runs: mm without a bias, addmm with one
+            torch.mm(hidden_CH, weight_VH.T, out=chunk_CV)
+        else:
+            torch.addmm(bias_V, hidden_CH, weight_VH.T, out=chunk_CV)
     # Divide (not multiply by 1/temperature) to round exactly as the naive `logits / temperature`.
-    return chunk_CV.div_(temperature) if temperature != 1.0 else chunk_CV  # x / 1 is x: a pass saved
+    return (chunk_CV.div_(temperature) if temperature != 1.0 else chunk_CV), weight_VH.dtype
 
 
 class _HeadLogprobs(torch.autograd.Function):
@@ -89,8 +101,7 @@ class _HeadLogprobs(torch.autograd.Function):
         for start in range(0, n_rows, chunk_rows):
             stop = min(start + chunk_rows, n_rows)
             rows = slice(start, stop)
-            logits_CV = _chunk_logits(hidden_NH, head_VH, head_bias_V, start, stop)
-            chunk_CV = _scaled(logits_CV, temperature, scaled_CV)
+            chunk_CV, _ = _scaled_chunk_logits(hidden_NH, head_VH, head_bias_V, start, stop, temperature, scaled_CV)
             selected_N[rows], entropy_N[rows], row_max_N[rows], log_sum_exp_N[rows] = _chunk_forward(
                 chunk_CV, targets_N[rows], work_CV[: stop - start]
             )
@@ -123,8 +134,9 @@ class _HeadLogprobs(torch.autograd.Function):
         for start in range(0, n_rows, chunk_rows):
             stop = min(start + chunk_rows, n_rows)
             rows = slice(start, stop)
-            logits_CV = _chunk_logits(hidden_NH, head_VH, head_bias_V, start, stop)
-            chunk_CV = _scaled(logits_CV, ctx.temperature, scaled_CV)
+            chunk_CV, logits_dtype = _scaled_chunk_logits(
+                hidden_NH, head_VH, head_bias_V, start, stop, ctx.temperature, scaled_CV
+            )
             entropy_grad = None
             if grad_H_N is not None and work_CV is not None:
                 entropy_grad = (grad_H_N[rows], entropy_N[rows], work_CV[: stop - start])
@@ -133,11 +145,15 @@ class _HeadLogprobs(torch.autograd.Function):
                 entropy_grad,
             )  # fmt: skip
             # The logits' gradient in their dtype, as autograd's through `.float()` and `nn.Linear`.
-            grad_logits_CV = grad_float_CV.to(logits_CV.dtype)
+            grad_logits_CV = grad_float_CV.to(logits_dtype)
             if grad_hidden_NH is not None:
                 grad_hidden_NH[rows] = grad_logits_CV @ head_VH
-            if grad_weight_VH is not None:
-                grad_weight_VH.add_(grad_logits_CV.T @ hidden_NH[rows].to(logits_CV.dtype))
+            if grad_weight_VH is None:
+                pass
+            elif logits_dtype == torch.float32:
+                grad_weight_VH.addmm_(grad_logits_CV.T, hidden_NH[rows].float())
+            else:  # a half-precision matmul (as autograd's), summed in float32
+                grad_weight_VH.add_(grad_logits_CV.T @ hidden_NH[rows].to(logits_dtype))
             if grad_bias_V is not None:
                 grad_bias_V.add_(grad_logits_CV.sum(0))
         grad_weight = None if grad_weight_VH is None else grad_weight_VH.to(weight_VH.dtype)
