@@ -57,7 +57,8 @@ def wide_vocab_model(vocab: int, hidden: int, layers: int, seed: int = 0):
 
 
 def training_step(model, optimizer, tokens_BT: torch.Tensor, advantages_B: torch.Tensor, fused: bool) -> float:
-    """Logprobs with gradients, the grpo loss (no KL term) on the completion tokens, backward, an AdamW step: the loss."""
+    """Logprobs with gradients, the grpo loss (no KL term) on the completion tokens, backward and an
+    AdamW step; returns the loss."""
     from lit_grpo.maths.logprobs import token_logprobs
     from lit_grpo.maths.losses import policy_loss
 
@@ -69,7 +70,11 @@ def training_step(model, optimizer, tokens_BT: torch.Tensor, advantages_B: torch
         model, tokens_BT, attention_BT, 1.0, first_scored=PROMPT_TOKENS - 1, fused_head=fused
     )
     loss, _ = policy_loss(
-        "grpo", logprobs=logprobs_BT, old_logprobs=logprobs_BT.detach(), advantages=advantages_B, mask=mask_BT,
+        "grpo",
+        logprobs=logprobs_BT,
+        old_logprobs=logprobs_BT.detach(),
+        advantages=advantages_B,
+        mask=mask_BT,
         kl_beta=0.0,
     )
     loss.backward()
@@ -142,7 +147,8 @@ def main(argv: list[str] | None = None) -> None:
         medians[fused] = {k: statistics.median(r[k] for r in rows) for k in ("peak_rss_MB", "step_extra_MB", "step_s")}
         each = ", ".join(f"{r['peak_rss_MB']:.0f} / {r['step_s']:.2f}" for r in rows)
         m = medians[fused]
-        print(f"{'on' if fused else 'off':<14}{m['peak_rss_MB']:>12.0f}{m['step_extra_MB']:>15.0f}{m['step_s']:>9.2f}   {each}")
+        cells = f"{m['peak_rss_MB']:>12.0f}{m['step_extra_MB']:>15.0f}{m['step_s']:>9.2f}"
+        print(f"{'on' if fused else 'off':<14}{cells}   {each}")
     ratio = medians[True]["step_s"] / medians[False]["step_s"]
     memory = medians[True]["peak_rss_MB"] / medians[False]["peak_rss_MB"]
     print(f"fused / unfused: step time {ratio:.2f}x, peak RSS {memory:.2f}x")

@@ -220,7 +220,8 @@ def no_grad_logprobs(
     Shapes: tokens, attention `[B, T]`, mask `[B, T-1]` (aligned with the predictions) -> `[B, T-1]`
     float32, 0 in the columns a micro-batch cut off (padding) and, with `mask_BT`, before the first
     column a micro-batch trains on (no LM head over a prompt: `token_logprobs`'s `first_scored`).
-    Filler micro-batches run their forward and are dropped. `fused_head`: `token_logprobs`'s (the LM head a chunk at a time).
+    Filler micro-batches run their forward and are dropped. `fused_head`: `token_logprobs`'s (the LM
+    head applied a chunk of tokens at a time).
     """
     B, T = tokens_BT.shape
     logprobs_BT = torch.zeros(B, T - 1, dtype=torch.float32, device=tokens_BT.device)

@@ -195,9 +195,7 @@ def head_logprobs_and_entropy(
     if hidden_NH.shape[0] == 0:  # no prediction to make: empty outputs still carry the graph
         empty_N = hidden_NH.sum(-1).float() * 0
         return empty_N, empty_N.detach()
-    return _HeadLogprobs.apply(
-        hidden_NH, weight_VH, bias_V, targets_N.long(), float(temperature), rows, entropy_grad
-    )
+    return _HeadLogprobs.apply(hidden_NH, weight_VH, bias_V, targets_N.long(), float(temperature), rows, entropy_grad)
 
 
 # Config fields of models whose logits are more than `lm_head(hidden)` (Gemma 2's soft cap, Cohere's
