@@ -8,7 +8,7 @@ made: `[B, K, V]` of them, plus their gradient, each 2.5 GB in float32 for 8 × 
   `nn.Linear` computes them) become the chunk's logprobs, entropy and two float32 statistics per
   row (max and log-sum-exp), then are freed; only the hidden states, the head's weight (both
   alive anyway) and the statistics are saved;
-- backward: each chunk's logits are recomputed, turned into their gradient (`_chunk_grad`, the
+- backward: each chunk's logits are recomputed, turned into their gradient (`chunk_grad`, the
   same formula as the unfused path), and that gradient, in the head's dtype like autograd's
   through `nn.Linear`, gives the chunk's rows of the hidden states' gradient and a share of the
   weight's (and bias's), accumulated in float32.
@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch.autograd.function import once_differentiable
 
-from lit_grpo.maths.logprobs import _chunk_forward, _chunk_grad, default_chunk_rows
+from lit_grpo.maths.softmax_chunks import chunk_forward, chunk_grad, default_chunk_rows
 
 # Bytes of one float32 `[rows, V]` chunk: twice the unfused path's, as each chunk here also makes
 # three matmuls, which run more efficiently on more rows (110 rows of Qwen2.5's vocabulary); a
@@ -102,7 +102,7 @@ class _HeadLogprobs(torch.autograd.Function):
             stop = min(start + chunk_rows, n_rows)
             rows = slice(start, stop)
             chunk_CV, _ = _scaled_chunk_logits(hidden_NH, head_VH, head_bias_V, start, stop, temperature, scaled_CV)
-            selected_N[rows], entropy_N[rows], row_max_N[rows], log_sum_exp_N[rows] = _chunk_forward(
+            selected_N[rows], entropy_N[rows], row_max_N[rows], log_sum_exp_N[rows] = chunk_forward(
                 chunk_CV, targets_N[rows], work_CV[: stop - start]
             )
         ctx.save_for_backward(hidden_NH, weight_VH, bias_V, targets_N, row_max_N, log_sum_exp_N, entropy_N)
@@ -140,7 +140,7 @@ class _HeadLogprobs(torch.autograd.Function):
             entropy_grad = None
             if grad_H_N is not None and work_CV is not None:
                 entropy_grad = (grad_H_N[rows], entropy_N[rows], work_CV[: stop - start])
-            grad_float_CV = _chunk_grad(
+            grad_float_CV = chunk_grad(
                 chunk_CV, targets_N[rows], row_max_N[rows], log_sum_exp_N[rows], grad_N[rows], ctx.temperature,
                 entropy_grad,
             )  # fmt: skip
