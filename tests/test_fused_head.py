@@ -211,6 +211,22 @@ def test_bfloat16_model_is_close_to_its_unfused_path():
 
 
 @pytest.mark.timeout(120)
+def test_mixed_precision_computes_the_head_in_autocast_dtype_both_ways():
+    # trainer.precision=bf16-mixed: float32 weights, the head's matmul in bf16 under autocast, in the
+    # forward and again in the backward's recomputation (which runs outside autocast).
+    model = _tiny()
+    batch = _batch(model.config.vocab_size)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        fused, unfused = (_step(model, *batch, fused=f) for f in (True, False))
+    plain = _step(model, *batch, fused=True)
+    torch.testing.assert_close(fused[0], unfused[0], atol=1e-4, rtol=1e-4)
+    assert (fused[0] - plain[0]).abs().max() > 1e-4  # bf16 logits indeed, not float32 ones
+    for name, want in unfused[2].items():
+        scale = want.abs().max()
+        torch.testing.assert_close(fused[2][name], want, atol=3e-2 * scale, rtol=3e-2)
+
+
+@pytest.mark.timeout(120)
 def test_no_vocabulary_sized_tensor_beyond_a_chunk():
     # The fused head's largest [*, V] tensor is a chunk of rows; the unfused path's is the logits of every row.
     model = _tiny(tied=False)
