@@ -10,7 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from lit_grpo.build import build_run
 from lit_grpo.config import LoraConfig, ModelConfig
-from lit_grpo.maths.head_logprobs import head_logprobs_and_entropy, split_lm_head
+from lit_grpo.maths.head_logprobs import fused_token_logprobs, head_logprobs_and_entropy, split_lm_head
 from lit_grpo.maths.logprobs import token_logprobs
 from lit_grpo.models.load import build_char_tokenizer, build_tiny_model
 from lit_grpo.models.lora import AdapterFreeView, apply_lora
@@ -245,8 +245,6 @@ def test_no_vocabulary_sized_tensor_beyond_a_chunk():
             token_logprobs(model, tokens_BT, attention_BT, 1.0, fused_head=True)
     assert meter.largest <= chunk_rows * V
     # With a small chunk the bound is the chunk's, not the batch's.
-    from lit_grpo.maths.head_logprobs import fused_token_logprobs
-
     split, _ = split_lm_head(model)
     with _LargestVocabTensor(V, model.config.hidden_size) as meter:
         logprobs_BT, _ = fused_token_logprobs(split, tokens_BT, attention_BT, 1.0, entropy_grad=True, chunk_rows=8)
@@ -303,7 +301,17 @@ def test_a_transform_after_the_head_is_not_fused():
 # ------------------------------------------------------------------ training, on and off
 
 
-def _losses(tmp_path, loss_name, fused):
+def _losses(tmp_path, monkeypatch, loss_name, fused):
+    """The train/loss of 3 steps, and how many forwards went through the fused head."""
+    import lit_grpo.maths.logprobs as logprobs_py
+
+    fused_calls = []
+
+    def counted(*args, **kwargs):
+        fused_calls.append(torch.is_grad_enabled())
+        return fused_token_logprobs(*args, **kwargs)
+
+    monkeypatch.setattr(logprobs_py, "fused_token_logprobs", counted)
     c = validate(
         compose_config(
             "+experiment=arithmetic",
@@ -320,17 +328,19 @@ def _losses(tmp_path, loss_name, fused):
     )
     trainer, module, datamodule = build_run(c)
     trainer.fit(module, datamodule=datamodule)
-    return [step["train/loss"] for step in module.step_sequence.history.steps]
+    return [step["train/loss"] for step in module.step_sequence.history.steps], fused_calls
 
 
 @pytest.mark.slow  # 20 short runs: about 5 minutes on two cores
 @pytest.mark.timeout(1200)
-def test_every_policy_loss_trains_the_same_with_the_fused_head_on_and_off(tmp_path):
+def test_every_policy_loss_trains_the_same_with_the_fused_head_on_and_off(tmp_path, monkeypatch):
     from lit_grpo.maths.losses import POLICY_LOSSES
 
     assert len(POLICY_LOSSES) >= 7
     for name in POLICY_LOSSES:
-        on, off = _losses(tmp_path, name, True), _losses(tmp_path, name, False)
+        (on, calls_on), (off, calls_off) = (_losses(tmp_path, monkeypatch, name, fused) for fused in (True, False))
         assert len(on) == len(off) == 3, name
+        # On: the policy's forwards (with gradients) and the reference's and old policy's (without) are fused.
+        assert set(calls_on) == {True, False} and calls_off == [], name
         for a, b in zip(on, off):
             assert abs(a - b) <= 1e-5 * max(abs(b), 1e-6), (name, on, off)
