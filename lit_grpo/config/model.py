@@ -117,6 +117,11 @@ class ModelConfig:
     memory drops to about one layer's, for about a third more compute. Only the training forward pays;
     the reference and old-policy forwards and sampling do not. null (auto): on when the policy's
     `hidden_size × num_layers` is at least 16,384 (Qwen2.5-0.5B: 21,504; the tiny demo's 128 stays off)."""
+    fused_lm_head: bool = True
+    """Apply the LM head a chunk of tokens at a time in the trainer's forwards (policy, reference,
+    old policy), straight into logprobs, recomputed in the backward: no `[rows, T, V]` logits.
+    Used for any model whose head is a plain linear layer (not a LoRA-wrapped one, not FSDP2-sharded);
+    false: the model's full logits (`guides/long-sequences.md`)."""
 
     def __post_init__(self) -> None:
         require(self.kind in MODEL_KINDS, "model.kind", f"must be one of {', '.join(MODEL_KINDS)}, got {self.kind!r}")

@@ -214,19 +214,23 @@ def no_grad_logprobs(
     temperature: float,
     micros: list[MicroBatch],
     mask_BT: torch.Tensor | None = None,
+    fused_head: bool = True,
 ) -> torch.Tensor:
     """`model`'s logprobs of the whole batch (the reference's, `old`'s), one micro-batch at a time.
 
     Shapes: tokens, attention `[B, T]`, mask `[B, T-1]` (aligned with the predictions) -> `[B, T-1]`
     float32, 0 in the columns a micro-batch cut off (padding) and, with `mask_BT`, before the first
     column a micro-batch trains on (no LM head over a prompt: `token_logprobs`'s `first_scored`).
-    Filler micro-batches run their forward and are dropped.
+    Filler micro-batches run their forward and are dropped. `fused_head`: `token_logprobs`'s (the LM
+    head applied a chunk of tokens at a time).
     """
     B, T = tokens_BT.shape
     logprobs_BT = torch.zeros(B, T - 1, dtype=torch.float32, device=tokens_BT.device)
     for micro in micros:
         first = 0 if micro.filler or mask_BT is None else first_scored_prediction(micro.predictions(mask_BT))
-        part_BT = token_logprobs(model, micro.tokens(tokens_BT), micro.tokens(attention_BT), temperature, first)[0]
+        part_BT = token_logprobs(
+            model, micro.tokens(tokens_BT), micro.tokens(attention_BT), temperature, first, fused_head=fused_head
+        )[0]
         if not micro.filler:
             logprobs_BT[micro.rows, : micro.width - 1] = part_BT
     return logprobs_BT

@@ -218,7 +218,10 @@ class GRPOModule(L.LightningModule):
     def _no_grad_logprobs(self, model, batch: RolloutBatch, plan: ForwardPlan, mask_BT) -> torch.Tensor:
         """`model`'s logprobs of the whole batch, without gradient. Shape: [B, T-1], like `mask_BT`."""
         temperature = self.config.sampler.temperature
-        return no_grad_logprobs(model, batch.tokens_BT, batch.attention_mask_BT, temperature, plan.no_grad, mask_BT)
+        return no_grad_logprobs(
+            model, batch.tokens_BT, batch.attention_mask_BT, temperature, plan.no_grad, mask_BT,
+            fused_head=self.config.model.fused_lm_head,
+        )  # fmt: skip
 
     def _old_logprobs(self, batch, plan, mask_BT, sampler_logprobs_BT) -> Optional[torch.Tensor]:
         """`old`, the policy before this batch's first update. With one minibatch it equals the current
@@ -276,6 +279,7 @@ class GRPOModule(L.LightningModule):
                     self.policy, micro.tokens(batch.tokens_BT), micro.tokens(batch.attention_mask_BT),
                     self.config.sampler.temperature, entropy_grad=self.config.entropy.differentiated,
                     first_scored=0 if micro.filler else first_scored_prediction(micro_mask_BT),
+                    fused_head=self.config.model.fused_lm_head,
                 )  # fmt: skip
             if micro.filler:  # a zero gradient, for the sharded model's collectives only
                 self._backward(logprobs_BT.sum() * 0.0, last)

@@ -18,25 +18,21 @@ the entropy is detached, a metric).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch.autograd.function import once_differentiable
 
+from lit_grpo.maths.head_logprobs import fused_token_logprobs, split_lm_head
+from lit_grpo.maths.softmax_chunks import chunk_forward, chunk_grad, default_chunk_rows
+
+log = logging.getLogger(__name__)
+
 CausalLM = Any
 """A transformers causal LM, a peft model over one, or LoRA's adapter-free view of it: called as
 `model(input_ids=..., attention_mask=...)` for an output with `.logits`."""
-
-# Bytes of one float32 chunk. 32 MiB is 55 rows of Qwen2.5's vocabulary: small next to the logits
-# of a micro-batch (a 1,024-token sequence's bf16 logits are 311 MB) yet wide enough that the
-# per-chunk kernel launches are negligible on a GPU.
-DEFAULT_CHUNK_BYTES = 32 * 2**20
-
-
-def default_chunk_rows(vocab_size: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> int:
-    """Rows (tokens) per chunk so that one float32 `[rows, vocab_size]` chunk is about `chunk_bytes`."""
-    return max(1, chunk_bytes // (4 * vocab_size))
 
 
 def _row_spans(start: int, stop: int, seq_len: int) -> Iterator[tuple[int, int, int, int]]:
@@ -68,59 +64,12 @@ def _load_scaled_chunk(
         for b, t0, t1, offset in _row_spans(start, stop, logits_BTV.shape[1]):
             chunk_CV[offset : offset + t1 - t0].copy_(logits_BTV[b, t0:t1])
     # Divide (not multiply by 1/temperature) to round exactly as the naive `logits / temperature`.
-    return chunk_CV.div_(temperature)
+    return chunk_CV.div_(temperature) if temperature != 1.0 else chunk_CV  # x / 1 is x: a pass saved
 
 
 def _store_chunk(chunk_CV: torch.Tensor, grad_BTV: torch.Tensor, start: int, stop: int) -> None:
     """Copy a chunk of flattened rows `[start, stop)` into `grad_BTV` `[B, T, V]` (contiguous), casting to its dtype."""
     grad_BTV.view(-1, grad_BTV.shape[-1])[start:stop].copy_(chunk_CV[: stop - start])
-
-
-def _chunk_forward(scaled_CV: torch.Tensor, targets_C: torch.Tensor, work_CV: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Selected logprob, entropy, max and log-sum-exp (of the max-shifted row) of each row of a chunk.
-
-    The same steps as `torch.log_softmax` (subtract the row max, subtract the log-sum-exp), so the
-    values round like the naive computation's; the backward rebuilds the softmax from the two
-    per-row statistics. Shapes: scaled `[C, V]` float32 (overwritten with the log-softmax),
-    targets `[C]`, work `[C, V]` float32 scratch -> four `[C]` float32 tensors.
-    """
-    row_max_C1 = scaled_CV.amax(-1, keepdim=True)
-    shifted_CV = scaled_CV.sub_(row_max_C1)  # in place: the chunk's only other float32 buffer is `work`
-    log_sum_exp_C1 = torch.exp(shifted_CV, out=work_CV).sum(-1, keepdim=True).log_()
-    logp_CV = shifted_CV.sub_(log_sum_exp_C1)
-    selected_C = logp_CV.gather(-1, targets_C[:, None])[:, 0]
-    entropy_C = -torch.exp(logp_CV, out=work_CV).mul_(logp_CV).sum(-1)
-    return selected_C, entropy_C, row_max_C1[:, 0], log_sum_exp_C1[:, 0]
-
-
-def _chunk_grad(
-    scaled_CV: torch.Tensor,
-    targets_C: torch.Tensor,
-    row_max_C: torch.Tensor,
-    log_sum_exp_C: torch.Tensor,
-    grad_C: torch.Tensor,
-    temperature: float,
-    entropy_grad: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-) -> torch.Tensor:
-    """Gradient of `sum(grad * selected logprob)` (plus `sum(grad_H * entropy)` when
-    `entropy_grad = (grad_H_C, entropy_C, work_CV)`) with respect to a chunk of (unscaled) logits.
-
-    `(g * onehot(target) - g * softmax) / temperature`, computed in place in `scaled_CV`, with the
-    softmax rebuilt exactly as the forward's (same max, same log-sum-exp, same order of operations)
-    so the result rounds like autograd's `log_softmax` backward. The entropy's own term is
-    `-g_H * p * (log p + H) / temperature` (dH/dz_i = -p_i (log p_i + H)), built in `work_CV`.
-    Shapes: scaled `[C, V]` float32, targets / row_max / log_sum_exp / grad `[C]` -> `[C, V]` float32.
-    """
-    logp_CV = scaled_CV.sub_(row_max_C[:, None]).sub_(log_sum_exp_C[:, None])
-    if entropy_grad is None:
-        grad_CV = logp_CV.exp_().mul_(-grad_C[:, None])
-    else:
-        grad_H_C, entropy_C, work_CV = entropy_grad
-        # p * (-g - g_H * (log p + H)): the selected logprob's softmax term and the entropy's, together.
-        factor_CV = torch.add(logp_CV, entropy_C[:, None], out=work_CV).mul_(-grad_H_C[:, None]).sub_(grad_C[:, None])
-        grad_CV = logp_CV.exp_().mul_(factor_CV)
-    grad_CV = grad_CV.scatter_add_(-1, targets_C[:, None], grad_C[:, None])
-    return grad_CV.div_(temperature)
 
 
 class _SelectedLogprobs(torch.autograd.Function):
@@ -141,7 +90,7 @@ class _SelectedLogprobs(torch.autograd.Function):
             stop = min(start + chunk_rows, n_rows)
             rows = slice(start, stop)
             chunk_CV = _load_scaled_chunk(logits_BTV, start, stop, temperature, scaled_CV)
-            selected_C, entropy_C, row_max_N[rows], log_sum_exp_N[rows] = _chunk_forward(
+            selected_C, entropy_C, row_max_N[rows], log_sum_exp_N[rows] = chunk_forward(
                 chunk_CV, targets_N[rows], work_CV[: stop - start]
             )
             selected_BT.view(n_rows)[rows], entropy_BT.view(n_rows)[rows] = selected_C, entropy_C
@@ -177,7 +126,7 @@ class _SelectedLogprobs(torch.autograd.Function):
             entropy_grad = None
             if grad_H_N is not None and work_CV is not None:
                 entropy_grad = (grad_H_N[rows], entropy_N[rows], work_CV[: stop - start])
-            grad_CV = _chunk_grad(
+            grad_CV = chunk_grad(
                 chunk_CV,
                 targets_N[rows],
                 row_max_N[rows],
@@ -227,6 +176,7 @@ def token_logprobs(
     temperature: float,
     first_scored: int = 0,
     entropy_grad: bool = False,
+    fused_head: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Next-token logprobs of each token and the policy's entropy at each position.
 
@@ -240,8 +190,20 @@ def token_logprobs(
     the model computes logits for the last T - first_scored positions only (transformers'
     `logits_to_keep`), which at a 150k vocabulary is most of the cost of a prompt's tokens, in the
     forward and again in the backward; the skipped predictions come back as 0 (logprob and entropy).
+
+    With `fused_head` (`model.fused_lm_head`), a model whose logits are exactly its LM head applied
+    to its last hidden states is run without its head, and the head is applied a chunk of tokens at
+    a time (`lit_grpo.maths.head_logprobs`): no `[B, T, V]` logits at all, forward or backward.
+    Other models (`split_lm_head` says which, in a debug line) take the path below: the model's own
+    logits, turned into logprobs a chunk at a time.
     """
     T = tokens_BT.shape[1]
+    if fused_head:
+        split, why_not = split_lm_head(model)
+        if split is not None:
+            first = first_scored if 0 < first_scored < T - 1 else 0
+            return fused_token_logprobs(split, tokens_BT, attention_mask_BT, temperature, first, entropy_grad)
+        _say_unfused(model, why_not)
     first_scored = first_scored if 0 < first_scored < T - 1 and keeps_logits(model) else 0
     kept = {"logits_to_keep": T - first_scored} if first_scored else {}
     logits_BKV = model(input_ids=tokens_BT, attention_mask=attention_mask_BT, use_cache=False, **kept).logits
@@ -255,6 +217,17 @@ def token_logprobs(
         return logprobs_BK[:, :-1], entropy_BK[:, :-1]
     skipped = logprobs_BK.new_zeros(tokens_BT.shape[0], first_scored)
     return torch.cat([skipped, logprobs_BK[:, :-1]], dim=1), torch.cat([skipped, entropy_BK[:, :-1]], dim=1)
+
+
+_SAID_UNFUSED: set[tuple[str, str]] = set()
+
+
+def _say_unfused(model: CausalLM, why_not: str) -> None:
+    """One debug line per kind of model and reason: its logprobs come from its full logits."""
+    key = (type(model).__name__, why_not)
+    if key not in _SAID_UNFUSED:
+        _SAID_UNFUSED.add(key)
+        log.debug("fused LM head off for %s: %s; its full logits are computed instead", *key)
 
 
 def keeps_logits(model: CausalLM) -> bool:

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from lit_grpo.config import ConfigError, LoraConfig
+from lit_grpo.maths.head_logprobs import LMHeadSplit, split_lm_head
 
 ADAPTER = "default"  # peft's name for the one adapter get_peft_model adds
 PEFT_PREFIX = "base_model.model."  # what PeftModel puts before the base model's names
@@ -96,6 +97,20 @@ class AdapterFreeView:
     def get_base_model(self) -> nn.Module:
         """The transformers model under the adapters (whose forward's arguments this view takes)."""
         return self._policy.get_base_model()
+
+    def lm_head_split(self) -> tuple[LMHeadSplit | None, str]:
+        """The policy's body and head for the fused LM head (`split_lm_head`), the body run with the
+        adapters off, as this view's own forward is."""
+        split, why_not = split_lm_head(self._policy)
+        if split is None:
+            return None, why_not
+        policy_body = split.body
+
+        def body(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+            with self._policy.disable_adapter():
+                return policy_body(input_ids, attention_mask)
+
+        return LMHeadSplit(body, split.head), ""
 
 
 def _clean(name: str) -> str:
