@@ -30,9 +30,14 @@ def engine(tmp_path_factory):
     tokenizer = build_char_tokenizer("printable")
     model = build_tiny_model(ModelConfig(num_heads=2), len(tokenizer), seed=0, tokenizer=tokenizer)
     folder = save_pretrained(model, tokenizer, tmp_path_factory.mktemp("tiny"))
+    threads = torch.get_num_threads()
+    # As after a small policy trained in this process: vLLM's CPU attention checked torch's count
+    # against the threads it bound and failed every call ("thread_num == thread_num (2 vs. 1)").
+    torch.set_num_threads(1)
     sampler = VLLMSampler(str(folder), tokenizer, dtype="float32", max_model_len=256, enforce_eager=True)
     yield sampler, model, tokenizer
     sampler.close()
+    torch.set_num_threads(threads)
 
 
 def _sample(sampler, prompts, **kw):

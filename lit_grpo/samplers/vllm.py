@@ -83,6 +83,10 @@ class VLLMSampler(BatchingSampler):
             )
         else:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+            # Its CPU attention binds one thread per core it is given and checks torch's count against
+            # that at every call: a count lowered earlier in this process (a small policy trained
+            # in-process, `trainer.cpu_threads`) would fail there. The engine starts from the cores'.
+            torch.set_num_threads(len(os.sched_getaffinity(0)))
             if tensor_parallel_size != 1 or sleep_between_phases:
                 log.info("vLLM on CPU: tensor_parallel_size and sleep_between_phases apply on CUDA only; ignored")
         self.sleep_between_phases = sleep_between_phases and self.on_cuda
