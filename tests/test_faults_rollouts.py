@@ -198,6 +198,7 @@ def test_a_30_percent_flaky_reward_trains_through_retried_as_configured(run, tmp
         assert retries == 0 and failures > 0.15 * 6 * 8
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_synchronous_reward_that_hangs_on_one_call_delays_only_its_own_sample(run, tmp_path):
     """The 5th reward call sleeps 20 s, past guards.rollout_timeout_s=10: it runs off the event loop, so
@@ -213,6 +214,7 @@ def test_a_synchronous_reward_that_hangs_on_one_call_delays_only_its_own_sample(
     assert timeouts >= 1
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_rollout_that_blocks_its_loop_ends_with_one_message_and_nothing_after_it(tmp_path):
     """From the command line: the watchdog's message is the last thing printed, with no asyncio
@@ -259,6 +261,7 @@ def _cli(tmp_path: Path, *overrides: str, timeout: float) -> tuple[subprocess.Co
     return proc, time.perf_counter() - start
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("synchronous", ["true", "false"])
 def test_a_rollout_that_blocks_the_event_loop_is_named(tmp_path, synchronous):
@@ -271,6 +274,7 @@ def test_a_rollout_that_blocks_the_event_loop_is_named(tmp_path, synchronous):
     print(f"blocked rollout (offpolicy.synchronous={synchronous}) stopped the CLI in {seconds:.1f} s")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("engine_thread,shown", [("loop", "RolloutStalled"), ("worker", "RolloutCircuitOpen")])
 def test_a_hung_engine_call_stops_the_run_on_either_thread(tmp_path, engine_thread, shown):

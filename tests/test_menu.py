@@ -55,6 +55,7 @@ def test_each_choice_changes_the_config_and_validates(choice):
     validate(menu_cfg)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_one_multirun_runs_every_choice_and_writes_the_sweep_table(tmp_path):
     proc = subprocess.run(

@@ -77,6 +77,36 @@ def test_every_row_once_and_the_budget_held_except_by_a_lone_outlier():
 
 
 @pytest.mark.timeout(10)
+def test_the_packed_plan_is_first_fit_over_real_tokens():
+    # Packed, a micro-batch costs its rows' lengths, not rows x the longest. Budget 24, rows longest
+    # first: 6 (30), 1 (12), 4 (12), 3 (7), 0 (5), 2 (3), 5 (2).
+    #   6: alone, over budget -> A = [6] (30);  1 -> B = [1] (12);  4: B 12 + 12 = 24 -> B = [1, 4] (24)
+    #   3: A full, B full -> C = [3] (7);  0 -> C (12);  2 -> C (15);  5 -> C (17)
+    lengths = [5, 12, 3, 7, 12, 2, 30]
+    assert plan_token_budget(lengths, 24, packed=True) == [[6], [1, 4], [0, 2, 3, 5]]
+    # Every open micro-batch is tried, the oldest first: 3 fills A (10 + 3 = 13), the older one.
+    assert plan_token_budget([10, 9, 3, 5], 14, packed=True) == [[0, 2], [1, 3]]
+    assert plan_token_budget([4, 4, 4, 4, 4], 8, max_sequences=1, packed=True) == [[0], [1], [2], [3], [4]]
+    assert plan_token_budget([], 8, packed=True) == []
+
+
+@pytest.mark.timeout(10)
+def test_the_packed_plan_holds_every_row_once_within_the_budget():
+    rng = random.Random(1)
+    for _ in range(300):
+        lengths = [rng.randint(1, 64) for _ in range(rng.randint(1, 40))]
+        budget, cap = rng.randint(8, 128), rng.choice([0, 1, 3])
+        plan = plan_token_budget(lengths, budget, cap, packed=True)
+        assert sorted(row for rows in plan for row in rows) == list(range(len(lengths)))
+        for rows in plan:
+            assert cap == 0 or len(rows) <= cap
+            total = sum(lengths[row] for row in rows)
+            assert total <= budget or (len(rows) == 1 and lengths[rows[0]] > budget), (lengths, budget, rows)
+        # Never more micro-batches than the padded plan of the same budget.
+        assert len(plan) <= len(plan_token_budget(lengths, budget, cap))
+
+
+@pytest.mark.timeout(10)
 def test_the_plan_refuses_a_budget_below_one_token():
     with pytest.raises(ValueError, match="max_tokens"):
         plan_token_budget([3, 4], 0)
@@ -180,11 +210,18 @@ def test_the_gradient_is_the_whole_batch_one_whatever_the_cut(tmp_path):
     batches = [ragged_batch(LENGTHS, vocab, seed=i, per_token=i >= 3) for i in range(6)]
     common = ("batching.ppo_minibatches=2", "policy_loss.kl_beta=0.1")
     grads, metrics = {}, {}
-    for name, cut in [
-        ("whole", ("batching.micro_batch_size=0",)),
-        ("budget", ("batching.micro_batch_max_tokens=48",)),
-        ("budget_and_rows", ("batching.micro_batch_max_tokens=48", "batching.micro_batch_size=2")),
-    ]:
+    cuts = {
+        "whole": ("batching.micro_batch_size=0", "batching.padding_free=false"),
+        "budget": ("batching.micro_batch_max_tokens=48", "batching.padding_free=false"),
+        "budget_and_rows": (
+            "batching.micro_batch_max_tokens=48", "batching.micro_batch_size=2", "batching.padding_free=false",
+        ),
+        # Packed (padding-free): each micro-batch one row of its sequences, the budget in real tokens.
+        "packed": ("batching.micro_batch_size=0", "batching.padding_free=true"),
+        "packed_budget": ("batching.micro_batch_max_tokens=48", "batching.padding_free=true"),
+        "packed_rows": ("batching.micro_batch_size=3", "batching.padding_free=true"),
+    }  # fmt: skip
+    for name, cut in cuts.items():
         steps = Steps(normalizations)
         fit_on(batches, tmp_path / name, *common, *cut, callbacks=[steps])
         assert len(steps.grads) == 12  # 6 rollout steps x 2 minibatches
@@ -192,13 +229,13 @@ def test_the_gradient_is_the_whole_batch_one_whatever_the_cut(tmp_path):
     for i, whole in enumerate(grads["whole"]):
         scale = max(g.abs().max() for g in whole.values()).item()  # `sum` has gradients far above 1
         assert scale > 0
-        for name in ("budget", "budget_and_rows"):
+        for name in set(cuts) - {"whole"}:
             worst = max((whole[k] - grads[name][i][k]).abs().max().item() for k in whole)
             assert worst <= 1e-6 * max(1.0, scale), (name, normalizations[i // 2], i, worst, scale)
     for step, whole in enumerate(metrics["whole"]):
         keys = {"train/loss", "train/entropy", "train/drift/k1", "train/ref_kl", "train/correction/weight_mean"}
         assert keys <= set(whole)
-        for name in ("budget", "budget_and_rows"):
+        for name in set(cuts) - {"whole"}:
             budgeted = {k: v for k, v in metrics[name][step].items() if k != "train/micro_batches_over_budget"}
             assert budgeted == pytest.approx(whole, rel=1e-5, abs=1e-6), (name, step)
 
@@ -243,18 +280,22 @@ def test_a_long_outlier_does_not_set_the_memory_of_every_forward(tmp_path):
     lengths = [6, 96, 9, 4, 12, 7, 10, 5]
     batch = ragged_batch(lengths, vocab_size(), seed=0, width=96)
     runs = {}
-    for budget in (0, 32):
+    for budget, packed in ((0, False), (32, False), (32, True)):
         record = RecordForwards()
         with torch.autograd.graph.saved_tensors_hooks(record.pack, lambda tensor: tensor):
             fit_on(
                 [batch],
-                tmp_path / str(budget),
+                tmp_path / f"{budget}-{packed}",
                 "policy_loss.kl_beta=0.1",  # the reference's forwards go through the same micro-batches
                 f"batching.micro_batch_max_tokens={budget}",
+                f"batching.padding_free={str(packed).lower()}",
                 callbacks=[record],
             )
-        runs[budget] = record
-    whole, budgeted = runs[0], runs[32]
+        runs[budget, packed] = record
+    whole, budgeted, packed = runs[0, False], runs[32, False], runs[32, True]
+    # Packed, by hand: 96 alone, [12, 10, 9] (31 tokens), [7, 6, 5, 4] (22): one row each, no padding.
+    assert packed.shapes == [(1, 96), (1, 31), (1, 22)] * 2
+    assert max(packed.saved_bytes) < whole.saved_bytes[0] / 4, (packed.saved_bytes, whole.saved_bytes)
     assert whole.shapes == [(8, 96)] * 2  # the reference's forward, then the policy's
     for rows, width in budgeted.shapes:
         assert rows * width <= 32 or (rows, width) == (1, 96), budgeted.shapes
@@ -314,14 +355,20 @@ def test_padding_frac_counts_the_token_slots_the_forwards_computed(tmp_path):
     batch = ragged_batch(LENGTHS, vocab_size(), seed=0)
     assert sum(LENGTHS) == 115
     fracs = {}
-    for budget, slots in [(0, 320), (48, 137)]:
-        module = fit_on([batch], tmp_path / str(budget), f"batching.micro_batch_max_tokens={budget}")
+    # Packed (padding-free), whatever the budget, the slots are the real tokens.
+    for budget, packed, slots in [(0, False, 320), (48, False, 137), (0, True, 115), (48, True, 115)]:
+        module = fit_on(
+            [batch],
+            tmp_path / f"{budget}-{packed}",
+            f"batching.micro_batch_max_tokens={budget}",
+            f"batching.padding_free={str(packed).lower()}",
+        )
         timings = module.last_step.timings
         assert (timings["train_tokens"], timings["train_token_slots"]) == (115.0, slots)
         merged = merge_step_metrics(RolloutRecord(), module.last_step.train_metrics, timings)
-        fracs[budget] = merged["perf/padding_frac"]
-        assert fracs[budget] == pytest.approx(1 - 115 / slots, abs=1e-12)
-    assert fracs[48] < fracs[0]
+        fracs[budget, packed] = merged["perf/padding_frac"]
+        assert fracs[budget, packed] == pytest.approx(1 - 115 / slots, abs=1e-12)
+    assert fracs[48, False] < fracs[0, False] and fracs[0, True] == fracs[48, True] == 0
 
 
 @pytest.mark.timeout(30)

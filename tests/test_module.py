@@ -153,7 +153,9 @@ def test_ppo_old_logprobs_are_the_policy_before_the_first_minibatch(tmp_path, mo
     first = first_scored_prediction(torch.cat([call["mask"] for call in calls]))
     assert first > 0  # the prompts are skipped
     with torch.no_grad():
-        want_old = token_logprobs(initial, tokens, attention, module.config.sampler.temperature, first)[0]
+        want_old = token_logprobs(
+            initial, tokens, attention, module.config.sampler.temperature, first, padding_free=module.padding_free
+        )[0]
     half = tokens.shape[0] // 2
     assert torch.equal(calls[0]["old_logprobs"], want_old[:half])
     assert torch.equal(calls[1]["old_logprobs"], want_old[half:])

@@ -17,7 +17,7 @@ from lit_grpo.loop.module import token_logprobs
 from lit_grpo.rollouts import GroupSampler, OffPolicyScheduler, RowCursor
 from lit_grpo.run.validate import validate
 from lit_grpo.samplers import build_sampler
-from lit_grpo.samplers.arguments import SamplerTimeout
+from lit_grpo.samplers.arguments import SamplerClosed, SamplerTimeout
 from lit_grpo.samplers.hf import HFSampler
 
 PROMPTS = ["1+2=", "3+4=", "5+0=", "12+3="] * 3
@@ -122,11 +122,19 @@ def test_the_trainer_holds_shared_weights_from_a_steps_rollouts_to_its_sync(tiny
     waiting.join()
 
     sampler.sleep()
-    sampler.close()  # a step that failed before its sync: the weights are free again
-    other = threading.Thread(target=lambda: sampler.generate(prompts, 0.0, 2))
+    sampler.close()  # a step that failed before its sync: the hold is released, the run is over
+    outcome: dict[str, BaseException] = {}
+
+    def after_close() -> None:
+        try:
+            sampler.generate(prompts, 0.0, 2)
+        except SamplerClosed as err:
+            outcome["error"] = err
+
+    other = threading.Thread(target=after_close)
     other.start()
     other.join(30)
-    assert not other.is_alive()
+    assert not other.is_alive() and isinstance(outcome.get("error"), SamplerClosed)  # refused, not held
 
 
 @pytest.mark.timeout(60)

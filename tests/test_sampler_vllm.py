@@ -191,8 +191,9 @@ def test_cancel_aborts_the_running_generate_call(tmp_path):
     from lit_grpo.models.load import load_policy, load_tokenizer
     from lit_grpo.samplers.arguments import SamplerClosed
 
-    # 4096 ids: eos is about never sampled, so the call would run its 4000 tokens (minutes on a CPU).
-    cfg = ModelConfig(kind="qwen2_shape", vocab_size=4096, num_heads=2, max_position_embeddings=4096)
+    # 32,768 ids: eos ends a sequence within 4000 tokens one time in nine, so the call of eight prompts
+    # runs thousands of engine steps; the cancel comes at the first of them.
+    cfg = ModelConfig(kind="qwen2_shape", vocab_size=32768, num_heads=2, max_position_embeddings=4096)
     tokenizer = load_tokenizer(cfg)
     folder = save_pretrained(load_policy(cfg, tokenizer, seed=0), tokenizer, tmp_path / "model")
     sampler = VLLMSampler(str(folder), tokenizer, dtype="float32", max_model_len=4096, enforce_eager=True)
@@ -200,14 +201,17 @@ def test_cancel_aborts_the_running_generate_call(tmp_path):
 
     def generate() -> None:
         try:
-            outcome["completions"] = sampler.generate([[10, 11, 12], [13, 14]], 1.0, 4000)
-        except SamplerClosed as err:
+            outcome["completions"] = sampler.generate([[10 + i, 11, 12] for i in range(8)], 1.0, 4000)
+        except BaseException as err:  # noqa: BLE001 - the assertions below name what it was
             outcome["error"] = err
 
     thread = threading.Thread(target=generate)
     thread.start()
-    time.sleep(1.0)
-    assert thread.is_alive(), "the call ended before it was cancelled: make it longer"
+    deadline = time.monotonic() + 60.0
+    while not sampler.llm.llm_engine.has_unfinished_requests() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.2)  # a few engine steps in
+    assert thread.is_alive(), f"the call ended before it was cancelled: {outcome}"
     start = time.monotonic()
     sampler.cancel()
     thread.join(10.0)

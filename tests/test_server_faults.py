@@ -55,6 +55,7 @@ def _one_message(proc) -> str:
 # --------------------------------------------------------------------------- injected faults (no vLLM)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_server_lost_in_a_sync_saves_the_trained_step_and_resume_continues(tmp_path):
     run_dir = tmp_path / "run"
@@ -68,6 +69,7 @@ def test_a_server_lost_in_a_sync_saves_the_trained_step_and_resume_continues(tmp
     assert _steps(run_dir) == list(range(6))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_server_lost_while_sampling_names_the_server_and_the_step_to_resume_from(tmp_path):
     run_dir = tmp_path / "run"
@@ -88,6 +90,7 @@ def test_a_server_lost_while_sampling_names_the_server_and_the_step_to_resume_fr
     assert _steps(run_dir) == list(range(6))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_without_checkpoints_the_message_says_the_run_cannot_continue(tmp_path):
     failed = run_cli(

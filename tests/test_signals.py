@@ -43,6 +43,7 @@ def _resume_matches(run_dir, uninterrupted, stopped_at: int, *overrides: str) ->
     assert csv_rewards(run_dir) == csv_rewards(uninterrupted)
 
 
+@pytest.mark.slow
 def test_sigterm_during_a_step_checkpoints_that_step_and_resumes_exactly(uninterrupted, tmp_path):  # noqa: F811
     run_dir = tmp_path / "run"
     proc, seconds = _stop(run_dir, "+callbacks.term={_target_:fault_injection.SignalAfterStep,step:5}")
@@ -51,6 +52,7 @@ def test_sigterm_during_a_step_checkpoints_that_step_and_resumes_exactly(uninter
     _resume_matches(run_dir, uninterrupted, stopped_at=5)  # 5 is not a multiple of checkpoint.save_interval=2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["offpolicy.synchronous=true", "offpolicy.synchronous=false"])
 @pytest.mark.parametrize("name,code", [("SIGTERM", 143), ("SIGINT", 130)])
 def test_a_signal_during_a_hung_rollout_stops_within_seconds(mode, name, code, uninterrupted_no_filter, tmp_path):
@@ -74,6 +76,7 @@ def test_a_signal_during_a_hung_rollout_stops_within_seconds(mode, name, code, u
         assert (run_dir / "checkpoints" / f"step_{int(summary['steps']):08d}" / "manifest.json").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("engine_thread", ["loop", "worker"])
 def test_a_signal_during_a_hung_engine_call_stops_within_seconds(engine_thread, tmp_path):
     # On the loop's thread the signal lands inside the engine call itself.

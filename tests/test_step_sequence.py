@@ -38,6 +38,7 @@ NO_EXTRAS = [
     ],
     ids=["sync", "async-O0", "async-O1-O2"],
 )
+@pytest.mark.slow
 def test_every_mode_finishes_with_no_callbacks(sweep, tmp_path):
     """`callbacks=none` used to hang at step 2: the version only moved in a droppable callback."""
     proc = subprocess.run(
@@ -82,6 +83,7 @@ def _equal(a: dict, b: dict) -> bool:
     return all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("interval", [1, 2, 0])
 def test_sampler_holds_the_policy_exactly_when_a_sync_was_due(interval, tmp_path):
     steps = 5

@@ -161,6 +161,7 @@ def test_training_ends_cleanly_when_the_rows_run_out(tmp_path):
     assert summary["steps"] == 2
 
 
+@pytest.mark.slow
 def test_policy_loss_multirun_writes_a_sweep_summary(tmp_path):
     losses = "grpo,importance_sampling,reinforce,dapo,dro,gspo,cispo"
     proc = subprocess.run(

@@ -61,6 +61,12 @@ class BatchingConfig:
     The gradient is the same either way; the memory of a forward follows the budget, not the longest sample."""
     ppo_minibatches: int = field(default=1, metadata=DEFINES_STATE)
     """K: optimizer steps per rollout batch, each on 1/K of it, all against the same old policy."""
+    padding_free: bool = True
+    """Pack each micro-batch's sequences into one row (position ids restarting at each sequence,
+    attention kept within it, as transformers does for packed rows): no padding token is computed,
+    and `micro_batch_max_tokens` counts real tokens. The same values as padded rows. Used where the
+    model supports it (a transformers model with sdpa, eager, flex or flash attention; a debug line
+    says why not otherwise); false: every micro-batch is padded to its longest row."""
 
     def __post_init__(self) -> None:
         require(self.micro_batch_size >= 0, "batching.micro_batch_size", "must be >= 0 (0: whole batch)")

@@ -30,9 +30,14 @@ log = logging.getLogger(__name__)
 OVER_BUDGET_METRIC = "train/micro_batches_over_budget"
 
 
-def plan_token_budget(lengths: Sequence[int], max_tokens: int, max_sequences: int = 0) -> list[list[int]]:
+def plan_token_budget(
+    lengths: Sequence[int], max_tokens: int, max_sequences: int = 0, packed: bool = False
+) -> list[list[int]]:
     """Group rows into micro-batches of at most `max_tokens` padded tokens (and at most
     `max_sequences` rows, 0: no bound), as lists of row indices.
+
+    `packed` (padding-free micro-batches): a micro-batch costs the sum of its rows' lengths instead,
+    and each row goes into the first micro-batch with room for it (`plan_packed_budget`).
 
     A micro-batch's padded tokens are its rows × its longest row's length. Rows are taken longest
     first (ties in row order) and each goes into the first micro-batch it fits in, else opens a new
@@ -49,6 +54,8 @@ def plan_token_budget(lengths: Sequence[int], max_tokens: int, max_sequences: in
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
     if max_sequences < 0:
         raise ValueError(f"max_sequences must be >= 0 (0: no bound), got {max_sequences}")
+    if packed:
+        return plan_packed_budget(lengths, max_tokens, max_sequences)
     micro_batches: list[list[int]] = []
     for row in sorted(range(len(lengths)), key=lambda row: (-lengths[row], row)):
         last = micro_batches[-1] if micro_batches else []  # the only one that can still have room
@@ -57,6 +64,28 @@ def plan_token_budget(lengths: Sequence[int], max_tokens: int, max_sequences: in
             last.append(row)
         else:
             micro_batches.append([row])
+    return [sorted(rows) for rows in micro_batches]
+
+
+def plan_packed_budget(lengths: Sequence[int], max_tokens: int, max_sequences: int = 0) -> list[list[int]]:
+    """`plan_token_budget` for packed micro-batches: at most `max_tokens` real tokens each (the sum of
+    its rows' lengths; padding costs nothing packed) and at most `max_sequences` rows (0: no bound).
+
+    First-fit decreasing: rows longest first (ties in row order), each into the first micro-batch
+    with room for it, else a new one; a row longer than `max_tokens` goes alone, over the budget.
+    Deterministic. Shapes: lengths `[B]` -> micro-batches in the order opened, rows increasing.
+    """
+    micro_batches: list[list[int]] = []
+    totals: list[int] = []
+    for row in sorted(range(len(lengths)), key=lambda row: (-lengths[row], row)):
+        for i, rows in enumerate(micro_batches):
+            if totals[i] + lengths[row] <= max_tokens and (max_sequences == 0 or len(rows) < max_sequences):
+                rows.append(row)
+                totals[i] += lengths[row]
+                break
+        else:
+            micro_batches.append([row])
+            totals.append(lengths[row])
     return [sorted(rows) for rows in micro_batches]
 
 
@@ -81,10 +110,15 @@ class MicroBatch:
     filler: bool = False
     """A forward whose result is thrown away (it trains nothing): it only takes part in the
     collectives of a sharded model, whose every forward gathers weights from all ranks."""
+    packed_tokens: int = 0
+    """Padding-free (`batching.padding_free`): its rows' real tokens, packed into one row by the
+    forward; 0: its rows are padded to `width`."""
 
     @property
-    def padded_tokens(self) -> int:
-        """What its forward runs on: its rows × its width."""
+    def token_slots(self) -> int:
+        """What its forward runs on: its rows' real tokens when packed, else its rows × its width."""
+        if self.packed_tokens:
+            return self.packed_tokens
         n_rows = self.rows.stop - self.rows.start if isinstance(self.rows, slice) else self.rows.numel()
         return n_rows * self.width
 
@@ -98,23 +132,28 @@ class MicroBatch:
         return values[self.rows] if values.dim() == 1 else values[self.rows, : self.width - 1]
 
 
-def micro_slices(rows: slice, size: int, width: int) -> list[MicroBatch]:
-    """Contiguous slices of `rows` of at most `size` rows (0: one slice of them all), `width` tokens each."""
+def micro_slices(rows: slice, size: int, width: int, lengths: Sequence[int] | None = None) -> list[MicroBatch]:
+    """Contiguous slices of `rows` of at most `size` rows (0: one slice of them all), `width` tokens
+    each; with `lengths` (every row's), packed micro-batches of those real tokens."""
     n = rows.stop - rows.start
     size = size if size > 0 else n
-    return [MicroBatch(slice(rows.start + i, rows.start + min(i + size, n)), width) for i in range(0, n, size)]
+    slices = [slice(rows.start + i, rows.start + min(i + size, n)) for i in range(0, n, size)]
+    if lengths is None:
+        return [MicroBatch(part, width) for part in slices]
+    return [MicroBatch(part, width, packed_tokens=max(1, sum(lengths[part]))) for part in slices]
 
 
 def token_budget_micro_batches(
-    lengths: Sequence[int], rows: slice, max_tokens: int, max_sequences: int, device: torch.device
+    lengths: Sequence[int], rows: slice, max_tokens: int, max_sequences: int, device: torch.device, packed: bool
 ) -> list[MicroBatch]:
     """The token-bounded micro-batches of the step's rows `rows` (`plan_token_budget`), each cut
-    to its own longest row (at least one token, for the forward)."""
-    plan = plan_token_budget(lengths[rows], max_tokens, max_sequences)
+    to its own longest row (at least one token, for the forward); `packed`: padding-free ones."""
+    plan = plan_token_budget(lengths[rows], max_tokens, max_sequences, packed)
     return [
         MicroBatch(
             rows=torch.tensor([rows.start + row for row in micro], dtype=torch.long, device=device),
             width=max(1, max(lengths[rows.start + row] for row in micro)),
+            packed_tokens=max(1, sum(lengths[rows.start + row] for row in micro)) if packed else 0,
         )
         for micro in plan
     ]
@@ -135,7 +174,11 @@ class ForwardPlan:
 
 
 def plan_forwards(
-    attention_BT: torch.Tensor, minibatches: list[slice], micro_batch_size: int, micro_batch_max_tokens: int
+    attention_BT: torch.Tensor,
+    minibatches: list[slice],
+    micro_batch_size: int,
+    micro_batch_max_tokens: int,
+    padding_free: bool = False,
 ) -> ForwardPlan:
     """The micro-batches of a step whose optimizer steps train on `minibatches` (rows of the batch).
 
@@ -144,20 +187,26 @@ def plan_forwards(
     for the no-gradient forwards. With one: token-bounded micro-batches within each minibatch
     (`plan_token_budget`), each cut to its own longest row, and the no-gradient forwards run the very
     same ones, so `old` is computed as the first minibatch's training forward computes the policy.
-    Shape: attention `[B, T]`; a host copy of the lengths (one device sync) with a budget only.
+    `padding_free`: the micro-batches are packed (`MicroBatch.packed_tokens`), the budget counts real
+    tokens, and the token slots are the real tokens: no padding computed.
+    Shape: attention `[B, T]`; a host copy of the lengths (one device sync) with a budget or packing.
     """
     B, T = attention_BT.shape
     if micro_batch_max_tokens == 0:  # slices of the padded batch: views, no copy
-        per_minibatch = [micro_slices(rows, micro_batch_size, T) for rows in minibatches]
-        return ForwardPlan(per_minibatch, micro_slices(slice(0, B), micro_batch_size, T), B * T)
+        lengths = sequence_lengths(attention_BT) if padding_free else None
+        per_minibatch = [micro_slices(rows, micro_batch_size, T, lengths) for rows in minibatches]
+        no_grad = micro_slices(slice(0, B), micro_batch_size, T, lengths)
+        return ForwardPlan(per_minibatch, no_grad, sum(lengths) if lengths is not None else B * T)
     lengths = sequence_lengths(attention_BT)
     per_minibatch = [
-        token_budget_micro_batches(lengths, rows, micro_batch_max_tokens, micro_batch_size, attention_BT.device)
+        token_budget_micro_batches(
+            lengths, rows, micro_batch_max_tokens, micro_batch_size, attention_BT.device, padding_free
+        )
         for rows in minibatches
     ]
     no_grad = [micro for micros in per_minibatch for micro in micros]
-    over_budget = tuple(m.width for m in no_grad if m.padded_tokens > micro_batch_max_tokens)
-    return ForwardPlan(per_minibatch, no_grad, sum(m.padded_tokens for m in no_grad), over_budget)
+    over_budget = tuple(m.width for m in no_grad if m.token_slots > micro_batch_max_tokens)
+    return ForwardPlan(per_minibatch, no_grad, sum(m.token_slots for m in no_grad), over_budget)
 
 
 def with_fillers(plan: ForwardPlan, counts: Sequence[int]) -> ForwardPlan:
@@ -215,6 +264,7 @@ def no_grad_logprobs(
     micros: list[MicroBatch],
     mask_BT: torch.Tensor | None = None,
     fused_head: bool = True,
+    padding_free: bool = False,
 ) -> torch.Tensor:
     """`model`'s logprobs of the whole batch (the reference's, `old`'s), one micro-batch at a time.
 
@@ -222,15 +272,16 @@ def no_grad_logprobs(
     float32, 0 in the columns a micro-batch cut off (padding) and, with `mask_BT`, before the first
     column a micro-batch trains on (no LM head over a prompt: `token_logprobs`'s `first_scored`).
     Filler micro-batches run their forward and are dropped. `fused_head`: `token_logprobs`'s (the LM
-    head applied a chunk of tokens at a time).
+    head applied a chunk of tokens at a time); `padding_free`: its (packs the rows of a micro-batch).
     """
     B, T = tokens_BT.shape
     logprobs_BT = torch.zeros(B, T - 1, dtype=torch.float32, device=tokens_BT.device)
     for micro in micros:
         first = 0 if micro.filler or mask_BT is None else first_scored_prediction(micro.predictions(mask_BT))
         part_BT = token_logprobs(
-            model, micro.tokens(tokens_BT), micro.tokens(attention_BT), temperature, first, fused_head=fused_head
-        )[0]
+            model, micro.tokens(tokens_BT), micro.tokens(attention_BT), temperature, first,
+            fused_head=fused_head, padding_free=padding_free,
+        )[0]  # fmt: skip
         if not micro.filler:
             logprobs_BT[micro.rows, : micro.width - 1] = part_BT
     return logprobs_BT

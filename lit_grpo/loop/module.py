@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import logging
 import time
 from collections.abc import Iterator
 from functools import partial
@@ -48,6 +49,7 @@ from lit_grpo.maths.health import drift_per_token, drift_tis_cap, learning_signa
 from lit_grpo.maths.logprobs import first_scored_prediction, token_logprobs
 from lit_grpo.maths.loss_terms import masked_means
 from lit_grpo.maths.losses import policy_loss_with
+from lit_grpo.maths.packing import packing_support
 from lit_grpo.models.checkpointing import (
     checkpointed_forward,
     checkpointed_layers,
@@ -57,6 +59,8 @@ from lit_grpo.models.checkpointing import (
 from lit_grpo.models.lora import AdapterFreeView, is_lora, with_lora
 from lit_grpo.models.sharding import gradient_sync_off, is_fsdp2, shard_per_decoder_layer
 from lit_grpo.types import RolloutBatch
+
+log = logging.getLogger(__name__)
 
 
 def align_to_predictions(per_token_BT: torch.Tensor) -> torch.Tensor:
@@ -109,6 +113,11 @@ class GRPOModule(L.LightningModule):
             else []
         )
         """The policy's decoder layers recomputed in the backward (`model.gradient_checkpointing`; [] when off)."""
+        why_padded = packing_support(self.policy) if config.batching.padding_free else "batching.padding_free=false"
+        if config.batching.padding_free and why_padded:
+            log.debug("padding-free micro-batches off: %s; rows are padded instead", why_padded)
+        self.padding_free = not why_padded
+        """Whether micro-batches are packed into one row each, no padding computed (`batching.padding_free`)."""
         self.step_sequence = step_sequence
         """Weight sync and version, checkpoint, evaluation, metrics: run after each step (see `on_train_batch_end`)."""
         self.rollout_step = 0
@@ -209,7 +218,9 @@ class GRPOModule(L.LightningModule):
         """Which rows go through each forward; under FSDP2 every rank makes as many forwards (each
         gathers shards from every rank), the short ones padded with fillers."""
         batching = self.config.batching
-        plan = plan_forwards(attention_BT, minibatches, batching.micro_batch_size, batching.micro_batch_max_tokens)
+        plan = plan_forwards(
+            attention_BT, minibatches, batching.micro_batch_size, batching.micro_batch_max_tokens, self.padding_free
+        )
         if is_fsdp2(self.policy):
             counts = all_reduce(torch.tensor(forward_counts(plan), device=self.device), "max")
             plan = with_fillers(plan, counts.tolist())
@@ -220,7 +231,7 @@ class GRPOModule(L.LightningModule):
         temperature = self.config.sampler.temperature
         return no_grad_logprobs(
             model, batch.tokens_BT, batch.attention_mask_BT, temperature, plan.no_grad, mask_BT,
-            fused_head=self.config.model.fused_lm_head,
+            fused_head=self.config.model.fused_lm_head, padding_free=self.padding_free,
         )  # fmt: skip
 
     def _old_logprobs(self, batch, plan, mask_BT, sampler_logprobs_BT) -> Optional[torch.Tensor]:
@@ -279,7 +290,7 @@ class GRPOModule(L.LightningModule):
                     self.policy, micro.tokens(batch.tokens_BT), micro.tokens(batch.attention_mask_BT),
                     self.config.sampler.temperature, entropy_grad=self.config.entropy.differentiated,
                     first_scored=0 if micro.filler else first_scored_prediction(micro_mask_BT),
-                    fused_head=self.config.model.fused_lm_head,
+                    fused_head=self.config.model.fused_lm_head, padding_free=self.padding_free,
                 )  # fmt: skip
             if micro.filler:  # a zero gradient, for the sharded model's collectives only
                 self._backward(logprobs_BT.sum() * 0.0, last)

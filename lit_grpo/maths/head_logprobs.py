@@ -207,15 +207,20 @@ _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 class LMHeadSplit:
     """A causal LM cut before its LM head: the body makes the final hidden states, the head is applied by us."""
 
-    body: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-    """`(input_ids [B, T], attention_mask [B, T]) -> last hidden states [B, T, H]` (final norm included)."""
+    body: Callable[..., torch.Tensor]
+    """`(input_ids [B, T], attention_mask [B, T] or None, position_ids [B, T] or None) -> last hidden
+    states [B, T, H]` (final norm included); position ids and no mask: packed sequences (`maths.packing`)."""
     head: torch.nn.Linear
     """The output embedding (`get_output_embeddings()`): weight `[V, H]`, tied to the input one or not."""
 
 
-def _decoder_body(decoder: torch.nn.Module) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    def body(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        return decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+def _decoder_body(decoder: torch.nn.Module) -> Callable[..., torch.Tensor]:
+    def body(
+        input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return decoder(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        ).last_hidden_state
 
     return body
 

@@ -25,7 +25,8 @@ from typing import Any
 import torch
 from torch.autograd.function import once_differentiable
 
-from lit_grpo.maths.head_logprobs import fused_token_logprobs, split_lm_head
+from lit_grpo.maths.head_logprobs import fused_token_logprobs, head_logprobs_and_entropy, split_lm_head
+from lit_grpo.maths.packing import pack_rows, packing_support, unpack_predictions
 from lit_grpo.maths.softmax_chunks import chunk_forward, chunk_grad, default_chunk_rows
 
 log = logging.getLogger(__name__)
@@ -177,6 +178,7 @@ def token_logprobs(
     first_scored: int = 0,
     entropy_grad: bool = False,
     fused_head: bool = True,
+    padding_free: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Next-token logprobs of each token and the policy's entropy at each position.
 
@@ -196,14 +198,26 @@ def token_logprobs(
     a time (`lit_grpo.maths.head_logprobs`): no `[B, T, V]` logits at all, forward or backward.
     Other models (`split_lm_head` says which, in a debug line) take the path below: the model's own
     logits, turned into logprobs a chunk at a time.
+
+    With `padding_free` (`batching.padding_free`), a model that supports it (`packing_support`;
+    else a debug line says why) runs the rows' real tokens packed into one row: no padding computed
+    (`packed_token_logprobs`); padding columns then come back as 0.
     """
     T = tokens_BT.shape[1]
+    if padding_free:
+        why_not = packing_support(model)
+        if not why_not:
+            first = first_scored if 0 < first_scored < T - 1 else 0
+            return packed_token_logprobs(
+                model, tokens_BT, attention_mask_BT, temperature, first, entropy_grad, fused_head
+            )
+        _say_once(model, f"padding-free micro-batches off: {why_not}; rows are padded instead")
     if fused_head:
         split, why_not = split_lm_head(model)
         if split is not None:
             first = first_scored if 0 < first_scored < T - 1 else 0
             return fused_token_logprobs(split, tokens_BT, attention_mask_BT, temperature, first, entropy_grad)
-        _say_unfused(model, why_not)
+        _say_once(model, f"fused LM head off: {why_not}; its full logits are computed instead")
     first_scored = first_scored if 0 < first_scored < T - 1 and keeps_logits(model) else 0
     kept = {"logits_to_keep": T - first_scored} if first_scored else {}
     logits_BKV = model(input_ids=tokens_BT, attention_mask=attention_mask_BT, use_cache=False, **kept).logits
@@ -219,15 +233,50 @@ def token_logprobs(
     return torch.cat([skipped, logprobs_BK[:, :-1]], dim=1), torch.cat([skipped, entropy_BK[:, :-1]], dim=1)
 
 
-_SAID_UNFUSED: set[tuple[str, str]] = set()
+def packed_token_logprobs(
+    model: CausalLM,
+    tokens_BT: torch.Tensor,
+    attention_mask_BT: torch.Tensor,
+    temperature: float,
+    first_scored: int = 0,
+    entropy_grad: bool = False,
+    fused_head: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`token_logprobs` of the rows packed into one (`lit_grpo.maths.packing`): one forward over
+    their real tokens only, position ids restarting at each sequence, no attention mask (transformers
+    builds the block-diagonal one). Only the predictions of real tokens from `first_scored` on reach
+    the LM head (through the fused head when the model splits, `split_lm_head`).
+    Shapes: `[B, T]` -> (`[B, T-1]`, `[B, T-1]`) float32, 0 where nothing is predicted.
+    """
+    packed = pack_rows(tokens_BT, attention_mask_BT, first_scored)
+    split = split_lm_head(model)[0] if fused_head else None
+    if split is not None:
+        hidden_1NH = split.body(packed.tokens_1N, None, packed.positions_1N)
+        hidden_MH = hidden_1NH[0].index_select(0, packed.predicting_M)
+        head = split.head
+        logprobs_M, entropy_M = head_logprobs_and_entropy(
+            hidden_MH, head.weight, head.bias, packed.targets_M, temperature, entropy_grad=entropy_grad
+        )
+    else:
+        logits_1NV = model(input_ids=packed.tokens_1N, position_ids=packed.positions_1N, use_cache=False).logits
+        # Each position against the next packed token (across a boundary a dummy, never kept).
+        targets_1N = torch.roll(packed.tokens_1N, -1, dims=1)
+        logprobs_1N, entropy_1N = selected_logprobs_and_entropy(
+            logits_1NV, targets_1N, temperature, entropy_grad=entropy_grad
+        )
+        logprobs_M, entropy_M = logprobs_1N[0, packed.predicting_M], entropy_1N[0, packed.predicting_M]
+    return unpack_predictions(packed, logprobs_M), unpack_predictions(packed, entropy_M)
 
 
-def _say_unfused(model: CausalLM, why_not: str) -> None:
-    """One debug line per kind of model and reason: its logprobs come from its full logits."""
-    key = (type(model).__name__, why_not)
-    if key not in _SAID_UNFUSED:
-        _SAID_UNFUSED.add(key)
-        log.debug("fused LM head off for %s: %s; its full logits are computed instead", *key)
+_SAID: set[tuple[str, str]] = set()
+
+
+def _say_once(model: CausalLM, line: str) -> None:
+    """One debug line per kind of model and line: why a faster path is not taken for it."""
+    key = (type(model).__name__, line)
+    if key not in _SAID:
+        _SAID.add(key)
+        log.debug("%s: %s", *key)
 
 
 def keeps_logits(model: CausalLM) -> bool:

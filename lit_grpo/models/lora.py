@@ -106,9 +106,11 @@ class AdapterFreeView:
             return None, why_not
         policy_body = split.body
 
-        def body(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        def body(
+            input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None = None
+        ) -> torch.Tensor:
             with self._policy.disable_adapter():
-                return policy_body(input_ids, attention_mask)
+                return policy_body(input_ids, attention_mask, position_ids)
 
         return LMHeadSplit(body, split.head), ""
 

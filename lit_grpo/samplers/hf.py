@@ -238,7 +238,8 @@ class HFSampler(BatchingSampler):
     @torch.inference_mode()
     def _score(self, pairs: list[tuple[list[int], list[int]]]) -> list[list[float]]:
         """One forward over the right-padded prompt + target rows through the trainer's own
-        `token_logprobs` (temperature 1): entry j - 1 scores token j."""
+        `token_logprobs` (temperature 1), packed into one row where the model allows it (no padding
+        computed): entry j - 1 scores token j."""
         device = self._device()
         rows = [p + t for p, t in pairs]
         width = max(map(len, rows))
@@ -248,7 +249,9 @@ class HFSampler(BatchingSampler):
             input_ids[i, : len(row)] = torch.tensor(row)
             attention[i, : len(row)] = 1
         with self._as_a_copy():
-            logprobs_BT, _ = token_logprobs(self.model, input_ids.to(device), attention.to(device), 1.0)
+            logprobs_BT, _ = token_logprobs(
+                self.model, input_ids.to(device), attention.to(device), 1.0, padding_free=True
+            )
         return [
             logprobs_BT[i, len(prompt) - 1 : len(prompt) + len(target) - 1].tolist()
             for i, (prompt, target) in enumerate(pairs)
