@@ -447,6 +447,11 @@ def cgroup2_memory_parent() -> Path | None:
         return None
 
 
+def guard_kind() -> str:
+    """How children are capped here: a cgroup v2 group, else the RSS watchdog."""
+    return "cgroup v2 memory.max" if cgroup2_memory_parent() is not None else "RSS watchdog"
+
+
 @dataclass
 class GuardedRun:
     returncode: int
@@ -599,7 +604,8 @@ def report(max_length: int, runs: dict[str, list[dict]], args: argparse.Namespac
         f"max length {max_length}: Qwen2 {args.hidden}/{args.intermediate}, {args.layers} layer(s), V={args.vocab:,}, "
         f"prompt {PROMPT_TOKENS} + G={GROUP} completions {lengths}, micro-batch {args.micro_batch or GROUP}, "
         f"{args.device}{', ' + str(first['threads']) + ' threads' if first else ''}; lit_grpo packing: {packing}; "
-        f"medians of {args.repeats} process(es), {args.steps} timed step(s) each",
+        f"medians of {args.repeats} process(es), {args.steps} timed step(s) each; "
+        f"memory cap {args.memory_cap_gib:g} GiB per process ({guard_kind()})",
         f"{'side':<10}{mem:>14}{extra:>20}{'step_s':>9}{'padding':>9}   per process ({mem[:-3]} MB / s)",
     ]
     medians: dict[str, dict] = {}
