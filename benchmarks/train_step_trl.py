@@ -241,7 +241,6 @@ class LitSide:
         plan = plan_forwards(attention_BT, [slice(0, GROUP)], self.args.micro_batch, 0)
         num_tokens = mask_BT.sum().clamp_min(1.0)
         extra = {"padding_free": True} if self.packed else {}
-        self.optimizer.zero_grad(set_to_none=True)
         total = 0.0
         for micro in plan.per_minibatch[0]:
             micro_mask_BT = micro.predictions(mask_BT)
@@ -259,6 +258,9 @@ class LitSide:
             total += float(loss.detach())
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
         self.optimizer.step()
+        # Freed after the step, as TRL's side frees them (`model.zero_grad`): neither holds gradients between
+        # steps, so both steps' extra memory counts them.
+        self.optimizer.zero_grad(set_to_none=True)
         return total
 
 
