@@ -16,11 +16,15 @@ from benchmarks.train_step_trl import (  # noqa: E402
     GROUP,
     RESULT_PREFIX,
     GuardedRun,
+    child_command,
     classify_outcome,
     completion_lengths,
     forward_shapes,
+    lit_accepts_padding_free,
     micro_batch_rows,
     padding_fraction,
+    parse_args,
+    report,
     run_capped,
 )
 
@@ -84,3 +88,53 @@ def test_the_guard_stops_a_child_over_its_cap_and_lets_one_under_it_finish():
     assert classify_outcome(over, 0.2)["note"] == "did not fit in 0.2 GiB"
     under = run_capped([sys.executable, "-c", f"print({RESULT_PREFIX!r} + '{{}}')"], 2**30, timeout_s=60)
     assert not under.over_cap and under.returncode == 0 and classify_outcome(under, 1)["status"] == "ok"
+
+
+def test_the_packed_path_is_asked_for_only_where_token_logprobs_takes_padding_free(monkeypatch):
+    import lit_grpo.maths.logprobs as logprobs
+
+    def with_it(model, tokens_BT, attention_mask_BT, temperature, first_scored=0, padding_free: bool = False): ...
+
+    def without_it(model, tokens_BT, attention_mask_BT, temperature, first_scored=0): ...
+
+    monkeypatch.setattr(logprobs, "token_logprobs", with_it)
+    assert lit_accepts_padding_free()
+    monkeypatch.setattr(logprobs, "token_logprobs", without_it)
+    assert not lit_accepts_padding_free()
+
+
+def test_a_child_gets_the_case_and_the_shapes_and_the_packing_choice():
+    args = parse_args(["--layers", "3", "--micro-batch", "2", "--no-padding-free", "--hidden", "64"])
+    command = child_command("py", "trl", 1024, args)
+    assert command[:6] == ["py", "-m", "benchmarks.train_step_trl", "--side", "trl", "--max-lengths"]
+    assert command[6] == "1024" and "--no-padding-free" in command
+    flags = dict(zip(command[7::2], command[8::2]))
+    assert flags["--layers"] == "3" and flags["--micro-batch"] == "2" and flags["--hidden"] == "64"
+    assert flags["--vocab"] == "151936" and flags["--device"] == "cpu"
+    assert "--padding-free" in child_command("py", "lit", 256, parse_args([]))
+
+
+def _ok(side: str, rss: float, extra: float, step_s: float, packed: bool = False) -> dict:
+    return {
+        "status": "ok", "side": side, "lengths": [300, 256], "padding_free": packed, "peak_rss_MB": rss,
+        "step_extra_MB": extra, "step_s": step_s, "padding": 0.0 if packed else 0.25, "losses": [0.5],
+        "gradient_checkpointing": True, "threads": 2, "versions": {"torch": "t"},
+    }  # fmt: skip
+
+
+def test_the_table_takes_medians_gives_the_ratios_and_names_a_case_that_did_not_fit():
+    args = parse_args(["--repeats", "3"])
+    did_not_fit = {"status": "over_cap", "note": "did not fit in 20 GiB"}
+    runs = {
+        "lit": [_ok("lit", 1000, 100, 2.0, True), _ok("lit", 3000, 300, 4.0, True), _ok("lit", 2000, 200, 3.0, True)],
+        "trl": [_ok("trl", 4000, 400, 6.0), did_not_fit, _ok("trl", 4000, 400, 6.0)],
+    }
+    text = "\n".join(report(1024, runs, args))
+    assert "lit_grpo packing: on" in text and "completions [300, 256]" in text
+    lit_row = next(line for line in text.splitlines() if line.startswith("lit_grpo "))
+    assert lit_row.split()[1:5] == ["2000", "200", "3.00", "0.000"]  # medians of the three processes
+    assert "did not fit in 20 GiB" in next(line for line in text.splitlines() if line.startswith("trl "))
+    assert "step time 0.50x, peak_rss_MB 0.50x, step_extra_MB 0.50x" in text
+    nothing = report(4096, {"lit": [_ok("lit", 1, 1, 1.0)], "trl": [did_not_fit]}, args)
+    assert not any("x, " in line for line in nothing)  # no ratio without both sides
+    assert "trl       did not fit in 20 GiB" in nothing
