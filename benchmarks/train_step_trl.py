@@ -675,6 +675,17 @@ def main(argv: list[str] | None = None) -> None:
     if unknown := set(sides) - set(SIDES):
         raise SystemExit(f"unknown side(s) {sorted(unknown)}; valid: {', '.join(SIDES)}")
     pythons = {"lit": sys.executable, "trl": args.trl_python or default_trl_python()}
+    if "trl" in sides:
+        probe = [pythons["trl"], "-c", "import trl; print(trl.__version__)"]
+        found = subprocess.run(probe, capture_output=True, text=True)
+        if found.returncode != 0:
+            raise SystemExit(
+                f"TRL's side: {pythons['trl']} cannot import trl. Make its venv (make bench-train-step-trl does): "
+                f"python3 -m venv .venv-trl && .venv-trl/bin/pip install torch==2.13.0 && "
+                f".venv-trl/bin/pip install -e . trl=={TRL_VERSION}; or run --sides lit"
+            )
+        if found.stdout.strip() != TRL_VERSION:
+            print(f"note: TRL's side runs trl {found.stdout.strip()}, not the {TRL_VERSION} this was written against")
     cap = int(args.memory_cap_gib * GIB)
     everything = []
     for max_length in args.max_lengths:
