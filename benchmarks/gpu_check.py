@@ -9,7 +9,12 @@ on the GPU, once per variant, each in its own process:
 It prints, per variant, the medians over the steps after the first: seconds per step, sampled and
 trained tokens per second, the weight sync's seconds, the padding fraction, and the peak GPU memory.
 
-    bash benchmarks/gpu_check.sh              # on the GPU machine: under 8 minutes on one H100
+Then one optimizer step against TRL's `GRPOTrainer` loss path at the full 24 layers
+(`benchmarks/train_step_trl.py --device cuda`, float32, 8 ragged completions of at most 1,024 and
+4,096 tokens): step seconds, peak and step GPU memory, padding. The GPU machines have no TRL and no
+network, so it runs lit_grpo's side alone unless `trl` is importable here, and says which.
+
+    bash benchmarks/gpu_check.sh              # on the GPU machine: under 10 minutes on one H100
     bash benchmarks/gpu_check.sh --dry-run    # the same code on CPU at a toy width (CI runs it)
 
 `--json PATH` also writes the results (with the card's name) as JSON.
@@ -28,6 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
+REPO = Path(__file__).resolve().parents[1]
 VARIANTS = {
     "padded": [],
     "token_budget": ["batching.micro_batch_size=0", "batching.micro_batch_max_tokens=4096"],
@@ -61,6 +67,14 @@ COMMON = [
     "output_model_id=null",
     "trainer.enable_progress_bar=false",
 ]
+TRAIN_STEP = [  # benchmarks/train_step_trl.py: one optimizer step, lit_grpo (and TRL where importable)
+    "--device", "cuda", "--layers", "24", "--max-lengths", "1024", "4096", "--repeats", "1", "--steps", "2",
+    "--timeout-s", "150",
+]  # fmt: skip
+TRAIN_STEP_DRY_RUN = [  # the same code on CPU at a toy width
+    "--device", "cpu", "--layers", "1", "--hidden", "64", "--intermediate", "128", "--heads", "2", "--kv-heads", "1",
+    "--max-lengths", "16", "--repeats", "1", "--steps", "1",
+]  # fmt: skip
 REPORTED = {
     "step_s": "perf/step_s",
     "sample_tokens_per_s": "perf/sample_tokens_per_s",
@@ -103,12 +117,49 @@ def run_variant(name: str, dry_run: bool) -> dict:
     return result
 
 
+def run_train_step(dry_run: bool, timeout_s: float) -> tuple[dict, list[str]]:
+    """The train-step comparison against TRL (its own processes); its cases and any failures."""
+    import importlib.util
+
+    has_trl = importlib.util.find_spec("trl") is not None
+    sides = "lit,trl" if has_trl else "lit"
+    print(
+        "train step vs TRL's GRPOTrainer (benchmarks/train_step_trl.py): "
+        + ("trl is importable: both sides" if has_trl else "trl is not importable here: lit_grpo's side only"),
+        flush=True,
+    )
+    with tempfile.TemporaryDirectory() as out:
+        report = Path(out) / "train_step.json"
+        command = [sys.executable, "-m", "benchmarks.train_step_trl", *(TRAIN_STEP_DRY_RUN if dry_run else TRAIN_STEP)]
+        command += ["--sides", sides, "--trl-python", sys.executable, "--json", str(report)]
+        try:
+            proc = subprocess.run(
+                command, capture_output=True, text=True, timeout=timeout_s, env=os.environ, cwd=REPO
+            )  # fmt: skip
+        except subprocess.TimeoutExpired:
+            return {"sides": sides}, [f"train_step: did not finish in {timeout_s:.0f} s"]
+        print(proc.stdout, end="", flush=True)
+        if proc.returncode != 0 or not report.exists():
+            return {"sides": sides}, [f"train_step: exit {proc.returncode}\n{proc.stderr[-2000:]}"]
+        cases = json.loads(report.read_text())["cases"]
+    failures = [
+        f"train_step: {side}, max length {case['max_length']}: {run['note']}"
+        for case in cases
+        for side, runs in case["runs"].items()
+        for run in runs
+        if run["status"] in ("failed", "timeout")
+    ]
+    return {"sides": sides, "cases": cases}, failures
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dry-run", action="store_true", help="CPU, toy width: checks the script, measures nothing")
     parser.add_argument("--variant", choices=sorted(VARIANTS), help="run this one variant here (the parent's child)")
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--timeout-s", type=float, default=150.0, help="per variant")
+    parser.add_argument("--train-step-timeout-s", type=float, default=300.0, help="the train-step comparison")
+    parser.add_argument("--skip-train-step", action="store_true", help="leave out the train-step comparison")
     args = parser.parse_args()
     if args.variant:
         print("GPU_CHECK_RESULT " + json.dumps(run_variant(args.variant, args.dry_run)), flush=True)
@@ -134,8 +185,12 @@ def main() -> None:
         for r in results:
             measures = "".join(f"{r[key]:>14.3f}" for key in REPORTED)  # in the header's order
             print(f"{r['variant']:>14}{measures}{r[memory]:>14.0f}")
+    train_step: dict = {}
+    if not args.skip_train_step:
+        train_step, step_failures = run_train_step(args.dry_run, args.train_step_timeout_s)
+        failures += step_failures
     if args.json:
-        args.json.write_text(json.dumps({"results": results, "failures": failures}, indent=2))
+        args.json.write_text(json.dumps({"results": results, "failures": failures, "train_step": train_step}, indent=2))
     for failure in failures:
         print(f"gpu_check: variant {failure}", file=sys.stderr)
     sys.exit(1 if failures else 0)

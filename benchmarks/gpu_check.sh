@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The GPU check (benchmarks/gpu_check.py): the rehearsal model at Qwen2.5-0.5B's full size, a few
-# GRPO steps per variant on one CUDA GPU. One command, under 8 minutes on one H100:
+# GRPO steps per variant on one CUDA GPU, then one optimizer step against TRL's GRPOTrainer loss path
+# at 24 layers (benchmarks/train_step_trl.py; lit_grpo's side alone where trl is not installed, as on
+# the lent GPU machines; --skip-train-step leaves it out). One command, sized for under 10 minutes on one H100:
 #
 #   bash benchmarks/gpu_check.sh [--json results.json]
 #   bash benchmarks/gpu_check.sh --dry-run       # CPU, toy width: checks the script (CI runs it)

@@ -1,5 +1,6 @@
 """The GPU check script (benchmarks/gpu_check.sh) runs end to end in its CPU dry run: every variant
-trains, and the table reports each measure; on a GPU machine the same code measures."""
+trains, and the table reports each measure, then the train-step comparison against TRL runs; on a GPU
+machine the same code measures."""
 
 from __future__ import annotations
 
@@ -39,3 +40,8 @@ def test_the_gpu_check_dry_run_trains_every_variant_and_reports_each_measure(tmp
             assert math.isfinite(r[key]) and r[key] >= 0, (r["variant"], key, r[key])
         assert r["peak_rss_mib"] > 0
     assert "gpu_check on cpu (dry run)" in proc.stdout and "token_budget" in proc.stdout
+    # Then one optimizer step against TRL (lit_grpo's side alone where trl is not importable).
+    assert "train step vs TRL's GRPOTrainer" in proc.stdout
+    (case,) = report["train_step"]["cases"]
+    lit = case["runs"]["lit"][0]
+    assert lit["status"] == "ok" and lit["gradient_checkpointing"] and lit["step_s"] > 0 and 0 < lit["padding"] < 1
