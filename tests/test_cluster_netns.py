@@ -131,33 +131,77 @@ LAUNCHES = {
 }
 
 
+def _torchrun_probe(cluster: Cluster, launch_flags, env: dict[str, str]) -> tuple[list[int], list[str]]:
+    """torchrun of the all-reduce probe on train-0 and train-1 (`launch_flags(rank, node)`): exit codes, logs."""
+    env = {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "LIT_GRPO_PROBE_TIMEOUT_S": "60", **env}
+    procs = [
+        cluster.popen(
+            node,
+            [
+                *[PY, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1"],
+                *launch_flags(rank, node),
+                *["-m", "benchmarks.cluster.allreduce_probe"],
+            ],
+            env=env,
+            cwd=REPO,
+            label="torchrun",
+        )
+        for rank, node in enumerate(("train-0", "train-1"))
+    ]
+    codes = cluster.wait(procs, timeout_s=120)
+    return codes, [cluster.log(proc) for proc in procs]
+
+
+def _sums(logs: list[str]) -> list[str]:
+    lines = sorted(line for log in logs for line in log.splitlines() if line.startswith("allreduce "))
+    return [line.split(" master=")[0] for line in lines]
+
+
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("launch", sorted(LAUNCHES))
 def test_torchrun_on_two_nodes_meets_and_all_reduces_over_gloo(launch, tmp_path):
-    env = {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "LIT_GRPO_PROBE_TIMEOUT_S": "60"}
     with Cluster(("train-0", "train-1"), log_dir=tmp_path) as cluster:
-        procs = [
-            cluster.popen(
-                node,
-                [
-                    *[PY, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1"],
-                    *LAUNCHES[launch](rank, 29400),
-                    *["-m", "benchmarks.cluster.allreduce_probe"],
-                ],
-                env=env,
-                cwd=REPO,
-                label="torchrun",
-            )
-            for rank, node in enumerate(("train-0", "train-1"))
-        ]
-        codes = cluster.wait(procs, timeout_s=120)
-        logs = [cluster.log(proc) for proc in procs]
-        assert codes == [0, 0], "\n\n".join(log[-3000:] for log in logs)
-        lines = sorted(line for log in logs for line in log.splitlines() if line.startswith("allreduce "))
-        assert [line.split(" master=")[0] for line in lines] == [
-            "allreduce rank=0 world=2 sum=1 host=train-0",  # the endpoint's node hosts rank 0 here
+        codes, logs = _torchrun_probe(cluster, lambda rank, node: LAUNCHES[launch](rank, 29400), {})
+    assert codes == [0, 0], "\n\n".join(log[-3000:] for log in logs)
+    assert (
+        _sums(logs)
+        == [
+            "allreduce rank=0 world=2 sum=1 host=train-0",  # the endpoint's node is rank 0 here; c10d may pick either
             "allreduce rank=1 world=2 sum=1 host=train-1",
-        ], lines
+        ]
+        or launch == "c10d"
+        and _sums(logs)
+        == [
+            "allreduce rank=0 world=2 sum=1 host=train-1",
+            "allreduce rank=1 world=2 sum=1 host=train-0",
+        ]
+    ), logs
+
+
+@pytest.mark.timeout(150)
+def test_with_one_hostname_shared_by_the_nodes_c10d_needs_is_host_local_addr_and_gloo_socket_ifname(tmp_path):
+    # Every node keeps the machine's hostname, which /etc/hosts maps to 127.0.0.1 (`ip netns exec`'s
+    # default). Plain c10d: no node takes itself for the endpoint's host, so nobody serves the store and
+    # every node's client times out (read_timeout=5 here, 60 s by default).
+    plain = ["--rdzv-backend=c10d", "--rdzv-endpoint=train-0:29400", "--rdzv-id=probe"]
+    with Cluster(("train-0", "train-1"), log_dir=tmp_path / "plain", own_hostnames=False) as cluster:
+        codes, logs = _torchrun_probe(cluster, lambda rank, node: [*plain, "--rdzv-conf=read_timeout=5"], {})
+    assert codes[0] != 0 and codes[1] != 0, logs
+    for log in logs:
+        assert "The connection to the C10d store has failed" in log, log[-3000:]
+        assert "while trying to connect to (train-0, 29400)" in log, log[-3000:]  # train-0 too was a client
+
+    # The three settings that make it meet (netns.py's docstring says why each).
+    def fixed(rank: int, node: str) -> list[str]:
+        return [*plain, f"--rdzv-conf=is_host={int(node == 'train-0')}", f"--local-addr={cluster.address(node)}"]
+
+    with Cluster(("train-0", "train-1"), log_dir=tmp_path / "fixed", own_hostnames=False) as cluster:
+        codes, logs = _torchrun_probe(cluster, fixed, {"GLOO_SOCKET_IFNAME": "eth0"})
+    assert codes == [0, 0], "\n\n".join(log[-3000:] for log in logs)
+    assert [line.split(" host=")[0] for line in _sums(logs)] == [
+        "allreduce rank=0 world=2 sum=1",
+        "allreduce rank=1 world=2 sum=1",
+    ], logs
 
 
 def _start_sleepers(cluster: Cluster) -> list[int]:

@@ -230,6 +230,7 @@ class Cluster:
         subnet: str = "10.231.0",
         token: str | None = None,
         kill_grace_s: float = 5.0,
+        own_hostnames: bool = True,
     ) -> None:
         self.token = token or f"{TOKEN_STEM}{os.getpid()}"
         if not re.fullmatch(rf"{TOKEN_STEM}\d{{1,9}}", self.token):
@@ -245,8 +246,9 @@ class Cluster:
         }
         self.switch = f"{self.token}-switch"
         self.bridge = f"{self.token}br"
-        self.log_dir = Path(log_dir) if log_dir is not None else Path(tempfile.mkdtemp(prefix=f"{self.token}-logs-"))
+        self.log_dir = Path(log_dir) if log_dir is not None else None  # a temporary folder once entered
         self.kill_grace_s = kill_grace_s
+        self.own_hostnames = own_hostnames
         self._started: list[_Started] = []
         self._timers: list[threading.Timer] = []
         self._lock = threading.Lock()
@@ -270,12 +272,17 @@ class Cluster:
         self.close()
 
     def _build(self) -> None:
+        if self.log_dir is None:
+            self.log_dir = Path(tempfile.mkdtemp(prefix=f"{self.token}-logs-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
         _ip("netns", "add", self.switch)
         _ip("-n", self.switch, "link", "set", "lo", "up")
         _ip("-n", self.switch, "link", "add", "name", self.bridge, "type", "bridge")
         _ip("-n", self.switch, "link", "set", self.bridge, "up")
-        hosts = "127.0.0.1 localhost\n::1 localhost\n" + "".join(f"{n.address} {n.name}\n" for n in self.nodes.values())
+        # The nodes first (the first match wins), then the machine's own entries, as a cluster's hosts file
+        # would have them; with `own_hostnames=False` those map the shared hostname as the machine does.
+        machine_hosts = Path("/etc/hosts").read_text() if Path("/etc/hosts").is_file() else "127.0.0.1 localhost\n"
+        hosts = "".join(f"{n.address} {n.name}\n" for n in self.nodes.values()) + machine_hosts
         for node in self.nodes.values():
             # The folder first: `ip netns exec` mounts /etc/netns/<ns>/hosts over /etc/hosts when it exists.
             (NETNS_ETC / node.namespace).mkdir(parents=True, exist_ok=True)
@@ -344,6 +351,8 @@ class Cluster:
     def command(self, node: str, argv: list[str]) -> list[str]:
         """`argv` wrapped to run in `node`'s namespace under its hostname (what `popen` runs)."""
         ns = self.nodes[node].namespace
+        if not self.own_hostnames:
+            return [IP, "netns", "exec", ns, *argv]
         set_hostname_then_exec = 'hostname "$0" && exec "$@"'
         return [IP, "netns", "exec", ns, UNSHARE, "--uts", "--", "sh", "-c", set_hostname_then_exec, node, *argv]
 
