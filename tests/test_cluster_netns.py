@@ -264,7 +264,7 @@ def test_teardown_when_the_driver_is_signalled(sig, tmp_path):
         driver.wait(timeout=30)
         if sig == signal.SIGKILL:  # no teardown could run: what cleanup_leftovers is for
             assert _leftovers(token) and _running(pids)
-            assert sorted(cleanup_leftovers()) == sorted(cluster.namespace_names())
+            assert set(cluster.namespace_names()) <= set(cleanup_leftovers())  # with any other dead run's
         deadline = time.monotonic() + 10  # a SIGKILLed process is gone once the kernel reaps it
         while (_running(pids) or _leftovers(token)) and time.monotonic() < deadline:
             time.sleep(0.1)

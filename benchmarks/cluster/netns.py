@@ -6,8 +6,9 @@ docs give are the ones tested. Layout of a `Cluster` whose token is `lgr<pid>` (
 
     namespace lgr<pid>-switch      the bridge `lgr<pid>br` and one port `lgr<pid>p<i>` per node
     namespace lgr<pid>-<node>      lo, and `eth0` (the other end of port i) with address 10.231.0.<10+i>/24
-    /etc/netns/lgr<pid>-<node>/hosts   every node's name -> its address (`ip netns exec` mounts it
-                                       over /etc/hosts), so nodes resolve each other by name
+    /etc/netns/lgr<pid>-<node>/hosts   every node's name -> its address, then the machine's own
+                                       /etc/hosts (`ip netns exec` mounts it over /etc/hosts), so
+                                       nodes resolve each other by name
 
 Nothing is added to the host's own network namespace: the bridge and the veth pairs are created inside
 the switch namespace (each pair's peer moved straight into its node), no namespace has a default route,
@@ -35,7 +36,11 @@ A shared hostname works with `--rdzv-conf=is_host=1` on the endpoint's node (`is
 `--local-addr=<the node's address>` on every node and GLOO_SOCKET_IFNAME=eth0 (verified). The static
 rendezvous (`--master-addr/--master-port/--node-rank`) avoids 1 and 2 but still needs 3. With a distinct
 hostname per node that resolves to the node's bridge address, as on a real cluster, the plain commands
-work with no flag at all, which is what this module sets up.
+work with no flag at all, which is what this module sets up (`own_hostnames=False` rehearses the other).
+The static rendezvous with a shared hostname was seen to fail at 3; that it meets with GLOO_SOCKET_IFNAME
+alone follows from the above but was not run. With own hostnames, torch still warns "The hostname of the
+client socket cannot be retrieved. err=-3" (a reverse lookup that reaches for DNS, unreachable from a
+node): harmless, the runs complete.
 """
 
 from __future__ import annotations
@@ -56,7 +61,6 @@ from pathlib import Path
 IP = shutil.which("ip") or "/usr/sbin/ip"
 UNSHARE = shutil.which("unshare") or "/usr/bin/unshare"
 NETNS_ETC = Path("/etc/netns")
-NETNS_RUN = Path("/run/netns")
 TOKEN_STEM = "lgr"  # every token is `lgr<digits>`: short enough for 15-character interface names
 COMMAND_TIMEOUT_S = 15.0  # one `ip` command; they take milliseconds
 NODE_INTERFACE = "eth0"  # inside a node's own namespace, so it can neither collide nor outlive the node
@@ -159,20 +163,22 @@ def cleanup_leftovers(token: str | None = None) -> list[str]:
             continue
         if token is not None and match.group(1) != token:
             continue
-        if token is None and _alive(int(match.group(2))) and int(match.group(2)) != os.getpid():
+        if token is None and _alive(int(match.group(2))):  # a live run, this process's own included
             continue
-        # Nodes before the switch, so no port is left dangling while its node is being removed.
         removed.append(name)
+    # Nodes before their switch, so no port is left dangling while its node is being removed.
     for name in sorted(removed, key=lambda n: n.endswith("-switch")):
         _remove_namespace(name)
     return removed
 
 
 _AVAILABLE: str | None = None
+_OPEN_TOKENS: set[str] = set()  # the tokens of this process's clusters that are up
 
 
 def available() -> str:
-    """ "" when namespaces, veth pairs and bridges can be made here; else why not (a test's skip reason)."""
+    """Why network namespaces with veth pairs and a bridge cannot be made here (a test's skip reason), or
+    the empty string when they can."""
     global _AVAILABLE
     if _AVAILABLE is not None:
         return _AVAILABLE
@@ -220,6 +226,11 @@ class Cluster:
     SIGHUP kills every process group it started (SIGTERM, SIGKILL after `kill_grace_s`), then deletes
     its namespaces (the links go with them) and /etc/netns folders. `cleanup_leftovers()` is for a
     driver killed outright.
+
+    Node i gets address `<subnet>.<10 + i>`. `token` (default `lgr<pid>`) names everything the cluster
+    makes; one process holding two clusters at once gives the second its own. `own_hostnames=False`
+    leaves every node the machine's hostname (the setup where c10d does not meet without flags: see the
+    module's docstring).
     """
 
     def __init__(
@@ -258,6 +269,11 @@ class Cluster:
     # --- lifecycle -------------------------------------------------------------------------------
 
     def __enter__(self) -> Cluster:
+        if self.token in _OPEN_TOKENS:
+            raise ClusterError(f"a cluster with token {self.token} is up in this process: pass another token=")
+        # Anything with this token is a leftover of a dead driver that had this pid.
+        cleanup_leftovers(self.token)
+        _OPEN_TOKENS.add(self.token)
         self._closed = False
         atexit.register(self.close)
         self._install_signal_handlers()
@@ -327,6 +343,7 @@ class Cluster:
                     signal.signal(sig, handler)
                 self._restore_signal_handlers()
             atexit.unregister(self.close)
+            _OPEN_TOKENS.discard(self.token)
 
     def _install_signal_handlers(self) -> None:
         """SIGTERM and SIGHUP to the driver unwind like Ctrl-C does, so `__exit__` tears down."""
