@@ -35,6 +35,7 @@ GPU = "needs a CUDA GPU"
 HF_MODEL = "needs a real model (a placeholder path or a hub download)"
 PLACEHOLDER = "a placeholder of the user's own (a data file, a folder, '...')"
 SERVERS = "needs vLLM servers on other hosts or a model folder to serve"
+NODES = "one command of two, on two hosts at once (tests/test_cluster_netns.py runs both in network namespaces)"
 MAKE = "a make target: installs packages (make help; tests/test_docs_sources.py checks the target exists)"
 BENCH = "a benchmark: minutes, run by hand (docs/results.md has its numbers)"
 LENGTHS = "a real model's completion lengths (512 tokens a sample): hours with the default tiny model on CPU"
@@ -95,6 +96,10 @@ COMMANDS: dict[str, str] = {
     "python -m lit_grpo.train +experiment=gsm8k_disaggregated "
     "\"sampler.server_urls=['http://infer-0:8000','http://infer-1:8000']\" "
     "sampler.weight_sync_dir=/shared/lit_grpo/weight_sync task.path=... task.eval_path=...": SERVERS,
+    "torchrun --nnodes=2 --nproc-per-node=1 --rdzv-backend=c10d --rdzv-endpoint=train-0:29400 --rdzv-id=probe "
+    "-m benchmarks.cluster.allreduce_probe": NODES,
+    "torchrun --nnodes=2 --nproc-per-node=1 --master-addr=train-0 --master-port=29400 --node-rank=0 "
+    "-m benchmarks.cluster.allreduce_probe": NODES,
     "python -m lit_grpo.train sampler.max_completion_tokens=512 rollout.mask_truncated=true "
     "rollout.overlong_buffer_len=128 rollout.overlong_penalty_factor=1.0": LENGTHS,
     "python -m lit_grpo.train +experiment=rehearsal_0p5b hydra.run.dir=outputs/rehearsal": REHEARSAL,
