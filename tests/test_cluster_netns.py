@@ -131,10 +131,10 @@ LAUNCHES = {
 }
 
 
-def _torchrun_probe(cluster: Cluster, launch_flags, env: dict[str, str]) -> tuple[list[int], list[str]]:
-    """torchrun of the all-reduce probe on train-0 and train-1 (`launch_flags(rank, node)`): exit codes, logs."""
+def _start_torchrun_probe(cluster: Cluster, launch_flags, env: dict[str, str]) -> list[subprocess.Popen]:
+    """torchrun of the all-reduce probe on train-0 and train-1 (`launch_flags(rank, node)`)."""
     env = {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "LIT_GRPO_PROBE_TIMEOUT_S": "60", **env}
-    procs = [
+    return [
         cluster.popen(
             node,
             [
@@ -148,6 +148,11 @@ def _torchrun_probe(cluster: Cluster, launch_flags, env: dict[str, str]) -> tupl
         )
         for rank, node in enumerate(("train-0", "train-1"))
     ]
+
+
+def _torchrun_probe(cluster: Cluster, launch_flags, env: dict[str, str]) -> tuple[list[int], list[str]]:
+    """The probe run to its end: exit codes and logs."""
+    procs = _start_torchrun_probe(cluster, launch_flags, env)
     codes = cluster.wait(procs, timeout_s=120)
     return codes, [cluster.log(proc) for proc in procs]
 
@@ -202,6 +207,26 @@ def test_with_one_hostname_shared_by_the_nodes_c10d_needs_is_host_local_addr_and
         "allreduce rank=0 world=2 sum=1",
         "allreduce rank=1 world=2 sum=1",
     ], logs
+
+
+@pytest.mark.timeout(150)
+def test_teardown_stops_torchrun_and_its_workers_on_every_node_with_sigterm(tmp_path):
+    c10d = LAUNCHES["c10d"]
+    with Cluster(("train-0", "train-1"), log_dir=tmp_path, kill_grace_s=20) as cluster:
+        procs = _start_torchrun_probe(cluster, lambda rank, node: c10d(rank, 29400), {"LIT_GRPO_PROBE_HOLD_S": "300"})
+        deadline = time.monotonic() + 90
+        while not all("allreduce " in cluster.log(proc) for proc in procs):
+            assert all(proc.poll() is None for proc in procs), [cluster.log(proc)[-2000:] for proc in procs]
+            assert time.monotonic() < deadline, [cluster.log(proc)[-2000:] for proc in procs]
+            time.sleep(0.2)
+        pids = _namespace_pids(cluster)
+        assert len(pids) == 4, pids  # an agent and its worker (a session of its own) on each node
+        leaving = time.monotonic()
+    took = time.monotonic() - leaving
+    assert not _running(pids) and not _leftovers(cluster.token)
+    assert took < 15, took  # SIGTERM was enough: nothing waited for the SIGKILL after 20 s
+    for proc in procs:
+        assert "closing signal SIGTERM" in cluster.log(proc), cluster.log(proc)[-2000:]
 
 
 def _start_sleepers(cluster: Cluster) -> list[int]:

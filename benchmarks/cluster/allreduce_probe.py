@@ -2,7 +2,9 @@
 
 Launched by torchrun on every node; a line `allreduce rank=R world=W sum=S host=H` with S = W(W-1)/2 on each
 node says the rendezvous met, the process group formed across the hosts and a collective went through.
-Tiny on purpose (one float, no model), so it can run beside anything.
+Tiny on purpose (one float, no model), so it can run beside anything. LIT_GRPO_PROBE_HOLD_S keeps the
+ranks alive that long after the line (a running job to tear down or to inject faults into);
+LIT_GRPO_PROBE_TIMEOUT_S bounds the process group's collectives (60 s).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import time
 
 import torch
 import torch.distributed as dist
@@ -26,6 +29,7 @@ def main() -> None:
         f" master={os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}",
         flush=True,
     )
+    time.sleep(float(os.environ.get("LIT_GRPO_PROBE_HOLD_S", "0")))
     dist.barrier()
     dist.destroy_process_group()
 

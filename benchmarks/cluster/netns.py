@@ -85,8 +85,21 @@ def _namespaces() -> list[str]:
 
 
 def _namespace_pids(namespace: str) -> list[int]:
-    out = _ip("netns", "pids", namespace, check=False).stdout
-    return [int(word) for word in out.split() if word.isdigit()]
+    """The processes inside `namespace`: those whose network namespace is the one /run/netns/<name> pins
+    (what `ip netns pids` does, without a process per call)."""
+    try:
+        pinned = os.stat(f"/run/netns/{namespace}")
+    except OSError:
+        return []
+    pids = []
+    for entry in _proc_entries():
+        try:
+            ns = os.stat(entry / "ns" / "net")
+        except OSError:
+            continue
+        if (ns.st_dev, ns.st_ino) == (pinned.st_dev, pinned.st_ino):
+            pids.append(int(entry.name))
+    return pids
 
 
 def _alive(pid: int) -> bool:
@@ -98,20 +111,30 @@ def _alive(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
-def _kill_groups(procs: list[subprocess.Popen], grace_s: float) -> None:
-    """SIGTERM the process group of each of `procs` (each leads its own), then SIGKILL what is left after
-    `grace_s` (torchrun forwards the SIGTERM to its workers and exits; the SIGKILL is for what ignores it)."""
+def _stop(procs: list[subprocess.Popen], namespaces: list[str], grace_s: float) -> None:
+    """SIGTERM the process group of each of `procs` (each leads its own) and every process inside
+    `namespaces`, then SIGKILL what is left after `grace_s`.
+
+    The namespace sweep reaches what left its group: torchrun starts each worker in a session of its own
+    (and forwards SIGTERM to it), a command may `setsid`. Waits at most `grace_s` + 5 s in all.
+    """
     for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
         for proc in procs:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(proc.pid, sig)
+        for namespace in namespaces:
+            for pid in _namespace_pids(namespace):
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, sig)
         deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline:
             for proc in procs:
                 proc.poll()  # reaps the leader, which would otherwise linger as a zombie
-            if not any(_group_alive(proc.pid) for proc in procs):
+            if not any(_group_alive(proc.pid) for proc in procs) and not any(
+                _alive(pid) for namespace in namespaces for pid in _namespace_pids(namespace)
+            ):
                 return
-            time.sleep(0.05)
+            time.sleep(0.1)
 
 
 def _group_alive(pgid: int) -> bool:
@@ -330,7 +353,7 @@ class Cluster:
         try:
             for timer in self._timers:
                 timer.cancel()
-            _kill_groups([s.proc for s in self._started], self.kill_grace_s)
+            _stop([s.proc for s in self._started], self.namespace_names(), self.kill_grace_s)
             for started in self._started:
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     started.proc.wait(timeout=1)
@@ -406,7 +429,7 @@ class Cluster:
         try:
             proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            _kill_groups([proc], 1.0)
+            _stop([proc], [], 1.0)
             raise ClusterError(f"{node}: {argv} still ran after {timeout_s} s\n{self.log(proc)}") from None
         return subprocess.CompletedProcess(argv, proc.returncode, self.log(proc), "")
 
