@@ -67,6 +67,17 @@ NODE_INTERFACE = "eth0"  # inside a node's own namespace, so it can neither coll
 DEFAULT_NODES = ("train-0", "train-1", "infer-0", "infer-1")
 
 
+# Set by torchrun, SLURM or a user for the driver's own process; a node's launch sets its own.
+LAUNCH_VARIABLES = re.compile(
+    r"^(RANK|LOCAL_RANK|GROUP_RANK|ROLE_RANK|WORLD_SIZE|LOCAL_WORLD_SIZE|ROLE_WORLD_SIZE|MASTER_ADDR|MASTER_PORT"
+    r"|TORCHELASTIC_.*|TORCH_ELASTIC_.*|GLOO_SOCKET_IFNAME|NCCL_SOCKET_IFNAME|TP_SOCKET_IFNAME|SLURM_.*)$"
+)
+
+
+def _inherited_environment() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not LAUNCH_VARIABLES.match(k)}
+
+
 class ClusterError(RuntimeError):
     """A namespace, link or process of the rehearsal could not be set up or torn down."""
 
@@ -217,7 +228,14 @@ def available() -> str:
             _ip("netns", "add", probe)
             _ip("-n", probe, "link", "add", "name", "probe0", "type", "veth", "peer", "name", "probe1")
             _ip("-n", probe, "link", "add", "name", "probebr", "type", "bridge")
+            # `ip netns exec` remounts /sys and /etc/hosts, which an unprivileged container refuses.
+            subprocess.run(
+                [IP, "netns", "exec", probe, UNSHARE, "--uts", "--", "hostname", "probe"],
+                check=True, capture_output=True, timeout=COMMAND_TIMEOUT_S,
+            )  # fmt: skip
             _AVAILABLE = ""
+        except subprocess.CalledProcessError as exc:
+            _AVAILABLE = f"cannot run a command inside a network namespace here: {exc.stderr.decode().strip()}"
         except (ClusterError, OSError, subprocess.SubprocessError) as exc:
             _AVAILABLE = f"cannot make a network namespace with a veth pair and a bridge here: {exc}"
         finally:
@@ -401,7 +419,9 @@ class Cluster:
     ) -> subprocess.Popen:
         """Start `argv` on `node`: its own process group, stdout and stderr to `<log_dir>/<node>.<label>.log`.
 
-        `env` is added to the driver's environment. The process is killed with its group at teardown.
+        `env` is added to the driver's environment, less what a launcher set for the driver itself (RANK,
+        MASTER_ADDR, GLOO_SOCKET_IFNAME, ...: `LAUNCH_VARIABLES`), which would mislead a launch on a node.
+        The process is killed with its group at teardown.
         """
         if self._closed:
             raise ClusterError("the cluster is not up: use it inside `with Cluster(...)`")
@@ -413,7 +433,7 @@ class Cluster:
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                env={**os.environ, **(env or {})},
+                env={**_inherited_environment(), **(env or {})},
                 start_new_session=True,
                 **kwargs,
             )
@@ -479,3 +499,65 @@ class Cluster:
     def namespace_names(self) -> list[str]:
         """Every namespace this cluster owns (for checks that none is left)."""
         return [self.switch, *(n.namespace for n in self.nodes.values())]
+
+
+def probe_command(
+    launch: str, rank: int, endpoint_node: str = "train-0", port: int = 29400, extra: tuple[str, ...] = ()
+) -> list[str]:
+    """The torchrun command of the all-reduce probe for node `rank` of two, as a user types it on a node
+    (docs/guides/multi-node.md shows it); `extra` flags go before the module."""
+    if launch == "c10d":
+        rendezvous = ["--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint_node}:{port}", "--rdzv-id=probe"]
+    elif launch == "static":
+        rendezvous = [f"--master-addr={endpoint_node}", f"--master-port={port}", f"--node-rank={rank}"]
+    else:
+        raise ValueError(f"launch {launch!r}: c10d or static")
+    probe = ["-m", "benchmarks.cluster.allreduce_probe"]
+    return ["torchrun", "--nnodes=2", "--nproc-per-node=1", *rendezvous, *extra, *probe]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`probe`: two trainer nodes, the all-reduce probe launched on both, teardown; `cleanup`: leftovers."""
+    import argparse
+    import sys
+
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.cluster.netns", description=main.__doc__)
+    sub = parser.add_subparsers(dest="action", required=True)
+    probe = sub.add_parser("probe", help="torchrun's all-reduce across two namespaces (root)")
+    probe.add_argument("--launch", choices=("c10d", "static"), default="c10d")
+    probe.add_argument("--log-dir", type=Path, default=None)
+    probe.add_argument("--timeout-s", type=float, default=120.0)
+    cleanup = sub.add_parser("cleanup", help="remove what runs whose driver died left behind")
+    cleanup.add_argument("--token", default=None, help="this run's only (lgr<pid>), even if its driver lives")
+    args = parser.parse_args(argv)
+
+    reason = available()
+    if reason:
+        print(reason, file=sys.stderr)
+        return 2
+    if args.action == "cleanup":
+        removed = cleanup_leftovers(args.token)
+        print("removed:", " ".join(removed) if removed else "nothing")
+        return 0
+    repo = Path(__file__).resolve().parents[2]
+    python_dir = Path(sys.executable).parent
+    env = {"PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1", "PATH": f"{python_dir}{os.pathsep}{os.environ['PATH']}"}
+    with Cluster(("train-0", "train-1"), log_dir=args.log_dir) as cluster:
+        procs = [
+            cluster.popen(node, probe_command(args.launch, rank), env=env, cwd=repo, label="torchrun")
+            for rank, node in enumerate(("train-0", "train-1"))
+        ]
+        try:
+            codes = cluster.wait(procs, args.timeout_s)
+        except ClusterError as exc:
+            print(exc, file=sys.stderr)
+            codes = [proc.poll() for proc in procs]
+        for node, proc in zip(("train-0", "train-1"), procs, strict=True):
+            lines = [line for line in cluster.log(proc).splitlines() if line.startswith("allreduce ")]
+            print(f"{node}: exit {proc.returncode}", *lines, sep="\n  ")
+        print("logs:", cluster.log_dir)
+    return 0 if codes == [0, 0] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
