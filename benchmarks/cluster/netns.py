@@ -19,7 +19,7 @@ Every process started with `Cluster.popen` runs in its node's namespace under th
 own UTS namespace, `unshare --uts`), in a process group of its own, with its output in a log file.
 
 Why the distinct hostnames (found by experiment, torch 2.13): with every namespace keeping the machine's
-hostname (here `vm`, which /etc/hosts maps to 127.0.0.1), torchrun's c10d rendezvous fails three times:
+hostname (here `vm`, which /etc/hosts maps to 127.0.0.1), torchrun's c10d rendezvous fails in three places:
 
 1. No node hosts the rendezvous store. torchrun decides whether it hosts the store at `--rdzv-endpoint`
    by comparing the endpoint with its hostname and the addresses the hostname resolves to
@@ -264,8 +264,9 @@ class Cluster:
     """Named nodes on one bridge, each in its own network namespace; a context manager.
 
     Leaving the `with` block (normally, on an exception, on Ctrl-C) or the driver getting SIGTERM or
-    SIGHUP kills every process group it started (SIGTERM, SIGKILL after `kill_grace_s`), then deletes
-    its namespaces (the links go with them) and /etc/netns folders. `cleanup_leftovers()` is for a
+    SIGHUP stops every process group it started and every process inside its namespaces (SIGTERM, then
+    SIGKILL after `kill_grace_s`), then deletes its namespaces (the links go with them) and /etc/netns
+    folders; the logs stay (`log_dir`, a temporary folder by default). `cleanup_leftovers()` is for a
     driver killed outright.
 
     Node i gets address `<subnet>.<10 + i>`. `token` (default `lgr<pid>`) names everything the cluster
@@ -549,6 +550,9 @@ def main(argv: list[str] | None = None) -> int:
         ]
         try:
             codes = cluster.wait(procs, args.timeout_s)
+        except KeyboardInterrupt:  # Ctrl-C, SIGTERM or SIGHUP: the cluster is torn down on the way out
+            print("interrupted", file=sys.stderr)
+            return 130
         except ClusterError as exc:
             print(exc, file=sys.stderr)
             codes = [proc.poll() for proc in procs]
