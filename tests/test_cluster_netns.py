@@ -119,9 +119,11 @@ def _namespace_pids(cluster: Cluster) -> list[int]:
 def test_nodes_reach_each_other_by_name_over_the_bridge_and_nothing_outside_it(tmp_path):
     host_addresses = subprocess.run(["ip", "-4", "-o", "addr"], capture_output=True, text=True, timeout=10).stdout
     outside = [line.split()[3].split("/")[0] for line in host_addresses.splitlines() if " lo " not in line]
-    with Cluster(("train-0", "train-1"), log_dir=tmp_path) as cluster:
+    with Cluster(log_dir=tmp_path) as cluster:  # train-0, train-1, infer-0, infer-1
         _serve(cluster, "train-1", 29611)
-        assert _connect(cluster, "train-0", "train-1", 29611, attempt_s=2, total_s=30).startswith("reply pong train-1")
+        for client in ("train-0", "infer-1"):
+            reply = _connect(cluster, client, "train-1", 29611, attempt_s=2, total_s=30)
+            assert reply.startswith("reply pong train-1"), (client, reply)
         # The host's own addresses and the wide world are not routed from a node: refused at once.
         for address in [*outside, "8.8.8.8"]:
             result = _connect(cluster, "train-0", address, 22, attempt_s=5, total_s=0)
