@@ -1,8 +1,10 @@
 """The cluster rehearsal's ground floor (`benchmarks/cluster/netns.py`): network namespaces standing in
 for hosts. Nodes reach each other over the bridge and nothing else; torchrun launched on two nodes the
-way users launch it on a cluster (c10d rendezvous, and the static one) meets and all-reduces over gloo;
-teardown leaves nothing behind, whether the body ends, raises, or the driver gets SIGINT or SIGTERM (and
-`cleanup_leftovers` after a SIGKILL); a link set down stalls connections and set up restores them.
+way users launch it on a cluster (c10d rendezvous, and the static one) meets and all-reduces over gloo,
+and with one hostname shared by the nodes c10d fails as on such a cluster and meets with the flags that
+fix it; teardown leaves nothing behind, whether the body ends, raises, or the driver gets SIGINT or
+SIGTERM (and `cleanup_leftovers` after a SIGKILL), and stops a running torchrun with its workers on every
+node; a link set down stalls connections and set up restores them.
 
 Root and `ip netns` are needed: skipped with the reason elsewhere. Every process is tiny (a socket, a
 one-float all-reduce, `sleep`)."""
