@@ -356,6 +356,7 @@ class Cluster:
             _ip("-n", self.switch, "link", "set", node.switch_port, "up")
             _ip("-n", node.namespace, "addr", "add", f"{node.address}/24", "dev", NODE_INTERFACE)
             _ip("-n", node.namespace, "link", "set", NODE_INTERFACE, "up")
+            self.node_tmp(node.name).mkdir(exist_ok=True)
 
     def close(self) -> None:
         """Tear everything down (idempotent; signals are held off meanwhile so a second Ctrl-C cannot cut
@@ -421,8 +422,9 @@ class Cluster:
         """Start `argv` on `node`: its own process group, stdout and stderr to `<log_dir>/<node>.<label>.log`.
 
         `env` is added to the driver's environment, less what a launcher set for the driver itself (RANK,
-        MASTER_ADDR, GLOO_SOCKET_IFNAME, ...: `LAUNCH_VARIABLES`), which would mislead a launch on a node.
-        The process is killed with its group at teardown.
+        MASTER_ADDR, GLOO_SOCKET_IFNAME, ...: `LAUNCH_VARIABLES`), which would mislead a launch on a node;
+        TMPDIR is the node's own folder, `<log_dir>/<node>.tmp` (a host has a /tmp of its own; torchrun's
+        temporary folders stay with the logs). The process is killed with its group at teardown.
         """
         if self._closed:
             raise ClusterError("the cluster is not up: use it inside `with Cluster(...)`")
@@ -434,7 +436,7 @@ class Cluster:
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                env={**_inherited_environment(), **(env or {})},
+                env={**_inherited_environment(), "TMPDIR": str(self.node_tmp(node)), **(env or {})},
                 start_new_session=True,
                 **kwargs,
             )
@@ -493,6 +495,11 @@ class Cluster:
                 self.link_up(node)
 
     # --- lookups ---------------------------------------------------------------------------------
+
+    def node_tmp(self, node: str) -> Path:
+        """`node`'s temporary folder (its processes' TMPDIR)."""
+        assert self.log_dir is not None, "the cluster is not up"
+        return self.log_dir / f"{node}.tmp"
 
     def address(self, node: str) -> str:
         return self.nodes[node].address
