@@ -16,7 +16,8 @@ and no address lives outside the subnet. A node therefore reaches the other node
 and nothing else (a connection elsewhere fails at once: network unreachable).
 
 Every process started with `Cluster.popen` runs in its node's namespace under the node's hostname (its
-own UTS namespace, `unshare --uts`), in a process group of its own, with its output in a log file.
+own UTS namespace, `unshare --uts`), in a process group of its own, with its output in a log file and
+the node's own TMPDIR.
 
 Why the distinct hostnames (found by experiment, torch 2.13): with every namespace keeping the machine's
 hostname (here `vm`, which /etc/hosts maps to 127.0.0.1), torchrun's c10d rendezvous fails in three places:
