@@ -2,8 +2,9 @@
 a few GRPO steps on GSM8K rows on one CUDA GPU, bf16 mixed precision, the `hf` sampler generating
 on the GPU, once per variant, each in its own process:
 
-    padded         the experiment's micro-batches of 4 sequences, padded to the step's longest
-    token_budget   batching.micro_batch_max_tokens (sorted by length, each cut to its own longest row)
+    packed         the experiment's micro-batches of 4 sequences, packed into one row each (the default)
+    padded         the same micro-batches padded to the step's longest (batching.padding_free=false)
+    token_budget   batching.micro_batch_max_tokens, padded (sorted by length, each cut to its own longest row)
     private_copy   the sampler on its own copy of the weights: a real weight sync every step
 
 It prints, per variant, the medians over the steps after the first: seconds per step, sampled and
@@ -35,8 +36,13 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 VARIANTS = {
-    "padded": [],
-    "token_budget": ["batching.micro_batch_size=0", "batching.micro_batch_max_tokens=4096"],
+    "packed": [],
+    "padded": ["batching.padding_free=false"],
+    "token_budget": [
+        "batching.micro_batch_size=0",
+        "batching.micro_batch_max_tokens=4096",
+        "batching.padding_free=false",
+    ],
     "private_copy": ["sampler.share_policy_weights=false"],
 }
 GPU = [

@@ -111,13 +111,13 @@ COMMANDS: dict[str, str] = {
     ".venv-trl/bin/python -m benchmarks.rehearsal --lit-override batching.micro_batch_size=8": BENCH,
     ".venv-trl/bin/python -m benchmarks.rehearsal --trl-arg use_transformers_paged=true": BENCH,
     "python3 -m venv .venv && . .venv/bin/activate": "setup of the reader's own environment",
-    "python -m lit_grpo.train +experiment=arithmetic sampler=vllm model.num_heads=2 sampler.dtype=float32": "slow",
+    "python -m lit_grpo.train +experiment=arithmetic sampler=vllm model.num_heads=2 sampler.dtype=float32": "nightly",
     "python -m lit_grpo.serve --model path/to/model_folder --port 8001 --cpu-core 0 --dtype float32 "
     "--kv-cache-memory-bytes 64M": SERVERS,
     "python -m lit_grpo.train +experiment=arithmetic model.num_heads=2 sampler=vllm_server "
     "\"sampler.server_urls=['http://127.0.0.1:8001']\"": SERVERS,
     "python -m lit_grpo.train +experiment=arithmetic model.num_heads=2 sampler=vllm_server sampler.num_servers=2 "
-    "sampler.dtype=float32 sampler.server_kv_cache_memory_bytes=64M": "slow",
+    "sampler.dtype=float32 sampler.server_kv_cache_memory_bytes=64M": "nightly",
 }
 """Each shell command of the pages (comments dropped, continuation lines joined) -> how it is checked."""
 

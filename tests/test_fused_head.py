@@ -304,16 +304,18 @@ def test_a_transform_after_the_head_is_not_fused():
 
 
 def _losses(tmp_path, monkeypatch, loss_name, fused):
-    """The train/loss of 3 steps, and how many forwards went through the fused head."""
+    """The train/loss of 3 steps, and how many forwards went through the fused head (padded or packed)."""
+    import lit_grpo.maths.head_logprobs as head_logprobs_py
     import lit_grpo.maths.logprobs as logprobs_py
 
     fused_calls = []
 
     def counted(*args, **kwargs):
         fused_calls.append(torch.is_grad_enabled())
-        return fused_token_logprobs(*args, **kwargs)
+        return head_logprobs_and_entropy(*args, **kwargs)
 
-    monkeypatch.setattr(logprobs_py, "fused_token_logprobs", counted)
+    for module in (head_logprobs_py, logprobs_py):  # the padded path calls it from the one, the packed from the other
+        monkeypatch.setattr(module, "head_logprobs_and_entropy", counted)
     c = validate(
         compose_config(
             "+experiment=arithmetic",

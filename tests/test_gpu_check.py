@@ -33,7 +33,8 @@ def test_the_gpu_check_dry_run_trains_every_variant_and_reports_each_measure(tmp
     report = json.loads(out.read_text())
     assert report["failures"] == []
     results = {r["variant"]: r for r in report["results"]}
-    assert set(results) == {"padded", "token_budget", "private_copy"}
+    assert set(results) == {"packed", "padded", "token_budget", "private_copy"}
+    assert results["packed"]["padding_frac"] == 0  # (the dry run's rows are all of one length: nothing to pad)
     for r in results.values():
         assert r["steps"] == 2 and r["device"] == "cpu (dry run)"
         for key in ("step_s", "sample_tokens_per_s", "train_tokens_per_s", "weight_sync_s", "padding_frac"):
@@ -44,4 +45,5 @@ def test_the_gpu_check_dry_run_trains_every_variant_and_reports_each_measure(tmp
     assert "train step vs TRL's GRPOTrainer" in proc.stdout
     (case,) = report["train_step"]["cases"]
     lit = case["runs"]["lit"][0]
-    assert lit["status"] == "ok" and lit["gradient_checkpointing"] and lit["step_s"] > 0 and 0 < lit["padding"] < 1
+    assert lit["status"] == "ok" and lit["gradient_checkpointing"] and lit["step_s"] > 0
+    assert lit["padding_free"] and lit["padding"] == 0  # packed: ragged completions and no padding
