@@ -95,3 +95,18 @@ def score_error(model, pairs: list[tuple[list[int], list[int]]], scores: list[li
             assert len(got) == len(target)
             diffs.append((torch.tensor(got) - want).abs())
     return torch.cat(diffs).mean().item()
+
+
+def lora_policy_that_moves(model, rank: int = 4):
+    """`model` with LoRA adapters of `rank` whose B matrices are random (peft starts them at 0, where
+    the adapters change nothing): the policy then differs from its adapter-free view."""
+    import torch
+
+    from lit_grpo.config import LoraConfig
+    from lit_grpo.models.lora import apply_lora
+
+    policy = apply_lora(model, LoraConfig(rank=rank), seed=0)
+    for name, p in policy.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.3)
+    return policy

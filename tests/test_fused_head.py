@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import compose_config
+from conftest import compose_config, lora_policy_that_moves
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import lit_grpo
@@ -258,10 +258,7 @@ def test_no_vocabulary_sized_tensor_beyond_a_chunk():
 def test_lora_policy_and_its_adapter_free_reference_are_fused_exactly():
     model = _tiny()
     reference_model = copy.deepcopy(model)
-    policy = apply_lora(model, LoraConfig(rank=4), seed=0)
-    for name, p in policy.named_parameters():  # adapters that change the policy (peft starts B at 0)
-        if "lora_B" in name:
-            torch.nn.init.normal_(p, std=0.3)
+    policy = lora_policy_that_moves(model)
     batch = _batch(model.config.vocab_size)
     assert split_lm_head(policy)[0] is not None
     _assert_same(*(_step(policy, *batch, fused=f) for f in (True, False)))

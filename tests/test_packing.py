@@ -5,12 +5,13 @@ import copy
 
 import pytest
 import torch
+from conftest import lora_policy_that_moves
 
-from lit_grpo.config import LoraConfig, ModelConfig
+from lit_grpo.config import ModelConfig
 from lit_grpo.maths.logprobs import token_logprobs
 from lit_grpo.maths.packing import pack_rows, packing_support, unpack_predictions
 from lit_grpo.models.load import build_char_tokenizer, build_tiny_model
-from lit_grpo.models.lora import AdapterFreeView, apply_lora
+from lit_grpo.models.lora import AdapterFreeView
 
 # Three right-padded rows of 3, 2 and 4 real tokens.
 TOKENS = torch.tensor([[11, 12, 13, 0], [14, 15, 0, 0], [16, 17, 18, 19]])
@@ -131,10 +132,7 @@ def test_first_scored_skips_the_prompt_in_the_packed_path_too():
 def test_lora_policy_and_its_adapter_free_view_pack_exactly():
     model = _tiny()
     reference = copy.deepcopy(model)
-    policy = apply_lora(model, LoraConfig(rank=4), seed=0)
-    for name, p in policy.named_parameters():  # adapters that change the policy (peft starts B at 0)
-        if "lora_B" in name:
-            torch.nn.init.normal_(p, std=0.3)
+    policy = lora_policy_that_moves(model)
     batch = _ragged(model.config.vocab_size)
     assert packing_support(policy) == ""
     _assert_close(*(_step(policy, *batch, padding_free=p) for p in (True, False)))
