@@ -14,12 +14,14 @@ import dataclasses
 import gc
 import warnings
 from collections.abc import Sequence
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Optional
 
 import lightning as L
 import torch
 from hydra.utils import instantiate
+from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch import nn
 
@@ -28,9 +30,11 @@ from lit_grpo.callbacks.export import HFExport
 from lit_grpo.callbacks.progress import StepProgressBar
 from lit_grpo.config import ConfigError, ModelConfig, TrainConfig, UserInputs
 from lit_grpo.config.checks import exception_class
-from lit_grpo.loop.distributed import FSDP2Strategy
+from lit_grpo.config.guards import GuardsConfig
+from lit_grpo.loop.distributed import FSDP2Strategy, WatchedDDPStrategy
 from lit_grpo.loop.evaluation import Evaluator, GreedyEvaluator, RolloutEvaluator
 from lit_grpo.loop.module import GRPOModule
+from lit_grpo.loop.peers import PeerWatchCallback
 from lit_grpo.loop.signals import StopSignals
 from lit_grpo.loop.step_sequence import StepSequence
 from lit_grpo.models.load import load_policy, load_tokenizer, save_pretrained, set_cpu_threads
@@ -246,12 +250,29 @@ def evaluators(
     return found
 
 
+def build_strategy(name: str, guards: GuardsConfig) -> Any:
+    """Lightning's strategy `name` (or `fsdp2`), with the process group's timeout for the strategies
+    that start one (DDP's and FSDP2's), and lit_grpo's watch over the other local ranks
+    (`WatchedLauncher`) when the peer watch is on; any other name as given."""
+    timeout = timedelta(seconds=guards.collective_timeout_s)
+    if name == "fsdp2":
+        strategy: Any = FSDP2Strategy(timeout=timeout)
+    elif name in StrategyRegistry and issubclass(StrategyRegistry[name]["strategy"], DDPStrategy):
+        entry = StrategyRegistry[name]
+        kind = WatchedDDPStrategy if entry["strategy"] is DDPStrategy else entry["strategy"]
+        strategy = kind(**{**entry["init_params"], "timeout": timeout})
+    else:
+        return name
+    strategy.watch_children = guards.peer_timeout_s > 0
+    return strategy
+
+
 def build_trainer(c: TrainConfig, extra_callbacks: Sequence[L.Callback] = ()) -> L.Trainer:
     t = c.trainer
     return L.Trainer(
         accelerator=t.accelerator,
         devices=t.devices,
-        strategy=FSDP2Strategy() if t.strategy == "fsdp2" else t.strategy,
+        strategy=build_strategy(t.strategy, c.guards),
         precision=t.precision,
         max_epochs=t.max_epochs,
         max_steps=-1,  # the rollout stream decides when training ends
@@ -264,7 +285,11 @@ def build_trainer(c: TrainConfig, extra_callbacks: Sequence[L.Callback] = ()) ->
         num_sanity_val_steps=0,
         limit_val_batches=0,
         default_root_dir=c.output_dir,
-        callbacks=[*_instantiate_all(c.callbacks), *extra_callbacks]
+        callbacks=[
+            *_instantiate_all(c.callbacks),
+            *extra_callbacks,
+            PeerWatchCallback(c.guards.peer_heartbeat_s, c.guards.peer_timeout_s),
+        ]
         + ([StepProgressBar(c.max_steps)] if t.enable_progress_bar else []),
         logger=_instantiate_all(c.logger) or False,
         **t.extra,

@@ -185,6 +185,11 @@ def train(cfg: DictConfig | TrainConfig, inputs: Optional[UserInputs] = None) ->
                 try:
                     trainer, module = fit(c, resume_from, stop=stop, inputs=inputs)
                 except Exception as err:
+                    from lit_grpo.loop.peers import explain_lost_peer  # loads torch: here, once a run was built
+
+                    if (lost := explain_lost_peer(err)) is not None:  # a collective failed: a peer went away
+                        log.error("stopped: PeerLost (its message follows)")
+                        raise lost from None
                     log.error(
                         "stopped: %s (%s)",
                         type(err).__name__,
@@ -268,6 +273,10 @@ def cli() -> None:
     # Caught from the process's start, never restored: a stop while Hydra sets up is `train`'s stop
     # (its summary alone); after the run, `main` hands the handlers to `_signal_after_the_end`.
     StopSignals().__enter__()
+    # torch's C++ warnings print their stack frames (a lost peer's store or collective call does,
+    # before Python sees the error the stop's message explains): off unless asked for. It is read
+    # at torch's first C++ log line, so here, before any collective.
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     sys.argv[1:] = rename_overrides(sys.argv[1:])  # old key names: one line each, then their new names
     try:
         run_hydra_cli(main, explain=lambda err: composition_error(err, TrainConfig, MOVED))

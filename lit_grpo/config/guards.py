@@ -39,6 +39,20 @@ class GuardsConfig:
     """Consecutive training steps whose loss or gradient norm is non-finite before the run stops;
     each such step's update is skipped."""
 
+    peer_heartbeat_s: float = 2.0
+    """With several ranks, each adds to a counter of its own in the rendezvous store this often and
+    reads the others' (`lit_grpo/loop/peers.py`)."""
+    peer_timeout_s: float = 30.0
+    """A rank whose counter has not moved for this long (killed, its node down, its link cut), or a
+    rendezvous store that has not answered for this long, stops every other rank with one message
+    naming it, instead of a wait in a collective until `collective_timeout_s`. Worst-case detection:
+    `peer_timeout_s + peer_heartbeat_s`; a rank that fails with an error is seen at the others' next
+    heartbeat. 0 turns the watch off (a debugger paused on one rank would otherwise stop the run)."""
+    collective_timeout_s: float = 1800.0
+    """The process group's timeout (DDP and FSDP2): a collective that has not completed by then
+    fails. The backstop behind `peer_timeout_s`; it must exceed the longest wait of a rank for the
+    others in a healthy run (one rank's sampling while the others wait at the step's all-reduce)."""
+
     def __post_init__(self) -> None:
         require_finite(self.rollout_timeout_s, "guards.rollout_timeout_s")
         require(
@@ -62,3 +76,19 @@ class GuardsConfig:
         require(self.rollout_failure_window >= 1, "guards.rollout_failure_window", "must be >= 1")
         require(self.max_rows_without_progress >= 1, "guards.max_rows_without_progress", "must be >= 1")
         require(self.max_nonfinite_steps >= 1, "guards.max_nonfinite_steps", "must be >= 1")
+        for name in ("peer_heartbeat_s", "peer_timeout_s", "collective_timeout_s"):
+            require_finite(getattr(self, name), f"guards.{name}")
+        require(
+            self.peer_heartbeat_s > 0, "guards.peer_heartbeat_s", f"must be > 0 seconds, got {self.peer_heartbeat_s}"
+        )
+        require(
+            self.peer_timeout_s == 0 or self.peer_timeout_s >= 3 * self.peer_heartbeat_s,
+            "guards.peer_timeout_s",
+            f"must be 0 (off) or at least 3 heartbeats (guards.peer_heartbeat_s={self.peer_heartbeat_s}), "
+            f"got {self.peer_timeout_s}",
+        )
+        require(
+            self.collective_timeout_s > self.peer_timeout_s,
+            "guards.collective_timeout_s",
+            f"must exceed guards.peer_timeout_s ({self.peer_timeout_s}), got {self.collective_timeout_s}",
+        )

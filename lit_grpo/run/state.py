@@ -196,6 +196,7 @@ class RunCheckpointer:
                 "versions": run_versions(self.run_config.sampler.kind),
             }
             final = self.store.publish(step, staging, meta)  # the versions: a resume compares them with its own
+            self.last_saved_step = step  # whole on disk now: a rank lost in the barrier below does not undo it
             self.store.prune()
         trainer.strategy.barrier("dcp_published")
         self.last_saved_step = step
