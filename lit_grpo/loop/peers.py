@@ -115,6 +115,8 @@ class PeerWatch:
         self._moved_at: dict[int, float] = {}
         self._hosts: dict[int, str] = {}
         self._peer_done = False
+        self._lock = threading.Lock()
+        self._exiting = False
         self._store_answered_at = time.monotonic()
         self._threads: list[threading.Thread] = []
 
@@ -159,7 +161,10 @@ class PeerWatch:
         name the lost peer; then it is the main thread's to stop the run (the watch will not exit
         the process). The reason, or None when no peer was found lost."""
         found = self._found.wait(wait_s)
-        self._claimed.set()
+        with self._lock:
+            if self._exiting:  # too late: the watch is ending the process with this message
+                threading.Event().wait()
+            self._claimed.set()
         return self.lost if found else None
 
     def _host(self, rank: int) -> str:
@@ -176,6 +181,8 @@ class PeerWatch:
             try:
                 self.store.add(f"beat.{self.rank}", 1)
                 for rank in self.peers:
+                    if rank not in self._hosts:
+                        self._host(rank)  # for the message, while its host can still be asked
                     beat = self.store.add(f"beat.{rank}", 0)  # adding 0 reads without blocking on a missing key
                     if beat != self._beats.get(rank):
                         self._beats[rank] = beat
@@ -231,10 +238,14 @@ class PeerWatch:
         """The run cannot go on: say why once; exit unless the main thread takes the stop over."""
         if self._found.is_set() or self._closed.is_set():
             return
-        self.lost = f"{what}. Rank {self.rank} stops; {self.last_saved()}"
+        self.lost = f"{what.rstrip('.')}. Rank {self.rank} stops; {self.last_saved()}"
         self._found.set()
         if self._claimed.wait(HANDOVER_S):
             return  # the main thread stops the run with this message
+        with self._lock:
+            if self._claimed.is_set():
+                return
+            self._exiting = True
         log.error("stopped: PeerLost (its message follows)")
         print(f"error: {self.lost}", file=sys.stderr, flush=True)
         end_children(self.children.values())
