@@ -104,7 +104,7 @@ def assert_checkpoints_whole(run_dir: Path) -> None:
     steps = sorted(p for p in (run_dir / "checkpoints").glob("step_*") if p.is_dir())
     assert steps
     for step in steps:
-        verify(step)
+        assert verify(step) is None, step
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])

@@ -40,6 +40,7 @@ import lightning as L
 from lit_grpo.errors import EXIT_USER_ERROR, EnvironmentFault, user_message
 from lit_grpo.loop.distributed import WatchedLauncher
 from lit_grpo.loop.signals import StopRequested
+from lit_grpo.run.checkpoint import run_id_of
 
 log = logging.getLogger(__name__)
 KEY_PREFIX = "lit_grpo.peers"
@@ -361,12 +362,12 @@ def last_saved_line(module: L.LightningModule) -> str:
     checkpointer = sequence.checkpointer if sequence is not None else None
     if checkpointer is None:
         return "checkpoints are off (checkpoint.save_interval=0): a relaunch starts over"
-    if checkpointer.last_saved_step is None:
+    # Rank 0 may have published a step whose last barrier this rank never left: the folder tells.
+    published = [s for s, path in checkpointer.store.step_dirs() if run_id_of(path) == checkpointer.run_id]
+    last = max([*published, checkpointer.last_saved_step or 0])
+    if not last:
         return "no checkpoint was saved yet: a relaunch starts over"
-    return (
-        f"the last saved checkpoint is step {checkpointer.last_saved_step}: relaunch every node with "
-        "resume=auto to continue from it"
-    )
+    return f"the last saved checkpoint is step {last}: relaunch every node with resume=auto to continue from it"
 
 
 class PeerWatchCallback(L.Callback):

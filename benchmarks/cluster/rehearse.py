@@ -1,0 +1,310 @@
+"""The cluster rehearsal: lit_grpo trained across two trainer "hosts" (network namespaces, see
+`benchmarks/cluster/netns.py`) launched as docs/guides/multi-node.md tells users to, then faults.
+
+    make rehearse-cluster                                    # everything below (root, ip netns)
+    python -m benchmarks.cluster.rehearse --short            # what CI runs: one clean run, one fault, resume
+    python -m benchmarks.cluster.rehearse --faults kill-train-1 --repeats 5
+
+Stages:
+
+1. **Across two nodes.** torchrun on `train-0` and `train-1` (`--nnodes=2 --nproc-per-node=1
+   --rdzv-backend=c10d --rdzv-endpoint=train-0:29400`), `python -m lit_grpo.train` with DDP over gloo,
+   the output folder shared by path (the namespaces share the machine's file system, as nodes share
+   a network file system). It must end 0, both ranks training (the logged groups per step are twice
+   one rank's), its checkpoints whole.
+2. **The same run on one node** (Lightning's launcher, `trainer.devices=2`): the final weights must be
+   bit-identical to stage 1's (the same ranks, rows, seeds and gloo sums; only the transport differs).
+3. **Faults**, each `--repeats` times at different moments (after 2, 3, ... checkpoints): a SIGKILL to
+   the trainer worker on node 1 or on node 0, node 1's link down for `--link-down-s` seconds. For
+   each: the seconds until every process of the run has ended (from the fault), each node's exit code
+   and `error:` line, any traceback, anything left running in the namespaces, the checkpoints whole;
+   then the run relaunched on both nodes with `resume=auto` to the end, and its final weights
+   compared with stage 1's (bit-identical expected).
+
+The summary table is printed at the end (and written to `--out`, JSON).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from benchmarks.cluster.netns import Cluster, _namespace_pids, available
+
+REPO = Path(__file__).resolve().parents[2]
+TRAINERS = ("train-0", "train-1")
+RDZV_PORT = 29400
+RUN = [
+    "+experiment=arithmetic",
+    "trainer.accelerator=cpu",
+    "trainer.devices=1",
+    "trainer.strategy=ddp",
+    "+trainer.extra.num_nodes=2",
+    "offpolicy.synchronous=true",
+    "checkpoint.save_interval=2",
+    "trainer.enable_progress_bar=false",
+    "callbacks=none",
+]
+FAULTS = ("kill-train-1", "kill-train-0", "link-down-train-1")
+
+
+def torchrun_command(run_dir: Path, hydra_dir: Path, overrides: list[str]) -> list[str]:
+    """What a user types on each trainer node (docs/guides/multi-node.md)."""
+    return [
+        "torchrun",
+        "--nnodes=2",
+        "--nproc-per-node=1",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=train-0:{RDZV_PORT}",
+        "--rdzv-id=rehearsal",
+        "--max-restarts=0",
+        "-m",
+        "lit_grpo.train",
+        *RUN,
+        *overrides,
+        f"output_dir={run_dir}",
+        f"hydra.run.dir={hydra_dir}",
+    ]
+
+
+def node_env() -> dict[str, str]:
+    python_dir = Path(sys.executable).parent
+    return {
+        "PYTHONPATH": str(REPO),
+        "OMP_NUM_THREADS": "1",
+        "PATH": f"{python_dir}{os.pathsep}{os.environ['PATH']}",
+    }
+
+
+@dataclass
+class Outcome:
+    """One launch on both trainer nodes."""
+
+    fault: str
+    moment: str
+    codes: dict[str, int] = field(default_factory=dict)
+    stop_s: float | None = None
+    errors: dict[str, str] = field(default_factory=dict)
+    tracebacks: list[str] = field(default_factory=list)
+    agent_tracebacks: list[str] = field(default_factory=list)
+    left_running: list[int] = field(default_factory=list)
+    checkpoints_whole: bool | None = None
+    resumed_bit_identical: bool | None = None
+    wall_s: float = 0.0
+
+
+def start_trainers(cluster: Cluster, run_dir: Path, overrides: list[str], tag: str) -> dict[str, subprocess.Popen]:
+    return {
+        node: cluster.popen(
+            node,
+            torchrun_command(run_dir, cluster.log_dir / f"{node}.{tag}.hydra", overrides),
+            env=node_env(),
+            cwd=REPO,
+            label=f"torchrun-{tag}",
+        )
+        for node in TRAINERS
+    }
+
+
+def checkpoints(run_dir: Path) -> list[Path]:
+    root = run_dir / "checkpoints"
+    return sorted(p for p in root.glob("step_*") if p.is_dir()) if root.is_dir() else []
+
+
+def read_outcome(cluster: Cluster, procs: dict[str, subprocess.Popen], outcome: Outcome) -> None:
+    for node, proc in procs.items():
+        outcome.codes[node] = proc.returncode
+        log = cluster.log(proc)
+        lines = [line for line in log.splitlines() if line.startswith("error: ")]
+        if lines:
+            outcome.errors[node] = lines[-1]
+        if worker_tracebacks(log):
+            outcome.tracebacks.append(node)
+        if agent_tracebacks(log):
+            outcome.agent_tracebacks.append(node)
+
+
+def worker_tracebacks(log: str) -> int:
+    """Python tracebacks of lit_grpo's worker in a node's log (a frame in lit_grpo). torchrun's agent
+    prints its own when its worker ends non-zero (`ChildFailedError`) or node 0's agent is gone (its
+    rendezvous store): torchrun's design, counted apart (`agent_tracebacks`)."""
+    blocks = log.split("Traceback (most recent call last):")[1:]
+    return sum("/lit_grpo/" in b for b in blocks)
+
+
+def agent_tracebacks(log: str) -> int:
+    blocks = log.split("Traceback (most recent call last):")[1:]
+    return sum("/lit_grpo/" not in b for b in blocks)
+
+
+def all_whole(run_dir: Path) -> bool:
+    from lit_grpo.run.checkpoint import verify
+
+    return all(verify(step) is None for step in checkpoints(run_dir))
+
+
+def final_weights(run_dir: Path):
+    from safetensors.torch import load_file
+
+    return load_file(run_dir / "final_model" / "model.safetensors")
+
+
+def same_weights(a: Path, b: Path) -> bool:
+    import torch
+
+    wa, wb = final_weights(a), final_weights(b)
+    return wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def clean_run(cluster: Cluster, run_dir: Path, steps: int, timeout_s: float) -> Outcome:
+    outcome = Outcome("none", "-")
+    start = time.monotonic()
+    procs = start_trainers(cluster, run_dir, [f"max_steps={steps}"], "clean")
+    cluster.wait(list(procs.values()), timeout_s)
+    outcome.wall_s = time.monotonic() - start
+    read_outcome(cluster, procs, outcome)
+    outcome.checkpoints_whole = all_whole(run_dir)
+    return outcome
+
+
+def one_node_run(run_dir: Path, steps: int, timeout_s: float) -> int:
+    """The same run as 2 processes on this machine, under Lightning's own launcher."""
+    overrides = [o for o in RUN if not o.startswith(("trainer.devices", "+trainer.extra.num_nodes"))]
+    cmd = [
+        sys.executable,
+        "-m",
+        "lit_grpo.train",
+        *overrides,
+        "trainer.devices=2",
+        f"max_steps={steps}",
+        f"output_dir={run_dir}",
+        f"hydra.run.dir={run_dir}.hydra",
+    ]
+    env = {**os.environ, **node_env()}
+    return subprocess.run(cmd, cwd=REPO, env=env, timeout=timeout_s, capture_output=True).returncode
+
+
+def inject(cluster: Cluster, fault: str, procs: dict[str, subprocess.Popen], link_down_s: float) -> None:
+    if fault.startswith("kill-"):
+        node = fault.removeprefix("kill-")
+        worker = worker_pid(procs[node])
+        os.kill(worker, 9)
+    elif fault.startswith("link-down-"):
+        cluster.link_down(fault.removeprefix("link-down-"), link_down_s)
+    else:
+        raise ValueError(fault)
+
+
+def worker_pid(torchrun: subprocess.Popen) -> int:
+    """The lit_grpo worker a node's torchrun agent started (a child of the agent, in a session of its own)."""
+    for task in Path(f"/proc/{torchrun.pid}/task").iterdir():
+        for pid in (task / "children").read_text().split():
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            if b"lit_grpo.train" in cmd:
+                return int(pid)
+    raise RuntimeError(f"no lit_grpo worker under the torchrun agent pid {torchrun.pid}")
+
+
+def faulted_run(
+    cluster: Cluster,
+    run_dir: Path,
+    reference: Path,
+    fault: str,
+    after_checkpoints: int,
+    steps: int,
+    link_down_s: float,
+    timeout_s: float,
+) -> Outcome:
+    outcome = Outcome(fault, f"after {after_checkpoints} checkpoints")
+    procs = start_trainers(cluster, run_dir, [f"max_steps={steps}"], f"{fault}-{after_checkpoints}")
+    deadline = time.monotonic() + timeout_s
+    while len(checkpoints(run_dir)) < after_checkpoints:
+        if any(p.poll() is not None for p in procs.values()) or time.monotonic() > deadline:
+            read_outcome(cluster, procs, outcome)
+            outcome.errors["driver"] = "the run ended or stalled before the fault"
+            return outcome
+        time.sleep(0.1)
+    faulted = time.monotonic()
+    inject(cluster, fault, procs, link_down_s)
+    try:
+        cluster.wait(list(procs.values()), 120)
+    except Exception:
+        pass
+    outcome.stop_s = time.monotonic() - faulted
+    read_outcome(cluster, procs, outcome)
+    time.sleep(1)
+    outcome.left_running = [pid for pid in _namespace_pids_of(cluster) if pid not in (p.pid for p in procs.values())]
+    outcome.checkpoints_whole = all_whole(run_dir)
+    if fault.startswith("link-down-"):  # the cable back in before the relaunch
+        cluster.link_up(fault.removeprefix("link-down-"))
+    resumed = start_trainers(cluster, run_dir, [f"max_steps={steps}", "resume=auto"], f"{fault}-{after_checkpoints}-resume")
+    cluster.wait(list(resumed.values()), timeout_s)
+    if all(p.returncode == 0 for p in resumed.values()):
+        outcome.resumed_bit_identical = same_weights(run_dir, reference)
+    else:
+        outcome.errors["resume"] = f"codes {[p.returncode for p in resumed.values()]}"
+    return outcome
+
+
+def _namespace_pids_of(cluster: Cluster) -> list[int]:
+    return [pid for node in cluster.nodes.values() for pid in _namespace_pids(node.namespace)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.cluster.rehearse", description=__doc__.split("\n")[0])
+    parser.add_argument("--work-dir", type=Path, default=None, help="runs and logs (a temporary folder by default)")
+    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--faults", nargs="*", default=list(FAULTS), choices=FAULTS)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--link-down-s", type=float, default=90.0)
+    parser.add_argument("--short", action="store_true", help="CI: the clean runs and one kill of node 1's trainer")
+    parser.add_argument("--out", type=Path, default=None, help="the outcomes as JSON")
+    parser.add_argument("--timeout-s", type=float, default=600.0)
+    args = parser.parse_args(argv)
+    reason = available()
+    if reason:
+        print(reason, file=sys.stderr)
+        return 2
+    import tempfile
+
+    work = args.work_dir or Path(tempfile.mkdtemp(prefix="lit_grpo_rehearsal_"))
+    work.mkdir(parents=True, exist_ok=True)
+    faults = ["kill-train-1"] if args.short else args.faults
+    repeats = 1 if args.short else args.repeats
+    outcomes: list[Outcome] = []
+    with Cluster(TRAINERS, log_dir=work / "logs") as cluster:
+        reference = work / "clean"
+        outcomes.append(clean_run(cluster, reference, args.steps, args.timeout_s))
+        one_node = work / "one_node"
+        code = one_node_run(one_node, args.steps, args.timeout_s)
+        identical = code == 0 and outcomes[0].codes == {n: 0 for n in TRAINERS} and same_weights(reference, one_node)
+        print(f"clean run across two nodes: codes {outcomes[0].codes}, {outcomes[0].wall_s:.1f} s; "
+              f"the same run on one node: code {code}; final weights bit-identical: {identical}", flush=True)
+        for fault in faults:
+            for i in range(repeats):
+                outcome = faulted_run(
+                    cluster, work / f"{fault}-{i}", reference, fault, 2 + i, args.steps, args.link_down_s, args.timeout_s
+                )
+                outcomes.append(outcome)
+                print(json.dumps(asdict(outcome)), flush=True)
+    table = [asdict(o) for o in outcomes]
+    if args.out:
+        args.out.write_text(json.dumps({"bit_identical_one_node": identical, "outcomes": table}, indent=1))
+    ok = identical and all(
+        o.resumed_bit_identical and not o.tracebacks and not o.left_running and o.checkpoints_whole
+        and o.stop_s is not None and o.stop_s < 60 and all(c != 0 for c in o.codes.values())
+        for o in outcomes[1:]
+    )
+    print("rehearsal:", "passed" if ok else "FAILED")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
