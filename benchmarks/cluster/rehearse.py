@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import subprocess
 import sys
 import time
@@ -41,6 +40,10 @@ from benchmarks.cluster.netns import Cluster, _namespace_pids, available
 REPO = Path(__file__).resolve().parents[2]
 TRAINERS = ("train-0", "train-1")
 RDZV_PORT = 29400
+CHECKPOINT_EVERY = 2
+RDZV_READ_TIMEOUT_S = 30
+"""torchrun's agent waits this long for its rendezvous store (60 s by default): an agent cut off from
+node 0 gives up after it, instead of when the link comes back."""
 RUN = [
     "+experiment=arithmetic",
     "trainer.accelerator=cpu",
@@ -48,7 +51,7 @@ RUN = [
     "trainer.strategy=ddp",
     "+trainer.extra.num_nodes=2",
     "offpolicy.synchronous=true",
-    "checkpoint.save_interval=2",
+    f"checkpoint.save_interval={CHECKPOINT_EVERY}",
     "trainer.enable_progress_bar=false",
     "callbacks=none",
 ]
@@ -64,6 +67,7 @@ def torchrun_command(run_dir: Path, hydra_dir: Path, overrides: list[str]) -> li
         "--rdzv-backend=c10d",
         f"--rdzv-endpoint=train-0:{RDZV_PORT}",
         "--rdzv-id=rehearsal",
+        f"--rdzv-conf=read_timeout={RDZV_READ_TIMEOUT_S}",
         "--max-restarts=0",
         "-m",
         "lit_grpo.train",
@@ -92,6 +96,8 @@ class Outcome:
     codes: dict[str, int] = field(default_factory=dict)
     stop_s: float | None = None
     errors: dict[str, str] = field(default_factory=dict)
+    worker_stop_s: dict[str, float] = field(default_factory=dict)
+    node_stop_s: dict[str, float] = field(default_factory=dict)
     tracebacks: list[str] = field(default_factory=list)
     agent_tracebacks: list[str] = field(default_factory=list)
     left_running: list[int] = field(default_factory=list)
@@ -116,6 +122,10 @@ def start_trainers(cluster: Cluster, run_dir: Path, overrides: list[str], tag: s
 def checkpoints(run_dir: Path) -> list[Path]:
     root = run_dir / "checkpoints"
     return sorted(p for p in root.glob("step_*") if p.is_dir()) if root.is_dir() else []
+
+
+def newest_step(run_dir: Path) -> int:
+    return max((int(p.name.split("_")[1]) for p in checkpoints(run_dir)), default=0)
 
 
 def read_outcome(cluster: Cluster, procs: dict[str, subprocess.Popen], outcome: Outcome) -> None:
@@ -212,6 +222,14 @@ def worker_pid(torchrun: subprocess.Popen) -> int:
     raise RuntimeError(f"no lit_grpo worker under the torchrun agent pid {torchrun.pid}")
 
 
+def _has_worker(torchrun: subprocess.Popen) -> bool:
+    try:
+        worker_pid(torchrun)
+        return True
+    except (RuntimeError, OSError):
+        return False
+
+
 def faulted_run(
     cluster: Cluster,
     run_dir: Path,
@@ -222,10 +240,10 @@ def faulted_run(
     link_down_s: float,
     timeout_s: float,
 ) -> Outcome:
-    outcome = Outcome(fault, f"after {after_checkpoints} checkpoints")
+    outcome = Outcome(fault, f"after step {CHECKPOINT_EVERY * after_checkpoints}'s checkpoint")
     procs = start_trainers(cluster, run_dir, [f"max_steps={steps}"], f"{fault}-{after_checkpoints}")
     deadline = time.monotonic() + timeout_s
-    while len(checkpoints(run_dir)) < after_checkpoints:
+    while newest_step(run_dir) < CHECKPOINT_EVERY * after_checkpoints:
         if any(p.poll() is not None for p in procs.values()) or time.monotonic() > deadline:
             read_outcome(cluster, procs, outcome)
             outcome.errors["driver"] = "the run ended or stalled before the fault"
@@ -233,18 +251,24 @@ def faulted_run(
         time.sleep(0.1)
     faulted = time.monotonic()
     inject(cluster, fault, procs, link_down_s)
-    try:
-        cluster.wait(list(procs.values()), 120)
-    except Exception:
-        pass
-    outcome.stop_s = time.monotonic() - faulted
+    while time.monotonic() - faulted < 180 and any(p.poll() is None for p in procs.values()):
+        for node, proc in procs.items():
+            if proc.poll() is not None and node not in outcome.node_stop_s:
+                outcome.node_stop_s[node] = round(time.monotonic() - faulted, 1)
+            worker_gone = node in outcome.worker_stop_s or not _has_worker(proc)
+            if worker_gone and node not in outcome.worker_stop_s:
+                outcome.worker_stop_s[node] = round(time.monotonic() - faulted, 1)
+        time.sleep(0.1)
+    outcome.stop_s = time.monotonic() - faulted if all(p.poll() is not None for p in procs.values()) else None
     read_outcome(cluster, procs, outcome)
     time.sleep(1)
     outcome.left_running = [pid for pid in _namespace_pids_of(cluster) if pid not in (p.pid for p in procs.values())]
     outcome.checkpoints_whole = all_whole(run_dir)
     if fault.startswith("link-down-"):  # the cable back in before the relaunch
         cluster.link_up(fault.removeprefix("link-down-"))
-    resumed = start_trainers(cluster, run_dir, [f"max_steps={steps}", "resume=auto"], f"{fault}-{after_checkpoints}-resume")
+    resumed = start_trainers(
+        cluster, run_dir, [f"max_steps={steps}", "resume=auto"], f"{fault}-{after_checkpoints}-resume"
+    )
     cluster.wait(list(resumed.values()), timeout_s)
     if all(p.returncode == 0 for p in resumed.values()):
         outcome.resumed_bit_identical = same_weights(run_dir, reference)
@@ -255,6 +279,110 @@ def faulted_run(
 
 def _namespace_pids_of(cluster: Cluster) -> list[int]:
     return [pid for node in cluster.nodes.values() for pid in _namespace_pids(node.namespace)]
+
+
+SERVERS = ("infer-0", "infer-1")
+SERVER_PORT = 8000
+SERVER_KEY_ENV = "LIT_GRPO_SERVER_KEY"
+SERVED = ["model.num_heads=2"]  # vLLM's CPU attention needs a head size it supports
+
+
+def base_model_folder(work: Path) -> Path:
+    """The demo's policy as built from its seed, saved for the servers' `--model` (the servers load
+    it; the trainer builds the same weights from the same config and seed)."""
+    from lit_grpo.models.load import load_policy, load_tokenizer, save_pretrained
+    from lit_grpo.run.validate import validate
+    from lit_grpo.train import compose_config
+
+    c = validate(compose_config([*RUN, *SERVED, f"output_dir={work / 'unused'}"]))
+    tokenizer = load_tokenizer(c.model)
+    return save_pretrained(load_policy(c.model, tokenizer, c.seed), tokenizer, work / "base_model")
+
+
+def start_servers(cluster: Cluster, folder: Path, key: str, timeout_s: float) -> dict[str, subprocess.Popen]:
+    """`python -m lit_grpo.serve` on each inference node, keyed, on the node's address (as the docs say)."""
+    procs = {
+        node: cluster.popen(
+            node,
+            [
+                sys.executable, "-m", "lit_grpo.serve", "--model", str(folder),
+                "--host", cluster.address(node), "--port", str(SERVER_PORT),
+                "--dtype", "float32", "--seed", "0", "--enforce-eager",
+                "--kv-cache-memory-bytes", "64M", "--max-model-len", "256",
+            ],
+            env={**node_env(), SERVER_KEY_ENV: key},
+            cwd=REPO,
+            label="serve",
+        )
+        for node in SERVERS
+    }  # fmt: skip
+    deadline = time.monotonic() + timeout_s
+    while not all("Application startup complete" in cluster.log(p) for p in procs.values()):
+        for node, proc in procs.items():
+            if proc.poll() is not None:
+                raise RuntimeError(f"the server on {node} ended (code {proc.returncode}):\n{cluster.log(proc)[-3000:]}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the servers did not come up within {timeout_s:.0f} s")
+        time.sleep(1)
+    return procs
+
+
+def served_run(cluster: Cluster, work: Path, steps: int, timeout_s: float) -> dict:
+    """Both trainer nodes sampling from the two keyed servers (rank r from server r), weights synced
+    through a folder both sides read by path; what the run logged of the served logprobs' drift."""
+    import csv
+    import secrets
+
+    key = secrets.token_hex(16)
+    started = time.monotonic()
+    servers = start_servers(cluster, base_model_folder(work), key, timeout_s)
+    up_s = time.monotonic() - started
+    run_dir = work / "served"
+    urls = ",".join(f"http://{node}:{SERVER_PORT}" for node in SERVERS)
+    overrides = [
+        *SERVED,
+        f"max_steps={steps}",
+        "sampler=vllm_server",
+        f"sampler.server_urls=[{urls}]",
+        f"sampler.weight_sync_dir={work / 'weight_sync'}",
+        "sampler.max_completion_tokens=8",
+    ]
+    env_key = {SERVER_KEY_ENV: key}
+    procs = {
+        node: cluster.popen(
+            node,
+            torchrun_command(run_dir, cluster.log_dir / f"{node}.served.hydra", overrides),
+            env={**node_env(), **env_key},
+            cwd=REPO,
+            label="torchrun-served",
+        )
+        for node in TRAINERS
+    }
+    began = time.monotonic()
+    cluster.wait(list(procs.values()), timeout_s)
+    wall = time.monotonic() - began
+    rows = list(csv.DictReader((run_dir / "metrics.csv").open())) if (run_dir / "metrics.csv").is_file() else []
+    k3 = [float(r["train/drift/k3"]) for r in rows if r.get("train/drift/k3")]
+    sync = [float(r["perf/weight_sync_s"]) for r in rows if r.get("perf/weight_sync_s")]
+    step = [float(r["perf/step_s"]) for r in rows if r.get("perf/step_s")]
+    for proc in servers.values():
+        proc.terminate()
+    leaked = [
+        node
+        for node in (*TRAINERS, *SERVERS)
+        if key in "".join(p.read_text(errors="replace") for p in cluster.log_dir.glob(f"{node}.*.log"))
+    ]
+    return {
+        "codes": {node: proc.returncode for node, proc in procs.items()},
+        "servers_up_s": up_s,
+        "wall_s": wall,
+        "steps_logged": len(rows),
+        "max_drift_k3": max(k3) if k3 else None,
+        "median_weight_sync_s": sorted(sync)[len(sync) // 2] if sync else None,
+        "median_step_s": sorted(step)[len(step) // 2] if step else None,
+        "key_in_logs": leaked,
+        "errors": {node: cluster.log(p).splitlines()[-1:] for node, p in procs.items() if p.returncode},
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -285,12 +413,22 @@ def main(argv: list[str] | None = None) -> int:
         one_node = work / "one_node"
         code = one_node_run(one_node, args.steps, args.timeout_s)
         identical = code == 0 and outcomes[0].codes == {n: 0 for n in TRAINERS} and same_weights(reference, one_node)
-        print(f"clean run across two nodes: codes {outcomes[0].codes}, {outcomes[0].wall_s:.1f} s; "
-              f"the same run on one node: code {code}; final weights bit-identical: {identical}", flush=True)
+        print(
+            f"clean run across two nodes: codes {outcomes[0].codes}, {outcomes[0].wall_s:.1f} s; "
+            f"the same run on one node: code {code}; final weights bit-identical: {identical}",
+            flush=True,
+        )
         for fault in faults:
             for i in range(repeats):
                 outcome = faulted_run(
-                    cluster, work / f"{fault}-{i}", reference, fault, 2 + i, args.steps, args.link_down_s, args.timeout_s
+                    cluster,
+                    work / f"{fault}-{i}",
+                    reference,
+                    fault,
+                    2 + i,
+                    args.steps,
+                    args.link_down_s,
+                    args.timeout_s,
                 )
                 outcomes.append(outcome)
                 print(json.dumps(asdict(outcome)), flush=True)
@@ -298,8 +436,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         args.out.write_text(json.dumps({"bit_identical_one_node": identical, "outcomes": table}, indent=1))
     ok = identical and all(
-        o.resumed_bit_identical and not o.tracebacks and not o.left_running and o.checkpoints_whole
-        and o.stop_s is not None and o.stop_s < 60 and all(c != 0 for c in o.codes.values())
+        o.resumed_bit_identical
+        and not o.tracebacks
+        and not o.left_running
+        and o.checkpoints_whole
+        and o.stop_s is not None
+        and o.stop_s < 60
+        and all(c != 0 for c in o.codes.values())
         for o in outcomes[1:]
     )
     print("rehearsal:", "passed" if ok else "FAILED")

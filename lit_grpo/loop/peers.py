@@ -218,6 +218,14 @@ class PeerWatch:
                 if code < 0 or now - ended > 2 * self.heartbeat_s:
                     self._report(f"rank {rank} (pid {proc.pid}) ended with {_exit_status(code)}")
                     return
+            # The store first: a node cut off hears from no peer either, and it is the store it lost.
+            if now - self._store_answered_at > self.timeout_s and not self._peer_done:
+                self._report(
+                    f"the rendezvous store at {self.store_address} did not answer for "
+                    f"{now - self._store_answered_at:.0f} s (guards.peer_timeout_s={self.timeout_s:g}): this node "
+                    f"lost its network, or {self.store_host} is down"
+                )
+                return
             silent = [r for r in self.peers if now - self._moved_at[r] > self.timeout_s]
             if silent:
                 rank = silent[0]
@@ -225,13 +233,6 @@ class PeerWatch:
                     f"rank {rank} ({self._hosts.get(rank, 'host unknown')}) sent no heartbeat for "
                     f"{now - self._moved_at[rank]:.0f} s (guards.peer_timeout_s={self.timeout_s:g}): it was killed, "
                     "its node went down or its network is cut"
-                )
-                return
-            if now - self._store_answered_at > self.timeout_s and not self._peer_done:
-                self._report(
-                    f"the rendezvous store at {self.store_address} did not answer for "
-                    f"{now - self._store_answered_at:.0f} s (guards.peer_timeout_s={self.timeout_s:g}): this node "
-                    f"lost its network, or {self.store_host} is down"
                 )
                 return
 
