@@ -36,6 +36,11 @@ HF_MODEL = "needs a real model (a placeholder path or a hub download)"
 PLACEHOLDER = "a placeholder of the user's own (a data file, a folder, '...')"
 SERVERS = "needs vLLM servers on other hosts or a model folder to serve"
 NODES = "one command of two, on two hosts at once (tests/test_cluster_netns.py runs both in network namespaces)"
+CLUSTER = (
+    "8 GPUs on each of two hosts, with servers and a shared folder (tests/test_cluster_rehearsal.py runs it on "
+    "two namespace hosts with the CPU demo)"
+)
+SLURM = "a SLURM job script (no SLURM here)"
 MAKE = "a make target: installs packages (make help; tests/test_docs_sources.py checks the target exists)"
 BENCH = "a benchmark: minutes, run by hand (docs/results.md has its numbers)"
 LENGTHS = "a real model's completion lengths (512 tokens a sample): hours with the default tiny model on CPU"
@@ -100,6 +105,16 @@ COMMANDS: dict[str, str] = {
     "-m benchmarks.cluster.allreduce_probe": NODES,
     "torchrun --nnodes=2 --nproc-per-node=1 --master-addr=train-0 --master-port=29400 --node-rank=0 "
     "-m benchmarks.cluster.allreduce_probe": NODES,
+    "torchrun --nnodes=2 --nproc-per-node=8 --rdzv-backend=c10d --rdzv-endpoint=train-0:29400 --rdzv-id=grpo-run-1 "
+    "--max-restarts=0 --rdzv-conf=read_timeout=30 -m lit_grpo.train +experiment=gsm8k_disaggregated trainer.devices=8 "
+    "trainer.extra.num_nodes=2 trainer.strategy=fsdp2 output_dir=/shared/runs/grpo-run-1 "
+    "\"sampler.server_urls=['http://infer-0:8000','http://infer-1:8000']\" "
+    "sampler.weight_sync_dir=/shared/lit_grpo/weight_sync": CLUSTER,
+    'export LIT_GRPO_SERVER_KEY="$(cat "$HOME/.config/lit_grpo/server_key")"': SLURM,
+    "srun python -m lit_grpo.train +experiment=gsm8k_disaggregated trainer.devices=8 trainer.extra.num_nodes=2 "
+    "trainer.strategy=fsdp2 resume=auto output_dir=/shared/runs/$SLURM_JOB_NAME "
+    "\"sampler.server_urls=['http://infer-0:8000','http://infer-1:8000']\" "
+    "sampler.weight_sync_dir=/shared/lit_grpo/weight_sync": SLURM,
     "python -m lit_grpo.train sampler.max_completion_tokens=512 rollout.mask_truncated=true "
     "rollout.overlong_buffer_len=128 rollout.overlong_penalty_factor=1.0": LENGTHS,
     "python -m lit_grpo.train +experiment=rehearsal_0p5b hydra.run.dir=outputs/rehearsal": REHEARSAL,
