@@ -174,3 +174,25 @@ def test_communication_errors_are_told_from_others_through_the_chain(text, lost)
     wrapped.__cause__ = RuntimeError(text)
     assert is_communication_error(wrapped) is lost
     assert not is_communication_error(ValueError(text))  # only what torch raises (RuntimeError and its kin)
+
+
+def test_after_a_reset_the_peer_that_stopped_beating_is_named_within_three_heartbeats():
+    store, stop_1, stop_2 = hash_store(), threading.Event(), threading.Event()
+    store.set("host.1", "train-1 (pid 42)")
+    beat(store, 1, stop_1)
+    beat(store, 2, stop_2)
+    w, exits = watch(store, world=3, timeout_s=30)
+    w.start()
+    time.sleep(0.5)
+    stop_1.set()  # rank 1 dies; rank 2 goes on beating
+    time.sleep(0.15)
+    asked = time.monotonic()
+    reason = w.claim(40, "Connection reset by peer")
+    assert time.monotonic() - asked < 3 * 0.1 + 1.0 + 0.5  # three heartbeats and a clock tick, not the 30 s timeout
+    assert reason.startswith(
+        "rank 1 (train-1 (pid 42)) is gone: a collective with it failed (Connection reset by peer) and it sent no "
+        "heartbeat since. Rank 0 stops"
+    ), reason
+    assert not exits.codes
+    stop_2.set()
+    w.close()

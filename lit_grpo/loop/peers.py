@@ -66,16 +66,23 @@ class PeerLost(EnvironmentFault):
     """Another rank of the run stopped (killed, its host down, its link cut) or failed."""
 
 
-def is_communication_error(err: BaseException) -> bool:
-    """Whether `err` (or an error it chains) is a collective or store call failing because a peer went away."""
+def communication_failure(err: BaseException) -> Optional[str]:
+    """What went wrong (`Connection reset by peer`, ...) when `err` (or an error it chains) is a
+    collective or store call failing because a peer went away, else None."""
     seen: set[int] = set()
     e: Optional[BaseException] = err
     while e is not None and id(e) not in seen:
         seen.add(id(e))
-        if isinstance(e, RuntimeError) and any(text in str(e) for text in COMMUNICATION_ERRORS):
-            return True
+        if isinstance(e, RuntimeError):
+            for text in COMMUNICATION_ERRORS:
+                if text in str(e):
+                    return text
         e = e.__cause__ or e.__context__
-    return False
+    return None
+
+
+def is_communication_error(err: BaseException) -> bool:
+    return communication_failure(err) is not None
 
 
 class PeerWatch:
@@ -157,11 +164,24 @@ class PeerWatch:
         """This rank is stopping on its own (its error or a stop signal): the watch no longer ends the process."""
         self._closed.set()
 
-    def claim(self, wait_s: float) -> Optional[str]:
-        """Called by the main thread whose collective failed: wait up to `wait_s` for the watch to
-        name the lost peer; then it is the main thread's to stop the run (the watch will not exit
-        the process). The reason, or None when no peer was found lost."""
-        found = self._found.wait(wait_s)
+    def claim(self, wait_s: float, error: str = "") -> Optional[str]:
+        """Called by the main thread whose collective failed (`error`, its first line): wait up to
+        `wait_s` for the watch to name the lost peer; then it is the main thread's to stop the run
+        (the watch will not exit the process). The reason, or None when no peer was found lost.
+
+        A collective that failed with a reset was cut by a peer that is gone: the peers whose counter
+        has not moved for 3 heartbeats after it are that peer, named without waiting for the timeout."""
+        failed_at = time.monotonic()
+        found = self._found.wait(min(wait_s, 3 * self.heartbeat_s + CLOCK_TICK_S))
+        if not found:
+            silent = [r for r in self.peers if self._moved_at[r] < failed_at]
+            if silent and not self._closed.is_set():
+                rank = silent[0]
+                self._name_lost(
+                    f"rank {rank} ({self._hosts.get(rank, 'host unknown')}) is gone: a collective with it failed "
+                    f"({error}) and it sent no heartbeat since"
+                )
+            found = self._found.wait(max(0.0, wait_s - (time.monotonic() - failed_at)))
         with self._lock:
             if self._exiting:  # too late: the watch is ending the process with this message
                 threading.Event().wait()
@@ -236,12 +256,19 @@ class PeerWatch:
                 )
                 return
 
+    def _name_lost(self, what: str) -> bool:
+        """Record why the run cannot go on, once; False when it was recorded already (or the watch is closed)."""
+        with self._lock:
+            if self._found.is_set() or self._closed.is_set():
+                return False
+            self.lost = f"{what.rstrip('.')}. Rank {self.rank} stops; {self.last_saved()}"
+            self._found.set()
+            return True
+
     def _report(self, what: str) -> None:
         """The run cannot go on: say why once; exit unless the main thread takes the stop over."""
-        if self._found.is_set() or self._closed.is_set():
+        if not self._name_lost(what):
             return
-        self.lost = f"{what.rstrip('.')}. Rank {self.rank} stops; {self.last_saved()}"
-        self._found.set()
         if self._claimed.wait(HANDOVER_S):
             return  # the main thread stops the run with this message
         with self._lock:
@@ -348,7 +375,7 @@ def explain_lost_peer(err: BaseException) -> Optional[PeerLost]:
     watch = _active
     if watch is None or not is_communication_error(err):
         return None
-    reason = watch.claim(watch.timeout_s + 2 * watch.heartbeat_s)
+    reason = watch.claim(watch.timeout_s + 2 * watch.heartbeat_s, communication_failure(err) or "")
     if reason is None:
         return PeerLost(
             f"a collective failed ({_first_line(err)}), and no rank was found lost within "
