@@ -107,11 +107,26 @@ def assert_checkpoints_whole(run_dir: Path) -> None:
         assert verify(step) is None, step
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
-def test_a_killed_rank_1_stops_rank_0_with_its_name_and_the_run_resumes(strategy, tmp_path):
+def wait_for_a_checkpoint_in_progress(run_dir: Path, proc: subprocess.Popen, timeout_s: float = 120) -> None:
+    """Until a checkpoint's staging folder exists (its shards being written), polled every 2 ms."""
+    deadline = time.monotonic() + timeout_s
+    root = run_dir / "checkpoints"
+    while time.monotonic() < deadline and proc.poll() is None:
+        if root.is_dir() and any(p.name.startswith(".tmp-step_") for p in root.iterdir()):
+            return
+        time.sleep(0.002)
+    pytest.fail("no checkpoint was seen in progress")
+
+
+@pytest.mark.parametrize(
+    "strategy, moment", [("ddp", "training"), ("fsdp2", "training"), ("ddp", "checkpoint"), ("fsdp2", "checkpoint")]
+)
+def test_a_killed_rank_1_stops_rank_0_with_its_name_and_the_run_resumes(strategy, moment, tmp_path):
     run_dir = tmp_path / "run"
     proc = start(run_dir, "max_steps=400", f"trainer.strategy={strategy}")
     wait_for_steps(run_dir, proc, 2)
+    if moment == "checkpoint":
+        wait_for_a_checkpoint_in_progress(run_dir, proc)
     os.kill(rank_pids(proc)[1], signal.SIGKILL)
     took, err = stopped(proc, time.monotonic())
     assert proc.returncode == 2
