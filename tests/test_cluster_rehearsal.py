@@ -32,7 +32,7 @@ def test_the_short_rehearsal_trains_across_two_nodes_and_survives_a_killed_train
     out = tmp_path / "result.json"
     code = main(["--short", "--steps", "24", "--work-dir", str(tmp_path / "work"), "--out", str(out)])
     result = json.loads(out.read_text())
-    assert result["bit_identical_one_node"], result
+    assert result["bit_identical_one_node"] == {"ddp": True}, result
     clean, killed = result["outcomes"]
     assert clean["codes"] == {"train-0": 0, "train-1": 0}, clean
     assert killed["fault"] == "kill-train-1"

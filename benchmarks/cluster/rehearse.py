@@ -48,7 +48,6 @@ RUN = [
     "+experiment=arithmetic",
     "trainer.accelerator=cpu",
     "trainer.devices=1",
-    "trainer.strategy=ddp",
     "+trainer.extra.num_nodes=2",
     "offpolicy.synchronous=true",
     f"checkpoint.save_interval={CHECKPOINT_EVERY}",
@@ -173,10 +172,12 @@ def same_weights(a: Path, b: Path) -> bool:
     return wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
-def clean_run(cluster: Cluster, run_dir: Path, steps: int, timeout_s: float) -> Outcome:
-    outcome = Outcome("none", "-")
+def clean_run(cluster: Cluster, run_dir: Path, steps: int, timeout_s: float, strategy: str = "ddp") -> Outcome:
+    outcome = Outcome("none", f"{strategy}: no fault")
     start = time.monotonic()
-    procs = start_trainers(cluster, run_dir, [f"max_steps={steps}"], "clean")
+    procs = start_trainers(
+        cluster, run_dir, [f"max_steps={steps}", f"trainer.strategy={strategy}"], f"clean-{strategy}"
+    )
     cluster.wait(list(procs.values()), timeout_s)
     outcome.wall_s = time.monotonic() - start
     read_outcome(cluster, procs, outcome)
@@ -184,7 +185,7 @@ def clean_run(cluster: Cluster, run_dir: Path, steps: int, timeout_s: float) -> 
     return outcome
 
 
-def one_node_run(run_dir: Path, steps: int, timeout_s: float) -> int:
+def one_node_run(run_dir: Path, steps: int, timeout_s: float, strategy: str = "ddp") -> int:
     """The same run as 2 processes on this machine, under Lightning's own launcher."""
     overrides = [o for o in RUN if not o.startswith(("trainer.devices", "+trainer.extra.num_nodes"))]
     cmd = [
@@ -193,6 +194,7 @@ def one_node_run(run_dir: Path, steps: int, timeout_s: float) -> int:
         "lit_grpo.train",
         *overrides,
         "trainer.devices=2",
+        f"trainer.strategy={strategy}",
         f"max_steps={steps}",
         f"output_dir={run_dir}",
         f"hydra.run.dir={run_dir}.hydra",
@@ -241,7 +243,9 @@ def faulted_run(
     timeout_s: float,
 ) -> Outcome:
     outcome = Outcome(fault, f"after step {CHECKPOINT_EVERY * after_checkpoints}'s checkpoint")
-    procs = start_trainers(cluster, run_dir, [f"max_steps={steps}"], f"{fault}-{after_checkpoints}")
+    procs = start_trainers(
+        cluster, run_dir, [f"max_steps={steps}", "trainer.strategy=ddp"], f"{fault}-{after_checkpoints}"
+    )
     deadline = time.monotonic() + timeout_s
     while newest_step(run_dir) < CHECKPOINT_EVERY * after_checkpoints:
         if any(p.poll() is not None for p in procs.values()) or time.monotonic() > deadline:
@@ -284,6 +288,8 @@ def _namespace_pids_of(cluster: Cluster) -> list[int]:
 SERVERS = ("infer-0", "infer-1")
 SERVER_PORT = 8000
 SERVER_KEY_ENV = "LIT_GRPO_SERVER_KEY"
+SERVED_DRIFT_K3_MAX = 1e-4
+"""The served logprobs against the trainer's after each sync (float32 both sides): k3 drift of float rounding."""
 SERVED = ["model.num_heads=2"]  # vLLM's CPU attention needs a head size it supports
 
 
@@ -338,10 +344,11 @@ def served_run(cluster: Cluster, work: Path, steps: int, timeout_s: float) -> di
     servers = start_servers(cluster, base_model_folder(work), key, timeout_s)
     up_s = time.monotonic() - started
     run_dir = work / "served"
-    urls = ",".join(f"http://{node}:{SERVER_PORT}" for node in SERVERS)
+    urls = ",".join(f"'http://{node}:{SERVER_PORT}'" for node in SERVERS)
     overrides = [
         *SERVED,
         f"max_steps={steps}",
+        "trainer.strategy=ddp",
         "sampler=vllm_server",
         f"sampler.server_urls=[{urls}]",
         f"sampler.weight_sync_dir={work / 'weight_sync'}",
@@ -372,8 +379,10 @@ def served_run(cluster: Cluster, work: Path, steps: int, timeout_s: float) -> di
         for node in (*TRAINERS, *SERVERS)
         if key in "".join(p.read_text(errors="replace") for p in cluster.log_dir.glob(f"{node}.*.log"))
     ]
+    codes = {node: proc.returncode for node, proc in procs.items()}
     return {
-        "codes": {node: proc.returncode for node, proc in procs.items()},
+        "ok": set(codes.values()) == {0} and not leaked and bool(k3) and max(k3) < SERVED_DRIFT_K3_MAX,
+        "codes": codes,
         "servers_up_s": up_s,
         "wall_s": wall,
         "steps_logged": len(rows),
@@ -383,6 +392,14 @@ def served_run(cluster: Cluster, work: Path, steps: int, timeout_s: float) -> di
         "key_in_logs": leaked,
         "errors": {node: cluster.log(p).splitlines()[-1:] for node, p in procs.items() if p.returncode},
     }
+
+
+def median_metric(run_dir: Path, name: str) -> float:
+    import csv
+    import statistics
+
+    rows = csv.DictReader((run_dir / "metrics.csv").open())
+    return statistics.median(float(r[name]) for r in rows if r.get(name))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -395,6 +412,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--short", action="store_true", help="CI: the clean runs and one kill of node 1's trainer")
     parser.add_argument("--out", type=Path, default=None, help="the outcomes as JSON")
     parser.add_argument("--timeout-s", type=float, default=600.0)
+    parser.add_argument(
+        "--served", action="store_true", help="also: both nodes sampling from keyed vLLM servers on infer-0 and infer-1"
+    )
     args = parser.parse_args(argv)
     reason = available()
     if reason:
@@ -407,17 +427,27 @@ def main(argv: list[str] | None = None) -> int:
     faults = ["kill-train-1"] if args.short else args.faults
     repeats = 1 if args.short else args.repeats
     outcomes: list[Outcome] = []
-    with Cluster(TRAINERS, log_dir=work / "logs") as cluster:
-        reference = work / "clean"
-        outcomes.append(clean_run(cluster, reference, args.steps, args.timeout_s))
-        one_node = work / "one_node"
-        code = one_node_run(one_node, args.steps, args.timeout_s)
-        identical = code == 0 and outcomes[0].codes == {n: 0 for n in TRAINERS} and same_weights(reference, one_node)
-        print(
-            f"clean run across two nodes: codes {outcomes[0].codes}, {outcomes[0].wall_s:.1f} s; "
-            f"the same run on one node: code {code}; final weights bit-identical: {identical}",
-            flush=True,
-        )
+    served: dict | None = None
+    with Cluster(TRAINERS + SERVERS if args.served else TRAINERS, log_dir=work / "logs") as cluster:
+        identical = {}
+        for strategy in ("ddp",) if args.short else ("ddp", "fsdp2"):
+            across = work / f"clean-{strategy}"
+            outcomes.append(clean_run(cluster, across, args.steps, args.timeout_s, strategy))
+            one_node = work / f"one-node-{strategy}"
+            code = one_node_run(one_node, args.steps, args.timeout_s, strategy)
+            ended = outcomes[-1].codes == {n: 0 for n in TRAINERS}
+            identical[strategy] = code == 0 and ended and same_weights(across, one_node)
+            print(
+                f"{strategy} across two nodes: codes {outcomes[-1].codes}, {outcomes[-1].wall_s:.1f} s; the same run "
+                f"on one node: code {code}; final weights bit-identical: {identical[strategy]}",
+                flush=True,
+            )
+        reference = work / "clean-ddp"
+        step_s = median_metric(reference, "perf/step_s")
+        print(f"  its median step: {step_s:.3f} s", flush=True)
+        if args.served:
+            served = served_run(cluster, work, args.steps, args.timeout_s)
+            print("served:", json.dumps(served), flush=True)
         for fault in faults:
             for i in range(repeats):
                 outcome = faulted_run(
@@ -434,16 +464,24 @@ def main(argv: list[str] | None = None) -> int:
                 print(json.dumps(asdict(outcome)), flush=True)
     table = [asdict(o) for o in outcomes]
     if args.out:
-        args.out.write_text(json.dumps({"bit_identical_one_node": identical, "outcomes": table}, indent=1))
-    ok = identical and all(
-        o.resumed_bit_identical
-        and not o.tracebacks
-        and not o.left_running
-        and o.checkpoints_whole
-        and o.stop_s is not None
-        and o.stop_s < 60
-        and all(c != 0 for c in o.codes.values())
-        for o in outcomes[1:]
+        result = {"bit_identical_one_node": identical, "median_step_s": step_s, "served": served, "outcomes": table}
+        args.out.write_text(json.dumps(result, indent=1))
+    clean = [o for o in outcomes if o.fault == "none"]
+    ok = (
+        all(identical.values())
+        and (served is None or served["ok"])
+        and all(
+            o.resumed_bit_identical
+            and not o.tracebacks
+            and not o.left_running
+            and o.checkpoints_whole
+            and o.stop_s is not None
+            and o.stop_s < 60
+            and all(c != 0 for c in o.codes.values())
+            for o in outcomes
+            if o.fault != "none"
+        )
+        and all(set(o.codes.values()) == {0} for o in clean)
     )
     print("rehearsal:", "passed" if ok else "FAILED")
     return 0 if ok else 1
