@@ -305,7 +305,9 @@ def base_model_folder(work: Path) -> Path:
     return save_pretrained(load_policy(c.model, tokenizer, c.seed), tokenizer, work / "base_model")
 
 
-def start_servers(cluster: Cluster, folder: Path, key: str, timeout_s: float) -> dict[str, subprocess.Popen]:
+def start_servers(
+    cluster: Cluster, folder: Path, key: str, timeout_s: float, only: tuple[str, ...] = SERVERS
+) -> dict[str, subprocess.Popen]:
     """`python -m lit_grpo.serve` on each inference node, keyed, on the node's address (as the docs say)."""
     procs = {
         node: cluster.popen(
@@ -320,7 +322,7 @@ def start_servers(cluster: Cluster, folder: Path, key: str, timeout_s: float) ->
             cwd=REPO,
             label="serve",
         )
-        for node in SERVERS
+        for node in only
     }  # fmt: skip
     deadline = time.monotonic() + timeout_s
     while not all("Application startup complete" in cluster.log(p) for p in procs.values()):
@@ -333,19 +335,12 @@ def start_servers(cluster: Cluster, folder: Path, key: str, timeout_s: float) ->
     return procs
 
 
-def served_run(cluster: Cluster, work: Path, steps: int, timeout_s: float) -> dict:
-    """Both trainer nodes sampling from the two keyed servers (rank r from server r), weights synced
-    through a folder both sides read by path; what the run logged of the served logprobs' drift."""
-    import csv
-    import secrets
+SERVER_FAULTS = ("kill-server-infer-1", "kill-enginecore-infer-0")
 
-    key = secrets.token_hex(16)
-    started = time.monotonic()
-    servers = start_servers(cluster, base_model_folder(work), key, timeout_s)
-    up_s = time.monotonic() - started
-    run_dir = work / "served"
+
+def served_overrides(work: Path, steps: int) -> list[str]:
     urls = ",".join(f"'http://{node}:{SERVER_PORT}'" for node in SERVERS)
-    overrides = [
+    return [
         *SERVED,
         f"max_steps={steps}",
         "trainer.strategy=ddp",
@@ -353,18 +348,50 @@ def served_run(cluster: Cluster, work: Path, steps: int, timeout_s: float) -> di
         f"sampler.server_urls=[{urls}]",
         f"sampler.weight_sync_dir={work / 'weight_sync'}",
         "sampler.max_completion_tokens=8",
+        "sampler.request_timeout_s=30",
+        "sampler.max_retries=1",
     ]
-    env_key = {SERVER_KEY_ENV: key}
-    procs = {
+
+
+def start_served_trainers(cluster: Cluster, run_dir: Path, overrides: list[str], key: str, tag: str):
+    return {
         node: cluster.popen(
             node,
-            torchrun_command(run_dir, cluster.log_dir / f"{node}.served.hydra", overrides),
-            env={**node_env(), **env_key},
+            torchrun_command(run_dir, cluster.log_dir / f"{node}.{tag}.hydra", overrides),
+            env={**node_env(), SERVER_KEY_ENV: key},
             cwd=REPO,
-            label="torchrun-served",
+            label=f"torchrun-{tag}",
         )
         for node in TRAINERS
     }
+
+
+def engine_core_pid(server: subprocess.Popen) -> int:
+    """The EngineCore process of a vLLM server (a child of its API process, titled `VLLM::EngineCore`)."""
+    for task in Path(f"/proc/{server.pid}/task").iterdir():
+        for pid in (task / "children").read_text().split():
+            if "EngineCore" in Path(f"/proc/{pid}/cmdline").read_text(errors="replace"):
+                return int(pid)
+    raise RuntimeError(f"no EngineCore under the server pid {server.pid}")
+
+
+def served_run(cluster: Cluster, work: Path, steps: int, timeout_s: float, faults: bool) -> dict:
+    """Both trainer nodes sampling from the two keyed servers (rank r from server r), weights synced
+    through a folder both sides read by path: what the run logged of the served logprobs' drift
+    against the trainer's, its step and sync seconds. With `faults`, then each of SERVER_FAULTS
+    once, after step 4's checkpoint: how long until both trainers stopped, their messages, then the
+    server restarted and the run relaunched with resume=auto (it must end 0; vLLM's sampling is
+    not bit-reproducible across a restart, so the weights are not compared)."""
+    import csv
+    import secrets
+
+    key = secrets.token_hex(16)
+    folder = base_model_folder(work)
+    started = time.monotonic()
+    servers = start_servers(cluster, folder, key, timeout_s)
+    up_s = time.monotonic() - started
+    run_dir = work / "served"
+    procs = start_served_trainers(cluster, run_dir, served_overrides(work, steps), key, "served")
     began = time.monotonic()
     cluster.wait(list(procs.values()), timeout_s)
     wall = time.monotonic() - began
@@ -372,16 +399,8 @@ def served_run(cluster: Cluster, work: Path, steps: int, timeout_s: float) -> di
     k3 = [float(r["train/drift/k3"]) for r in rows if r.get("train/drift/k3")]
     sync = [float(r["perf/weight_sync_s"]) for r in rows if r.get("perf/weight_sync_s")]
     step = [float(r["perf/step_s"]) for r in rows if r.get("perf/step_s")]
-    for proc in servers.values():
-        proc.terminate()
-    leaked = [
-        node
-        for node in (*TRAINERS, *SERVERS)
-        if key in "".join(p.read_text(errors="replace") for p in cluster.log_dir.glob(f"{node}.*.log"))
-    ]
     codes = {node: proc.returncode for node, proc in procs.items()}
-    return {
-        "ok": set(codes.values()) == {0} and not leaked and bool(k3) and max(k3) < SERVED_DRIFT_K3_MAX,
+    result: dict = {
         "codes": codes,
         "servers_up_s": up_s,
         "wall_s": wall,
@@ -389,9 +408,56 @@ def served_run(cluster: Cluster, work: Path, steps: int, timeout_s: float) -> di
         "max_drift_k3": max(k3) if k3 else None,
         "median_weight_sync_s": sorted(sync)[len(sync) // 2] if sync else None,
         "median_step_s": sorted(step)[len(step) // 2] if step else None,
-        "key_in_logs": leaked,
         "errors": {node: cluster.log(p).splitlines()[-1:] for node, p in procs.items() if p.returncode},
+        "faults": [],
     }
+    for fault in SERVER_FAULTS if faults else ():
+        outcome = Outcome(fault, "after step 4's checkpoint")
+        fault_dir = work / fault
+        procs = start_served_trainers(cluster, fault_dir, served_overrides(work, 400), key, fault)
+        while newest_step(fault_dir) < 4 and all(p.poll() is None for p in procs.values()):
+            time.sleep(0.1)
+        node = fault.rsplit("-", 2)[-2] + "-" + fault.rsplit("-", 1)[-1]  # infer-0 / infer-1
+        victim = servers[node].pid if fault.startswith("kill-server") else engine_core_pid(servers[node])
+        faulted = time.monotonic()
+        os.kill(victim, 9)
+        while time.monotonic() - faulted < 180 and any(p.poll() is None for p in procs.values()):
+            for name, proc in procs.items():
+                if proc.poll() is not None and name not in outcome.node_stop_s:
+                    outcome.node_stop_s[name] = round(time.monotonic() - faulted, 1)
+            time.sleep(0.1)
+        outcome.stop_s = time.monotonic() - faulted if all(p.poll() is not None for p in procs.values()) else None
+        read_outcome(cluster, procs, outcome)
+        outcome.checkpoints_whole = all_whole(fault_dir)
+        servers[node].kill()
+        servers[node].wait()
+        servers.update(start_servers(cluster, folder, key, timeout_s, only=(node,)))
+        relaunch = served_overrides(work, newest_step(fault_dir) + 4) + ["resume=auto"]
+        resumed = start_served_trainers(cluster, fault_dir, relaunch, key, f"{fault}-resume")
+        cluster.wait(list(resumed.values()), timeout_s)
+        outcome.resumed_bit_identical = None
+        if any(p.returncode for p in resumed.values()):
+            outcome.errors["resume"] = f"codes {[p.returncode for p in resumed.values()]}"
+        result["faults"].append(asdict(outcome))
+        print(json.dumps(asdict(outcome)), flush=True)
+    for proc in servers.values():
+        proc.terminate()
+    logs = {
+        node: "".join(p.read_text(errors="replace") for p in cluster.log_dir.glob(f"{node}.*.log"))
+        for node in cluster.nodes
+    }
+    result["key_in_logs"] = [node for node, text in logs.items() if key in text]
+    result["ok"] = (
+        set(codes.values()) == {0}
+        and not result["key_in_logs"]
+        and bool(k3)
+        and max(k3) < SERVED_DRIFT_K3_MAX
+        and all(
+            f["stop_s"] is not None and f["stop_s"] < 60 and not f["tracebacks"] and "resume" not in f["errors"]
+            for f in result["faults"]
+        )
+    )
+    return result
 
 
 def median_metric(run_dir: Path, name: str) -> float:
@@ -446,7 +512,7 @@ def main(argv: list[str] | None = None) -> int:
         step_s = median_metric(reference, "perf/step_s")
         print(f"  its median step: {step_s:.3f} s", flush=True)
         if args.served:
-            served = served_run(cluster, work, args.steps, args.timeout_s)
+            served = served_run(cluster, work, args.steps, args.timeout_s, faults=not args.short)
             print("served:", json.dumps(served), flush=True)
         for fault in faults:
             for i in range(repeats):

@@ -243,7 +243,8 @@ class PeerWatch:
                 self._report(
                     f"the rendezvous store at {self.store_address} did not answer for "
                     f"{now - self._store_answered_at:.0f} s (guards.peer_timeout_s={self.timeout_s:g}): this node "
-                    f"lost its network, or {self.store_host} is down"
+                    f"lost its network, or {self.store_host} is down",
+                    cut_off=True,
                 )
                 return
             silent = [r for r in self.peers if now - self._moved_at[r] > self.timeout_s]
@@ -265,8 +266,9 @@ class PeerWatch:
             self._found.set()
             return True
 
-    def _report(self, what: str) -> None:
-        """The run cannot go on: say why once; exit unless the main thread takes the stop over."""
+    def _report(self, what: str, cut_off: bool = False) -> None:
+        """The run cannot go on: say why once; exit unless the main thread takes the stop over.
+        `cut_off`: this node lost the store; its torchrun agent goes too (`end_torchrun_agent`)."""
         if not self._name_lost(what):
             return
         if self._claimed.wait(HANDOVER_S):
@@ -278,9 +280,28 @@ class PeerWatch:
         log.error("stopped: PeerLost (its message follows)")
         print(f"error: {self.lost}", file=sys.stderr, flush=True)
         end_children(self.children.values())
+        if cut_off:
+            end_torchrun_agent()
         logging.shutdown()
         sys.stdout.flush()
         self._exit(EXIT_USER_ERROR)
+
+
+def end_torchrun_agent() -> None:
+    """SIGKILL this worker's torchrun agent (its parent), if it is one. On a node cut off from the
+    rendezvous store the agent, once its worker ended, waits for the store until the network comes
+    back (seen: until the link came back 90 s later, whatever its read timeout): the node's job then
+    never ends. The agent has nothing left to do there but report its worker's failure."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return
+    agent = os.getppid()
+    try:
+        command = open(f"/proc/{agent}/cmdline", "rb").read().replace(b"\0", b" ")
+    except OSError:
+        return
+    if b"torchrun" in command or b"torch.distributed.run" in command:
+        log.warning("ending this node's torchrun agent (pid %d): it cannot reach the store either", agent)
+        os.kill(agent, signal.SIGKILL)
 
 
 def _exit_status(code: int) -> str:
