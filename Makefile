@@ -108,7 +108,7 @@ bench-train-step-trl: install ## One optimizer step, lit_grpo vs TRL's GRPOTrain
 	$(PYTHON) -m benchmarks.train_step_trl --trl-python $(TRL_VENV)/bin/python
 
 rehearse-cluster: install ## Two trainer nodes in network namespaces (root): torchrun across them, then each fault 5 times
-	$(PYTHON) -m benchmarks.cluster.rehearse --out rehearsal_cluster.json
+	$(PYTHON) -m benchmarks.cluster.rehearse --served --out rehearsal_cluster.json
 
 clean: ## Remove run outputs, caches and the built docs
 	rm -rf outputs multirun lightning_logs .pytest_cache site

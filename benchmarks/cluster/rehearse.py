@@ -471,7 +471,7 @@ def median_metric(run_dir: Path, name: str) -> float:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.cluster.rehearse", description=__doc__.split("\n")[0])
     parser.add_argument("--work-dir", type=Path, default=None, help="runs and logs (a temporary folder by default)")
-    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--faults", nargs="*", default=list(FAULTS), choices=FAULTS)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--link-down-s", type=float, default=90.0)
