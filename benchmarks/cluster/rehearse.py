@@ -1,27 +1,38 @@
-"""The cluster rehearsal: lit_grpo trained across two trainer "hosts" (network namespaces, see
-`benchmarks/cluster/netns.py`) launched as docs/guides/multi-node.md tells users to, then faults.
+"""The cluster rehearsal: lit_grpo trained across two trainer "hosts" and two inference "hosts"
+(network namespaces, `benchmarks/cluster/netns.py`; root needed) launched as
+docs/guides/multi-node.md tells users to, then any process killed and the network cut.
 
-    make rehearse-cluster                                    # everything below (root, ip netns)
-    python -m benchmarks.cluster.rehearse --short            # what CI runs: one clean run, one fault, resume
+    make rehearse-cluster                                   # everything below, --served included
+    python -m benchmarks.cluster.rehearse --short           # what CI runs: DDP across and on one node, one kill, resume
     python -m benchmarks.cluster.rehearse --faults kill-train-1 --repeats 5
 
 Stages:
 
-1. **Across two nodes.** torchrun on `train-0` and `train-1` (`--nnodes=2 --nproc-per-node=1
-   --rdzv-backend=c10d --rdzv-endpoint=train-0:29400`), `python -m lit_grpo.train` with DDP over gloo,
-   the output folder shared by path (the namespaces share the machine's file system, as nodes share
-   a network file system). It must end 0, both ranks training (the logged groups per step are twice
-   one rank's), its checkpoints whole.
-2. **The same run on one node** (Lightning's launcher, `trainer.devices=2`): the final weights must be
-   bit-identical to stage 1's (the same ranks, rows, seeds and gloo sums; only the transport differs).
-3. **Faults**, each `--repeats` times at different moments (after 2, 3, ... checkpoints): a SIGKILL to
-   the trainer worker on node 1 or on node 0, node 1's link down for `--link-down-s` seconds. For
-   each: the seconds until every process of the run has ended (from the fault), each node's exit code
-   and `error:` line, any traceback, anything left running in the namespaces, the checkpoints whole;
-   then the run relaunched on both nodes with `resume=auto` to the end, and its final weights
-   compared with stage 1's (bit-identical expected).
+1. **Across two nodes, DDP and FSDP2.** torchrun on `train-0` and `train-1` (`--nnodes=2
+   --nproc-per-node=1 --rdzv-backend=c10d --rdzv-endpoint=train-0:29400 --max-restarts=0
+   --rdzv-conf=read_timeout=30`), `python -m lit_grpo.train +experiment=arithmetic` (synchronous,
+   the `hf` sampler) over gloo, the output folder shared by path (the namespaces share the machine's
+   file system as nodes share a network one). Both nodes must end 0, their checkpoints whole.
+2. **The same run on one node** (Lightning's launcher, `trainer.devices=2`): its final weights must
+   be bit-identical to stage 1's (the same ranks, rows, seeds and gloo sums; only the transport differs).
+3. **Served** (`--served`): `python -m lit_grpo.serve` on `infer-0` and `infer-1`, keyed
+   (LIT_GRPO_SERVER_KEY), listening on the node's address; both trainer nodes with
+   `sampler=vllm_server` and the two URLs (rank r samples from and syncs server r), the weight-sync
+   folder shared by path. Reported: the served logprobs' drift against the trainer's after each sync
+   (`train/drift/k3`, float32 both sides), the median step and sync, whether the key shows in any
+   log. Then a SIGKILL to the server on `infer-1`, and to the EngineCore of the one on `infer-0`
+   (each once, after step 4's checkpoint): the seconds until both trainers ended and their messages;
+   the server restarted and the run relaunched with `resume=auto` must end 0 (vLLM's sampling is not
+   bit-reproducible across a restart, so no weights are compared).
+4. **Faults** on stage 1's DDP run, each `--repeats` times at different moments (after step 4's,
+   6's, ... checkpoint): a SIGKILL to the trainer worker on node 1 or on node 0, node 1's link down
+   for `--link-down-s` seconds. For each: the seconds from the fault until each node's worker and
+   torchrun agent ended, each node's exit code and `error:` line, tracebacks of lit_grpo's (and,
+   apart, torchrun's own reports), anything left running in the namespaces, the checkpoints whole;
+   then the run relaunched on both nodes with `resume=auto` to the end, its final weights compared
+   with stage 1's (bit-identical expected).
 
-The summary table is printed at the end (and written to `--out`, JSON).
+The outcomes are printed as they come (one JSON line each), and written to `--out`.
 """
 
 from __future__ import annotations
