@@ -21,9 +21,9 @@ Stages:
    folder shared by path. Reported: the served logprobs' drift against the trainer's after each sync
    (`train/drift/k3`, float32 both sides), the median step and sync, whether the key shows in any
    log. Then a SIGKILL to the server on `infer-1`, and to the EngineCore of the one on `infer-0`
-   (each once, after step 4's checkpoint): the seconds until both trainers ended and their messages;
-   the server restarted and the run relaunched with `resume=auto` must end 0 (vLLM's sampling is not
-   bit-reproducible across a restart, so no weights are compared).
+   (each `--repeats` times, after step 4's, 6's, ... checkpoint): the seconds until both trainers
+   ended and their messages; the server restarted and the run relaunched with `resume=auto` must end
+   0 (vLLM's sampling is not bit-reproducible across a restart, so no weights are compared).
 4. **Faults** on stage 1's DDP run, each `--repeats` times at different moments (after step 4's,
    6's, ... checkpoint): a SIGKILL to the trainer worker on node 1 or on node 0, node 1's link down
    for `--link-down-s` seconds. For each: the seconds from the fault until each node's worker and
@@ -386,11 +386,11 @@ def engine_core_pid(server: subprocess.Popen) -> int:
     raise RuntimeError(f"no EngineCore under the server pid {server.pid}")
 
 
-def served_run(cluster: Cluster, work: Path, steps: int, timeout_s: float, faults: bool) -> dict:
+def served_run(cluster: Cluster, work: Path, steps: int, timeout_s: float, repeats: int) -> dict:
     """Both trainer nodes sampling from the two keyed servers (rank r from server r), weights synced
     through a folder both sides read by path: what the run logged of the served logprobs' drift
-    against the trainer's, its step and sync seconds. With `faults`, then each of SERVER_FAULTS
-    once, after step 4's checkpoint: how long until both trainers stopped, their messages, then the
+    against the trainer's, its step and sync seconds. Then each of SERVER_FAULTS `repeats` times,
+    after step 4's, 6's, ... checkpoint: how long until both trainers stopped, their messages, then the
     server restarted and the run relaunched with resume=auto (it must end 0; vLLM's sampling is
     not bit-reproducible across a restart, so the weights are not compared)."""
     import csv
@@ -422,11 +422,12 @@ def served_run(cluster: Cluster, work: Path, steps: int, timeout_s: float, fault
         "errors": {node: cluster.log(p).splitlines()[-1:] for node, p in procs.items() if p.returncode},
         "faults": [],
     }
-    for fault in SERVER_FAULTS if faults else ():
-        outcome = Outcome(fault, "after step 4's checkpoint")
-        fault_dir = work / fault
-        procs = start_served_trainers(cluster, fault_dir, served_overrides(work, 400), key, fault)
-        while newest_step(fault_dir) < 4 and all(p.poll() is None for p in procs.values()):
+    for fault, i in [(f, i) for f in SERVER_FAULTS for i in range(repeats)]:
+        at = CHECKPOINT_EVERY * (2 + i)
+        outcome = Outcome(fault, f"after step {at}'s checkpoint")
+        fault_dir = work / f"{fault}-{i}"
+        procs = start_served_trainers(cluster, fault_dir, served_overrides(work, 400), key, f"{fault}-{i}")
+        while newest_step(fault_dir) < at and all(p.poll() is None for p in procs.values()):
             time.sleep(0.1)
         node = fault.rsplit("-", 2)[-2] + "-" + fault.rsplit("-", 1)[-1]  # infer-0 / infer-1
         victim = servers[node].pid if fault.startswith("kill-server") else engine_core_pid(servers[node])
@@ -444,7 +445,7 @@ def served_run(cluster: Cluster, work: Path, steps: int, timeout_s: float, fault
         servers[node].wait()
         servers.update(start_servers(cluster, folder, key, timeout_s, only=(node,)))
         relaunch = served_overrides(work, newest_step(fault_dir) + 4) + ["resume=auto"]
-        resumed = start_served_trainers(cluster, fault_dir, relaunch, key, f"{fault}-resume")
+        resumed = start_served_trainers(cluster, fault_dir, relaunch, key, f"{fault}-{i}-resume")
         cluster.wait(list(resumed.values()), timeout_s)
         outcome.resumed_bit_identical = None
         if any(p.returncode for p in resumed.values()):
@@ -523,7 +524,7 @@ def main(argv: list[str] | None = None) -> int:
         step_s = median_metric(reference, "perf/step_s")
         print(f"  its median step: {step_s:.3f} s", flush=True)
         if args.served:
-            served = served_run(cluster, work, args.steps, args.timeout_s, faults=not args.short)
+            served = served_run(cluster, work, args.steps, args.timeout_s, 0 if args.short else repeats)
             print("served:", json.dumps(served), flush=True)
         for fault in faults:
             for i in range(repeats):
