@@ -119,7 +119,13 @@ def wait_for_a_checkpoint_in_progress(run_dir: Path, proc: subprocess.Popen, tim
 
 
 @pytest.mark.parametrize(
-    "strategy, moment", [("ddp", "training"), ("fsdp2", "training"), ("ddp", "checkpoint"), ("fsdp2", "checkpoint")]
+    "strategy, moment",
+    [
+        pytest.param("ddp", "training", marks=pytest.mark.nightly),  # the rehearsal's kills cover it in CI
+        ("fsdp2", "training"),
+        ("ddp", "checkpoint"),
+        pytest.param("fsdp2", "checkpoint", marks=pytest.mark.nightly),
+    ],
 )
 def test_a_killed_rank_1_stops_rank_0_with_its_name_and_the_run_resumes(strategy, moment, tmp_path):
     run_dir = tmp_path / "run"
