@@ -220,7 +220,7 @@ def inject(cluster: Cluster, fault: str, procs: dict[str, subprocess.Popen], lin
         worker = worker_pid(procs[node])
         os.kill(worker, 9)
     elif fault.startswith("link-down-"):
-        cluster.link_down(fault.removeprefix("link-down-"), link_down_s)
+        cluster.link_down(fault.removeprefix("link-down-"))  # up again by the driver after link_down_s
     else:
         raise ValueError(fault)
 
@@ -279,11 +279,11 @@ def faulted_run(
     time.sleep(1)
     outcome.left_running = [pid for pid in _namespace_pids_of(cluster) if pid not in (p.pid for p in procs.values())]
     outcome.checkpoints_whole = all_whole(run_dir)
-    if fault.startswith("link-down-"):  # the cable back in before the relaunch
+    if fault.startswith("link-down-"):  # the cable back in once the outage is over, before the relaunch
+        time.sleep(max(0.0, link_down_s - (time.monotonic() - faulted)))
         cluster.link_up(fault.removeprefix("link-down-"))
-    resumed = start_trainers(
-        cluster, run_dir, [f"max_steps={steps}", "resume=auto"], f"{fault}-{after_checkpoints}-resume"
-    )
+    relaunch = [f"max_steps={steps}", "trainer.strategy=ddp", "resume=auto"]
+    resumed = start_trainers(cluster, run_dir, relaunch, f"{fault}-{after_checkpoints}-resume")
     cluster.wait(list(resumed.values()), timeout_s)
     if all(p.returncode == 0 for p in resumed.values()):
         outcome.resumed_bit_identical = same_weights(run_dir, reference)
