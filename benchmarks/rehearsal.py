@@ -8,6 +8,7 @@ side by side: seconds per step and peak resident memory. Three sides by default:
     python -m benchmarks.rehearsal --layers 2 --steps 2 --tokens 64          # a quick check
     python -m benchmarks.rehearsal --sides lit --lit-override batching.micro_batch_size=8  # lit_grpo only
     python -m benchmarks.rehearsal --trl-arg use_transformers_paged=true
+    python -m benchmarks.rehearsal --ragged --sides lit_budget,trl --trl-arg gradient_checkpointing=true
 
 Both sides train the same model: the random-init Qwen2.5-0.5B-shaped `model=rehearsal_0p5b` cut to
 `--layers` decoder layers, built by lit_grpo's builder from the same seed (TRL's side writes it to a
@@ -17,12 +18,32 @@ reward; with the same G, prompts per step, completion length, learning rate, β 
 reference), clip ε = 0.2, token-mean loss over the whole step (TRL's `loss_type="dapo"`), AdamW
 (weight decay 0.01, gradient clip 1.0), a constant learning rate, sequences per forward/backward
 (`--micro-batch`: lit_grpo's `batching.micro_batch_size`, TRL's `per_device_train_batch_size`, with
-gradient accumulation over the step), one optimizer step per batch of rollouts, float32, no
-gradient checkpointing. Each side runs in a process of its own, one after the other, so their peaks
-do not mix: a step's time is the wall time between the ends of consecutive optimizer steps (the
-first from the start of training), the median taken over the steps after the first (`--warmup`);
-peak RSS is the process's `ru_maxrss` (model building and loading included). lit_grpo's side runs
-without checkpoints or the final export, as TRL's runs without saving.
+gradient accumulation over the step), one optimizer step per batch of rollouts, float32. Gradient
+checkpointing: lit_grpo's default (`model.gradient_checkpointing` null: on from `hidden_size ×
+num_layers` 16,384, so off for every cut below 19 layers), TRL's off unless `--trl-arg
+gradient_checkpointing=true` (GRPOConfig's own default is on). The `lit_budget` side at the default
+`--token-budget` 2048 is the experiment's own batching, i.e. lit_grpo's defaults (fused LM head,
+padding-free packing, 2,048-token micro-batches). Each side runs in a process of its own, one
+after the other, so their peaks do not mix: a step's time is the wall time between the ends of
+consecutive optimizer steps (the first from the start of training), the median taken over the steps
+after the first (`--warmup`); peak RSS is the process's `ru_maxrss` (model building and loading included). lit_grpo's side runs
+without checkpoints or the final export, as TRL's runs without saving. `sample s` is the sampling
+phase's median seconds a step: lit_grpo's `perf/sample_s` (generate with its per-token scoring, the
+decoding, the reward), TRL's time in its `_generate_single_turn` (generate and the eos mask; its
+reward comes after), so lit_grpo's figure holds a little more work than TRL's.
+
+Ragged completions (`--ragged`). A random-init model rarely samples eos, so without it every
+completion runs to `--tokens` and no padding or packing difference shows. With it, both sides end
+the k-th completion they generate at the k-th length of one stream (`ragged_lengths`: uniform
+integers in 0.25-1× `--tokens`, drawn one at a time from `random.Random(--seed)`), whatever rows a
+side puts in one generate call. Each side's process wraps transformers' `GenerationMixin.generate`
+(`install_ragged_lengths`; both sides sample through it) to append one logits processor
+(`RaggedLengths`) that leaves every id but eos at -inf at a row's last step: a real eos, which
+each side then handles as its own (lit_grpo cuts the completion there, TRL masks after it). The
+processor runs after lit_grpo's logprob recorder and never writes the scores in place, so the
+recorder scores the forced eos under the model's own logits, as the trainer does. The rows of a
+call still decode until the call's longest one ends, on both sides; `mean len` in the table shows
+both sides trained on the same lengths.
 
 What differs and could not be made equal (each is either side's own design):
 
