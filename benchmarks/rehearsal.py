@@ -26,11 +26,12 @@ gradient_checkpointing=true` (GRPOConfig's own default is on). The `lit_budget` 
 padding-free packing, 2,048-token micro-batches). Each side runs in a process of its own, one
 after the other, so their peaks do not mix: a step's time is the wall time between the ends of
 consecutive optimizer steps (the first from the start of training), the median taken over the steps
-after the first (`--warmup`); peak RSS is the process's `ru_maxrss` (model building and loading included). lit_grpo's side runs
-without checkpoints or the final export, as TRL's runs without saving. `sample s` is the sampling
-phase's median seconds a step: lit_grpo's `perf/sample_s` (generate with its per-token scoring, the
-decoding, the reward), TRL's time in its `_generate_single_turn` (generate and the eos mask; its
-reward comes after), so lit_grpo's figure holds a little more work than TRL's.
+after the first (`--warmup`); peak RSS is the process's `ru_maxrss` (model building and loading
+included). lit_grpo's side runs without checkpoints or the final export, as TRL's runs without
+saving. `sample s` is the sampling phase's median seconds a step: lit_grpo's `perf/sample_s`
+(generate with its per-token scoring, the decoding, the reward), TRL's time in its
+`_generate_single_turn` (generate and the eos mask; its reward comes after), so lit_grpo's figure
+holds a little more work than TRL's.
 
 Ragged completions (`--ragged`). A random-init model rarely samples eos, so without it every
 completion runs to `--tokens` and no padding or packing difference shows. With it, both sides end
