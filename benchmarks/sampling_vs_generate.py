@@ -21,8 +21,9 @@ left-padded. Three variants, their order rotated every repeat:
   parameters requiring grad, as in TRL's training; no processor of its own, no decoding.
 
 Each call is seeded alike; a random-init model rarely draws eos, so every row runs to `--tokens`
-(the table's `mean len` says). Reported: each variant's median seconds a call, min and max, and the
-median over repeats of `lit` / `generate` taken within a repeat (the paired ratio).
+(the table's `mean len` says). Reported: each variant's median seconds a call, min and max, its
+median CPU seconds (this process's, all threads: less moved than the wall time by other work on the
+machine), and the median over repeats of `lit` / `generate` taken within a repeat (the paired ratio).
 """
 
 from __future__ import annotations
@@ -120,33 +121,39 @@ def main() -> None:
     }
     names = list(variants)
     seconds: dict[str, list[float]] = {n: [] for n in names}
+    cpu_seconds: dict[str, list[float]] = {n: [] for n in names}
     lengths: dict[str, list[int]] = {n: [] for n in names}
     for name in ("generate", "lit"):  # warm-up: the allocator's and the first call's costs
         variants[name]()
     for repeat in range(args.repeats):
         for name in names[repeat % 3 :] + names[: repeat % 3]:
             torch.manual_seed(args.seed + repeat)
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
             lengths[name] += variants[name]()
             seconds[name].append(time.perf_counter() - start)
-        print(f"repeat {repeat + 1}: " + ", ".join(f"{n} {seconds[n][-1]:.2f} s" for n in names), flush=True)
+            cpu_seconds[name].append(time.process_time() - cpu_start)
+        print(
+            f"repeat {repeat + 1}: "
+            + ", ".join(f"{n} {seconds[n][-1]:.2f} s (CPU {cpu_seconds[n][-1]:.2f} s)" for n in names),
+            flush=True,
+        )
 
     print(
         f"sampling: rehearsal shapes, {args.layers} layers, {len(prompts)} rows x {args.tokens} tokens, "
         f"{args.repeats} repeats, {torch.get_num_threads()} torch threads"
     )
-    print(f"{'variant':<17} {'median s':>9} {'min s':>7} {'max s':>7} {'mean len':>9}")
+    print(f"{'variant':<17} {'median s':>9} {'min s':>7} {'max s':>7} {'CPU s median':>13} {'mean len':>9}")
     for n in names:
-        s = seconds[n]
-        print(
-            f"{n:<17} {statistics.median(s):>9.2f} {min(s):>7.2f} {max(s):>7.2f} {statistics.fmean(lengths[n]):>9.1f}"
-        )
+        s, mean_len = seconds[n], statistics.fmean(lengths[n])
+        cpu = statistics.median(cpu_seconds[n])
+        print(f"{n:<17} {statistics.median(s):>9.2f} {min(s):>7.2f} {max(s):>7.2f} {cpu:>13.2f} {mean_len:>9.1f}")
     for n in ("lit", "lit_log_softmax"):
-        ratios = [a / b for a, b in zip(seconds[n], seconds["generate"])]
-        print(
-            f"{n} / generate, paired: median {statistics.median(ratios):.3f} "
-            f"(min {min(ratios):.3f}, max {max(ratios):.3f})"
-        )
+        for label, clock in (("wall", seconds), ("CPU", cpu_seconds)):
+            ratios = [a / b for a, b in zip(clock[n], clock["generate"])]
+            print(
+                f"{n} / generate, paired, {label} time: median {statistics.median(ratios):.3f} "
+                f"(min {min(ratios):.3f}, max {max(ratios):.3f})"
+            )
 
 
 if __name__ == "__main__":
