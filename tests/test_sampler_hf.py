@@ -79,6 +79,23 @@ def test_per_step_scoring_equals_the_naive_log_softmax(temperature, dtype):
         assert (sampling_N - raw_N).abs().max() > 1e-1
 
 
+def test_the_lm_head_gets_a_contiguous_input_while_the_sampler_generates(tiny_model, tokenizer):
+    """The prefill's last-position slice reaches the head as a strided view (a bmm over the rows
+    when no weight requires grad); the sampler hands it over contiguous, and removes its hook."""
+    seen: list[bool] = []
+    head = tiny_model.get_output_embeddings()
+    recorder = head.register_forward_hook(lambda module, args, out: seen.append(args[0].is_contiguous()))
+    prompts = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in ["1+2=", "12+3="]]
+    ids = torch.tensor([[tokenizer.pad_token_id] + prompts[0], prompts[1]])
+    tiny_model.generate(input_ids=ids, attention_mask=(ids != tokenizer.pad_token_id).long(), max_new_tokens=2)
+    assert not seen[0]  # generate on its own: the prefill's slice is strided
+    seen.clear()
+    _sample(HFSampler(tiny_model, tokenizer, share_weights=True), prompts, temperature=1.0, max_tokens=3)
+    assert seen and all(seen)
+    recorder.remove()
+    assert not head._forward_pre_hooks
+
+
 def test_stop_strings_cut_the_generation_that_would_have_been(tiny_model, tokenizer):
     """With the same seed, a generation with stop strings is the one without, cut at the first
     token that completes one of them (kept), and the batch ends once every row has stopped."""
