@@ -10,6 +10,7 @@ import math
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from transformers.generation.utils import GenerationMixin
 
@@ -57,3 +58,11 @@ def test_lit_grpos_sampler_ends_each_completion_at_the_streams_length(tiny_model
         assert len(tokens) <= length and tokens[-1] == tokenizer.eos_token_id
         # the recorder scored the raw logits, not the forced ones (logprob 0)
         assert c.sampling_logprobs[-1] < 0
+
+
+def test_a_trl_arg_replaces_a_field_the_benchmark_sets(tmp_path):
+    pytest.importorskip("trl")
+    from benchmarks.rehearsal_trl import grpo_config
+
+    assert grpo_config(Settings(), tmp_path).gradient_checkpointing is False
+    assert grpo_config(Settings(trl_args={"gradient_checkpointing": True}), tmp_path).gradient_checkpointing is True
