@@ -8,6 +8,7 @@ side by side: seconds per step and peak resident memory. Three sides by default:
     python -m benchmarks.rehearsal --layers 2 --steps 2 --tokens 64          # a quick check
     python -m benchmarks.rehearsal --sides lit --lit-override batching.micro_batch_size=8  # lit_grpo only
     python -m benchmarks.rehearsal --trl-arg use_transformers_paged=true
+    python -m benchmarks.rehearsal --ragged --sides lit_budget,trl --trl-arg gradient_checkpointing=true
 
 Both sides train the same model: the random-init Qwen2.5-0.5B-shaped `model=rehearsal_0p5b` cut to
 `--layers` decoder layers, built by lit_grpo's builder from the same seed (TRL's side writes it to a
@@ -17,12 +18,33 @@ reward; with the same G, prompts per step, completion length, learning rate, β 
 reference), clip ε = 0.2, token-mean loss over the whole step (TRL's `loss_type="dapo"`), AdamW
 (weight decay 0.01, gradient clip 1.0), a constant learning rate, sequences per forward/backward
 (`--micro-batch`: lit_grpo's `batching.micro_batch_size`, TRL's `per_device_train_batch_size`, with
-gradient accumulation over the step), one optimizer step per batch of rollouts, float32, no
-gradient checkpointing. Each side runs in a process of its own, one after the other, so their peaks
-do not mix: a step's time is the wall time between the ends of consecutive optimizer steps (the
-first from the start of training), the median taken over the steps after the first (`--warmup`);
-peak RSS is the process's `ru_maxrss` (model building and loading included). lit_grpo's side runs
-without checkpoints or the final export, as TRL's runs without saving.
+gradient accumulation over the step), one optimizer step per batch of rollouts, float32. Gradient
+checkpointing: lit_grpo's default (`model.gradient_checkpointing` null: on from `hidden_size ×
+num_layers` 16,384, so off for every cut below 19 layers), TRL's off unless `--trl-arg
+gradient_checkpointing=true` (GRPOConfig's own default is on). The `lit_budget` side at the default
+`--token-budget` 2048 is the experiment's own batching, i.e. lit_grpo's defaults (fused LM head,
+padding-free packing, 2,048-token micro-batches). Each side runs in a process of its own, one
+after the other, so their peaks do not mix: a step's time is the wall time between the ends of
+consecutive optimizer steps (the first from the start of training), the median taken over the steps
+after the first (`--warmup`); peak RSS is the process's `ru_maxrss` (model building and loading
+included). lit_grpo's side runs without checkpoints or the final export, as TRL's runs without
+saving. `sample s` is the sampling phase's median seconds a step: lit_grpo's `perf/sample_s`
+(generate with its per-token scoring, the decoding, the reward), TRL's time in its
+`_generate_single_turn` (generate and the eos mask; its reward comes after), so lit_grpo's figure
+holds a little more work than TRL's.
+
+Ragged completions (`--ragged`). A random-init model rarely samples eos, so without it every
+completion runs to `--tokens` and no padding or packing difference shows. With it, both sides end
+the k-th completion they generate at the k-th length of one stream (`ragged_lengths`: uniform
+integers in 0.25-1× `--tokens`, drawn one at a time from `random.Random(--seed)`), whatever rows a
+side puts in one generate call. Each side's process wraps transformers' `GenerationMixin.generate`
+(`install_ragged_lengths`; both sides sample through it) to append one logits processor
+(`RaggedLengths`) that leaves every id but eos at -inf at a row's last step: a real eos, which
+each side then handles as its own (lit_grpo cuts the completion there, TRL masks after it). The
+processor runs after lit_grpo's logprob recorder and never writes the scores in place, so the
+recorder scores the forced eos under the model's own logits, as the trainer does. The rows of a
+call still decode until the call's longest one ends, on both sides; `mean len` in the table shows
+both sides trained on the same lengths.
 
 What differs and could not be made equal (each is either side's own design):
 
@@ -61,14 +83,20 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
+import random
 import resource
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Optional
+
+import torch
 
 RUN_TIMEOUT_S = 4 * 3600
 
@@ -95,6 +123,9 @@ class Settings:
     kl_beta: float = 0.001
     dtype: str = "float32"
     seed: int = 0
+    ragged: bool = False
+    """End each completion at a length drawn uniformly in 0.25-1x `tokens` (`RaggedLengths`), the same
+    draws on both sides; off, a random-init model's completions all run to `tokens`."""
     token_budget: int = 2048
     """lit_grpo's `lit_budget` side: `batching.micro_batch_max_tokens` (no count of sequences), not `micro_batch`."""
     lit_overrides: list = dataclasses.field(default_factory=list)
@@ -139,6 +170,61 @@ def peak_rss_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
+RAGGED_MIN_FRACTION = 0.25
+
+
+def ragged_lengths(seed: int, max_tokens: int) -> Iterator[int]:
+    """The completion lengths of `--ragged`, one per generated row in the order rows are generated:
+    uniform integers in [ceil(0.25 · max_tokens), max_tokens] from a generator seeded with `seed`,
+    drawn one at a time, so the stream does not depend on how a side groups its rows into calls."""
+    draw = random.Random(seed)
+    low = max(1, math.ceil(RAGGED_MIN_FRACTION * max_tokens))
+    while True:
+        yield draw.randint(low, max_tokens)
+
+
+class RaggedLengths:
+    """A logits processor that makes row i of a `generate` call draw eos as its `lengths[i]`-th token
+    (the eos included): every other id gets -inf at that step, nothing changes before it. A new
+    tensor is returned, never the input written in place: a processor earlier in the list (lit_grpo's
+    logprob recorder) keeps a reference to the raw scores, and still scores the forced eos there."""
+
+    def __init__(self, lengths: list[int], eos_id: int) -> None:
+        self.lengths, self.eos_id = lengths, eos_id
+        self.prompt_width: Optional[int] = None
+
+    def __call__(self, input_ids_NS: torch.Tensor, scores_NV: torch.Tensor) -> torch.Tensor:
+        if self.prompt_width is None:  # the first step: input_ids are the (left-padded) prompts
+            self.prompt_width = input_ids_NS.shape[1]
+        generated = input_ids_NS.shape[1] - self.prompt_width
+        ends_N = torch.tensor([n - 1 == generated for n in self.lengths], device=scores_NV.device)
+        if not bool(ends_N.any()):
+            return scores_NV
+        eos_only_V = torch.full_like(scores_NV[0], float("-inf"))
+        eos_only_V[self.eos_id] = 0.0
+        return torch.where(ends_N[:, None], eos_only_V, scores_NV)
+
+
+def install_ragged_lengths(settings: Settings) -> None:
+    """`--ragged`, in the process of either side: wrap transformers' `generate` (both sides sample
+    through it, on the policy itself) so that each call appends a `RaggedLengths` processor over the
+    next rows of the seeded length stream, after any processor of the caller's own."""
+    from transformers import LogitsProcessorList
+    from transformers.generation.utils import GenerationMixin
+
+    stream = ragged_lengths(settings.seed, settings.tokens)
+    plain_generate = GenerationMixin.generate
+
+    def generate(model, *args, **kwargs):
+        rows = (kwargs.get("input_ids") if kwargs.get("input_ids") is not None else args[0]).shape[0]
+        eos = kwargs["generation_config"].eos_token_id  # both sides pass their config
+        forced = RaggedLengths([next(stream) for _ in range(rows)], eos[0] if isinstance(eos, list) else eos)
+        kwargs["logits_processor"] = LogitsProcessorList([*(kwargs.get("logits_processor") or []), forced])
+        return plain_generate(model, *args, **kwargs)
+
+    GenerationMixin.generate = generate  # type: ignore[method-assign]
+
+
 def step_summary(step_seconds: list[float], warmup: int) -> dict:
     measured = step_seconds[warmup:] or step_seconds
     return {
@@ -146,6 +232,17 @@ def step_summary(step_seconds: list[float], warmup: int) -> dict:
         "step_s_median": statistics.median(measured) if measured else float("nan"),
         "first_step_s": step_seconds[0] if step_seconds else float("nan"),
         "step_s": step_seconds,
+    }
+
+
+def phase_summary(sample_seconds: list[float], completion_lengths: list[float], warmup: int) -> dict:
+    """The sampling phase's median seconds a step over the steps after `warmup`, each step's, and the
+    mean completion length over all steps (the same on both sides with `--ragged`)."""
+    measured = sample_seconds[warmup:] or sample_seconds
+    return {
+        "sample_s_median": statistics.median(measured) if measured else float("nan"),
+        "sample_s": sample_seconds,
+        "completion_len_mean": statistics.fmean(completion_lengths) if completion_lengths else float("nan"),
     }
 
 
@@ -168,14 +265,20 @@ def run_lit_side(settings: Settings, work_dir: Path, side: str = "lit") -> dict:
 
     from lit_grpo.train import compose_config, train
 
+    if settings.ragged:
+        install_ragged_lengths(settings)
     start = time.perf_counter()
     train(compose_config([*settings.lit_config_overrides(side), f"output_dir={work_dir}"]))
     rows = list(csv.DictReader((work_dir / "metrics.csv").open()))
-    seconds = [float(r["perf/step_s"]) for r in rows if r.get("perf/step_s")]
-    padding = [float(r["perf/padding_frac"]) for r in rows if r.get("perf/padding_frac")]
+
+    def column(name: str) -> list[float]:
+        return [float(r[name]) for r in rows if r.get(name)]
+
+    padding = column("perf/padding_frac")
     return {
         "side": "lit_grpo" if side == "lit" else f"lit_grpo, {settings.token_budget}-token micro-batches",
-        **step_summary(seconds, settings.warmup),
+        **step_summary(column("perf/step_s"), settings.warmup),
+        **phase_summary(column("perf/sample_s"), column("rollout/completion_len_mean"), settings.warmup),
         "padding_frac": statistics.median(padding) if padding else float("nan"),
         "wall_s": time.perf_counter() - start,
     }
@@ -200,15 +303,18 @@ def table(results: list[dict], settings: Settings) -> str:
     s = settings
     lines = [
         f"rehearsal: Qwen2.5-0.5B shapes cut to {s.layers} layers, {s.dtype}, {s.prompts} prompts x G={s.group}, "
-        f"{s.tokens} completion tokens, micro-batch {s.micro_batch}, lr {s.learning_rate:g}, beta {s.kl_beta:g}, "
+        f"{s.tokens} completion tokens{' (ragged: 0.25-1x)' if s.ragged else ''}, micro-batch {s.micro_batch}, "
+        f"lr {s.learning_rate:g}, beta {s.kl_beta:g}, "
         f"{s.steps} steps (median over steps after the first {s.warmup})",
-        f"{'side':<40} {'s/step':>9} {'first step s':>13} {'peak RSS GiB':>13} {'padding':>8} {'steps':>6}",
+        f"{'side':<40} {'s/step':>9} {'sample s':>9} {'first step s':>13} {'peak RSS GiB':>13} {'padding':>8} "
+        f"{'mean len':>9} {'steps':>6}",
     ]
     for r in results:
         padding = f"{r['padding_frac']:>8.2f}" if "padding_frac" in r else f"{'-':>8}"
         lines.append(
-            f"{r['side']:<40} {r['step_s_median']:>9.1f} {r['first_step_s']:>13.1f} {r['peak_rss_gib']:>13.2f} "
-            f"{padding} {r['steps']:>6}"
+            f"{r['side']:<40} {r['step_s_median']:>9.1f} {r.get('sample_s_median', float('nan')):>9.2f} "
+            f"{r['first_step_s']:>13.1f} {r['peak_rss_gib']:>13.2f} {padding} "
+            f"{r.get('completion_len_mean', float('nan')):>9.1f} {r['steps']:>6}"
         )
     lines.append("versions: " + ", ".join(f"{k} {v}" for k, v in results[0]["versions"].items()) if results else "")
     return "\n".join(lines)
@@ -230,6 +336,9 @@ def main() -> None:
     parser.add_argument("--learning-rate", type=float, default=defaults.learning_rate)
     parser.add_argument("--kl-beta", type=float, default=defaults.kl_beta)
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=defaults.dtype)
+    parser.add_argument(
+        "--ragged", action="store_true", help="end completions at seeded lengths in 0.25-1x --tokens, both sides"
+    )
     parser.add_argument("--seed", type=int, default=defaults.seed)
     parser.add_argument("--sides", default="lit,lit_budget,trl", help="comma-separated: lit, lit_budget, trl")
     parser.add_argument("--lit-override", action="append", default=[], metavar="KEY=VALUE", help="lit_grpo only")
@@ -260,6 +369,7 @@ def main() -> None:
         kl_beta=args.kl_beta,
         dtype=args.dtype,
         seed=args.seed,
+        ragged=args.ragged,
         lit_overrides=list(args.lit_override),
         trl_args={k: parse_value(v) for k, _, v in (a.partition("=") for a in args.trl_arg)},
     )

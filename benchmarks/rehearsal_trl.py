@@ -18,7 +18,15 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.rehearsal import Settings, parse_value, peak_rss_gib, step_summary, versions
+from benchmarks.rehearsal import (
+    Settings,
+    install_ragged_lengths,
+    parse_value,
+    peak_rss_gib,
+    phase_summary,
+    step_summary,
+    versions,
+)
 
 TRL_VERSION = "1.16.0"
 
@@ -57,7 +65,7 @@ def grpo_config(settings: Settings, output_dir: Path):
     sequences = settings.prompts * settings.group
     if sequences % settings.micro_batch:
         raise SystemExit(f"--micro-batch {settings.micro_batch} must divide the {sequences} sequences of a step")
-    return GRPOConfig(
+    fields = dict(
         output_dir=str(output_dir),
         use_cpu=True,
         seed=settings.seed,
@@ -86,7 +94,9 @@ def grpo_config(settings: Settings, output_dir: Path):
         scale_rewards="group",
         mask_truncated_completions=False,
         disable_dropout=True,
-        gradient_checkpointing=False,  # GRPOConfig's default is True; lit_grpo has none
+        # GRPOConfig's default is True; the rehearsal's lit_grpo model is below lit_grpo's auto threshold
+        # (model.gradient_checkpointing). --trl-arg gradient_checkpointing=true turns it on.
+        gradient_checkpointing=False,
         bf16=settings.dtype == "bfloat16",  # GRPOConfig's default is True
         model_init_kwargs={"dtype": settings.dtype},
         logging_steps=1,
@@ -94,8 +104,8 @@ def grpo_config(settings: Settings, output_dir: Path):
         save_strategy="no",
         log_completions=False,
         dataloader_num_workers=0,
-        **settings.trl_args,
     )
+    return GRPOConfig(**{**fields, **settings.trl_args})  # --trl-arg replaces a field set above
 
 
 def run_trl_side(settings: Settings, work_dir: Path) -> dict:
@@ -107,16 +117,21 @@ def run_trl_side(settings: Settings, work_dir: Path) -> dict:
     from lit_grpo.tasks import training_rows
 
     work_dir.mkdir(parents=True, exist_ok=True)
+    if settings.ragged:
+        install_ragged_lengths(settings)
     start = time.perf_counter()
     c, tokenizer = build_model_folder(settings, work_dir / "model")
     rows = training_rows(c)
     dataset = Dataset.from_list([{"prompt": row["messages"], "answer": row["answer"]} for row in rows])
 
     class StepClock(TrainerCallback):
-        """Wall time between optimizer step ends (the first from the start of training)."""
+        """Wall time between optimizer step ends (the first from the start of training), and the
+        part of it spent sampling (`sampling_now`, added to by the timed generate turn)."""
 
         def __init__(self) -> None:
             self.last, self.seconds = None, []
+            self.sampling: list[float] = []
+            self.sampling_now = 0.0
 
         def on_train_begin(self, args, state, control, **kwargs):
             self.last = time.perf_counter()
@@ -125,6 +140,8 @@ def run_trl_side(settings: Settings, work_dir: Path) -> dict:
             now = time.perf_counter()
             self.seconds.append(now - self.last)
             self.last = now
+            self.sampling.append(self.sampling_now)
+            self.sampling_now = 0.0
 
     clock = StepClock()
     trainer = GRPOTrainer(
@@ -135,11 +152,24 @@ def run_trl_side(settings: Settings, work_dir: Path) -> dict:
         processing_class=tokenizer,
         callbacks=[clock],
     )
+    generate_turn = trainer._generate_single_turn
+
+    def timed_generate_turn(*args, **kwargs):
+        """TRL's sampling phase: its generate call and the eos masking after it (no reward, no scoring)."""
+        begin = time.perf_counter()
+        try:
+            return generate_turn(*args, **kwargs)
+        finally:
+            clock.sampling_now += time.perf_counter() - begin
+
+    trainer._generate_single_turn = timed_generate_turn
     trainer.train()
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    lengths = [e["completions/mean_length"] for e in trainer.state.log_history if "completions/mean_length" in e]
     return {
-        "side": "trl",
+        "side": "trl" + (" (gradient checkpointing)" if trainer.args.gradient_checkpointing else ""),
         **step_summary(clock.seconds, settings.warmup),
+        **phase_summary(clock.sampling, lengths, settings.warmup),
         "wall_s": time.perf_counter() - start,
         "losses": losses,
     }

@@ -125,6 +125,7 @@ COMMANDS: dict[str, str] = {
     ".venv-trl/bin/python -m benchmarks.rehearsal --layers 2 --steps 3 --tokens 64": BENCH,
     ".venv-trl/bin/python -m benchmarks.rehearsal --lit-override batching.micro_batch_size=8": BENCH,
     ".venv-trl/bin/python -m benchmarks.rehearsal --trl-arg use_transformers_paged=true": BENCH,
+    ".venv-trl/bin/python -m benchmarks.rehearsal --ragged --trl-arg gradient_checkpointing=true": BENCH,
     "python3 -m venv .venv && . .venv/bin/activate": "setup of the reader's own environment",
     "python -m lit_grpo.train +experiment=arithmetic sampler=vllm model.num_heads=2 sampler.dtype=float32": "nightly",
     "python -m lit_grpo.serve --model path/to/model_folder --port 8001 --cpu-core 0 --dtype float32 "

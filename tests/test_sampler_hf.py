@@ -8,7 +8,7 @@ from test_sampler_kwargs import check_stop_contract, reference_cut
 
 from lit_grpo.loop.module import token_logprobs
 from lit_grpo.samplers.arguments import PromptTooLong
-from lit_grpo.samplers.hf import HFSampler
+from lit_grpo.samplers.hf import HFSampler, chosen_logprobs
 
 
 def _sample(sampler, prompts, **kw):
@@ -59,6 +59,43 @@ def test_sampler_logprobs_equal_trainer_logprobs(tiny_model, tokenizer, temperat
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 0.3, 1.5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_per_step_scoring_equals_the_naive_log_softmax(temperature, dtype):
+    """The recorder's per-step scoring (chosen logit less a logsumexp) against the naive formula it
+    replaces, raw and tempered, at a wide vocabulary with large logits and a masked (-inf) entry."""
+    generator = torch.Generator().manual_seed(0)
+    logits_NV = (torch.randn(6, 50_000, generator=generator) * 8 + 20).to(dtype)
+    logits_NV[0, :100] = float("-inf")  # a processor before ours may mask ids
+    tokens_N = torch.randint(100, 50_000, (6,), generator=generator)
+    sampling_N, raw_N = chosen_logprobs(logits_NV, tokens_N, temperature)
+    naive = logits_NV.float()
+    expected_raw = torch.log_softmax(naive, dim=-1).gather(-1, tokens_N[:, None])[:, 0]
+    expected_sampling = torch.log_softmax(naive / temperature, dim=-1).gather(-1, tokens_N[:, None])[:, 0]
+    assert raw_N.dtype == sampling_N.dtype == torch.float32
+    torch.testing.assert_close(raw_N, expected_raw, atol=1e-5, rtol=1e-6)
+    torch.testing.assert_close(sampling_N, expected_sampling, atol=1e-5, rtol=1e-6)
+    if temperature != 1.0:  # the two differ, so a swapped or untempered formula fails above
+        assert (sampling_N - raw_N).abs().max() > 1e-1
+
+
+def test_the_lm_head_gets_a_contiguous_input_while_the_sampler_generates(tiny_model, tokenizer):
+    """The prefill's last-position slice reaches the head as a strided view (a bmm over the rows
+    when no weight requires grad); the sampler hands it over contiguous, and removes its hook."""
+    seen: list[bool] = []
+    head = tiny_model.get_output_embeddings()
+    recorder = head.register_forward_hook(lambda module, args, out: seen.append(args[0].is_contiguous()))
+    prompts = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in ["1+2=", "12+3="]]
+    ids = torch.tensor([[tokenizer.pad_token_id] + prompts[0], prompts[1]])
+    tiny_model.generate(input_ids=ids, attention_mask=(ids != tokenizer.pad_token_id).long(), max_new_tokens=2)
+    assert not seen[0]  # generate on its own: the prefill's slice is strided
+    seen.clear()
+    _sample(HFSampler(tiny_model, tokenizer, share_weights=True), prompts, temperature=1.0, max_tokens=3)
+    assert seen and all(seen)
+    recorder.remove()
+    assert not head._forward_pre_hooks
+
+
 def test_stop_strings_cut_the_generation_that_would_have_been(tiny_model, tokenizer):
     """With the same seed, a generation with stop strings is the one without, cut at the first
     token that completes one of them (kept), and the batch ends once every row has stopped."""
