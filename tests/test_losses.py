@@ -29,7 +29,8 @@ from lit_grpo.maths.losses import (
 
 CONF_DIR = Path(__file__).parents[1] / "conf" / "policy_loss"
 BUILTIN = (
-    "grpo", "dapo", "gspo", "luspo", "cispo", "importance_sampling", "dro", "reinforce", "sapo", "gmpo", "dppo", "vespo",
+    "grpo", "dapo", "gspo", "luspo", "cispo", "importance_sampling", "dro", "reinforce",
+    "sapo", "gmpo", "dppo", "vespo",
 )  # fmt: skip
 F64 = torch.float64
 LN2 = math.log(2.0)
