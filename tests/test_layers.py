@@ -184,7 +184,10 @@ def test_every_built_in_entry_is_registered_where_it_is_defined(what):
 def test_the_placement_check_reads_each_module_alone():
     # losses.py registers nothing itself: it only imports the families that do.
     assert _registered_names("lit_grpo.maths.losses", "register_policy_loss") == set()
-    assert {"sapo", "gmpo", "dppo"} <= _registered_names("lit_grpo.maths.trust_region_losses", "register_policy_loss")
+    assert {"sapo", "gmpo", "dppo", "vespo"} <= _registered_names(
+        "lit_grpo.maths.trust_region_losses", "register_policy_loss"
+    )
+    assert {"gspo", "luspo"} <= _registered_names("lit_grpo.maths.ppo_losses", "register_policy_loss")
 
 
 def test_each_sampler_builder_lives_beside_its_sampler_and_reads_no_model_module():

@@ -28,7 +28,10 @@ from lit_grpo.maths.losses import (
 )
 
 CONF_DIR = Path(__file__).parents[1] / "conf" / "policy_loss"
-BUILTIN = ("grpo", "dapo", "gspo", "cispo", "importance_sampling", "dro", "reinforce", "sapo", "gmpo", "dppo")
+BUILTIN = (
+    "grpo", "dapo", "gspo", "luspo", "cispo", "importance_sampling", "dro", "reinforce",
+    "sapo", "gmpo", "dppo", "vespo",
+)  # fmt: skip
 F64 = torch.float64
 LN2 = math.log(2.0)
 
@@ -431,12 +434,13 @@ def test_metrics_are_detached_scalars(name):
 
 
 @pytest.mark.parametrize(
-    "variant", ["grpo", "dapo", "gspo", "cispo", "importance_sampling", "dro", "sapo", "gmpo", "dppo"]
+    "variant", ["grpo", "dapo", "gspo", "cispo", "importance_sampling", "dro", "sapo", "gmpo", "dppo", "vespo"]
 )
 def test_on_policy_gradient_equals_reinforce(variant):
     # π = old = sampler in value (old/sampler detached): r = R = w = 1, no clip, no proximal pull,
-    # sapo's gate weight 4σ(0)(1 - σ(0)) = 1, no dppo mask, and reinforce's ratio to the sampler is
-    # 1, so every gradient is -A per token, REINFORCE's.
+    # sapo's gate weight 4σ(0)(1 - σ(0)) = 1, no dppo mask, vespo's φ(1) = 1, and reinforce's ratio
+    # to the sampler is 1, so every gradient is -A per token, REINFORCE's. (luspo's is that times
+    # the sequence's length: tests/test_losses_luspo_vespo.py.)
     # ref = π too, so grpo's k3 has zero gradient.
     x = random_inputs(6)
     x["old"], x["sampler"], x["ref"] = x["pi"].clone(), x["pi"].clone(), x["pi"].clone()
@@ -446,10 +450,13 @@ def test_on_policy_gradient_equals_reinforce(variant):
     assert_close(grad, grad_reinforce)
 
 
-@pytest.mark.parametrize("variant", ["grpo", "dapo", "gspo", "cispo", "importance_sampling", "sapo", "gmpo", "dppo"])
+@pytest.mark.parametrize(
+    "variant", ["grpo", "dapo", "gspo", "luspo", "cispo", "importance_sampling", "sapo", "gmpo", "dppo"]
+)
 def test_uniform_tis_weight_scales_loss(variant):
     # These losses are (surrogate)·w, so old - inf = ln 1.5 everywhere (under the cap 5) multiplies
-    # loss and gradient by 1.5 compared with no sampler logprobs (w = 1).
+    # loss and gradient by 1.5 compared with no sampler logprobs (w = 1). (vespo puts w in its
+    # sequence ratio instead: tests/test_losses_luspo_vespo.py.)
     x = random_inputs(8)
     x["sampler"] = x["old"] - math.log(1.5)
     loss_w, grad_w, metrics = grad_of(variant, x, kl_beta=0.0)
@@ -630,7 +637,9 @@ def test_conf_files_match_registry():
     for name, path in files.items():
         cfg = OmegaConf.to_container(OmegaConf.load(path))
         assert cfg.pop("name") == name
-        assert cfg.pop("loss_normalization") == "token_mean"
+        # luspo's length scaling is the paper's objective only under seq_mean ((1/B)·Σ |o|·ℓ); token_mean
+        # would weigh each sequence by |o|² (tests/test_losses_luspo_vespo.py).
+        assert cfg.pop("loss_normalization") == ("seq_mean" if name == "luspo" else "token_mean"), name
         cfg.update(cfg.pop("params"))  # a loss's own hyper-parameters: all of them, under `params`
         check_policy_loss_hyperparams(name, cfg)
         assert cfg == policy_loss_defaults(name), path.name

@@ -28,6 +28,7 @@ EVERY_NEW_CHOICE = {
     "correction_none", "correction_mask", "correction_icepop", "correction_geo_mask", "correction_kl_reject",
     "off_policy_mask", "entropy_bonus", "entropy_decay", "entropy_adaptive", "entropy_top_quantile", "entropy_alarm",
     "mask_truncated", "overlong_penalty", "loss_sapo", "loss_gmpo", "loss_dppo_tv", "loss_dppo_kl", "anchor_rollout",
+    "loss_luspo", "loss_vespo",
 }  # fmt: skip
 
 

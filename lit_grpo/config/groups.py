@@ -221,8 +221,8 @@ class PolicyLossConfig:
 
     name: str = field(default="grpo", metadata=DEFINES_STATE)
     """A registered variant (`lit_grpo.maths.losses`: grpo, importance_sampling, reinforce, dapo, dro,
-    gspo, cispo, sapo, gmpo, dppo), or `module.path:name` for a user's loss: `module.path` is imported first (the
-    working directory is importable) and its `@register_policy_loss("name")` registers it."""
+    gspo, luspo, cispo, sapo, gmpo, dppo, vespo), or `module.path:name` for a user's loss: `module.path` is imported
+    first (the working directory is importable) and its `@register_policy_loss("name")` registers it."""
     kl_beta: float = 0.001
     """β of the k3 KL penalty to the frozen reference (every variant takes it); > 0 builds the reference model."""
     loss_normalization: str = "token_mean"
@@ -234,11 +234,11 @@ class PolicyLossConfig:
     sampler's logprobs, which skips that forward and makes the mismatch correction an identity
     (the cookbook's `anchor_logp`, verl's bypass mode)."""
     params: dict = field(default_factory=dict)
-    """The variant's own hyper-parameters by their registered names (grpo, gspo, cispo, gmpo:
+    """The variant's own hyper-parameters by their registered names (grpo, gspo, luspo, cispo, gmpo:
     eps_clip, eps_clip_high; dapo: those and eps_clip_c; dro: dro_beta; sapo: sapo_tau_pos,
-    sapo_tau_neg; dppo: dppo_divergence, dppo_tv_threshold, dppo_kl_threshold, dppo_ratio_cap; a
-    user's: what it was registered with, `+policy_loss.params.scale=3.0`); unset or null ones
-    take the registered default."""
+    sapo_tau_neg; dppo: dppo_divergence, dppo_tv_threshold, dppo_kl_threshold, dppo_ratio_cap;
+    vespo: vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg; a user's: what it was
+    registered with, `+policy_loss.params.scale=3.0`); unset or null ones take the registered default."""
 
     def __post_init__(
         self,

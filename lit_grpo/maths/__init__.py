@@ -3,8 +3,9 @@
 losses.py      `policy_loss`: the shared per-token loss around a variant (correction, KL, entropy), reduced;
                `LossSettings`, what it reads besides tensors; importing it registers the built-ins
 loss_registry.py  the policy-loss registry (`register_policy_loss`, `get_policy_loss`)
-ppo_losses.py  grpo, dapo, gspo, cispo, importance_sampling, dro, reinforce, each registered where defined
-trust_region_losses.py  sapo, gmpo, dppo, registered where defined: soft gate, geometric mean, divergence mask
+ppo_losses.py  grpo, dapo, gspo, luspo, cispo, importance_sampling, dro, reinforce, each registered where defined
+trust_region_losses.py  sapo, gmpo, dppo, vespo, registered where defined: soft gate, geometric mean,
+               divergence mask, Gamma weight of the sequence ratio
 loss_terms.py  what every loss shares: ratio, k3 KL, masked means, aggregation
 correction.py  training–inference mismatch correction (none, tis, mask, icepop, geo_mask, kl_reject), off-policy mask
 entropy.py     the entropy bonus's coefficient (decay, adaptive) and the top-entropy token mask

@@ -1,7 +1,7 @@
 """The checks of a policy loss's hyper-parameters (`policy_loss.params`), run with the config
 before anything loads: each is one the loss was registered with (`lit_grpo.maths.losses`), of its
 default's type, and within the bounds below. The bounds are keyed by hyper-parameter name, so
-every loss that takes `eps_clip` (grpo, dapo, gspo, cispo, gmpo, a user's) gets the same one.
+every loss that takes `eps_clip` (grpo, dapo, gspo, luspo, cispo, gmpo, a user's) gets the same one.
 """
 
 from __future__ import annotations
@@ -60,6 +60,10 @@ PARAM_CHECKS: dict[str, ParamCheck] = {
     "dppo_tv_threshold": _dppo_threshold("tv"),
     "dppo_kl_threshold": _dppo_threshold("kl"),
     "dppo_ratio_cap": _positive,
+    "vespo_k_pos": _at_least_zero,
+    "vespo_k_neg": _at_least_zero,
+    "vespo_lambda_pos": _positive,
+    "vespo_lambda_neg": _positive,
     "kl_beta": _at_least_zero,
 }
 """Bounds of hyper-parameters by name (a set value only; null takes the registered default)."""

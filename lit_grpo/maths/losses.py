@@ -1,9 +1,9 @@
 """Policy losses of the GRPO family: the shared per-token loss around each registered variant, and
 its reduction to the scalar that is backpropagated.
 
-The variants (grpo, dapo, gspo, cispo, importance_sampling, dro, reinforce in `ppo_losses`; sapo,
-gmpo, dppo in `trust_region_losses`) are pure functions of keyword-only `[B, T]` tensors returning
-`(loss_BT, metrics)`, each registered by name with its default hyper-parameters in the module that
+The variants (grpo, dapo, gspo, luspo, cispo, importance_sampling, dro, reinforce in `ppo_losses`;
+sapo, gmpo, dppo, vespo in `trust_region_losses`) are pure functions of keyword-only `[B, T]`
+tensors returning `(loss_BT, metrics)`, each registered by name with its default hyper-parameters in the module that
 defines it (`lit_grpo.maths.loss_registry`; a user's module can add its own). Importing this module
 registers the built-ins. What the variants share, and nothing that depends on which variant it
 is, lives in `per_token_policy_loss`: input checks, the training–inference mismatch correction

@@ -1,5 +1,5 @@
-"""PPO's family of policy losses, each registered here with its defaults: grpo, dapo, gspo and cispo
-(a clipped or clip-weighted ratio), importance_sampling, dro and reinforce (no clip).
+"""PPO's family of policy losses, each registered here with its defaults: grpo, dapo, gspo, luspo
+and cispo (a clipped or clip-weighted ratio), importance_sampling, dro and reinforce (no clip).
 
 Plain variant functions with the signature `lit_grpo.maths.loss_registry` describes (keyword-only
 `[B, T]` tensors, already zeroed on masked-out tokens, returning `(loss_BT, metrics)`); what every
@@ -48,17 +48,50 @@ def dapo_loss(*, logprobs, old_logprobs, advantages, mask, tis_weight, eps_clip,
     return loss_BT * tis_weight, metrics
 
 
+def _sequence_clipped_surrogate(logprobs, old_logprobs, advantages, mask, eps_low, eps_high):
+    """GSPO-token's per-token surrogate, its clipped tokens and its sequence ratio R (shared by
+    gspo and luspo): R = exp(s), s the masked mean of π - old, written per token as
+    exp(π - sg(π) + sg(s)) with the exponent capped at 10. Shapes: [B, T] -> [B, T] each."""
+    s_B1 = masked_seq_mean((logprobs - old_logprobs).detach(), mask)[:, None]
+    seq_ratio_BT = torch.exp((logprobs - logprobs.detach() + s_B1).clamp(max=10.0))
+    loss_BT, clipped_BT = _clipped_surrogate(seq_ratio_BT, advantages, eps_low, eps_high)
+    return loss_BT, clipped_BT, seq_ratio_BT
+
+
 @register_policy_loss("gspo", eps_clip=3e-4, eps_clip_high=4e-4)
 def gspo_loss(*, logprobs, old_logprobs, advantages, mask, tis_weight, eps_clip, eps_clip_high):
     """GSPO: one ratio per sequence, R = exp(s) with s the masked mean of π - old, clipped like
     PPO (hence the tiny ε). Written per token as exp(π - sg(π) + sg(s)) so each token's gradient
     is R·∇π_t (GSPO-token) and per-token advantages still work; the exponent is capped at 10.
     `ratio_mean` is the mean of R. Shape: [B, T]."""
-    s_B1 = masked_seq_mean((logprobs - old_logprobs).detach(), mask)[:, None]
-    seq_ratio_BT = torch.exp((logprobs - logprobs.detach() + s_B1).clamp(max=10.0))
-    loss_BT, clipped_BT = _clipped_surrogate(seq_ratio_BT, advantages, eps_clip, eps_clip_high)
+    loss_BT, clipped_BT, seq_ratio_BT = _sequence_clipped_surrogate(
+        logprobs, old_logprobs, advantages, mask, eps_clip, eps_clip_high
+    )
     metrics = {"clip_frac": masked_frac(clipped_BT, mask), "ratio_mean": masked_mean(seq_ratio_BT.detach(), mask)}
     return loss_BT * tis_weight, metrics
+
+
+@register_policy_loss("luspo", eps_clip=3e-4, eps_clip_high=4e-4)
+def luspo_loss(*, logprobs, old_logprobs, advantages, mask, tis_weight, eps_clip, eps_clip_high):
+    """LUSPO, Length-Unbiased Sequence Policy Optimization (Meituan, arXiv 2602.05261): GSPO with
+    each sequence's loss scaled by its length |o| (its masked-in tokens),
+
+        L_t = |o|·max(-R·A_t, -clip(R, 1 - eps_clip, 1 + eps_clip_high)·A_t)·w_t
+
+    with R and the GSPO-token gradient as in `gspo` (each unclipped token's gradient is
+    -|o|·R·A·w·∇π_t). With `loss_normalization=seq_mean` (its config's) the loss is
+    (1/B)·Σ_i |o_i|·ℓ_i, ℓ_i GSPO's per-sequence term: the paper's objective and TRL's
+    `loss_type="luspo"` (per-token loss summed over the sequence, averaged over sequences).
+    `token_mean` weighs each sequence by |o|² instead (gspo under `token_mean` already weighs it
+    by |o|: that is luspo under `seq_mean` times B / the step's token count). On-policy the
+    gradient is -|o|·A per token, REINFORCE's times the length. Metrics as gspo's. Shape: [B, T].
+    """
+    loss_BT, clipped_BT, seq_ratio_BT = _sequence_clipped_surrogate(
+        logprobs, old_logprobs, advantages, mask, eps_clip, eps_clip_high
+    )
+    length_B1 = mask.sum(dim=1, keepdim=True)
+    metrics = {"clip_frac": masked_frac(clipped_BT, mask), "ratio_mean": masked_mean(seq_ratio_BT.detach(), mask)}
+    return loss_BT * length_B1 * tis_weight, metrics
 
 
 @register_policy_loss("cispo", eps_clip=0.2, eps_clip_high=0.28)

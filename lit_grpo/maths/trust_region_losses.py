@@ -1,5 +1,5 @@
 """Newer trust regions than PPO's hard ratio clip: SAPO's soft gate, GMPO's geometric-mean clip,
-DPPO's divergence mask.
+DPPO's divergence mask, VESPO's Gamma-shaped weight of the sequence ratio.
 
 Plain variant functions with the signature `lit_grpo.maths.loss_registry` describes (keyword-only
 `[B, T]` tensors, already zeroed on masked-out tokens, returning `(loss_BT, metrics)`), each
@@ -174,5 +174,65 @@ def dppo_loss(
         "clip_frac": masked_frac(dropped_BT, mask),
         "dppo/divergence_mean": masked_mean(divergence_BT, mask),
         "dppo/ratio_cap_frac": masked_frac(capped_BT, mask),
+    }
+    return loss_BT, metrics
+
+
+@register_policy_loss("vespo", vespo_k_pos=2.0, vespo_lambda_pos=3.0, vespo_k_neg=3.0, vespo_lambda_neg=2.0)
+def vespo_loss(
+    *,
+    logprobs,
+    old_logprobs,
+    advantages,
+    mask,
+    tis_weight,
+    vespo_k_pos,
+    vespo_lambda_pos,
+    vespo_k_neg,
+    vespo_lambda_neg,
+):
+    """VESPO, Variational sEquence-level Soft Policy Optimization (arXiv 2602.10693; TRL's
+    `loss_type="vespo"`): no clip, but a smooth, asymmetric Gamma-shaped weight of the sequence's
+    whole importance ratio, W (a product over its tokens, not GSPO's geometric mean),
+
+        log W = clamp(Σ_t m_t·(clamp(π_t - old_t, -20, 20) + log w_t), -20, 20)
+        φ(W)  = W^k·e^(λ·(1 - W))     (φ(1) = 1; k, λ = vespo_k_pos, vespo_lambda_pos if A >= 0,
+                                       vespo_k_neg, vespo_lambda_neg if A < 0)
+        L_t   = -sg(φ(W))·A_t·π_t
+
+    so each token's gradient is -φ(W)·A·∇π_t: REINFORCE's, weighted by φ, which is 1 on-policy,
+    peaks at W = k/λ and (for k > 0) falls to 0 on both sides, as W^k for a small W and as
+    e^(-λW) for a large one. The defaults (TRL's and the paper's code's) put that peak below 1 for A >= 0 (2/3) and
+    above 1 for A < 0 (3/2): a sequence the update already made likelier (W > 1) keeps little of
+    a positive advantage's push and most of a negative one's, and the reverse for W < 1.
+    The correction's weight w_t (`tis_weight`) is not multiplied onto the loss: it joins the
+    product, so W is the ratio to the sampler (as TRL folds its vLLM ratio in), over the tokens
+    the correction keeps (a token it drops, w_t = 0, leaves the product and has its own term
+    dropped; TRL instead adds log 1e-8 for it, which zeroes the whole sequence's φ). Per-token
+    advantages pick k and λ by each token's sign. Metrics: `vespo/phi_mean` (φ over tokens) and
+    `vespo/log_ratio_mean` (log W over tokens); `clip_frac` is 0. Shape: [B, T].
+    """
+    if not (vespo_k_pos >= 0 and vespo_k_neg >= 0):
+        raise ValueError(f"vespo: vespo_k_pos and vespo_k_neg must be >= 0, got {vespo_k_pos}, {vespo_k_neg}")
+    if not (vespo_lambda_pos > 0 and vespo_lambda_neg > 0):
+        raise ValueError(
+            f"vespo: vespo_lambda_pos and vespo_lambda_neg must be > 0, got {vespo_lambda_pos}, {vespo_lambda_neg}"
+        )
+    keep_BT = mask > 0
+    log_ratio_BT = (logprobs - old_logprobs).detach().clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+    weighted_BT = keep_BT & (tis_weight > 0)
+    # log of the weight only where it is positive: log(0) would put -inf (and nan gradients) in the sum
+    log_weight_BT = torch.where(weighted_BT, torch.log(torch.where(weighted_BT, tis_weight, 1.0)), 0.0)
+    log_terms_BT = torch.where(keep_BT, log_ratio_BT, 0.0) + log_weight_BT
+    log_w_B1 = log_terms_BT.sum(dim=1, keepdim=True).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+    # Built in the ratio's dtype: a where() of two Python floats would round k and λ to float32.
+    positive_BT = advantages >= 0
+    k_BT = torch.full_like(log_ratio_BT, vespo_k_neg).masked_fill(positive_BT, vespo_k_pos)
+    lambda_BT = torch.full_like(log_ratio_BT, vespo_lambda_neg).masked_fill(positive_BT, vespo_lambda_pos)
+    phi_BT = torch.exp(k_BT * log_w_B1 + lambda_BT * (1 - torch.exp(log_w_B1)))
+    loss_BT = -phi_BT * advantages * logprobs
+    metrics = {
+        "vespo/phi_mean": masked_mean(phi_BT, mask),
+        "vespo/log_ratio_mean": masked_mean(log_w_B1.expand_as(phi_BT), mask),
     }
     return loss_BT, metrics
