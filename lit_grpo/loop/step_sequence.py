@@ -39,7 +39,7 @@ import torch
 from lightning.pytorch.loggers import CSVLogger
 
 from lit_grpo.errors import EnvironmentFault, UserError
-from lit_grpo.loop.distributed import all_reduce
+from lit_grpo.loop.distributed import all_reduce, is_distributed
 from lit_grpo.loop.evaluation import Evaluator
 from lit_grpo.loop.metrics import MetricHistory, merge_step_metrics
 from lit_grpo.loop.signals import StopSignals
@@ -187,10 +187,16 @@ class StepSequence:
     def stop_on_fault(self, fault: EnvironmentFault, trainer: L.Trainer, module: L.LightningModule) -> EnvironmentFault:
         """Something outside the run failed while waiting for rollouts (a vLLM server died): save
         the last finished step as it was at its end, and return the error to raise, which says
-        where `resume=auto` continues."""
+        where `resume=auto` continues.
+
+        With several ranks the fault is this rank's alone: the others are elsewhere in the step, so a
+        save (collectives on every rank) would wait for them forever (seen: this rank in the save's
+        first all-reduce, the other in Lightning's next-step broadcast). The last periodic checkpoint
+        stands; the other ranks are stopped by the peer watch (`lit_grpo.loop.peers`)."""
         self.stopping = True
         trainer.should_stop = True
-        self._save_end_of_last_step(trainer, module)
+        if not is_distributed():
+            self._save_end_of_last_step(trainer, module)
         return self.stopped_by(fault, trainer, module)
 
     def stopped_by(self, fault: EnvironmentFault, trainer: L.Trainer, module: L.LightningModule) -> EnvironmentFault:
