@@ -283,7 +283,7 @@ def test_dppo_gradient_on_random_tokens():
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("name", ["sapo", "gmpo", "dppo"])
+@pytest.mark.parametrize("name", ["sapo", "gmpo", "dppo", "luspo", "vespo"])
 def test_two_training_steps(tmp_path, name):
     # The arithmetic demo, two rollout batches of two minibatches each: the second minibatch trains
     # off-policy (r != 1), so the gate, the log-space clip and the mask all see real ratios. The
@@ -310,6 +310,8 @@ def test_two_training_steps(tmp_path, name):
         "sapo": "train/sapo/gate_weight_mean",
         "gmpo": "train/clip_frac",
         "dppo": "train/dppo/divergence_mean",
+        "luspo": "train/clip_frac",
+        "vespo": "train/vespo/phi_mean",
     }
     assert all(math.isfinite(step[own_metric[name]]) for step in steps)
     moved = [key for key, p in module.policy.named_parameters() if not torch.equal(p.detach(), before[key])]
