@@ -247,7 +247,9 @@ class PeerWatch:
                     cut_off=True,
                 )
                 return
-            silent = [r for r in self.peers if now - self._moved_at[r] > self.timeout_s]
+            # A peer is silent only while the store answers: a node cut off from the store sees every
+            # peer stop too, and must name the store (above), not a peer, once its own timeout is up.
+            silent = [r for r in self.peers if self._store_answered_at - self._moved_at[r] > self.timeout_s]
             if silent:
                 rank = silent[0]
                 self._report(
