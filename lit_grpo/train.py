@@ -251,6 +251,14 @@ def exit_past_stuck_threads(code: int, wait_s: float = 5.0) -> None:
     tearing torch down under it can abort the process (SIGABRT, "terminate called without an active
     exception") after the run finished. If any is still alive `wait_s` after the run, the process
     exits here with `code` (logs and output flushed, atexit handlers skipped)."""
+    peers = sys.modules.get("lit_grpo.loop.peers")  # loaded by a distributed run only
+    if peers is not None and peers.lost_a_peer():
+        # The process group is broken: finalizing it (gloo's threads, a store call in flight) was
+        # seen to abort the process (SIGABRT) after the stop's message. Nothing is left to write.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     deadline = time.monotonic() + wait_s
     while (left := run_threads()) and time.monotonic() < deadline:
         left[0].join(max(deadline - time.monotonic(), 0.0))

@@ -265,6 +265,7 @@ class PeerWatch:
             if self._found.is_set() or self._closed.is_set():
                 return False
             self.lost = f"{what.rstrip('.')}. Rank {self.rank} stops; {self.last_saved()}"
+            _LOST.append(self.lost)
             self._found.set()
             return True
 
@@ -334,6 +335,8 @@ def _first_line(err: BaseException) -> str:
 
 
 _active: Optional[PeerWatch] = None
+_LOST: list[str] = []
+"""Every loss a watch of this process named (the process group it ran on is broken)."""
 
 
 def active_watch() -> Optional[PeerWatch]:
@@ -383,6 +386,11 @@ def start_watch(
         children=children,
     ).start()
     return _active
+
+
+def lost_a_peer() -> bool:
+    """Whether a run of this process stopped because a peer was lost (its process group is broken)."""
+    return bool(_LOST)
 
 
 def stop_watch() -> None:
