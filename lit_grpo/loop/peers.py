@@ -126,7 +126,6 @@ class PeerWatch:
         self._lock = threading.Lock()
         self._exiting = False
         self._store_answered_at = time.monotonic()
-        self._threads: list[threading.Thread] = []
 
     def start(self) -> PeerWatch:
         now = time.monotonic()
@@ -134,9 +133,7 @@ class PeerWatch:
         self._store_answered_at = now
         self.store.set(f"host.{self.rank}", f"{socket.gethostname()} (pid {os.getpid()})")
         for name, target in (("peer-beat", self._beat_loop), ("peer-clock", self._clock_loop)):
-            thread = threading.Thread(target=target, name=name, daemon=True)
-            thread.start()
-            self._threads.append(thread)
+            threading.Thread(target=target, name=name, daemon=True).start()
         return self
 
     @property
