@@ -104,6 +104,7 @@ def test_the_cli_exits_with_its_code_past_a_thread_that_never_ends(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.nightly  # 20 runs (~100 s): a repetition of what the slow lane checks once
 @pytest.mark.timeout(1800)
 def test_a_finished_run_exits_0_every_time(tmp_path):
     """20 finished 3-step runs of the CLI, each its own process, two at a time (a run is mostly

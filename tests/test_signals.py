@@ -227,6 +227,7 @@ STOPS, AT_ONCE = 50, 2
 
 
 @pytest.mark.slow
+@pytest.mark.nightly  # 50 runs (~250 s): the slow lane's single-SIGINT tests run each moment once
 @pytest.mark.timeout(900)
 def test_fifty_sigints_at_random_moments_each_leave_the_summary_the_stop_line_claims(tmp_path):
     """50 CLI runs, each sent one SIGINT at a random moment after its run folder exists (seeded:
