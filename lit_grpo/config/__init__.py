@@ -8,7 +8,8 @@
     offpolicy.py    OffPolicyConfig: how sampling overlaps training, weight syncs, partial rollouts
     guards.py       GuardsConfig: rollout deadlines and retries, the bounds that stop a broken run
     trainer.py      LightningTrainerConfig: the Lightning Trainer's arguments
-    controls.py     what applies around every loss: the mismatch correction, the entropy controls
+    controls.py     what applies around every loss: the mismatch correction, the entropy controls,
+                    the KL reference's schedule
     run.py          TrainConfig (the whole run), `parse` (a composed DictConfig into it), the ConfigStore node
     moved.py        MOVED: old key names, working for one release, and the renaming
     knobs.py        `ineffective_knobs`: values a config sets that have no effect in it
@@ -29,7 +30,7 @@ from lit_grpo.config.checks import (
     require,
     require_finite,
 )
-from lit_grpo.config.controls import CorrectionConfig, EntropyConfig
+from lit_grpo.config.controls import CorrectionConfig, EntropyConfig, ReferenceConfig
 from lit_grpo.config.groups import (
     AdvantageConfig,
     DataConfig,
@@ -68,6 +69,7 @@ __all__ = [
     "OffPolicyConfig",
     "OptimConfig",
     "PolicyLossConfig",
+    "ReferenceConfig",
     "RewardConfig",
     "RolloutConfig",
     "SamplerConfig",

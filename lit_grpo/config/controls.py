@@ -1,15 +1,16 @@
 """The controls applied around every policy loss alike: the training–inference mismatch correction
-(`correction=<mode>`, `conf/correction/<mode>.yaml`) and the entropy controls (`entropy.*`).
-The maths is `lit_grpo.maths.correction` and `lit_grpo.maths.entropy`; the mode names and their
-parameters are checked against the correction registry in `lit_grpo.run.validate`.
+(`correction=<mode>`, `conf/correction/<mode>.yaml`), the entropy controls (`entropy.*`) and the
+KL reference's schedule (`reference.*`).
+The maths is `lit_grpo.maths.correction`, `lit_grpo.maths.entropy` and `lit_grpo.models.reference`;
+the mode names and their parameters are checked against the correction registry in `lit_grpo.run.validate`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from lit_grpo.config.checks import require, require_finite
+from lit_grpo.config.checks import DEFINES_STATE, require, require_finite
 
 CORRECTION_PARAMS = ("level", "cap", "low", "high", "estimator", "threshold")
 """CorrectionConfig's fields that are a mode's parameters (the registry says which mode takes which)."""
@@ -129,3 +130,41 @@ class EntropyConfig:
             "entropy.floor",
             f"must be below entropy.ceiling ({self.ceiling}), got {self.floor}",
         )
+
+
+@dataclass
+class ReferenceConfig:
+    """The KL reference's schedule (it exists only with `policy_loss.kl_beta > 0`): frozen at the
+    initial policy (the default), or moved towards the policy every `sync_every` optimizer steps,
+    `ref ← α·π + (1 − α)·ref` (TR-DPO's soft update; α = 1, its hard update, is a reset of the
+    reference to the policy as ProRL does). The reference's weights are then saved in every checkpoint."""
+
+    sync_every: int = field(default=0, metadata=DEFINES_STATE)
+    """Move the reference every N optimizer updates taken (skipped ones do not count; with
+    `batching.ppo_minibatches` K a rollout step makes up to K); 0: frozen, the DeepSeekMath setting.
+    Needs `policy_loss.kl_beta > 0` and no LoRA (`model.lora.rank=0`): under LoRA the reference is
+    the base model with the adapters off, and moving it would mean rewriting the base weights the
+    adapters (and their optimizer state, and a sampler holding the base) were built on."""
+    mix_alpha: float = 1.0
+    """α of the move: the policy's share of the new reference, in (0, 1]. 1.0 (the default) copies
+    the policy: a "sync" does what its name says, and a soft update is chosen, not stumbled on.
+    TR-DPO's soft updates use α ≈ 0.5–0.6 every step or few steps (TRL's DPO defaults are
+    0.6 every 512 steps); with α < 1 the reference trails the policy by about 1/α syncs."""
+
+    def __post_init__(self) -> None:
+        require(
+            isinstance(self.sync_every, int) and self.sync_every >= 0,
+            "reference.sync_every",
+            f"must be >= 0 (0: a frozen reference), got {self.sync_every!r}",
+        )
+        require_finite(self.mix_alpha, "reference.mix_alpha")
+        require(
+            0 < self.mix_alpha <= 1,
+            "reference.mix_alpha",
+            f"must be in (0, 1] (1: the reference becomes the policy), got {self.mix_alpha}",
+        )
+
+    @property
+    def moves(self) -> bool:
+        """Whether the reference moves (its weights are then part of a checkpoint)."""
+        return self.sync_every > 0

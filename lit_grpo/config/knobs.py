@@ -56,6 +56,11 @@ def ineffective_knobs(c: TrainConfig) -> list[str]:
             "(counted in train/micro_batches_over_budget); set it to at least data.max_seq_len to bound every forward"
         )
     knobs += _ineffective_entropy_knobs(c.entropy)
+    if not c.reference.moves and c.reference.mix_alpha != 1.0:
+        knobs.append(
+            f"reference.mix_alpha={c.reference.mix_alpha} has no effect with reference.sync_every=0: "
+            "the reference stays frozen"
+        )
     if c.checkpoint.save_interval == 0 and c.checkpoint.keep_last != CheckpointConfig().keep_last:
         knobs.append(
             f"checkpoint.keep_last={c.checkpoint.keep_last} has no effect with checkpoint.save_interval=0: "

@@ -22,7 +22,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
 from lit_grpo.config.checks import DEFINES_STATE, MAX_LEARNING_RATE, ConfigError, require, require_finite
-from lit_grpo.config.controls import CorrectionConfig, EntropyConfig
+from lit_grpo.config.controls import CorrectionConfig, EntropyConfig, ReferenceConfig
 from lit_grpo.config.groups import (
     AdvantageConfig,
     DataConfig,
@@ -86,6 +86,8 @@ class TrainConfig:
     none, tis (the default), mask, icepop, geo_mask, kl_reject; and the off-policy mask's δ."""
     entropy: EntropyConfig = field(default_factory=EntropyConfig)
     """Entropy controls: a bonus (fixed, decaying or adaptive), top-entropy tokens only, an alarm."""
+    reference: ReferenceConfig = field(default_factory=ReferenceConfig)
+    """The KL reference: frozen (the default) or moved towards the policy every `sync_every` optimizer steps."""
     optim: OptimConfig = field(default_factory=OptimConfig)
     batching: BatchingConfig = field(default_factory=BatchingConfig)
     offpolicy: OffPolicyConfig = field(default_factory=OffPolicyConfig)
@@ -105,6 +107,7 @@ class TrainConfig:
             check_checkpoint,
             check_offpolicy,
             check_rollout,
+            check_reference,
             check_sampler_fits,
         ):
             check(self)
@@ -219,6 +222,25 @@ def check_rollout(c: TrainConfig) -> None:
         "rollout.overlong_buffer_len",
         f"must be < sampler.max_completion_tokens ({c.sampler.max_completion_tokens}): the penalty starts "
         f"at max_completion_tokens - overlong_buffer_len generated tokens, got {c.rollout.overlong_buffer_len}",
+    )
+
+
+def check_reference(c: TrainConfig) -> None:
+    """A moving reference needs a reference, and one made of weights of its own (not LoRA's base)."""
+    if not c.reference.moves:
+        return
+    require(
+        c.policy_loss.kl_beta > 0,
+        "reference.sync_every",
+        f"={c.reference.sync_every} needs policy_loss.kl_beta > 0: with kl_beta=0 there is no reference to move",
+    )
+    require(
+        c.model.lora.rank == 0,
+        "reference.sync_every",
+        f"={c.reference.sync_every} cannot go with LoRA (model.lora.rank={c.model.lora.rank}): the reference is "
+        "the base model with the adapters off, and moving it would rewrite the base weights the adapters, their "
+        "optimizer state and the sampler are built on (α=1 could be a merge of the adapters, α<1 cannot be "
+        "expressed at all); keep the reference frozen (reference.sync_every=0) or train without LoRA",
     )
 
 

@@ -10,6 +10,9 @@ Under data parallelism every rank trains on its own batch; the loss normalizers 
 by the world size because DDP averages gradients: a W-rank step's gradient equals a 1-rank step
 on the union of the W batches.
 
+A moving reference (`reference.sync_every` > 0) is mixed towards the policy at the end of an
+optimizer step, right after its update (`lit_grpo.loop.moving_reference`).
+
 What follows the optimizer steps (weight sync and the policy version, checkpoint, evaluation,
 metrics) is the step sequence, `lit_grpo.loop.step_sequence.StepSequence`, which this module runs
 from its own `on_train_batch_end` hook, after every callback's.
@@ -41,6 +44,7 @@ from lit_grpo.loop.micro_batches import (
     plan_forwards,
     with_fillers,
 )
+from lit_grpo.loop.moving_reference import MovingReference
 from lit_grpo.loop.optim import adamw, lr_multiplier
 from lit_grpo.loop.optimizer_step import StepTotals, StepUpdate, loss_settings, mean_over_minibatches
 from lit_grpo.loop.signals import StopRequested
@@ -105,6 +109,10 @@ class GRPOModule(L.LightningModule):
                 if is_lora(self.policy)
                 else copy.deepcopy(policy).requires_grad_(False).eval()
             )
+        self.moving_reference: Optional[MovingReference] = None
+        """Mixes the reference towards the policy every `reference.sync_every` updates (None: frozen)."""
+        if config.reference.moves and isinstance(self.reference, torch.nn.Module):  # never LoRA's view (refused)
+            self.moving_reference = MovingReference(config.reference, self.reference, self.policy)
         # After the reference's copy (it runs without gradient: nothing to recompute) and before
         # `configure_model` shards the layers.
         self.checkpointed_layers = (
@@ -313,10 +321,13 @@ class GRPOModule(L.LightningModule):
             totals.add(loss, {**metrics, **health}, micro_mask_BT)
         # Skipped on every rank together: a non-finite loss or gradient, or no advantage to learn from.
         signal = learning_signal(advantages[rows], mask_BT[rows])
-        return self.step_update.finish(
+        metrics = self.step_update.finish(
             optimizer, self.lr_schedulers(), totals, signal, partial(self._clip, optimizer),
             step=self.rollout_step + 1, world_size=self.trainer.world_size, warn=self.trainer.is_global_zero,
         )  # fmt: skip
+        if self.moving_reference is not None:
+            self.moving_reference.after_update(self.step_update.last_taken)
+        return metrics
 
     def _backward(self, loss: torch.Tensor, last: bool) -> None:
         """Backward of a micro-batch's loss; the gradients are all-reduced with the step's last only."""

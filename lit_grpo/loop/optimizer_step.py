@@ -89,6 +89,8 @@ class StepUpdate:
         self.skipped = SkippedSteps(max_nonfinite_steps)
         """Optimizer steps whose update was skipped: non-finite, or without a learning signal."""
         self.grad_clip_norm = grad_clip_norm
+        self.last_taken = False
+        """Whether the latest step's update was taken (the same on every rank)."""
 
     def finish(
         self,
@@ -115,6 +117,7 @@ class StepUpdate:
         verdict = step_verdict(totals.loss_sum, grad_norm, signal)
         metrics.update(self.skipped.metrics(verdict, world_size, grad_norm.device))
         self.skipped.note(verdict, totals.loss_sum, grad_norm, step, warn)
+        self.last_taken = verdict == TAKEN
         if verdict != TAKEN:
             optimizer.zero_grad()  # the weights, the optimizer's state and the schedule stay as they were
             return metrics

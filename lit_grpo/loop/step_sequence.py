@@ -127,6 +127,8 @@ class StepSequence:
             metrics.update(control.after_step(metrics.get("train/entropy", 0.0), warn=trainer.global_rank == 0))
         metrics["train/lr"] = module.lr_schedulers().get_last_lr()[0]
         metrics["policy/version"] = float(self.datamodule.version)
+        if (moving := getattr(module, "moving_reference", None)) is not None:  # the same on every rank
+            metrics.update(moving.metrics())
         self.history.append(metrics)  # before the checkpoint, which saves the history
         self.stopping = self._stop_requested_anywhere()
 
@@ -270,6 +272,9 @@ class StepSequence:
                 "datamodule": data_state if data_state is not None else self.datamodule.state_dict(),
                 "sequence": self.state_dict(),
                 "entropy_control": module.entropy_control.state_dict() if hasattr(module, "entropy_control") else {},
+                "moving_reference": moving.state_dict()
+                if (moving := getattr(module, "moving_reference", None)) is not None
+                else {},
                 "callbacks": {cb.state_key: cb.state_dict() for cb in trainer.callbacks if cb.state_dict()},
             },
             rng=rng,
@@ -291,6 +296,8 @@ class StepSequence:
         self.load_state_dict(state["sequence"])
         if hasattr(module, "entropy_control"):
             module.entropy_control.load_state_dict(state.get("entropy_control"))
+        if (moving := getattr(module, "moving_reference", None)) is not None:  # its weights: the checkpointer's
+            moving.load_state_dict(state["moving_reference"])
         for cb in trainer.callbacks:
             if cb.state_key in state["callbacks"]:
                 cb.load_state_dict(state["callbacks"][cb.state_key])

@@ -2,7 +2,8 @@
 
 What is saved (by the step sequence, after the step's weight sync):
 - with `torch.distributed.checkpoint` (sharded under FSDP, deduplicated under DDP): the policy and
-  the optimizer state. The reference is not saved: it is the base model, rebuilt at start.
+  the optimizer state; and the KL reference when it moves (`reference.sync_every` > 0). A frozen
+  reference is not saved: it is the base model, rebuilt at start.
 - per rank, in `trainer_state_rank<R>.pt`: the step, the run id, the LR schedules, the RNG states
   (python, numpy, torch, CUDA) and what the step sequence hands over (data cursor, rows in flight,
   scheduler version and gate counter, metric history, stateful callbacks). Only tensors and plain
@@ -28,7 +29,12 @@ import torch
 import torch.distributed.checkpoint as dcp
 from omegaconf import OmegaConf
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 
 from lit_grpo.errors import EnvironmentFault, UserError
 from lit_grpo.run.checkpoint import (
@@ -166,16 +172,24 @@ class RunCheckpointer:
             self.store.begin(step)
         trainer.strategy.barrier("dcp_begin")
         model_sd, optim_sd = get_state_dict(module.policy, trainer.optimizers)
+        shards = {"policy": model_sd, "optimizer": optim_sd, **self._moving_reference(module)}
         try:
-            return self._write(trainer, staging, step, model_sd, optim_sd, state, rng, start)
+            return self._write(trainer, staging, step, shards, state, rng, start)
         except (OSError, CheckpointException, RuntimeError) as err:  # a full disk, a folder taken away
             if isinstance(err, RuntimeError) and not is_short_write(err):
                 raise  # a bug, not the disk
             shutil.rmtree(staging, ignore_errors=True)
             raise CheckpointWriteError(self._write_problem(step, err)) from None
 
-    def _write(self, trainer, staging: Path, step: int, model_sd, optim_sd, state: dict, rng, start: float) -> Path:
-        dcp.save({"policy": model_sd, "optimizer": optim_sd}, checkpoint_id=staging)
+    def _moving_reference(self, module: L.LightningModule) -> dict:
+        """`{"reference": its state dict}` when the run's reference moves (it then differs from the
+        base model a resume rebuilds); else nothing."""
+        if not self.run_config.reference.moves or getattr(module, "reference", None) is None:
+            return {}
+        return {"reference": get_model_state_dict(module.reference)}
+
+    def _write(self, trainer, staging: Path, step: int, shards: dict, state: dict, rng, start: float) -> Path:
+        dcp.save(shards, checkpoint_id=staging)
         full_state = {
             "format": FORMAT_VERSION,
             "step": step,
@@ -230,8 +244,11 @@ class RunCheckpointer:
                 f"checkpoint {path} was written by {state['world_size']} processes; this run has {trainer.world_size}"
             )
         model_sd, optim_sd = get_state_dict(module.policy, trainer.optimizers)
-        dcp.load({"policy": model_sd, "optimizer": optim_sd}, checkpoint_id=path)
+        reference = self._moving_reference(module)
+        dcp.load({"policy": model_sd, "optimizer": optim_sd, **reference}, checkpoint_id=path)
         set_state_dict(module.policy, trainer.optimizers, model_state_dict=model_sd, optim_state_dict=optim_sd)
+        if reference:
+            set_model_state_dict(module.reference, reference["reference"])
         for config, saved in zip(trainer.lr_scheduler_configs, state["lr_schedulers"]):
             config.scheduler.load_state_dict(saved)
         self.last_saved_step = state["step"]
