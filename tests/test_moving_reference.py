@@ -168,35 +168,35 @@ def test_mix_alpha_without_a_schedule_is_said_to_do_nothing():
 
 # ------------------------------------------------------------------ an exact resume
 
-MOVING = ["max_steps=4", "reference.sync_every=2", "reference.mix_alpha=0.5"]
+# Mixes after updates 3 and 6; checkpoints at steps 2, 4, 6. Resumed from step 4, the run needs the
+# reference as mixed at update 3 (its weights) and the count of updates since (to mix at update 6).
+MOVING = ["max_steps=6", "reference.sync_every=3", "reference.mix_alpha=0.5"]
 
 
-def _resume_from_step_2(whole, again, *overrides: str) -> None:
-    """Copy a finished 4-step run, drop its step-4 checkpoint and model, and resume it from step 2."""
+def _resume_from_step_4(whole, again, *overrides: str) -> None:
+    """Copy a finished 6-step run, drop its step-6 checkpoint and model, and resume it from step 4."""
     shutil.copytree(whole, again)
-    shutil.rmtree(again / "checkpoints" / "step_00000004")
+    shutil.rmtree(again / "checkpoints" / "step_00000006")
     shutil.rmtree(again / "final_model")
     proc = run_cli(again, *overrides, "resume=auto")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "step_00000002" in (again / "summary.json").read_text()
+    assert "step_00000004" in (again / "summary.json").read_text()
 
 
-def _saved_reference(checkpoint) -> dict[str, torch.Tensor]:
+def _saved(checkpoint) -> dict[str, dict[str, torch.Tensor]]:
+    """A DCP checkpoint's tensors by their top-level key (`policy`, `optimizer`, `reference`)."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    out = checkpoint.parent.parent / "step.pt"
+    out = checkpoint.parent.parent / f"{checkpoint.name}.pt"
     dcp_to_torch_save(checkpoint, out)
     return torch.load(out, weights_only=True)
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(600)
-def test_a_run_with_a_moving_reference_resumes_bit_identical(tmp_path):
-    whole, again = tmp_path / "whole", tmp_path / "again"
-    proc = run_cli(whole, *MOVING)
+def _check_moving_reference_resume(whole, again, *overrides: str) -> None:
+    proc = run_cli(whole, *overrides)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    saved = _saved_reference(whole / "checkpoints" / "step_00000002")
-    # The step-2 checkpoint holds the reference after its first mix: not the initial weights, which
+    saved = _saved(whole / "checkpoints" / "step_00000004")
+    # The step-4 checkpoint holds the reference after its first mix: not the initial weights, which
     # a resume would rebuild (so an exact resume needs it), nor the policy (α = 0.5: half-way).
     c = parse(compose_config("+experiment=arithmetic"))
     initial = load_policy(c.model, load_tokenizer(c.model), c.seed).state_dict()
@@ -204,8 +204,27 @@ def test_a_run_with_a_moving_reference_resumes_bit_identical(tmp_path):
     assert any(not torch.equal(saved["reference"][n], initial[n]) for n in initial), "the reference never moved"
     assert any(not torch.equal(saved["reference"][n], saved["policy"][n]) for n in initial)
 
-    _resume_from_step_2(whole, again, *MOVING)
+    _resume_from_step_4(whole, again, *overrides)
     assert_bit_identical(tensors(whole / "final_model"), tensors(again / "final_model"))
-    final = _saved_reference(whole / "checkpoints" / "step_00000004")["reference"]
-    resumed = _saved_reference(again / "checkpoints" / "step_00000004")["reference"]
-    assert_bit_identical(final, resumed)
+    at_6 = _saved(whole / "checkpoints" / "step_00000006")
+    final = at_6["reference"]
+    for name, before in saved["reference"].items():  # the mix at update 6 (the last), from the full tensors
+        expected = 0.5 * at_6["policy"][name] + 0.5 * before
+        torch.testing.assert_close(final[name], expected, rtol=0, atol=1e-6, msg=name)
+    assert any(not torch.equal(final[n], saved["reference"][n]) for n in final), "no mix after the resume"
+    assert_bit_identical(final, _saved(again / "checkpoints" / "step_00000006")["reference"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_run_with_a_moving_reference_resumes_bit_identical(tmp_path):
+    _check_moving_reference_resume(tmp_path / "whole", tmp_path / "again", *MOVING)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_a_two_rank_run_with_a_moving_reference_resumes_bit_identical(strategy, tmp_path):
+    # DDP: every rank mixes its whole reference alike; FSDP2: each rank mixes its own shards.
+    ranks = ["trainer.accelerator=cpu", "trainer.devices=2", f"trainer.strategy={strategy}"]
+    _check_moving_reference_resume(tmp_path / "whole", tmp_path / "again", *ranks, *MOVING)

@@ -3,7 +3,8 @@
 TR-DPO's update, `ref ← α·π + (1 − α)·ref`, made in place and without gradient, parameter by
 parameter. The reference is a copy of the policy made before any wrapping, so both have the same
 parameter names; under FSDP2 both are sharded by the same plan on the same mesh, so each rank mixes
-its local shards and no collective is needed; under DDP every rank holds the same two models and
+its local shards (after putting back in the sharded state any unit a forward left gathered) and no
+collective is needed; under DDP every rank holds the same two models and
 makes the same mix, so the ranks' references stay equal.
 """
 
@@ -11,6 +12,8 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+
+from lit_grpo.models.sharding import reshard
 
 
 def mixed(reference: torch.Tensor, policy: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -32,6 +35,8 @@ def mix_into_(reference: nn.Module, policy: nn.Module, alpha: float) -> int:
     Raises `RuntimeError` when the two models' parameters differ in names, shapes or sharding
     (they would be mixed with the wrong partners).
     """
+    for model in (reference, policy):  # the shards, which persist, not a unit's full weights left by a forward
+        reshard(model)
     refs, pols = dict(reference.named_parameters()), dict(policy.named_parameters())
     if refs.keys() != pols.keys():
         differ = sorted(refs.keys() ^ pols.keys())[:4]

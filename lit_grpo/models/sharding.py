@@ -59,6 +59,15 @@ def is_fsdp2(model: nn.Module) -> bool:
     return isinstance(model, FSDPModule)
 
 
+def reshard(model: nn.Module) -> None:
+    """Put every FSDP2 unit of `model` back in its sharded state (no collective): the root unit stays
+    unsharded after a forward without gradient (FSDP2 keeps it for a backward), so its registered
+    parameters are then full tensors, not the shards that persist. A no-op for a model not sharded."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
 def full_value(tensor: torch.Tensor) -> torch.Tensor:
     """A reduction's value as a plain tensor: a DTensor (e.g. the norm of sharded gradients) made whole."""
     full_tensor = getattr(tensor, "full_tensor", None)
