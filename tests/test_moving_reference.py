@@ -166,6 +166,20 @@ def test_mix_alpha_without_a_schedule_is_said_to_do_nothing():
     assert not any("reference" in k for k in ineffective_knobs(parse(compose_config("reference.sync_every=4"))))
 
 
+def test_resuming_with_another_schedule_is_refused_naming_the_field(tmp_path):
+    # A moved reference saved by a moving run would be dropped by a frozen one, and the reverse.
+    from omegaconf import OmegaConf
+
+    from lit_grpo.run.checkpoint import CONFIG_FILE, check_resumable, config_as_dict
+
+    moving = parse(compose_config("reference.sync_every=4"))
+    (tmp_path / CONFIG_FILE).write_text(OmegaConf.to_yaml(config_as_dict(moving)))
+    check_resumable(tmp_path, moving)
+    check_resumable(tmp_path, parse(compose_config("reference.sync_every=4", "reference.mix_alpha=0.5")))
+    with pytest.raises(ConfigError, match=r"reference\.sync_every: 4 in the checkpoint, 0 now"):
+        check_resumable(tmp_path, parse(compose_config()))
+
+
 # ------------------------------------------------------------------ an exact resume
 
 # Mixes after updates 3 and 6; checkpoints at steps 2, 4, 6. Resumed from step 4, the run needs the

@@ -83,7 +83,8 @@ def even_slices(n: int, k: int) -> list[slice]:
 
 
 class GRPOModule(L.LightningModule):
-    """Policy + (only when kl_beta > 0) a frozen reference; the loss comes from `lit_grpo.maths.losses`.
+    """Policy + (only when kl_beta > 0) a reference, frozen or moving (`reference.sync_every`); the loss
+    comes from `lit_grpo.maths.losses`.
     With `model.lora.rank > 0` the policy is wrapped with LoRA adapters here (`lit_grpo.models.lora`)."""
 
     def __init__(
