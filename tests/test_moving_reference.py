@@ -89,8 +89,14 @@ def _run(tmp_path, *overrides):
 
 
 @pytest.mark.timeout(300)
-def test_every_sync_every_updates_the_reference_becomes_alpha_policy_plus_the_rest_of_itself(tmp_path, monkeypatch):
-    trainer, module, datamodule = _run(tmp_path, "reference.sync_every=2", "reference.mix_alpha=0.5")
+@pytest.mark.parametrize("minibatches", [1, 2])
+def test_every_sync_every_updates_the_reference_becomes_alpha_policy_plus_the_rest_of_itself(
+    minibatches, tmp_path, monkeypatch
+):
+    # With 2 PPO minibatches a rollout step makes 2 optimizer steps: the mixes fall inside steps too.
+    trainer, module, datamodule = _run(
+        tmp_path, "reference.sync_every=2", "reference.mix_alpha=0.5", f"batching.ppo_minibatches={minibatches}"
+    )
     assert module.moving_reference is not None
     calls = []
     original = MovingReference.after_update
@@ -107,7 +113,7 @@ def test_every_sync_every_updates_the_reference_becomes_alpha_policy_plus_the_re
     trainer.fit(module, datamodule=datamodule)
 
     taken = [c[0] for c in calls]
-    assert len(calls) == 4 and sum(taken) >= 2, taken  # one optimizer step per rollout step; enough taken to mix
+    assert len(calls) == 4 * minibatches and sum(taken) >= 2, taken  # enough updates taken to mix
     updates = 0
     for was_taken, moved, before, policy, after in calls:
         updates += was_taken
@@ -120,9 +126,9 @@ def test_every_sync_every_updates_the_reference_becomes_alpha_policy_plus_the_re
                 assert torch.equal(after[name], before[name]), name
     moves = [c for c in calls if c[1]]
     assert any(not torch.equal(m[4][n], m[2][n]) for m in moves for n in m[2]), "no mix changed anything"
-    steps = module.step_sequence.history.steps
+    steps = module.step_sequence.history.steps  # logged at the end of each rollout step
     assert [s["reference/syncs"] for s in steps] == [
-        float(sum(c[1] for c in calls[: i + 1])) for i in range(len(steps))
+        float(sum(c[1] for c in calls[: (i + 1) * minibatches])) for i in range(len(steps))
     ]
 
 
