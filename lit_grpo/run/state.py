@@ -233,7 +233,8 @@ class RunCheckpointer:
         )
 
     def load(self, path: Path, trainer: L.Trainer, module: L.LightningModule) -> dict:
-        """Load the policy, the optimizer and the LR schedules from `path`; return this rank's state."""
+        """Load the policy, the optimizer, a moving reference and the LR schedules from `path`; return this
+        rank's state."""
         state = read_trainer_state(path / trainer_state_file(trainer.global_rank))
         if state.get("format") != FORMAT_VERSION:
             raise RuntimeError(
