@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Optional
 
 from lit_grpo.config import ConfigError
+from lit_grpo.config.groups import REWARD_MODEL
 from lit_grpo.errors import UserError, import_user_object
 
 RewardFn = Callable[[str, dict], Optional[float]]
@@ -98,7 +99,9 @@ def _check_callable(fn: object, spec: str, field: str) -> None:
 
 def reward_name(spec: str) -> str:
     """A component's short name, for its metric `reward/<name>`: the registered name, or the
-    function's own name for `module:function`."""
+    function's own name for `module:function`; `reward_model` for the reward model."""
+    if spec == REWARD_MODEL:  # built from reward.model (`lit_grpo.rewards.reward_model`), not registered
+        return spec
     fn = get_reward(spec)  # also checks that it exists
     if ":" not in spec:
         return spec
