@@ -269,3 +269,122 @@ def test_a_policy_learns_what_the_reward_model_rewards_from_the_command_line(tmp
     last = sum(s["reward/mean"] for s in steps[-5:]) / 5
     print(f"reward/mean: first 5 steps {first:.3f}, last 5 steps {last:.3f} ({len(steps)} steps)")
     assert last > first + 0.6, (first, last)  # measured: 0.43 -> 1.53 (the most, all 7s: about 1.9)
+
+
+# --------------------------------------------------------------------------- served (reward.model_url)
+
+
+class FakeClassifyServer:
+    """A `/classify` endpoint on a free loopback port that scores token ids with `score(ids)` the
+    way vLLM's pooling runner answers (raw logits with use_activation false), needs `key` when set,
+    and answers `status` instead when that is set; it records each request's body and headers."""
+
+    def __init__(self, score, key=None) -> None:
+        import http.server
+        import json
+        import threading
+
+        self.requests, self.status = [], None
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                outer.requests.append((self.path, body, dict(self.headers)))
+                if key and self.headers.get("Authorization") != f"Bearer {key}":
+                    return self._answer(401, {"error": "Unauthorized"})
+                if outer.status:
+                    return self._answer(outer.status, {"error": "down"})
+                data = [{"index": i, "probs": [score(ids)], "num_classes": 1} for i, ids in enumerate(body["input"])]
+                self._answer(200, {"data": data[::-1]})  # any order: the index says which
+
+            def _answer(self, code, payload):
+                raw = json.dumps(payload).encode()
+                self.send_response(code)
+                self.send_header("Content-Length", str(len(raw)))
+                self.end_headers()
+                self.wfile.write(raw)
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.mark.timeout(120)
+def test_a_served_reward_model_scores_the_same_token_ids_with_its_key(rm_folder, monkeypatch):
+    from lit_grpo.rewards.reward_server import RewardServerError
+
+    model = AutoModelForSequenceClassification.from_pretrained(rm_folder).eval()
+    server = FakeClassifyServer(lambda ids: forward_scores(model, [ids])[0], key="s3cret")
+    try:
+        monkeypatch.setenv("MY_RM_KEY", "s3cret")
+        cfg = RewardConfig(model=str(rm_folder), model_url=server.url, model_api_key_env="MY_RM_KEY")
+        served = reward_model_reward(cfg)
+        assert served.model is None  # only the tokenizer loaded here
+        got = scores(served, PAIRS)
+        assert got == pytest.approx([reference_score(rm_folder, p, c) for p, c in PAIRS], abs=1e-5)
+        path, body, headers = server.requests[0]
+        assert path == "/classify" and body["use_activation"] is False and len(server.requests) < len(PAIRS)
+        assert isinstance(body["input"][0][0], int)  # token ids: formatted here, by the reward model's tokenizer
+
+        monkeypatch.setenv("MY_RM_KEY", "wrong")
+        with pytest.raises(RewardServerError, match="answered 401.*MY_RM_KEY"):
+            scores(served, PAIRS[:1])
+        monkeypatch.setenv("MY_RM_KEY", "s3cret")
+        server.status = 503
+        with pytest.raises(ConnectionError, match="answered 503"):  # transient: the rollout retries it
+            scores(served, PAIRS[:1])
+    finally:
+        server.close()
+    with pytest.raises(ConnectionError, match=r"reward model server .* \(reward.model_url\)"):
+        scores(served, PAIRS[:1])  # nobody listens any more
+
+
+def test_a_served_reward_model_config_is_checked():
+    with pytest.raises(ConfigError, match="`reward.model_url`: needs reward.model"):
+        RewardConfig(model_url="http://127.0.0.1:8001")
+    with pytest.raises(ConfigError, match="`reward.model_url`: must be http"):
+        RewardConfig(model="org/rm", model_url="127.0.0.1:8001")
+    with pytest.raises(ConfigError, match="reward.model_api_key_env"):
+        RewardConfig(model="org/rm", model_url="http://h:1", model_api_key_env="not a name")
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.timeout(600)
+def test_vllm_serves_the_reward_model_with_the_same_scores(tmp_path, monkeypatch):
+    """vLLM 0.32's CPU build, pooling runner (`--runner pooling --convert classify`), behind lit_grpo's key."""
+    pytest.importorskip("vllm")
+    from lit_grpo.samplers.server.pool import start_servers
+
+    tokenizer = build_char_tokenizer("printable")
+    config = Qwen2Config(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=2, max_position_embeddings=256, num_labels=1, pad_token_id=tokenizer.pad_token_id,
+    )  # fmt: skip  # vLLM's CPU attention needs a head size >= 32
+    torch.manual_seed(0)
+    model = Qwen2ForSequenceClassification(config)
+    with torch.no_grad():
+        model.score.weight.normal_(0, 1.0)
+    folder = tmp_path / "rm"
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    pool = start_servers(
+        folder, 1, log_dir=tmp_path / "logs", dtype="float32", max_model_len=256, kv_cache_memory_bytes="64M",
+        extra_args=["--runner", "pooling", "--convert", "classify", "--gpu-memory-utilization", "0.3"],
+        api_key="rm-key", ready_timeout_s=400,
+    )  # fmt: skip
+    try:
+        monkeypatch.setenv("LIT_GRPO_SERVER_KEY", "rm-key")
+        served = reward_model_reward(RewardConfig(model=str(folder), model_url=pool.urls[0]))
+        here = reward_model_reward(RewardConfig(model=str(folder), model_device="cpu"))
+        assert scores(served, PAIRS) == pytest.approx(scores(here, PAIRS), abs=1e-4)
+    finally:
+        pool.stop()

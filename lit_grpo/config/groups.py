@@ -171,6 +171,16 @@ class RewardConfig:
     one, else the CPU)."""
     model_dtype: str = "float32"
     """The reward model's parameter dtype: float32, bfloat16 or float16."""
+    model_url: Optional[str] = None
+    """A vLLM server of `model` (`python -m lit_grpo.serve --model <model> --runner pooling --convert
+    classify`): batches go to its `/classify`, formatted here by `model`'s tokenizer (only the
+    tokenizer loads here). null: the model runs in the trainer's process."""
+    model_api_key_env: str = "LIT_GRPO_SERVER_KEY"
+    """With `model_url`: the environment variable holding the server's key, sent on every request
+    (unset or empty: none is sent). The config names where the key is, never the key."""
+    model_request_timeout_s: float = 30.0
+    """With `model_url`: deadline of one request to the server; past it (or on a refused connection,
+    a reset or a 5xx) the call is a `ConnectionError`, retried as `guards.rollout_retry_on` says."""
 
     def specs(self) -> list[str]:
         """`fn` as a list of names (empty when null); with a reward model and a null `fn`, the
@@ -227,6 +237,28 @@ class RewardConfig:
             self.model_dtype in ("float32", "bfloat16", "float16"),
             "reward.model_dtype",
             f"must be float32, bfloat16 or float16, got {self.model_dtype!r}",
+        )
+        require(
+            self.model_url is None or self.model is not None,
+            "reward.model_url",
+            "needs reward.model too: the served model's folder or hub name, whose tokenizer formats its input here",
+        )
+        require(
+            self.model_url is None or re.match(r"https?://[^/\s]+", str(self.model_url)) is not None,
+            "reward.model_url",
+            f"must be http://host:port or https://..., got {self.model_url!r}",
+        )
+        require(
+            re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", str(self.model_api_key_env)) is not None,
+            "reward.model_api_key_env",
+            "must name an environment variable (the key itself never goes in the config), "
+            f"got {self.model_api_key_env!r}",
+        )
+        require_finite(self.model_request_timeout_s, "reward.model_request_timeout_s")
+        require(
+            self.model_request_timeout_s > 0,
+            "reward.model_request_timeout_s",
+            f"must be > 0 seconds, got {self.model_request_timeout_s}",
         )
         require(
             re.fullmatch(r"auto|cpu|cuda(:\d+)?|mps", str(self.model_device)) is not None,

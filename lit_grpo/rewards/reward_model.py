@@ -26,6 +26,7 @@ would alone (the model reads its last non-pad token); a model without a pad toke
 from __future__ import annotations
 
 import asyncio
+import functools
 import threading
 import weakref
 from collections.abc import Callable, Sequence
@@ -104,28 +105,48 @@ def model_device(setting: str) -> str:
     return f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu"
 
 
-def load_reward_model(name: str, device: str = "cpu", dtype: str = "float32"):
-    """The reward model `name` and its tokenizer, ready to score: eval mode, no gradients, on
-    `device` in `dtype`. `ModelLoadError` naming `reward.model` when it cannot be loaded; `ConfigError`
-    when it is no reward model (more than one label, or no score head in its weights)."""
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+def unreachable(name: str, err: Exception) -> Exception:
+    """A `ModelLoadError` naming `reward.model` and the fix."""
+    from lit_grpo.models.load import ModelLoadError
+
+    return ModelLoadError(
+        f"Could not load the reward model reward.model={name!r}: {type(err).__name__}: {str(err)[:400]}\n"
+        "If this machine cannot reach the Hugging Face hub, download it elsewhere and point at the local "
+        "copy with `reward.model=/path/to/model` (set HF_HUB_OFFLINE=1 to fail fast)."
+    )
+
+
+def load_reward_tokenizer(name: str):
+    """The reward model's own tokenizer (it formats the reward model's input); `ModelLoadError` naming
+    `reward.model` when it cannot be loaded."""
+    from transformers import AutoTokenizer
 
     from lit_grpo.config.sources import model_path_problem
-    from lit_grpo.models.load import DTYPES, ModelLoadError
+    from lit_grpo.models.load import ModelLoadError
 
     if why := model_path_problem(name, field="reward.model"):
         raise ModelLoadError(f"reward.model={name}: {why}")
     try:
-        tokenizer = AutoTokenizer.from_pretrained(name)
+        return AutoTokenizer.from_pretrained(name)
+    except (OSError, ValueError) as err:
+        raise unreachable(name, err) from None
+
+
+def load_reward_model(name: str, device: str = "cpu", dtype: str = "float32"):
+    """The reward model `name` and its tokenizer, ready to score: eval mode, no gradients, on
+    `device` in `dtype`. `ModelLoadError` naming `reward.model` when it cannot be loaded; `ConfigError`
+    when it is no reward model (more than one label, or no score head in its weights)."""
+    from transformers import AutoModelForSequenceClassification
+
+    from lit_grpo.models.load import DTYPES
+
+    tokenizer = load_reward_tokenizer(name)
+    try:
         model, info = AutoModelForSequenceClassification.from_pretrained(
             name, dtype=DTYPES[dtype], output_loading_info=True
         )
     except (OSError, ValueError) as err:
-        raise ModelLoadError(
-            f"Could not load the reward model reward.model={name!r}: {type(err).__name__}: {str(err)[:400]}\n"
-            "If this machine cannot reach the Hugging Face hub, download it elsewhere and point at the local "
-            "copy with `reward.model=/path/to/model` (set HF_HUB_OFFLINE=1 to fail fast)."
-        ) from None
+        raise unreachable(name, err) from None
     head = [k for k in info.get("missing_keys", ()) if not k.startswith(model.base_model_prefix + ".")]
     if head:
         raise ConfigError(
@@ -200,19 +221,24 @@ class ModelBatcher:
 
 class RewardModelReward:
     """The component `reward_model`: `await reward(completion_text, row) -> float`, the reward model's
-    score of the row's prompt (`prompt_of(row)`) and the completion, batched with concurrent calls."""
+    score of the row's prompt (`prompt_of(row)`) and the completion, batched with concurrent calls.
+    `forward(token_ids) -> scores` scores a batch: the model here (`forward_scores`) or its server
+    (`lit_grpo.rewards.reward_server.ServedScores`)."""
 
     def __init__(
         self,
-        model,
         tokenizer,
+        forward: Callable[[list[list[int]]], list[float]],
         *,
         prompt_of: Callable[[dict], Prompt],
         batch_size: int = 32,
         linger_s: float = 0.01,
         name: str = "reward model",
+        model: Any = None,
     ) -> None:
-        self.model, self.tokenizer, self.prompt_of, self.name = model, tokenizer, prompt_of, name
+        self.tokenizer, self.forward, self.prompt_of, self.name = tokenizer, forward, prompt_of, name
+        self.model = model
+        """The model scoring here (None when it is served)."""
         self.batch_size, self.linger_s = batch_size, linger_s
         self._lock = threading.Lock()  # one forward at a time, whichever event loop asks (rollouts, evaluation)
         self._batchers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -224,7 +250,7 @@ class RewardModelReward:
         ids = [input_ids(self.tokenizer, prompt, completion) for prompt, completion in pairs]
         with self._lock:
             self.batches += 1
-            return forward_scores(self.model, ids)
+            return self.forward(ids)
 
     def _batcher(self) -> ModelBatcher:
         loop = asyncio.get_running_loop()  # futures and timers belong to one loop: a batcher per loop
@@ -253,14 +279,16 @@ def default_prompt(row: dict) -> Prompt:
 
 
 def reward_model_reward(cfg, prompt_of: Optional[Callable[[dict], Prompt]] = None) -> RewardModelReward:
-    """The component `reward_model` of `cfg` (`RewardConfig`): `reward.model` loaded and batched as
-    `reward.model_batch_size` and `reward.model_linger_s` say."""
+    """The component `reward_model` of `cfg` (`RewardConfig`): `reward.model` loaded here, or only its
+    tokenizer when `reward.model_url` serves it, batched as `reward.model_batch_size` and
+    `reward.model_linger_s` say."""
+    common = dict(prompt_of=prompt_of or default_prompt, batch_size=cfg.model_batch_size, linger_s=cfg.model_linger_s)
+    if cfg.model_url is not None:
+        from lit_grpo.rewards.reward_server import ServedScores
+
+        served = ServedScores(cfg.model_url, cfg.model_api_key_env, cfg.model_request_timeout_s)
+        return RewardModelReward(
+            load_reward_tokenizer(cfg.model), served, name=f"{cfg.model} at {cfg.model_url}", **common
+        )
     model, tokenizer = load_reward_model(cfg.model, cfg.model_device, cfg.model_dtype)
-    return RewardModelReward(
-        model,
-        tokenizer,
-        prompt_of=prompt_of or default_prompt,
-        batch_size=cfg.model_batch_size,
-        linger_s=cfg.model_linger_s,
-        name=cfg.model,
-    )
+    return RewardModelReward(tokenizer, functools.partial(forward_scores, model), name=cfg.model, model=model, **common)
