@@ -174,6 +174,7 @@ class ModelBatcher:
         self.pending: list[tuple[Any, asyncio.Future]] = []
         self.timer: Optional[asyncio.TimerHandle] = None
         self.running = False
+        self.tasks: set[asyncio.Task] = set()  # a task nobody references may be collected mid-batch
 
     async def submit(self, item: Any) -> float:
         """`item`'s score, from the batch it joins."""
@@ -200,7 +201,9 @@ class ModelBatcher:
             self._schedule()
             return
         self.running = True
-        asyncio.get_running_loop().create_task(self._run(taken))
+        task = asyncio.get_running_loop().create_task(self._run(taken))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
 
     async def _run(self, taken: list[tuple[Any, asyncio.Future]]) -> None:
         try:
