@@ -18,7 +18,7 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer, Qwen
 
 from lit_grpo.config import ConfigError, RewardConfig
 from lit_grpo.models.load import build_char_tokenizer
-from lit_grpo.rewards import RewardScorer, build_reward, get_reward
+from lit_grpo.rewards import RewardScorer, WeightedReward, build_reward, get_reward
 from lit_grpo.rewards.reward_model import forward_scores, reward_model_reward
 
 PAIRS = [
@@ -130,6 +130,30 @@ def test_it_composes_with_a_rule_reward_in_the_weighted_sum(rm_folder):
     assert right.parts == pytest.approx({"reward/arithmetic": 1.0, "reward/reward_model": rm_right}, abs=1e-5)
     assert right.value == pytest.approx(1.0 + 0.5 * rm_right, abs=1e-5)
     assert wrong.value == pytest.approx(0.5 * rm_wrong, abs=1e-5)
+
+
+@pytest.mark.timeout(60)
+def test_a_slow_forward_meets_the_rewards_deadline_and_the_next_batch_still_scores(rm_folder):
+    import time
+
+    reward = reward_model_reward(RewardConfig(model=str(rm_folder), model_device="cpu"))
+    fast, calls = reward.forward, []
+
+    def slow_once(ids):
+        calls.append(len(ids))
+        if len(calls) == 1:
+            time.sleep(1.0)
+        return fast(ids)
+
+    reward.forward = slow_once
+    scorer = RewardScorer(WeightedReward([("reward_model", reward)], [1.0]), timeout_s=0.3, timeout_reward=-7.0)
+    row = {"prompt": "2+3="}
+    late = scorer.score_all_blocking([("5", row), ("6", row)])
+    assert [s.value for s in late] == [-7.0, -7.0] and all(s.timed_out for s in late)
+    time.sleep(1.0)  # the late forward ends (one forward at a time), its answers to nobody
+    [on_time] = scorer.score_all_blocking([("5", row)])
+    assert on_time.value == pytest.approx(reference_score(rm_folder, "2+3=", "5"), abs=1e-5)
+    assert not on_time.timed_out and calls == [2, 1]
 
 
 def test_a_token_id_prompt_is_refused_naming_the_fix(rm_folder):
@@ -260,7 +284,8 @@ def test_a_policy_learns_what_the_reward_model_rewards_from_the_command_line(tmp
         [
             sys.executable, "-m", "lit_grpo.train", "+experiment=arithmetic", f"reward.model={folder}",
             "reward.model_device=cpu", "sampler.max_completion_tokens=4", "max_steps=40", "learning_rate=1e-2",
-            "trainer.enable_progress_bar=false", "~callbacks.reward_filter", f"hydra.run.dir={run}",
+            "trainer.enable_progress_bar=false", "~callbacks.reward_filter", "checkpoint.save_interval=20",
+            f"hydra.run.dir={run}",
         ],
         check=True, env=env, cwd=tmp_path, timeout=540,
     )  # fmt: skip
@@ -269,6 +294,14 @@ def test_a_policy_learns_what_the_reward_model_rewards_from_the_command_line(tmp
     last = sum(s["reward/mean"] for s in steps[-5:]) / 5
     print(f"reward/mean: first 5 steps {first:.3f}, last 5 steps {last:.3f} ({len(steps)} steps)")
     assert last > first + 0.6, (first, last)  # measured: 0.43 -> 1.53 (the most, all 7s: about 1.9)
+
+    # The checkpoint holds the policy (hidden size 64) and its optimizer, nothing of the reward model (8).
+    import torch.distributed.checkpoint as dcp
+
+    keys = dcp.FileSystemReader(str(run / "checkpoints" / "step_00000040")).read_metadata().state_dict_metadata
+    assert not any("score" in k for k in keys)
+    embeddings = [k for k in keys if k.endswith("embed_tokens.weight")]
+    assert embeddings and all(keys[k].size[-1] == 64 for k in embeddings)
 
 
 # --------------------------------------------------------------------------- served (reward.model_url)
