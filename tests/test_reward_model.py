@@ -178,6 +178,18 @@ def test_config_shapes_are_checked_naming_the_field():
         RewardConfig(model="org/rm", model_batch_size=0)
 
 
+def test_reward_model_knobs_without_effect_are_named():
+    from lit_grpo.config import TrainConfig, ineffective_knobs
+
+    assert ineffective_knobs(TrainConfig(reward=RewardConfig(model="org/rm", model_dtype="bfloat16"))) == []
+    knobs = ineffective_knobs(TrainConfig(reward=RewardConfig(model_batch_size=4)))
+    assert knobs == ["reward.model_batch_size=4 has no effect without reward.model"]
+    served = RewardConfig(model="org/rm", model_url="http://h:1", model_device="cuda")
+    assert ineffective_knobs(TrainConfig(reward=served)) == [
+        "reward.model_device=cuda has no effect with reward.model_url: the server runs the reward model"
+    ]
+
+
 def test_a_model_of_several_labels_or_no_score_head_is_refused(tmp_path):
     folder = save_reward_model(tmp_path / "two", num_labels=2)
     with pytest.raises(ConfigError, match="num_labels=2"):

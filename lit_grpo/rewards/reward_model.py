@@ -250,8 +250,8 @@ class RewardModelReward:
 
     def score_pairs(self, pairs: Sequence[tuple[Prompt, str]]) -> list[float]:
         """The scores of (prompt, completion) pairs, in one batch, on the calling thread."""
-        ids = [input_ids(self.tokenizer, prompt, completion) for prompt, completion in pairs]
-        with self._lock:
+        with self._lock:  # the tokenizer too: a Rust tokenizer shared by threads may refuse ("Already borrowed")
+            ids = [input_ids(self.tokenizer, prompt, completion) for prompt, completion in pairs]
             self.batches += 1
             return self.forward(ids)
 
