@@ -433,3 +433,12 @@ def test_vllm_serves_the_reward_model_with_the_same_scores(tmp_path, monkeypatch
         assert scores(served, PAIRS) == pytest.approx(scores(here, PAIRS), abs=1e-4)
     finally:
         pool.stop()
+
+
+def test_the_reward_model_name_is_taken():
+    from lit_grpo.rewards import register_reward
+
+    with pytest.raises(ValueError, match="reward model's component"):
+        register_reward("reward_model")(lambda text, row: 0.0)
+    with pytest.raises(ConfigError, match=r"unknown reward 'reward_modle'.*reward_model \(the reward model"):
+        get_reward("reward_modle")

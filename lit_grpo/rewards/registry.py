@@ -33,6 +33,10 @@ def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
     """Decorator: register `fn(completion_text, row) -> float | None` as reward `name`."""
 
     def register(fn: RewardFn) -> RewardFn:
+        if name == REWARD_MODEL:
+            raise ValueError(
+                f"reward name {REWARD_MODEL!r} is the reward model's component (reward.model): choose another"
+            )
         known = REWARDS.get(name)
         same = known is not None and (known.__module__, known.__qualname__) == (fn.__module__, fn.__qualname__)
         if known is not None and not same:  # re-importing the module that defines it is fine
@@ -71,7 +75,7 @@ def get_reward(spec: str, field: str = "reward.fn") -> RewardFn:
         if spec not in REWARDS:
             raise ConfigError(
                 f"config field `{field}`: unknown reward {spec!r}; registered: {', '.join(names)}, "
-                "or 'module:function' for one of your own"
+                f"{REWARD_MODEL} (the reward model of reward.model), or 'module:function' for one of your own"
             )
         return REWARDS[spec]
     module_name, _, attr = spec.rpartition(":")
