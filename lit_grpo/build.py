@@ -315,6 +315,8 @@ def build_run(
         eval_rows = eval_rows if eval_rows is not None else inputs.eval_rows
     rows = training_rows(c, rows)
     eval_rows = evaluation_rows(c, eval_rows)
+    # The reward before the policy: a reward model that cannot be loaded fails before the policy loads.
+    reward = (inputs.reward_fn if inputs is not None else None) or reward_fn(c)
     tokenizer = load_tokenizer(c.model)
     policy: nn.Module = load_policy(c.model, tokenizer, c.seed)  # the same on every rank
     set_cpu_threads(c.trainer.cpu_threads, policy, engine_in_process=c.sampler.kind == "vllm")
@@ -327,7 +329,6 @@ def build_run(
     )  # an absolute id stays absolute
     trainer = build_trainer(c, [*callbacks, *extra_callbacks])
     L.seed_everything(c.seed + RANK_SEED_STRIDE * trainer.global_rank, verbose=False)
-    reward = (inputs.reward_fn if inputs is not None else None) or reward_fn(c)
     datamodule = build_datamodule(
         c, policy, tokenizer, rows, reward, rank=trainer.global_rank, world_size=trainer.world_size, inputs=inputs
     )

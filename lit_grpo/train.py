@@ -159,10 +159,10 @@ def train(cfg: DictConfig | TrainConfig, inputs: Optional[UserInputs] = None) ->
     start = time.perf_counter()
     with StopSignals() as stop:
         c = validate(cfg)  # every field error surfaces here, before a model is touched
-        if inputs is not None and inputs.reward_fn is not None and c.reward.fn:
+        if inputs is not None and inputs.reward_fn is not None and c.reward.specs():
+            field, value = ("reward.fn", c.reward.fn) if c.reward.fn else ("reward.model", c.reward.model)
             raise ConfigError(
-                f"config field `reward.fn`: {c.reward.fn!r} and a reward_fn given in Python both name the reward; "
-                "keep one"
+                f"config field `{field}`: {value!r} and a reward_fn given in Python both name the reward; keep one"
             )
         for note in ineffective_knobs(c):
             log.warning(note)

@@ -10,6 +10,7 @@ run); `ConfigError` is what a user sees.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -127,12 +128,17 @@ class RolloutConfig:
         require(self.max_concurrency >= 1, "rollout.max_concurrency", f"must be >= 1, got {self.max_concurrency}")
 
 
+REWARD_MODEL = "reward_model"
+"""The component of `reward.fn` that is the reward model (`reward.model`)."""
+
+
 @dataclass
 class RewardConfig:
     """The reward (`lit_grpo.rewards`): the task's own, or functions of your own, weighted."""
 
     fn: Any = None
-    """null: the task's reward. Or a registered reward (`arithmetic`, `gsm8k`, `exact_match`), or
+    """null: the task's reward (the reward model's when `model` is set). Or a registered reward
+    (`arithmetic`, `gsm8k`, `exact_match`), `reward_model` (the reward model of `model`), or
     `module:function` of your own (imported from the working directory), or a list of them: their
     weighted sum, each component also logged as `reward/<name>`. A reward is
     `reward(completion_text, row) -> float | None` (None: not applicable to this row)."""
@@ -150,11 +156,37 @@ class RewardConfig:
     max_timeout_share: float = 0.5
     """The run stops (its last finished step kept) once more than this share of the last 64 samples
     scored `timeout_reward` in place of their reward: the reward is down or far too slow. 1.0: never."""
+    model: Optional[str] = None
+    """A reward model scoring (prompt, completion), a local folder or a hub name loaded with
+    `AutoModelForSequenceClassification` and its own tokenizer (one output, `num_labels=1`: its
+    logit is the reward), in the trainer's process, never trained. It is the component
+    `reward_model` of `fn` (null `fn`: the reward model alone). null: none."""
+    model_batch_size: int = 32
+    """Most (prompt, completion) pairs the reward model scores in one forward; concurrent requests
+    are gathered into a batch (also bounded by `max_concurrency`, the requests in flight)."""
+    model_linger_s: float = 0.01
+    """How long the first request of a batch waits for others before the forward runs anyway."""
+    model_device: str = "auto"
+    """The reward model's device: `cpu`, `cuda`, `cuda:N`, or `auto` (this rank's GPU when there is
+    one, else the CPU)."""
+    model_dtype: str = "float32"
+    """The reward model's parameter dtype: float32, bfloat16 or float16."""
+    model_url: Optional[str] = None
+    """A vLLM server of `model` (`python -m lit_grpo.serve --model <model> --runner pooling --convert
+    classify`): batches go to its `/classify`, formatted here by `model`'s tokenizer (only the
+    tokenizer loads here). null: the model runs in the trainer's process."""
+    model_api_key_env: str = "LIT_GRPO_SERVER_KEY"
+    """With `model_url`: the environment variable holding the server's key, sent on every request
+    (unset or empty: none is sent). The config names where the key is, never the key."""
+    model_request_timeout_s: float = 30.0
+    """With `model_url`: deadline of one request to the server; past it (or on a refused connection,
+    a reset or a 5xx) the call is a `ConnectionError`, retried as `guards.rollout_retry_on` says."""
 
     def specs(self) -> list[str]:
-        """`fn` as a list of names (empty when null)."""
+        """`fn` as a list of names (empty when null); with a reward model and a null `fn`, the
+        reward model alone."""
         if self.fn is None:
-            return []
+            return [REWARD_MODEL] if self.model is not None else []
         return list(self.fn) if isinstance(self.fn, (list, tuple)) else [self.fn]
 
     def __post_init__(self) -> None:  # the names are checked against the reward registry in lit_grpo.run.validate
@@ -176,6 +208,62 @@ class RewardConfig:
             0 < self.max_timeout_share <= 1,
             "reward.max_timeout_share",
             f"must be in (0, 1] (1.0: never stop), got {self.max_timeout_share}",
+        )
+        self._check_model(specs)
+
+    def _check_model(self, specs: list[str]) -> None:
+        require(
+            self.model is None or (isinstance(self.model, str) and bool(self.model.strip())),
+            "reward.model",
+            "must be null or a reward model's folder or hub name",
+        )
+        named = REWARD_MODEL in specs
+        require(
+            not named or self.model is not None,
+            "reward.fn",
+            f"names {REWARD_MODEL!r}, the reward model, but reward.model is null; set reward.model=/path/to/model",
+        )
+        require(
+            named or self.model is None,
+            "reward.model",
+            f"is set, but reward.fn={self.fn} does not name its component {REWARD_MODEL!r}; add it, e.g. "
+            f"reward.fn=[{specs[0] if specs else 'gsm8k'},{REWARD_MODEL}], or leave reward.fn null (the reward "
+            "model alone)",
+        )
+        require(self.model_batch_size >= 1, "reward.model_batch_size", f"must be >= 1, got {self.model_batch_size}")
+        require_finite(self.model_linger_s, "reward.model_linger_s")
+        require(self.model_linger_s >= 0, "reward.model_linger_s", f"must be >= 0 seconds, got {self.model_linger_s}")
+        require(
+            self.model_dtype in ("float32", "bfloat16", "float16"),
+            "reward.model_dtype",
+            f"must be float32, bfloat16 or float16, got {self.model_dtype!r}",
+        )
+        require(
+            self.model_url is None or self.model is not None,
+            "reward.model_url",
+            "needs reward.model too: the served model's folder or hub name, whose tokenizer formats its input here",
+        )
+        require(
+            self.model_url is None or re.match(r"https?://[^/\s]+", str(self.model_url)) is not None,
+            "reward.model_url",
+            f"must be http://host:port or https://..., got {self.model_url!r}",
+        )
+        require(
+            re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", str(self.model_api_key_env)) is not None,
+            "reward.model_api_key_env",
+            "must name an environment variable (the key itself never goes in the config), "
+            f"got {self.model_api_key_env!r}",
+        )
+        require_finite(self.model_request_timeout_s, "reward.model_request_timeout_s")
+        require(
+            self.model_request_timeout_s > 0,
+            "reward.model_request_timeout_s",
+            f"must be > 0 seconds, got {self.model_request_timeout_s}",
+        )
+        require(
+            re.fullmatch(r"auto|cpu|cuda(:\d+)?|mps", str(self.model_device)) is not None,
+            "reward.model_device",
+            f"must be auto, cpu, cuda, cuda:N or mps, got {self.model_device!r}",
         )
 
 

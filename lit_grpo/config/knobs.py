@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import fields
 
 from lit_grpo.config.controls import EntropyConfig
-from lit_grpo.config.groups import DataConfig
+from lit_grpo.config.groups import DataConfig, RewardConfig
 from lit_grpo.config.run import TrainConfig
 from lit_grpo.config.sources import source_kind
 from lit_grpo.config.training import CheckpointConfig
@@ -61,6 +61,7 @@ def ineffective_knobs(c: TrainConfig) -> list[str]:
             f"reference.mix_alpha={c.reference.mix_alpha} has no effect with reference.sync_every=0: "
             "the reference stays frozen"
         )
+    knobs += _ineffective_reward_model_knobs(c.reward)
     if c.checkpoint.save_interval == 0 and c.checkpoint.keep_last != CheckpointConfig().keep_last:
         knobs.append(
             f"checkpoint.keep_last={c.checkpoint.keep_last} has no effect with checkpoint.save_interval=0: "
@@ -80,4 +81,18 @@ def _ineffective_entropy_knobs(e: EntropyConfig) -> list[str]:
             if getattr(e, name) != getattr(defaults, name):
                 value = getattr(e, name)
                 knobs.append(f"entropy.{name}={value} has no effect without entropy.target (the adaptive bonus)")
+    return knobs
+
+
+def _ineffective_reward_model_knobs(r: RewardConfig) -> list[str]:
+    defaults, knobs = RewardConfig(), []
+    local, served = ("model_device", "model_dtype"), ("model_api_key_env", "model_request_timeout_s")
+    for names, applies, why in (
+        (("model_batch_size", "model_linger_s", *local, *served), r.model is None, "without reward.model"),
+        (local, r.model_url is not None, "with reward.model_url: the server runs the reward model"),
+        (served, r.model is not None and r.model_url is None, "without reward.model_url: it runs in process"),
+    ):
+        for name in names if applies else ():
+            if getattr(r, name) != getattr(defaults, name):
+                knobs.append(f"reward.{name}={getattr(r, name)} has no effect {why}")
     return knobs

@@ -52,11 +52,11 @@ def looks_local(name: str) -> bool:
     return bool(sep) and Path(head).is_dir()
 
 
-def model_path_problem(name: str) -> Optional[str]:
-    """Why `name` (`model.name_or_path`) is not a usable local model folder when it is meant to be one
+def model_path_problem(name: str, field: str = "model.name_or_path") -> Optional[str]:
+    """Why `name` (config `field`) is not a usable local model folder when it is meant to be one
     (it exists, or `looks_local`); None for a good folder or a hub name."""
     fix = (
-        "point model.name_or_path at the folder that holds the model's config.json and weights, "
+        f"point {field} at the folder that holds the model's config.json and weights, "
         "or give a hub name such as Qwen/Qwen2.5-0.5B-Instruct"
     )
     path = Path(name).expanduser()

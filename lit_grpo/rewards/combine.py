@@ -11,6 +11,7 @@ import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Optional
 
+from lit_grpo.config.groups import REWARD_MODEL
 from lit_grpo.rewards.registry import RewardFn, get_reward, reward_name
 
 if TYPE_CHECKING:
@@ -81,15 +82,30 @@ def component_names(specs: list[str]) -> list[str]:
     return [reward_name(s) for s in specs]
 
 
-def build_reward(cfg: RewardConfig, task_reward: Callable[[], RewardFn], task_name: str) -> RewardFn:
-    """The run's reward: the task's (`task_reward()`) when `reward.fn` and `reward.weights` are
-    null, else a `WeightedReward` of `reward.fn`'s components (the task's alone when only the
-    weights are set)."""
+def build_reward(
+    cfg: RewardConfig,
+    task_reward: Callable[[], RewardFn],
+    task_name: str,
+    reward_model: Optional[Callable[[], RewardFn]] = None,
+) -> RewardFn:
+    """The run's reward: the task's (`task_reward()`) when `reward.fn`, `reward.weights` and
+    `reward.model` are null, else a `WeightedReward` of `reward.fn`'s components (the task's alone
+    when only the weights are set). The component `reward_model` is `reward_model()`
+    (`lit_grpo.rewards.reward_model.reward_model_reward`, which the run's task layer calls with the
+    rows' prompt field)."""
     specs = cfg.specs()
     if not specs and cfg.weights is None:
         return task_reward()
+
+    def component(spec: str) -> RewardFn:
+        if spec != REWARD_MODEL:
+            return get_reward(spec)
+        if reward_model is None:
+            raise ValueError(f"reward.fn names {REWARD_MODEL!r}: build_reward needs reward_model= to build it")
+        return reward_model()
+
     components = (
-        [(n, get_reward(s)) for n, s in zip(component_names(specs), specs)] if specs else [(task_name, task_reward())]
+        [(n, component(s)) for n, s in zip(component_names(specs), specs)] if specs else [(task_name, task_reward())]
     )
     weights = cfg.weights if cfg.weights is not None else [1.0] * len(components)
     return WeightedReward(components, weights)

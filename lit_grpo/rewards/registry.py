@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Optional
 
 from lit_grpo.config import ConfigError
+from lit_grpo.config.groups import REWARD_MODEL
 from lit_grpo.errors import UserError, import_user_object
 
 RewardFn = Callable[[str, dict], Optional[float]]
@@ -32,6 +33,10 @@ def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
     """Decorator: register `fn(completion_text, row) -> float | None` as reward `name`."""
 
     def register(fn: RewardFn) -> RewardFn:
+        if name == REWARD_MODEL:
+            raise ValueError(
+                f"reward name {REWARD_MODEL!r} is the reward model's component (reward.model): choose another"
+            )
         known = REWARDS.get(name)
         same = known is not None and (known.__module__, known.__qualname__) == (fn.__module__, fn.__qualname__)
         if known is not None and not same:  # re-importing the module that defines it is fine
@@ -70,7 +75,7 @@ def get_reward(spec: str, field: str = "reward.fn") -> RewardFn:
         if spec not in REWARDS:
             raise ConfigError(
                 f"config field `{field}`: unknown reward {spec!r}; registered: {', '.join(names)}, "
-                "or 'module:function' for one of your own"
+                f"{REWARD_MODEL} (the reward model of reward.model), or 'module:function' for one of your own"
             )
         return REWARDS[spec]
     module_name, _, attr = spec.rpartition(":")
@@ -98,7 +103,9 @@ def _check_callable(fn: object, spec: str, field: str) -> None:
 
 def reward_name(spec: str) -> str:
     """A component's short name, for its metric `reward/<name>`: the registered name, or the
-    function's own name for `module:function`."""
+    function's own name for `module:function`; `reward_model` for the reward model."""
+    if spec == REWARD_MODEL:  # built from reward.model (`lit_grpo.rewards.reward_model`), not registered
+        return spec
     fn = get_reward(spec)  # also checks that it exists
     if ":" not in spec:
         return spec

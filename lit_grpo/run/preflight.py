@@ -163,6 +163,11 @@ def check_sources(c: TrainConfig) -> None:
             problems.append(f"model.name_or_path={name}: {why}")
         elif why := hub_problem(name, "model"):
             problems.append(f"model {name!r}: {why}; use a local copy with model.name_or_path=/path/to/model")
+    if (name := c.reward.model) is not None:
+        if why := model_path_problem(name, field="reward.model"):
+            problems.append(f"reward.model={name}: {why}")
+        elif why := hub_problem(name, "model"):
+            problems.append(f"reward model {name!r}: {why}; use a local copy with reward.model=/path/to/model")
     problems.extend(source_problems(c))  # none when data.path replaces the task's rows
     problems.extend(data_problems(c))
     if why := get_sampler(c.sampler.kind).missing():

@@ -11,7 +11,7 @@ the first two only when `data.path` / `data.eval_path` give no rows of the user'
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Optional, cast
 
 from lit_grpo.config import TrainConfig
 from lit_grpo.tasks import arithmetic, calculator, gsm8k, lookup  # noqa: F401  (registers the built-in tasks)
@@ -25,7 +25,7 @@ from lit_grpo.tasks.registry import (
     task_options,
     task_spec,
 )
-from lit_grpo.tasks.rows import DEFAULT_ROLLOUT, RowError, check_prompts, load_rows
+from lit_grpo.tasks.rows import DEFAULT_ROLLOUT, RowError, check_prompts, load_rows, prompt_field_of
 
 __all__ = [
     "TASKS", "RewardFn", "TaskSpec", "available_tasks", "build_eval_rows", "build_rows", "check_task",
@@ -71,7 +71,14 @@ def reward_fn(c: TrainConfig) -> RewardFn:
     from lit_grpo.rewards import build_reward
 
     spec = task_spec(c.task)
-    return build_reward(c.reward, lambda: spec.reward(task_options(c.task)), spec.name)
+
+    def reward_model() -> RewardFn:
+        from lit_grpo.rewards.reward_model import reward_model_reward  # torch and transformers: only when used
+
+        # The prompt the reward model reads is the one the default rollout samples from.
+        return cast(RewardFn, reward_model_reward(c.reward, lambda row: row[prompt_field_of(row, c.data.prompt_field)]))
+
+    return build_reward(c.reward, lambda: spec.reward(task_options(c.task)), spec.name, reward_model)
 
 
 def source_problems(c: TrainConfig) -> list[str]:

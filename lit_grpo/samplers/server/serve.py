@@ -35,7 +35,8 @@ What it sets, and why:
 One line, `lit_grpo.samplers.server.serve: ready at URL ...`, is printed when `/health` answers. A missing vLLM,
 a model folder that cannot be served or a key file that cannot be used exits with status 2 and a message,
 before vLLM starts.
-Arguments this command does not know are passed on to `vllm serve` unchanged.
+Arguments this command does not know are passed on to `vllm serve` unchanged: `--runner pooling
+--convert classify` serves a reward model (a sequence classifier) on `/classify` for `reward.model_url`.
 """
 
 from __future__ import annotations
