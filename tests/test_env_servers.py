@@ -264,8 +264,9 @@ def test_greedy_lookup_episodes_and_their_information_gains_on_a_server_are_the_
     model.eval()
     urls = serve("lookup", model, tokenizer)
     rows = [
-        *lookup_task.make_rows(lookup_task.LookupOptions(num_rows=4, hops=1, shown_frac=0.5), seed=1),
-        *lookup_task.make_rows(lookup_task.LookupOptions(num_rows=4, hops=2), seed=2),
+        *lookup_task.make_rows(lookup_task.LookupOptions(num_rows=3, hops=1, shown_frac=0.0), seed=1),
+        *lookup_task.make_rows(lookup_task.LookupOptions(num_rows=2, hops=1, shown_frac=1.0), seed=2),
+        *lookup_task.make_rows(lookup_task.LookupOptions(num_rows=3, hops=2, shown_frac=0.0), seed=3),
     ]
     server = _server_sampler(urls, model, tokenizer, tmp_path)
     try:
@@ -273,8 +274,8 @@ def test_greedy_lookup_episodes_and_their_information_gains_on_a_server_are_the_
     finally:
         server.close()
     on_hf = _play(_lookup_rollout(HFSampler(model, tokenizer), tokenizer), rows)
-    assert {len(s.turn_spans) for s in on_server} >= {2, 3}  # one query and two
+    assert {len(s.turn_spans) for s in on_server} == {1, 2, 3}  # shown, one query, two
     for s, h in zip(on_server, on_hf):
         _same_episode(s, h)
         assert _mask_runs(s.loss_mask) == s.turn_spans
-        assert any(r != 0.0 for r in s.turn_rewards)
+        assert all(r != 0.0 for r in s.turn_rewards[:-1])  # the queries' information gains
