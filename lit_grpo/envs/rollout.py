@@ -14,7 +14,7 @@
 | `max_tokens` | `max_turns` × `max_completion_tokens` | generated tokens in all (`env/limit_tokens`) |
 | `max_seconds` | none | wall-clock seconds per episode, `step` calls included (`env/limit_seconds`) |
 | `parse_error_penalty` | -1.0 | the reward part of a turn whose tool call cannot be parsed; the episode ends there |
-| `stop` | none | stop strings of each turn (e.g. `</tool_call>`: a turn ends with its call; its tool calls are read with the stop string that ended it, its `Turn.text` is cut before it) |
+| `stop` | none | stop strings of each turn (`</tool_call>`: a turn ends with its call, read with it) |
 | `turn_tokens` | `sampler.max_completion_tokens` | the most tokens of one turn |
 | `report_turns` | true | report `turn_spans` and `turn_rewards` (false: a plain sample, for GRPO) |
 
