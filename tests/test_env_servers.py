@@ -5,7 +5,8 @@ Greedy episodes on the server are, token by token, the `hf` sampler's: the same 
 (the policy's moves 1, the prompt and the environment's replies 0), turn spans and turn rewards
 (the lookup game's information gains, scored by each sampler's `score`). Sampled episodes carry
 one logprob per generated token, the trainer's own, and none elsewhere. With partial rollouts an
-episode whose weight sync falls between its moves tags each move with the weights that made it.
+episode whose weight sync falls between its moves tags each move with the weights that made it,
+and a turn in flight at a sync goes on on the new weights, each token tagged and scored by its own.
 And the calculator experiment trains attached to the server, asynchronously with partial rollouts.
 Without vLLM these tests fail, they never skip.
 """
@@ -15,6 +16,8 @@ from __future__ import annotations
 import asyncio
 import copy
 import csv
+import threading
+import time
 
 import pytest
 import torch
@@ -23,6 +26,8 @@ from test_calculator_env import PolicySampler, scripted
 
 from lit_grpo.config import ModelConfig
 from lit_grpo.envs import calculator, lookup
+from lit_grpo.envs.api import StepResult, Turn
+from lit_grpo.envs.rollout import make_env_rollout_fn
 from lit_grpo.maths.logprobs import token_logprobs
 from lit_grpo.models.load import build_char_tokenizer, build_tiny_model, save_pretrained
 from lit_grpo.samplers.hf import HFSampler
@@ -279,3 +284,75 @@ def test_greedy_lookup_episodes_and_their_information_gains_on_a_server_are_the_
         _same_episode(s, h)
         assert _mask_runs(s.loss_mask) == s.turn_spans
         assert all(r != 0.0 for r in s.turn_rewards[:-1])  # the queries' information gains
+
+
+class Echo:
+    """Two turns of the policy with the reply `=>` between them."""
+
+    def __init__(self) -> None:
+        self.turns = 0
+
+    async def reset(self, row: dict) -> str:
+        return row["prompt"]
+
+    async def step(self, turn: Turn) -> StepResult:
+        self.turns += 1
+        return StepResult(reply="=>", done=self.turns == 2)
+
+
+@pytest.mark.timeout(300)
+def test_a_turn_in_flight_at_a_sync_goes_on_on_the_new_weights(serve, tmp_path):
+    """Partial rollouts, long greedy turns: a sync lands inside an episode's turn (aimed at a third
+    of the first), which the server continues on the new weights. Each generated token carries the
+    version that made it (old, then new) and that version's logprob; the prompt and the reply
+    carry none, and the mask and spans are as without the sync."""
+    model, tokenizer = _tiny("lookup")
+    model.eval()
+    urls = serve("lookup", model, tokenizer)
+    max_tokens = 100  # two turns and their prompt within the server's max_model_len (256)
+    server = _server_sampler(urls, model, tokenizer, tmp_path)
+    server.enable_partial_rollouts()
+    setup = RolloutSetup(
+        server,
+        tokenizer,
+        {"max_tokens": max_tokens, "temperature": 0.0},
+        {"environment": Echo, "max_turns": 2, "turn_tokens": max_tokens},
+    )
+    rollout = make_env_rollout_fn(setup)
+    try:
+        rows = [{"prompt": p} for p in ("a?", "b?", "c?", "d?", "ab?", "ca?")]
+        before = _play(rollout, rows)
+        long = [(row, s) for row, s in zip(rows, before) if s.turn_spans[0][1] - s.turn_spans[0][0] == max_tokens]
+        assert long, "no greedy turn of the tiny model runs to max_tokens"
+        row, reference = long[0]
+        start = time.perf_counter()
+        _play(rollout, [row])
+        duration = time.perf_counter() - start
+        perturbed = copy.deepcopy(model)
+        with torch.no_grad():
+            for p in perturbed.parameters():
+                p.add_(0.5 * torch.randn(p.shape, generator=torch.Generator().manual_seed(2)))
+        old, result = server.version, {}
+        thread = threading.Thread(target=lambda: result.update(sample=_play(rollout, [row])[0]))
+        thread.start()
+        time.sleep(duration / 6)  # within the first of the two turns
+        server.update_weights(perturbed.state_dict().items())
+        thread.join(timeout=120)
+        assert not thread.is_alive()
+    finally:
+        server.close()
+    sample = result["sample"]
+    (a, b), (c, d) = sample.turn_spans
+    versions = sample.token_versions
+    generated = [*range(a, b), *range(c, d)]
+    made = [versions[i] for i in generated]
+    print(f"a turn of {max_tokens} tokens: {duration / 2:.2f} s; versions: {versions[a:b]} | {versions[c:d]}")
+    assert server.interruptions >= 1  # a stream was in flight at the sync: closed, then continued
+    assert versions[:a] == [-1] * a and versions[b:c] == [-1] * (c - b)  # the prompt and the reply
+    assert made == sorted(made) and set(made) == {old, old + 1}  # old, then new, never back
+    first_new = generated[made.index(old + 1)]
+    assert sample.tokens[:first_new] == reference.tokens[:first_new]  # the old weights' greedy tokens
+    assert _mask_runs(sample.loss_mask) == sample.turn_spans and sample.tokens[b:c] == reference.tokens[b:c]
+    old_lp, new_lp = _trainer_logprobs(model, sample.tokens), _trainer_logprobs(perturbed, sample.tokens)
+    for i in generated:
+        assert sample.logprobs[i] == pytest.approx((old_lp if versions[i] == old else new_lp)[i], abs=1e-4)
