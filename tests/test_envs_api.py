@@ -18,6 +18,7 @@ from lit_grpo.envs.rollout import make_env_rollout_fn
 from lit_grpo.errors import UserError
 from lit_grpo.models.load import build_char_tokenizer
 from lit_grpo.rollouts.deadlines import classify
+from lit_grpo.samplers.stops import find_stop
 from lit_grpo.types import Completion, RolloutSetup
 
 
@@ -50,6 +51,11 @@ class ScriptedSampler:
         logprobs = [-(self.generated + i + 1) / 10 for i in range(len(tokens))]
         self.generated += len(tokens)
         reason = "length" if len(tokens) < len(ids(self.tokenizer, text)) else "stop"
+        match = find_stop(tokens, kwargs.get("stop") or (), self.tokenizer.decode)
+        if match is not None:  # as every sampler ends at a stop string: its token kept, the text cut before it
+            tokens, logprobs = tokens[: match.num_tokens], logprobs[: match.num_tokens]
+            self.generated -= len(logprobs) - match.num_tokens
+            return [Completion([*prompt, *tokens], len(prompt), logprobs, "stop", match.text, stop_reason=match.stop)]
         return [Completion([*prompt, *tokens], len(prompt), logprobs, reason, self.tokenizer.decode(tokens))]
 
 
@@ -162,6 +168,22 @@ def test_limits_end_an_episode_that_runs_on(tokenizer):
     rollout, _, _ = _rollout(tokenizer, [call] * 10, delay_s=0.2, max_seconds=0.5)
     sample = asyncio.run(rollout({"prompt": "1+1=?"}))
     assert sample.metrics["env/limit_seconds"] == 1.0 and 1 <= len(sample.turn_spans) <= 3
+
+
+@pytest.mark.timeout(30)
+def test_a_turn_ended_by_the_stop_string_closing_its_call_calls_the_tool(tokenizer):
+    """`stop: ["</tool_call>"]`: the sampler cuts the turn's text before the stop string (its token
+    kept, trained on); the call is still read whole, and what the policy would have written after
+    it is never generated."""
+    call = '<tool_call>{"name": "add", "arguments": {"a": 5, "b": 7}}</tool_call>'
+    rollout, _, environments = _rollout(tokenizer, [call + " and more", "12"], stop=["</tool_call>"])
+    sample = asyncio.run(rollout({"prompt": "5+7=?"}))
+    [env] = environments
+    assert env.turns[0].tool_calls == (ToolCall("add", {"a": 5, "b": 7}),) and env.turns[0].parse_error is None
+    assert env.turns[0].text == call.removesuffix("</tool_call>")
+    assert sample.metrics["env/parse_error"] == 0.0 and sample.turn_rewards == [0.1, 1.0]
+    prompt, call_ids, reply = (ids(tokenizer, t) for t in ("5+7=?", call, "<r>12</r>"))
+    assert sample.tokens == [*prompt, *call_ids, *reply, *ids(tokenizer, "12")]
 
 
 @pytest.mark.timeout(30)

@@ -276,3 +276,71 @@ def test_cancel_closes_the_requests_in_flight(tmp_path):
             "the request's connection stayed open: the server would go on generating"
         )
         server.stop()
+
+
+class _ScriptedServer(_HangingServer):
+    """Answers `/v1/completions` as vLLM does: 400 for `n` > 1 in greedy sampling, else `n`
+    choices of the tokens 9, 10 (records each request's body)."""
+
+    def __init__(self) -> None:
+        self.bodies: list[dict] = []
+        super().__init__()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            try:
+                head = await reader.readuntil(b"\r\n\r\n")
+            except asyncio.IncompleteReadError:
+                return
+            length = next(
+                (int(h.split(b":")[1]) for h in head.split(b"\r\n") if h.lower().startswith(b"content-length")), 0
+            )
+            request = json.loads(await reader.readexactly(length) or b"{}")
+            status, answer = 200, {"data": [{"id": "tiny", "max_model_len": 4096}]}
+            if head.startswith(b"POST /v1/completions"):
+                self.bodies.append(request)
+                if request["temperature"] == 0.0 and request["n"] > 1:
+                    status, answer = (
+                        400,
+                        {"error": {"message": f"n must be 1 when using greedy sampling, got {request['n']}."}},
+                    )
+                else:
+                    answer = {
+                        "choices": [{**_choice(i), "token_ids": [9, 10], "text": "12"} for i in range(request["n"])]
+                    }
+            body = json.dumps(answer).encode()
+            reason = b"OK" if status == 200 else b"Bad Request"
+            writer.write(
+                b"HTTP/1.1 %d %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+                % (status, reason, len(body))
+                + body
+            )
+            await writer.drain()
+
+
+def test_greedy_requests_merged_into_one_ask_for_one_completion(tmp_path):
+    """G concurrent greedy requests for one prompt (G episodes of a row at temperature 0): vLLM
+    refuses `n` > 1 in greedy sampling, so one completion is asked for and each caller gets a copy."""
+    from conftest import tiny_arithmetic_model
+
+    from lit_grpo.samplers.server.sampler import VLLMServerSampler
+
+    server = _ScriptedServer()
+    _, tokenizer = tiny_arithmetic_model()
+    sampler = VLLMServerSampler(tokenizer, [f"http://127.0.0.1:{server.port}"], weight_sync_dir=tmp_path)
+
+    async def four(temperature):
+        calls = (
+            sampler.sample_with_prompt_tokens([5, 6], n=1, max_tokens=2, temperature=temperature) for _ in range(4)
+        )
+        return [c for group in await asyncio.gather(*calls) for c in group]
+
+    try:
+        greedy = asyncio.run(four(0.0))
+        assert [b["n"] for b in server.bodies] == [1]
+        assert [c.full_tokens for c in greedy] == [[5, 6, 9, 10]] * 4 and len({id(c) for c in greedy}) == 4
+        assert len({id(c.sampling_logprobs) for c in greedy}) == 4  # copies: one caller's change is its own
+        assert len(asyncio.run(four(1.0))) == 4 and server.bodies[-1]["n"] == 4  # sampled: merged as before
+    finally:
+        sampler.close()
+        server.stop()

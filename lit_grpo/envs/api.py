@@ -40,7 +40,8 @@ class Turn:
     """The policy's turn as the environment sees it."""
 
     text: str
-    """The generated text (special tokens skipped; cut before a stop string that ended it)."""
+    """The generated text (special tokens skipped; cut before a stop string that ended it, which
+    `tool_calls` were read with: `stop=["</tool_call>"]` closes the call)."""
     tool_calls: tuple[ToolCall, ...] = ()
     """The turn's tool calls, in order (empty: a plain answer)."""
     parse_error: Optional[str] = None

@@ -14,7 +14,7 @@
 | `max_tokens` | `max_turns` × `max_completion_tokens` | generated tokens in all (`env/limit_tokens`) |
 | `max_seconds` | none | wall-clock seconds per episode, `step` calls included (`env/limit_seconds`) |
 | `parse_error_penalty` | -1.0 | the reward part of a turn whose tool call cannot be parsed; the episode ends there |
-| `stop` | none | stop strings of each turn (e.g. `</tool_call>`: a turn ends with its call) |
+| `stop` | none | stop strings of each turn (`</tool_call>`: a turn ends with its call, read with it) |
 | `turn_tokens` | `sampler.max_completion_tokens` | the most tokens of one turn |
 | `report_turns` | true | report `turn_spans` and `turn_rewards` (false: a plain sample, for GRPO) |
 
@@ -159,7 +159,9 @@ def make_env_rollout_fn(setup: RolloutSetup) -> RolloutFn:
             texts.append(c.text)
             generated += len(c.full_tokens) - c.prompt_len
             finish_reason = c.finish_reason
-            calls, error = parse_tool_calls(c.text)
+            # A stop string that ended the turn is cut from its text (the samplers' contract) but
+            # read with it: `stop: ["</tool_call>"]` ends a turn with its call, closed.
+            calls, error = parse_tool_calls(c.text + (c.stop_reason or ""))
             metrics["env/tool_calls"] += len(calls)
             if error is not None:
                 metrics["env/parse_error"] = 1.0

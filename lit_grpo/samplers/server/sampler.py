@@ -28,6 +28,7 @@ need the dev-mode endpoints (`VLLM_SERVER_DEV_MODE=1`, set by `lit_grpo.samplers
 from __future__ import annotations
 
 import asyncio
+import copy
 import functools
 import logging
 import os
@@ -294,7 +295,12 @@ class VLLMServerSampler(ServerScoring, AdapterSync, ServerWeightSync, BatchingSa
         deadline: Optional[float],
     ) -> list[Completion]:
         """`n` completions of `prompt` from one request (see `ReplicaRouter.complete`), or, with
-        partial rollouts, from streamed requests that a weight sync may interrupt (`_complete_partial`)."""
+        partial rollouts, from streamed requests that a weight sync may interrupt (`_complete_partial`).
+        Greedy (`temperature` 0): one completion asked for and copied `n` times (vLLM refuses `n` > 1
+        in greedy sampling, and its n completions would be the same)."""
+        if temperature == 0.0 and n > 1:
+            (one,) = await self._complete(prompt, temperature, max_tokens, stop, 1, deadline)
+            return [one, *(copy.deepcopy(one) for _ in range(n - 1))]
         server_stop = stop if len(stop) <= MAX_SERVER_STOPS else ()
         if self.partial_rollouts:
             args = (temperature, max_tokens, server_stop)
