@@ -1,0 +1,111 @@
+"""Vision-language policies: the tiny Qwen2-VL and its processor, and the trainer's forward with images."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from PIL import Image
+
+from lit_grpo.maths.logprobs import token_logprobs
+from lit_grpo.models.vision import build_tiny_vlm, build_tiny_vlm_processor, freeze_vision_tower
+from lit_grpo.types import MultiModalBatch
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def processor():
+    return build_tiny_vlm_processor()
+
+
+@pytest.fixture(scope="module")
+def model(processor):
+    return build_tiny_vlm(processor.tokenizer, seed=0)
+
+
+def _messages(text: str) -> list[dict]:
+    return [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}]}]
+
+
+def _encode(processor, image: Image.Image, text: str = "colour?") -> dict:
+    prompt = processor.apply_chat_template(_messages(text), add_generation_prompt=True, tokenize=False)
+    return processor(text=[prompt], images=[image], return_tensors="pt")
+
+
+@pytest.mark.parametrize("size, grid", [((56, 56), (1, 4, 4)), ((28, 28), (1, 2, 2)), ((56, 28), (1, 2, 4))])
+def test_processor_places_one_pad_per_merged_patch(processor, size, grid):
+    out = _encode(processor, Image.new("RGB", size, (255, 0, 0)))
+    assert out["image_grid_thw"].tolist() == [list(grid)]
+    pads = int((out["input_ids"] == processor.image_token_id).sum())
+    assert pads == grid[0] * grid[1] * grid[2] // 4  # merge 2 × 2
+    assert out["pixel_values"].shape == (grid[0] * grid[1] * grid[2], 3 * 2 * 14 * 14)
+    ids = out["input_ids"][0].tolist()
+    start, end = processor.tokenizer.convert_tokens_to_ids(["<|vision_start|>", "<|vision_end|>"])
+    assert ids[ids.index(start) + 1 : ids.index(end)] == [processor.image_token_id] * pads
+
+
+def _reference_logprobs(model, out: dict, temperature: float = 1.0) -> torch.Tensor:
+    """transformers' own forward: log_softmax(logits / T) of each next token. Shape [B, T-1]."""
+    with torch.no_grad():
+        logits = model(**out).logits.float() / temperature
+    return torch.log_softmax(logits[:, :-1], -1).gather(-1, out["input_ids"][:, 1:, None])[..., 0]
+
+
+@pytest.mark.parametrize("fused_head", [True, False])
+def test_trainer_logprobs_with_images_equal_the_model_forward(processor, model, fused_head):
+    out = _encode(processor, Image.new("RGB", (56, 56), (0, 200, 0)))
+    vision = {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
+    with torch.no_grad():
+        ours, _ = token_logprobs(
+            model, out["input_ids"], out["attention_mask"], 0.7, fused_head=fused_head, vision=vision
+        )
+    torch.testing.assert_close(ours, _reference_logprobs(model, out, 0.7), atol=1e-5, rtol=1e-5)
+    # The image matters: another picture changes the logprobs (the text-only body would not see it).
+    other = _encode(processor, Image.new("RGB", (56, 56), (0, 0, 255)))
+    with torch.no_grad():
+        theirs, _ = token_logprobs(
+            model, out["input_ids"], out["attention_mask"], 0.7, fused_head=fused_head,
+            vision={"pixel_values": other["pixel_values"], "image_grid_thw": other["image_grid_thw"]},
+        )  # fmt: skip
+    assert (theirs - ours).abs().max() > 1e-4
+
+
+def test_a_padded_batch_of_rows_with_their_own_images_equals_each_row_alone(processor, model):
+    rows = [
+        _encode(processor, Image.new("RGB", (56, 56), (255, 0, 0)), "which colour is it?"),
+        _encode(processor, Image.new("RGB", (28, 28), (0, 0, 255)), "colour?"),
+    ]
+    width = max(r["input_ids"].shape[1] for r in rows)
+    tokens = torch.full((2, width), processor.tokenizer.pad_token_id)
+    attention = torch.zeros((2, width), dtype=torch.long)
+    for i, r in enumerate(rows):  # right-padded, as `collate_groups` pads
+        tokens[i, : r["input_ids"].shape[1]] = r["input_ids"][0]
+        attention[i, : r["input_ids"].shape[1]] = 1
+    batch = MultiModalBatch.of([{k: r[k] for k in ("pixel_values", "image_grid_thw")} for r in rows])
+    with torch.no_grad():
+        both, _ = token_logprobs(model, tokens, attention, 1.0, vision=batch.select(slice(0, 2)))
+        second, _ = token_logprobs(model, tokens[1:], attention[1:], 1.0, vision=batch.select(torch.tensor([1])))
+    for i, r in enumerate(rows):
+        n = r["input_ids"].shape[1]
+        torch.testing.assert_close(both[i, : n - 1], _reference_logprobs(model, r)[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(second[0], both[1], atol=1e-5, rtol=1e-5)
+
+
+def test_multi_modal_batch_selects_rows_in_their_order():
+    a = {"pixel_values": torch.full((4, 2), 1.0), "image_grid_thw": torch.tensor([[1, 2, 2]])}
+    c = {"pixel_values": torch.full((16, 2), 3.0), "image_grid_thw": torch.tensor([[1, 4, 4]])}
+    batch = MultiModalBatch.of([a, None, c])
+    assert batch.sizes_B == {"image_grid_thw": [1, 0, 1], "pixel_values": [4, 0, 16]}
+    picked = batch.select(torch.tensor([2, 0]))
+    assert picked["pixel_values"][:, 0].tolist() == [3.0] * 16 + [1.0] * 4
+    assert picked["image_grid_thw"].tolist() == [[1, 4, 4], [1, 2, 2]]
+    assert batch.select(slice(1, 2)) == {}
+    assert MultiModalBatch.of([None, None]) is None
+
+
+def test_the_vision_tower_is_frozen_unless_asked(processor):
+    model = build_tiny_vlm(processor.tokenizer, seed=0)
+    frozen = freeze_vision_tower(model)
+    assert frozen and all(not p.requires_grad for p in model.model.visual.parameters())
+    assert all(p.requires_grad for p in model.model.language_model.parameters())
+    assert freeze_vision_tower(build_tiny_vlm(processor.tokenizer, seed=0), train_vision=True) == []
