@@ -109,3 +109,69 @@ def test_the_vision_tower_is_frozen_unless_asked(processor):
     assert frozen and all(not p.requires_grad for p in model.model.visual.parameters())
     assert all(p.requires_grad for p in model.model.language_model.parameters())
     assert freeze_vision_tower(build_tiny_vlm(processor.tokenizer, seed=0), train_vision=True) == []
+
+
+def _vision(out: dict) -> dict:
+    return {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
+
+
+def test_hf_sampler_logprobs_with_images_equal_the_trainer_forward(processor, model):
+    import asyncio
+
+    from lit_grpo.samplers.hf import HFSampler
+
+    rows = [
+        _encode(processor, Image.new("RGB", (56, 56), (255, 0, 0)), "which colour is it?"),
+        _encode(processor, Image.new("RGB", (28, 28), (0, 0, 255)), "colour?"),
+    ]
+    sampler = HFSampler(model, processor.tokenizer)
+    torch.manual_seed(3)
+
+    async def sample_both():  # one tick: both requests share one left-padded generate call
+        return await asyncio.gather(
+            *(
+                sampler.sample_with_prompt_tokens(
+                    r["input_ids"][0].tolist(), n=2, temperature=0.8, max_tokens=6, multi_modal=_vision(r)
+                )
+                for r in rows
+            )
+        )
+
+    try:
+        groups = asyncio.run(sample_both())
+    finally:
+        sampler.close()
+    completions = [(c, r) for group, r in zip(groups, rows) for c in group]
+    width = max(len(c.full_tokens) for c, _ in completions)
+    tokens = torch.full((4, width), processor.tokenizer.pad_token_id)
+    attention = torch.zeros((4, width), dtype=torch.long)
+    for i, (c, _) in enumerate(completions):  # right-padded, as the trainer's batch
+        tokens[i, : len(c.full_tokens)] = torch.tensor(c.full_tokens)
+        attention[i, : len(c.full_tokens)] = 1
+    images = MultiModalBatch.of([_vision(r) for _, r in completions])
+    with torch.no_grad():
+        trainer, _ = token_logprobs(model, tokens, attention, 0.8, vision=images.select(slice(0, 4)))
+    for i, (c, _) in enumerate(completions):
+        generated = len(c.full_tokens) - c.prompt_len
+        assert generated > 0
+        got = trainer[i, c.prompt_len - 1 : c.prompt_len - 1 + generated]
+        torch.testing.assert_close(got, torch.tensor(c.sampling_logprobs), atol=2e-5, rtol=1e-5)
+    # The images reached generate: without them the same tokens score differently.
+    with torch.no_grad():
+        blind, _ = token_logprobs(model, tokens, attention, 0.8)
+    assert (blind - trainer).abs().max() > 1e-3
+
+
+def test_a_sampler_that_cannot_take_images_refuses_them_by_name(processor, model):
+    import asyncio
+
+    from lit_grpo.samplers.hf import HFSampler
+
+    sampler = HFSampler(model, processor.tokenizer)
+    sampler.takes_images = False  # as the vLLM samplers, so far
+    out = _encode(processor, Image.new("RGB", (28, 28), (0, 0, 255)))
+    try:
+        with pytest.raises(ValueError, match="cannot sample a prompt with images"):
+            asyncio.run(sampler.sample_with_prompt_tokens(out["input_ids"][0].tolist(), multi_modal=_vision(out)))
+    finally:
+        sampler.close()
