@@ -37,7 +37,7 @@ from lit_grpo.loop.module import GRPOModule
 from lit_grpo.loop.peers import PeerWatchCallback
 from lit_grpo.loop.signals import StopSignals
 from lit_grpo.loop.step_sequence import StepSequence
-from lit_grpo.models.load import load_policy, load_tokenizer, save_pretrained, set_cpu_threads
+from lit_grpo.models.load import load_policy, load_processor, load_tokenizer, save_pretrained, set_cpu_threads
 from lit_grpo.models.lora import adapter_config, adapter_tensors, base_tensors, is_lora, with_lora
 from lit_grpo.models.weights import full_named_tensors
 from lit_grpo.rewards.combine import component_names
@@ -120,6 +120,7 @@ def build_datamodule(
         completions_per_prompt=c.data.completions_per_prompt,
         model=c.model.name_or_path or c.model.kind,
         tokenizer_id=c.model.name_or_path or c.model.kind,
+        processor=load_processor(c.model, tokenizer),
     )
     datamodule = RolloutDataModule(
         c,

@@ -213,6 +213,9 @@ class RolloutSetup:
     """Empty: lit_grpo's samplers run in-process (a hosted deployment's URL in the cookbook)."""
     api_key: str = ""
     """Empty: no hosted deployment (kept for rollouts written against the cookbook)."""
+    processor: Any = None
+    """A vision-language policy's processor (`AutoProcessor`: its chat template places a row's
+    images, `lit_grpo.tasks.images`); None: a text-only policy."""
 
 
 @dataclass

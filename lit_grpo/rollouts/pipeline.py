@@ -27,6 +27,7 @@ from lit_grpo.advantages.registry import Advantage, make_advantage, rewards_unif
 from lit_grpo.maths.health import rollout_health
 from lit_grpo.rollouts.checks import check_sample, shown_type
 from lit_grpo.samplers.arguments import PromptTooLong
+from lit_grpo.tasks.images import RowImageError
 from lit_grpo.types import MultiModalBatch, PromptGroup, RolloutBatch, RolloutRecord, RolloutRun, RolloutSample
 
 _TYPECODES = {"q": torch.long, "f": torch.float32}
@@ -38,7 +39,10 @@ GroupFilter = Callable[[PromptGroup], bool]
 
 def error_key(err: BaseException) -> str:
     """The metric key that counts a rollout call that ended in `err`: a prompt the sampler refused
-    as too long is a drop (`rollout/dropped_prompt_too_long`), anything else a failure."""
+    as too long is a drop (`rollout/dropped_prompt_too_long`), so is a row's image that cannot be
+    used (`rollout/dropped_bad_image`), anything else a failure."""
+    if isinstance(err, RowImageError):  # a missing or unreadable image: that row's sample is dropped
+        return "rollout/dropped_bad_image"
     return "rollout/dropped_prompt_too_long" if isinstance(err, PromptTooLong) else "rollout/failures"
 
 
