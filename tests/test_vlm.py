@@ -175,3 +175,122 @@ def test_a_sampler_that_cannot_take_images_refuses_them_by_name(processor, model
             asyncio.run(sampler.sample_with_prompt_tokens(out["input_ids"][0].tolist(), multi_modal=_vision(out)))
     finally:
         sampler.close()
+
+
+# --------------------------------------------------------------------------- rows with images
+
+
+def test_images_load_from_every_form_a_row_may_hold(tmp_path):
+    import io
+
+    from lit_grpo.tasks.images import RowImageError, load_image
+
+    red = Image.new("RGB", (8, 8), (255, 0, 0))
+    path = tmp_path / "red.png"
+    red.save(path)
+    encoded = path.read_bytes()
+    for value in (red, str(path), path, encoded, {"bytes": encoded, "path": None}, {"bytes": None, "path": str(path)}):
+        assert load_image(value).getpixel((0, 0)) == (255, 0, 0)
+    assert load_image(Image.new("L", (4, 4), 7)).mode == "RGB"
+    with pytest.raises(RowImageError, match="is a URL: runs are offline"):
+        load_image("https://example.com/cat.png")
+    with pytest.raises(RowImageError, match="not found"):
+        load_image(str(tmp_path / "missing.png"))
+    with pytest.raises(RowImageError, match="cannot be read"):
+        load_image(io.BytesIO(b"not an image").getvalue())
+
+
+def test_row_images_take_bare_placeholders_from_the_images_field():
+    from lit_grpo.tasks.images import RowImageError, row_images
+
+    red, blue = Image.new("RGB", (8, 8), (255, 0, 0)), Image.new("RGB", (8, 8), (0, 0, 255))
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "image", "image": blue}, {"type": "image"}]}]
+    got = row_images({"images": [red, red]}, messages)
+    assert [im.getpixel((0, 0)) for im in got] == [(255, 0, 0), (0, 0, 255), (255, 0, 0)]
+    with pytest.raises(RowImageError, match="2 image placeholders in the messages for 1 images"):
+        row_images({"image": red}, messages)
+
+
+def _rollout(processor, model, sampler):
+    from lit_grpo.rollouts.rollout import make_rollout_fn
+    from lit_grpo.types import RolloutSetup
+
+    setup = RolloutSetup(
+        sampler, processor.tokenizer, {"temperature": 1.0, "max_tokens": 1},
+        {"reward_fn": lambda text, row: float(text == row["answer"])}, processor=processor,
+    )  # fmt: skip
+    return make_rollout_fn(setup)
+
+
+def test_the_default_rollout_samples_with_the_rows_image_and_keeps_it_with_the_sample(processor, model):
+    import asyncio
+
+    from lit_grpo.samplers.hf import HFSampler
+    from lit_grpo.tasks.vlm_shapes import VlmShapesOptions, make_rows
+
+    row = make_rows(VlmShapesOptions(num_rows=1), seed=0)[0]
+    sampler = HFSampler(model, processor.tokenizer)
+    try:
+        sample = asyncio.run(_rollout(processor, model, sampler)(row))
+    finally:
+        sampler.close()
+    expected_prompt, expected_images = _encode_row(processor, row)
+    assert sample.tokens[: len(expected_prompt)] == expected_prompt
+    assert sample.loss_mask == [0] * len(expected_prompt) + [1] * (len(sample.tokens) - len(expected_prompt))
+    assert set(sample.multi_modal) == {"pixel_values", "image_grid_thw"}
+    torch.testing.assert_close(sample.multi_modal["pixel_values"], expected_images["pixel_values"])
+
+
+def _encode_row(processor, row):
+    image = row["messages"][0]["content"][0]["image"]
+    prompt = processor.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, row["messages"][0]["content"][1]]}],
+        add_generation_prompt=True, tokenize=False,
+    )  # fmt: skip
+    out = processor(text=[prompt], images=[image], return_tensors="pt")
+    return out["input_ids"][0].tolist(), out
+
+
+class _PlaceholderSampler:
+    """Answers every prompt with the image placeholder token (a random policy may sample it)."""
+
+    group_requests = False
+
+    def __init__(self, token: int) -> None:
+        self.token = token
+
+    async def sample_with_prompt_tokens(self, prompt, n=1, multi_modal=None, **kwargs):
+        from lit_grpo.types import Completion
+
+        return [Completion(list(prompt) + [self.token], len(prompt), [-1.0], "length", "") for _ in range(n)]
+
+
+def test_a_completion_holding_an_image_placeholder_is_dropped_as_a_bad_image(processor, model):
+    import asyncio
+
+    from lit_grpo.rollouts.pipeline import error_key
+    from lit_grpo.tasks.images import RowImageError
+    from lit_grpo.tasks.vlm_shapes import VlmShapesOptions, make_rows
+
+    row = make_rows(VlmShapesOptions(num_rows=1), seed=0)[0]
+    rollout = _rollout(processor, model, _PlaceholderSampler(processor.image_token_id))
+    with pytest.raises(RowImageError) as caught:
+        asyncio.run(rollout(row))
+    assert error_key(caught.value) == "rollout/dropped_bad_image"
+
+
+def test_collated_groups_carry_each_rows_images_in_batch_order():
+    from lit_grpo.rollouts.pipeline import collate_groups
+    from lit_grpo.types import PromptGroup, RolloutSample
+
+    def sample(n_tokens, fill):
+        images = {"pixel_values": torch.full((4, 3), fill), "image_grid_thw": torch.tensor([[1, 2, 2]])}
+        return RolloutSample([1] * n_tokens, [0.0] * n_tokens, [0] * (n_tokens - 1) + [1], 1.0, multi_modal=images)
+
+    groups = [PromptGroup({}, [sample(3, 1.0), sample(4, 1.0)], 0), PromptGroup({}, [sample(5, 2.0)], 0)]
+    batch = collate_groups(groups, [[0.5, -0.5], [0.0]], pad_id=0)
+    assert batch.multi_modal.sizes_B["pixel_values"] == [4, 4, 4]
+    assert batch.multi_modal.select(slice(2, 3))["pixel_values"].unique().tolist() == [2.0]
+    assert batch.to("cpu").multi_modal is not None
+    text_only = collate_groups([PromptGroup({}, [RolloutSample([1, 2], [0.0, 0.0], [0, 1], 1.0)], 0)], [[0.0]], 0)
+    assert text_only.multi_modal is None
