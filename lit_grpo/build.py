@@ -321,8 +321,10 @@ def build_run(
     set_cpu_threads(c.trainer.cpu_threads, policy, engine_in_process=c.sampler.kind == "vllm")
     if c.adapter_sync:  # the servers serve its adapter from the start (the module adds none twice)
         policy = with_lora(policy, c.model.lora, c.seed)
+    saved_with = load_processor(c.model, tokenizer) or tokenizer
     callbacks = (
-        [HFExport(Path(c.output_dir) / c.output_model_id, tokenizer, Path(c.output_dir) / RESCUED_MODEL_DIR)]
+        # A vision-language policy's folder holds its processor (the tokenizer with it), so it loads with AutoProcessor.
+        [HFExport(Path(c.output_dir) / c.output_model_id, saved_with, Path(c.output_dir) / RESCUED_MODEL_DIR)]
         if c.output_model_id
         else []
     )  # an absolute id stays absolute

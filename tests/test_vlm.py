@@ -337,3 +337,20 @@ def test_the_vlm_shapes_demo_learns_which_colour_the_square_is(tmp_path):
     rewards = [float(r["reward/mean"]) for r in csv.DictReader(open(tmp_path / "metrics.csv")) if r.get("reward/mean")]
     assert sum(rewards[:10]) / 10 < 0.3  # chance: four answers among ~100 tokens
     assert sum(rewards[-50:]) / 50 >= 0.9
+
+
+def test_an_exported_vlm_folder_reloads_with_its_processor(processor, model, tmp_path):
+    from transformers import AutoTokenizer, Qwen2VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from lit_grpo.models.load import save_pretrained
+
+    save_pretrained(model, processor, tmp_path)
+    image = Image.new("RGB", (56, 56), (0, 200, 0))
+    reloaded = build_tiny_vlm_processor(AutoTokenizer.from_pretrained(tmp_path))
+    reloaded.image_processor = Qwen2VLImageProcessorPil.from_pretrained(tmp_path)
+    before, after = _encode(processor, image), _encode(reloaded, image)
+    assert after["input_ids"].tolist() == before["input_ids"].tolist()
+    torch.testing.assert_close(after["pixel_values"], before["pixel_values"])
+    again = Qwen2VLForConditionalGeneration.from_pretrained(tmp_path).eval()
+    torch.testing.assert_close(_reference_logprobs(again, after), _reference_logprobs(model, before))

@@ -82,6 +82,15 @@ def _image_only_processor_class():
                 return None
             return super().check_argument_for_proper_class(argument_name, argument)
 
+        def save_pretrained(self, save_directory, **kwargs: Any) -> list[str]:
+            """The tokenizer (with the chat template) and the image processor's config
+            (`preprocessor_config.json`): what `Qwen2VLProcessor.from_pretrained` reads for images;
+            transformers' own save refuses the missing video processor."""
+            return [
+                *self.tokenizer.save_pretrained(save_directory, **kwargs),
+                *self.image_processor.save_pretrained(save_directory, **kwargs),
+            ]
+
     return ImageOnlyProcessor
 
 
