@@ -237,6 +237,7 @@ def evaluators(
             max_tokens=c.sampler.max_completion_tokens,
             batch_size=c.sampler.max_batch_size,
             prompt_field=c.data.prompt_field,
+            processor=load_processor(c.model, datamodule.tokenizer),
         )
     ]
     if inputs is not None and inputs.evaluation_fn is not None:

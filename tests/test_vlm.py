@@ -354,3 +354,40 @@ def test_an_exported_vlm_folder_reloads_with_its_processor(processor, model, tmp
     torch.testing.assert_close(after["pixel_values"], before["pixel_values"])
     again = Qwen2VLForConditionalGeneration.from_pretrained(tmp_path).eval()
     torch.testing.assert_close(_reference_logprobs(again, after), _reference_logprobs(model, before))
+
+
+def test_greedy_evaluation_gives_the_sampler_each_rows_image(processor, model):
+    from lit_grpo.loop.evaluation import greedy_reward_sum
+    from lit_grpo.samplers.hf import HFSampler
+    from lit_grpo.tasks.vlm_shapes import VlmShapesOptions, make_rows
+
+    rows = make_rows(VlmShapesOptions(num_rows=3), seed=0)
+    sampler = HFSampler(model, processor.tokenizer)
+    seen = []
+    inner = sampler._generate
+
+    def spy(prompts, temperature, max_tokens, **kwargs):
+        seen.append(kwargs.get("multi_modal"))
+        return inner(prompts, temperature, max_tokens, **kwargs)
+
+    sampler._generate = spy
+    try:
+        total, scored = greedy_reward_sum(
+            sampler, processor.tokenizer, rows, lambda text, row: 1.0, 1, 2, processor=processor
+        )
+    finally:
+        sampler.close()
+    assert (total, scored) == (3.0, 3)
+    assert [len(images) for images in seen] == [2, 1]
+    expected = _encode_row(processor, rows[2])[1]["pixel_values"]
+    torch.testing.assert_close(seen[1][0]["pixel_values"], expected)
+
+
+def test_a_text_policy_refuses_a_row_whose_messages_hold_images(processor):
+    from lit_grpo.rollouts.rollout import row_prompt_tokens
+    from lit_grpo.tasks.rows import RowPromptError
+    from lit_grpo.tasks.vlm_shapes import VlmShapesOptions, make_rows
+
+    row = make_rows(VlmShapesOptions(num_rows=1), seed=0)[0]
+    with pytest.raises(RowPromptError, match="row id='square0': its messages hold images"):
+        row_prompt_tokens(row, processor.tokenizer)

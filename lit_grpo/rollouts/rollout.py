@@ -19,8 +19,8 @@ from typing import Optional
 
 from lit_grpo.rollouts.deadlines import MAX_BACKOFF_S, RETRY_BACKOFF_S, TRANSIENT_ERRORS, classify, function_name
 from lit_grpo.samplers.arguments import chat_prompt_tokens
-from lit_grpo.tasks.images import RowImageError, row_has_images, row_images, vision_prompt
-from lit_grpo.tasks.rows import RowPromptError, bad_prompt_message, prompt_field_of
+from lit_grpo.tasks.images import RowImageError, messages_have_images, row_has_images, row_images, vision_prompt
+from lit_grpo.tasks.rows import RowPromptError, bad_prompt_message, prompt_field_of, row_label
 from lit_grpo.types import Completion, RolloutSample, RolloutSetup
 
 RolloutFn = Callable[[dict], Awaitable[Optional[RolloutSample]]]
@@ -125,8 +125,32 @@ def row_prompt_tokens(
         if isinstance(value[0], int) and not isinstance(value[0], bool):
             return list(value)
         if isinstance(value[0], dict):
+            if messages_have_images(value):  # a text policy would read the placeholders blind
+                raise RowPromptError(
+                    f"row {row_label(row)}: its messages hold images, which only a vision-language policy "
+                    "takes (model.kind=tiny_vlm), through the default rollout"
+                )
             return chat_prompt_tokens(tokenizer, _prompt_messages(list(value)))
     raise RowPromptError(bad_prompt_message(row, field))
+
+
+def row_prompt(
+    row: dict,
+    tokenizer,
+    processor=None,
+    prompt_field: Optional[str] = None,
+    *,
+    text_tokens: Optional[Callable[[str], Sequence[int]]] = None,
+) -> tuple[list[int], Optional[dict]]:
+    """A row's prompt token ids and, for a vision-language policy (`processor`) and a row with
+    images (`lit_grpo.tasks.images`), the image tensors its forward takes (else None):
+    `row_prompt_tokens` for text. `RowImageError` for images that cannot be used."""
+    if processor is not None:
+        messages = row.get(prompt_field or "messages")
+        if isinstance(messages, list) and row_has_images(row, messages):
+            messages = _prompt_messages(messages)
+            return vision_prompt(processor, messages, row_images(row, messages))
+    return row_prompt_tokens(row, tokenizer, prompt_field, text_tokens=text_tokens), None
 
 
 GROUP_ATTRIBUTE = "sample_group"
@@ -171,13 +195,7 @@ def make_rollout_fn(setup: RolloutSetup) -> RolloutFn:
     }
 
     def prompt_of(row: dict) -> tuple[list[int], Optional[dict]]:
-        """The row's prompt tokens and, for a vision-language policy's row with images, their tensors."""
-        if processor is not None:
-            messages = row.get(prompt_field or "messages")
-            if isinstance(messages, list) and row_has_images(row, messages):
-                messages = _prompt_messages(messages)
-                return vision_prompt(processor, messages, row_images(row, messages))
-        return row_prompt_tokens(row, tokenizer, prompt_field, text_tokens=cached_text_tokens), None
+        return row_prompt(row, tokenizer, processor, prompt_field, text_tokens=cached_text_tokens)
 
     async def sample(prompt: list[int], n: int, images: Optional[dict]) -> list[Completion]:
         more = {"multi_modal": images} if images else {}  # a text prompt calls every sampler as before

@@ -74,6 +74,11 @@ def _image_items(messages: list[dict]) -> list[dict]:
     ]
 
 
+def messages_have_images(messages: list) -> bool:
+    """Whether chat messages hold an image content item (`{"type": "image", ...}`)."""
+    return bool(_image_items(messages))
+
+
 def row_has_images(row: dict, messages: Optional[list] = None) -> bool:
     """Whether the row's messages hold an image item or the row an `images`/`image` field."""
     messages = messages if messages is not None else row.get("messages")
