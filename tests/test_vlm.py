@@ -391,3 +391,25 @@ def test_a_text_policy_refuses_a_row_whose_messages_hold_images(processor):
     row = make_rows(VlmShapesOptions(num_rows=1), seed=0)[0]
     with pytest.raises(RowPromptError, match="row id='square0': its messages hold images"):
         row_prompt_tokens(row, processor.tokenizer)
+
+
+def test_a_vlm_folder_loads_as_model_kind_hf_with_its_processor(processor, model, tmp_path):
+    from transformers import Qwen2VLForConditionalGeneration
+
+    from lit_grpo.config import ModelConfig
+    from lit_grpo.models.load import build_policy_skeleton, load_policy, load_processor, load_tokenizer, save_pretrained
+
+    save_pretrained(model, processor, tmp_path)
+    cfg = ModelConfig(kind="hf", name_or_path=str(tmp_path))
+    tokenizer = load_tokenizer(cfg)
+    policy = load_policy(cfg, tokenizer, seed=0)
+    assert isinstance(policy, Qwen2VLForConditionalGeneration)
+    assert not any(p.requires_grad for p in policy.model.visual.parameters())  # model.train_vision=false
+    loaded = load_processor(cfg, tokenizer)
+    image = Image.new("RGB", (56, 56), (0, 200, 0))
+    assert _encode(loaded, image)["input_ids"].tolist() == _encode(processor, image)["input_ids"].tolist()
+    torch.testing.assert_close(
+        _reference_logprobs(policy, _encode(loaded, image)), _reference_logprobs(model, _encode(processor, image))
+    )
+    assert isinstance(build_policy_skeleton(cfg, tokenizer, seed=0), Qwen2VLForConditionalGeneration)
+    assert load_processor(ModelConfig(kind="tiny"), tokenizer) is None

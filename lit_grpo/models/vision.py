@@ -70,10 +70,10 @@ def build_vlm_tokenizer() -> PreTrainedTokenizerFast:
     return tokenizer
 
 
-def _image_only_processor_class():
+def _image_only_processor_class(base: Optional[type] = None):
     from transformers import Qwen2VLProcessor
 
-    class ImageOnlyProcessor(Qwen2VLProcessor):
+    class ImageOnlyProcessor(base or Qwen2VLProcessor):  # type: ignore[misc, valid-type]
         """`Qwen2VLProcessor` without a video processor (see the module docstring): the class check
         of a `None` video processor is skipped, everything else is transformers' own."""
 
@@ -105,6 +105,27 @@ def build_tiny_vlm_processor(tokenizer: Optional[PreTrainedTokenizerFast] = None
         min_pixels=min_pixels, max_pixels=max_pixels, patch_size=patch_size, merge_size=2, temporal_patch_size=2
     )
     return _image_only_processor_class()(
+        image_processor=image_processor, tokenizer=tokenizer, chat_template=tokenizer.chat_template
+    )
+
+
+def load_image_processor_of(name: str, tokenizer, *, trust_remote_code: bool = False):
+    """A model folder's processor: `AutoProcessor`'s, or, where its video processor cannot be built
+    (transformers 5's need torchvision), the same processor class with the folder's image processor
+    and `tokenizer` and no video processor (`ImageOnlyProcessor`)."""
+    from transformers import AutoImageProcessor, AutoProcessor
+
+    try:
+        return AutoProcessor.from_pretrained(name, trust_remote_code=trust_remote_code)
+    except ImportError:
+        pass
+    from transformers import AutoConfig
+    from transformers.models.auto.processing_auto import PROCESSOR_MAPPING
+
+    config = AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code)
+    base = PROCESSOR_MAPPING[type(config)]
+    image_processor = AutoImageProcessor.from_pretrained(name, trust_remote_code=trust_remote_code)
+    return _image_only_processor_class(base)(
         image_processor=image_processor, tokenizer=tokenizer, chat_template=tokenizer.chat_template
     )
 
