@@ -120,8 +120,8 @@ class ModelConfig:
     the reference and old-policy forwards and sampling do not. null (auto): on when the policy's
     `hidden_size × num_layers` is at least 16,384 (Qwen2.5-0.5B: 21,504; the tiny demo's 128 stays off)."""
     train_vision: bool = False
-    """A vision-language policy (`kind=tiny_vlm`): train its vision tower too; false: the tower is
-    frozen and only the language model trains."""
+    """A vision-language policy (`kind=tiny_vlm`, or a VLM folder with `kind=hf`): train its vision
+    tower too; false: the tower is frozen and only the language model trains."""
     fused_lm_head: bool = True
     """Apply the LM head a chunk of tokens at a time in the trainer's forwards (policy, reference,
     old policy), straight into logprobs, recomputed in the backward: no `[rows, T, V]` logits.
