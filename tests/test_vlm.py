@@ -279,6 +279,19 @@ def test_a_completion_holding_an_image_placeholder_is_dropped_as_a_bad_image(pro
     assert error_key(caught.value) == "rollout/dropped_bad_image"
 
 
+def test_a_multi_turn_trajectory_keeps_its_prompts_images():
+    from lit_grpo.rollouts.rollout import Trajectory
+    from lit_grpo.types import Completion
+
+    images = {"pixel_values": torch.ones(4, 3), "image_grid_thw": torch.tensor([[1, 2, 2]])}
+    trajectory = Trajectory([1, 2, 3], multi_modal=images)
+    trajectory.add_completion(Completion([1, 2, 3, 9], 3, [-0.5], "stop", ""))
+    trajectory.add_environment([4])
+    sample = trajectory.to_sample(1.0)
+    assert sample.multi_modal is images and sample.loss_mask == [0, 0, 0, 1, 0]
+    assert Trajectory([1]).to_sample(0.0).multi_modal is None
+
+
 def test_collated_groups_carry_each_rows_images_in_batch_order():
     from lit_grpo.rollouts.pipeline import collate_groups
     from lit_grpo.types import PromptGroup, RolloutSample
@@ -319,7 +332,8 @@ def test_micro_batches_give_each_forward_its_own_rows_images(processor, model):
 @pytest.mark.timeout(900)
 def test_the_vlm_shapes_demo_learns_which_colour_the_square_is(tmp_path):
     """The CPU demo as shipped (`+experiment=vlm_shapes`, seed 0): from chance to >= 0.9 mean reward
-    (measured: 0.89 over steps 61-80, 0.95 over the last 50 of 300, 198 s on two shared CPU cores)."""
+    (measured: 0.89 over steps 61-80, 0.95 over the last 50 of 300; 78 s to 198 s for the run on
+    two shared CPU cores, by their load)."""
     import csv
     import os
     import subprocess

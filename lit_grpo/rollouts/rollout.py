@@ -255,8 +255,12 @@ class Trajectory:
     Each sampled turn's span is recorded (`turn_spans`), for turn-level credit (`to_sample`).
     """
 
-    def __init__(self, prompt_tokens: list[int]) -> None:
+    def __init__(self, prompt_tokens: list[int], multi_modal: Optional[dict] = None) -> None:
         self.tokens = list(prompt_tokens)
+        self.multi_modal = multi_modal
+        """The prompt's images (`row_prompt`'s second value) for a vision-language policy: sample
+        each turn with them (`sample_with_prompt_tokens(multi_modal=...)`); the sample keeps them
+        (`RolloutSample.multi_modal`). None: text."""
         self.logprobs = [0.0] * len(self.tokens)
         self.loss_mask = [0] * len(self.tokens)
         self.turn_spans: list[tuple[int, int]] = []
@@ -307,4 +311,5 @@ class Trajectory:
             turn_spans=spans,
             turn_rewards=turn_rewards,
             token_versions=list(self.token_versions) if self._versioned else None,
+            multi_modal=self.multi_modal,
         )
