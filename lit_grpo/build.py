@@ -37,7 +37,7 @@ from lit_grpo.loop.module import GRPOModule
 from lit_grpo.loop.peers import PeerWatchCallback
 from lit_grpo.loop.signals import StopSignals
 from lit_grpo.loop.step_sequence import StepSequence
-from lit_grpo.models.load import load_policy, load_tokenizer, save_pretrained, set_cpu_threads
+from lit_grpo.models.load import load_policy, load_processor, load_tokenizer, save_pretrained, set_cpu_threads
 from lit_grpo.models.lora import adapter_config, adapter_tensors, base_tensors, is_lora, with_lora
 from lit_grpo.models.weights import full_named_tensors
 from lit_grpo.rewards.combine import component_names
@@ -120,6 +120,7 @@ def build_datamodule(
         completions_per_prompt=c.data.completions_per_prompt,
         model=c.model.name_or_path or c.model.kind,
         tokenizer_id=c.model.name_or_path or c.model.kind,
+        processor=load_processor(c.model, tokenizer),
     )
     datamodule = RolloutDataModule(
         c,
@@ -236,6 +237,7 @@ def evaluators(
             max_tokens=c.sampler.max_completion_tokens,
             batch_size=c.sampler.max_batch_size,
             prompt_field=c.data.prompt_field,
+            processor=load_processor(c.model, datamodule.tokenizer),
         )
     ]
     if inputs is not None and inputs.evaluation_fn is not None:
@@ -322,8 +324,10 @@ def build_run(
     set_cpu_threads(c.trainer.cpu_threads, policy, engine_in_process=c.sampler.kind == "vllm")
     if c.adapter_sync:  # the servers serve its adapter from the start (the module adds none twice)
         policy = with_lora(policy, c.model.lora, c.seed)
+    saved_with = load_processor(c.model, tokenizer) or tokenizer
     callbacks = (
-        [HFExport(Path(c.output_dir) / c.output_model_id, tokenizer, Path(c.output_dir) / RESCUED_MODEL_DIR)]
+        # A vision-language policy's folder holds its processor (the tokenizer with it), so it loads with AutoProcessor.
+        [HFExport(Path(c.output_dir) / c.output_model_id, saved_with, Path(c.output_dir) / RESCUED_MODEL_DIR)]
         if c.output_model_id
         else []
     )  # an absolute id stays absolute

@@ -52,6 +52,12 @@ class RolloutSample:
     (`Completion.token_versions`), -1 where the policy generated none (prompt, environment). With
     partial rollouts a trajectory spans weight syncs; the off-policy gate counts its group at the
     oldest version among its tokens (`oldest_token_version`)."""
+    multi_modal: Optional[dict[str, torch.Tensor]] = None
+    """Optional, a vision-language policy's: the prompt's images as its processor made them, the
+    keyword tensors of the model's forward besides the token ids (Qwen2-VL: `pixel_values`
+    `[patches, C·t·p·p]` and `image_grid_thw` `[images, 3]`), on the CPU. The policy, reference and
+    old-policy forwards take them with `tokens` (`RolloutBatch.multi_modal`); their placeholder
+    tokens are in the prompt, never trained on. None: a text-only sample."""
 
 
 def oldest_token_version(samples: list[RolloutSample]) -> Optional[int]:
@@ -207,6 +213,9 @@ class RolloutSetup:
     """Empty: lit_grpo's samplers run in-process (a hosted deployment's URL in the cookbook)."""
     api_key: str = ""
     """Empty: no hosted deployment (kept for rollouts written against the cookbook)."""
+    processor: Any = None
+    """A vision-language policy's processor (`AutoProcessor`: its chat template places a row's
+    images, `lit_grpo.tasks.images`); None: a text-only policy."""
 
 
 @dataclass
@@ -284,6 +293,48 @@ class RolloutRecord:
 
 
 @dataclass
+class MultiModalBatch:
+    """The images of a batch's rows: each forward keyword tensor of `RolloutSample.multi_modal`,
+    the rows' tensors concatenated along dim 0 in row order, and how many dim-0 entries each row has."""
+
+    tensors: dict[str, torch.Tensor]
+    """Keyword -> the rows' tensors concatenated along dim 0 (Qwen2-VL: `pixel_values` [patches, D],
+    `image_grid_thw` [images, 3])."""
+    sizes_B: dict[str, list[int]]
+    """Keyword -> per row, its entries of that tensor along dim 0 (0: a row without images)."""
+
+    @staticmethod
+    def of(samples: Sequence[Optional[dict[str, torch.Tensor]]]) -> Optional[MultiModalBatch]:
+        """The batch of the rows' `multi_modal` (None for a text-only row); None when no row has images."""
+        keys = sorted({k for s in samples if s for k in s})
+        if not keys:
+            return None
+        tensors, sizes = {}, {}
+        for key in keys:
+            parts = [s[key] for s in samples if s and key in s]
+            tensors[key] = torch.cat(parts, dim=0)
+            sizes[key] = [int(s[key].shape[0]) if s and key in s else 0 for s in samples]
+        return MultiModalBatch(tensors, sizes)
+
+    def select(self, rows: slice | torch.Tensor) -> dict[str, torch.Tensor]:
+        """The forward keyword tensors of `rows` (a slice of the batch or row indices), in their
+        order; {} when none of them has images."""
+        B = len(next(iter(self.sizes_B.values())))
+        indices = list(range(B))[rows] if isinstance(rows, slice) else [int(i) for i in rows.tolist()]
+        out = {}
+        for key, tensor in self.tensors.items():
+            sizes = self.sizes_B[key]
+            starts = list(itertools.accumulate(sizes, initial=0))
+            parts = [tensor[starts[i] : starts[i] + sizes[i]] for i in indices if sizes[i]]
+            if parts:
+                out[key] = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+        return out
+
+    def to(self, device: torch.device | str) -> MultiModalBatch:
+        return MultiModalBatch({k: v.to(device) for k, v in self.tensors.items()}, self.sizes_B)
+
+
+@dataclass
 class RolloutBatch:
     """Padded tensors for one training step: B = P·G sequences of T tokens (right-padded)."""
 
@@ -309,18 +360,21 @@ class RolloutBatch:
     """Per-token advantages (a per-token estimator's, e.g. `advantage=igpo`), parallel to
     `tokens_BT`, 0 outside the turns; the loss then uses these instead of `advantages_B`
     (which holds their mean over each sequence's trained tokens, for logs). Shape: [B, T], float."""
+    multi_modal: Optional[MultiModalBatch] = None
+    """The rows' images (a vision-language policy's samples), for every forward over `tokens_BT`;
+    None: a text-only batch."""
 
     @property
     def num_sequences(self) -> int:
         return int(self.tokens_BT.shape[0])
 
     def to(self, device: torch.device | str) -> RolloutBatch:
-        """The batch with its tensors on `device`; the record and the groups (host-side) are shared."""
+        """The batch with its tensors (and images) on `device`; the record and the groups (host-side) are shared."""
         return dataclasses.replace(
             self,
             **{
                 f.name: getattr(self, f.name).to(device)
                 for f in dataclasses.fields(self)
-                if isinstance(getattr(self, f.name), torch.Tensor)
+                if isinstance(getattr(self, f.name), (torch.Tensor, MultiModalBatch))
             },
         )

@@ -63,8 +63,8 @@ class LoraConfig:
         return float(self.alpha) if self.alpha is not None else 2.0 * self.rank
 
 
-MODEL_KINDS = ("tiny", "qwen2_shape", "hf")
-BUILT_KINDS = ("tiny", "qwen2_shape")
+MODEL_KINDS = ("tiny", "qwen2_shape", "tiny_vlm", "hf")
+BUILT_KINDS = ("tiny", "qwen2_shape", "tiny_vlm")
 """The kinds built here from the fields below, random-init and seeded (no download)."""
 
 
@@ -75,7 +75,9 @@ class ModelConfig:
     kind: str = "tiny"
     """`tiny` (a small Qwen2 with a character tokenizer), `qwen2_shape` (a Qwen2 of any shapes, e.g. a
     real model's, with a byte-level BPE tokenizer of `vocab_size` ids: `conf/model/rehearsal_0p5b.yaml`),
-    both built from the fields below with no download; or `hf` (`AutoModelForCausalLM`)."""
+    both built from the fields below with no download; `tiny_vlm` (a tiny Qwen2-VL: a one-block vision
+    tower and a text model of `hidden_size` and `num_layers`, a character tokenizer with Qwen2-VL's
+    special tokens and its processor, `lit_grpo.models.vision`); or `hf` (`AutoModelForCausalLM`)."""
     name_or_path: Optional[str] = None
     """Hub name or local folder of the model and tokenizer when `kind=hf`."""
     hidden_size: int = 64
@@ -117,6 +119,9 @@ class ModelConfig:
     memory drops to about one layer's, for about a third more compute. Only the training forward pays;
     the reference and old-policy forwards and sampling do not. null (auto): on when the policy's
     `hidden_size × num_layers` is at least 16,384 (Qwen2.5-0.5B: 21,504; the tiny demo's 128 stays off)."""
+    train_vision: bool = False
+    """A vision-language policy (`kind=tiny_vlm`, or a VLM folder with `kind=hf`): train its vision
+    tower too; false: the tower is frozen and only the language model trains."""
     fused_lm_head: bool = True
     """Apply the LM head a chunk of tokens at a time in the trainer's forwards (policy, reference,
     old policy), straight into logprobs, recomputed in the backward: no `[rows, T, V]` logits.

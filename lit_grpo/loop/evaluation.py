@@ -24,7 +24,7 @@ import torch
 from lit_grpo.loop.distributed import all_reduce
 from lit_grpo.rewards.scoring import RewardScorer
 from lit_grpo.rollouts.context import make_evaluation_rollout_fn
-from lit_grpo.rollouts.rollout import row_prompt_tokens
+from lit_grpo.rollouts.rollout import row_prompt
 
 log = logging.getLogger(__name__)
 
@@ -56,16 +56,21 @@ def greedy_reward_sum(
     max_tokens: int,
     batch_size: int,
     prompt_field: Optional[str] = None,
+    processor=None,
 ) -> tuple[float, int]:
     """Sum of the rewards of one greedy completion per row, and how many rows were scored (a
     reward of None, not applicable to its row, counts in neither). Prompts are made as the
-    default rollout makes them (`row_prompt_tokens`). `reward_fn`: a `RewardScorer` (async
-    rewards, deadlines), or a plain reward function."""
+    default rollout makes them (`row_prompt`: with a vision-language policy's `processor`, a row's
+    images go to the sampler too). `reward_fn`: a `RewardScorer` (async rewards, deadlines), or a
+    plain reward function."""
     scorer = reward_fn if isinstance(reward_fn, RewardScorer) else RewardScorer(reward_fn)
     total, scored = 0.0, 0
     for start in range(0, len(rows), batch_size):
         chunk = rows[start : start + batch_size]
-        completions = sampler.generate([row_prompt_tokens(r, tokenizer, prompt_field) for r in chunk], 0.0, max_tokens)
+        prompts = [row_prompt(r, tokenizer, processor, prompt_field) for r in chunk]
+        images = [p[1] for p in prompts]
+        more = {"multi_modal": images} if any(images) else {}  # a text-only chunk calls generate as before
+        completions = sampler.generate([p[0] for p in prompts], 0.0, max_tokens, **more)
         for result in scorer.score_all_blocking([(c.text, row) for c, row in zip(completions, chunk)]):
             if result.value is not None:
                 total, scored = total + result.value, scored + 1
@@ -86,8 +91,11 @@ class GreedyEvaluator:
         max_tokens: int = 256,
         batch_size: int = 64,
         prompt_field: Optional[str] = None,
+        processor=None,
     ) -> None:
         self.sampler, self.tokenizer, self.rows, self.reward_fn = sampler, tokenizer, rows, reward_fn
+        self.processor = processor
+        """A vision-language policy's processor: the rows' images go to the sampler (None: text)."""
         self.interval, self.max_tokens, self.batch_size, self.prompt_field = (
             interval,
             max_tokens,
@@ -116,6 +124,7 @@ class GreedyEvaluator:
                 self.max_tokens,
                 self.batch_size,
                 self.prompt_field,
+                self.processor,
             )
             if share
             else (0.0, 0)

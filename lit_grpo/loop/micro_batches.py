@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from lit_grpo.maths.logprobs import first_scored_prediction, token_logprobs
+from lit_grpo.types import MultiModalBatch
 
 log = logging.getLogger(__name__)
 OVER_BUDGET_METRIC = "train/micro_batches_over_budget"
@@ -130,6 +131,10 @@ class MicroBatch:
         """Its part of per-sequence values, or of per-token ones aligned with the predictions
         (T tokens give T-1 of them). Shape: `[B]` -> `[b]`, `[B, T-1]` -> `[b, width-1]`."""
         return values[self.rows] if values.dim() == 1 else values[self.rows, : self.width - 1]
+
+    def vision(self, multi_modal: MultiModalBatch | None) -> dict[str, torch.Tensor] | None:
+        """Its rows' images as forward keyword tensors (`MultiModalBatch.select`); None: no images."""
+        return None if multi_modal is None else multi_modal.select(self.rows) or None
 
 
 def micro_slices(rows: slice, size: int, width: int, lengths: Sequence[int] | None = None) -> list[MicroBatch]:
@@ -265,6 +270,7 @@ def no_grad_logprobs(
     mask_BT: torch.Tensor | None = None,
     fused_head: bool = True,
     padding_free: bool = False,
+    multi_modal: MultiModalBatch | None = None,
 ) -> torch.Tensor:
     """`model`'s logprobs of the whole batch (the reference's, `old`'s), one micro-batch at a time.
 
@@ -272,7 +278,8 @@ def no_grad_logprobs(
     float32, 0 in the columns a micro-batch cut off (padding) and, with `mask_BT`, before the first
     column a micro-batch trains on (no LM head over a prompt: `token_logprobs`'s `first_scored`).
     Filler micro-batches run their forward and are dropped. `fused_head`: `token_logprobs`'s (the LM
-    head applied a chunk of tokens at a time); `padding_free`: its (packs the rows of a micro-batch).
+    head applied a chunk of tokens at a time); `padding_free`: its (packs the rows of a micro-batch);
+    `multi_modal`: the rows' images, each micro-batch's given to its forward (`micro.vision`).
     """
     B, T = tokens_BT.shape
     logprobs_BT = torch.zeros(B, T - 1, dtype=torch.float32, device=tokens_BT.device)
@@ -280,7 +287,7 @@ def no_grad_logprobs(
         first = 0 if micro.filler or mask_BT is None else first_scored_prediction(micro.predictions(mask_BT))
         part_BT = token_logprobs(
             model, micro.tokens(tokens_BT), micro.tokens(attention_BT), temperature, first,
-            fused_head=fused_head, padding_free=padding_free,
+            fused_head=fused_head, padding_free=padding_free, vision=micro.vision(multi_modal),
         )[0]  # fmt: skip
         if not micro.filler:
             logprobs_BT[micro.rows, : micro.width - 1] = part_BT

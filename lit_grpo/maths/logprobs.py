@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch.autograd.function import once_differentiable
 
 from lit_grpo.maths.head_logprobs import fused_token_logprobs, head_logprobs_and_entropy, split_lm_head
+from lit_grpo.maths.multimodal import VisionInputs, split_vlm_head, vision_forward_kwargs
 from lit_grpo.maths.packing import pack_rows, packing_support, unpack_predictions
 from lit_grpo.maths.softmax_chunks import chunk_forward, chunk_grad, default_chunk_rows
 
@@ -179,6 +180,7 @@ def token_logprobs(
     entropy_grad: bool = False,
     fused_head: bool = True,
     padding_free: bool = False,
+    vision: Optional[VisionInputs] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Next-token logprobs of each token and the policy's entropy at each position.
 
@@ -202,8 +204,16 @@ def token_logprobs(
     With `padding_free` (`batching.padding_free`), a model that supports it (`packing_support`;
     else a debug line says why) runs the rows' real tokens packed into one row: no padding computed
     (`packed_token_logprobs`); padding columns then come back as 0.
+
+    With `vision` (the rows' images as the forward takes them, `lit_grpo.maths.multimodal`), a
+    vision-language policy runs on the tokens and the images: padded (never packed), its fused
+    head through the whole multimodal body (`split_vlm_head`). None or empty: the text path, unchanged.
     """
     T = tokens_BT.shape[1]
+    if vision:
+        return _vision_token_logprobs(
+            model, tokens_BT, attention_mask_BT, temperature, first_scored, entropy_grad, fused_head, vision
+        )
     if padding_free:
         why_not = packing_support(model)
         if not why_not:
@@ -218,9 +228,47 @@ def token_logprobs(
             first = first_scored if 0 < first_scored < T - 1 else 0
             return fused_token_logprobs(split, tokens_BT, attention_mask_BT, temperature, first, entropy_grad)
         _say_once(model, f"fused LM head off: {why_not}; its full logits are computed instead")
+    return _unfused_token_logprobs(model, tokens_BT, attention_mask_BT, temperature, first_scored, entropy_grad)
+
+
+def _vision_token_logprobs(
+    model: CausalLM,
+    tokens_BT: torch.Tensor,
+    attention_mask_BT: torch.Tensor,
+    temperature: float,
+    first_scored: int,
+    entropy_grad: bool,
+    fused_head: bool,
+    vision: VisionInputs,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`token_logprobs` of a vision-language policy (see there): the images go into every forward."""
+    T = tokens_BT.shape[1]
+    kwargs = vision_forward_kwargs(model, tokens_BT, vision)
+    if fused_head:
+        split, why_not = split_vlm_head(model, kwargs)
+        if split is not None:
+            first = first_scored if 0 < first_scored < T - 1 else 0
+            return fused_token_logprobs(split, tokens_BT, attention_mask_BT, temperature, first, entropy_grad)
+        _say_once(model, f"fused LM head off with images: {why_not}; its full logits are computed instead")
+    return _unfused_token_logprobs(model, tokens_BT, attention_mask_BT, temperature, first_scored, entropy_grad, kwargs)
+
+
+def _unfused_token_logprobs(
+    model: CausalLM,
+    tokens_BT: torch.Tensor,
+    attention_mask_BT: torch.Tensor,
+    temperature: float,
+    first_scored: int,
+    entropy_grad: bool,
+    forward_kwargs: Optional[dict[str, torch.Tensor]] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`token_logprobs` from the model's own logits (`forward_kwargs`: the images, if any)."""
+    T = tokens_BT.shape[1]
     first_scored = first_scored if 0 < first_scored < T - 1 and keeps_logits(model) else 0
     kept = {"logits_to_keep": T - first_scored} if first_scored else {}
-    logits_BKV = model(input_ids=tokens_BT, attention_mask=attention_mask_BT, use_cache=False, **kept).logits
+    logits_BKV = model(
+        input_ids=tokens_BT, attention_mask=attention_mask_BT, use_cache=False, **kept, **(forward_kwargs or {})
+    ).logits
     # Scored over every position kept (the last one against a dummy target, then dropped): the
     # gradient of a `logits[:, :-1]` slice would cost a zero-filled [B, K, V] tensor and a copy in backward.
     targets_BK = torch.cat([tokens_BT[:, first_scored + 1 :], tokens_BT[:, :1]], dim=1)

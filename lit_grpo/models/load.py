@@ -15,7 +15,7 @@ import os
 import string
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from transformers import (
@@ -31,6 +31,13 @@ from lit_grpo.config.model import BUILT_KINDS
 from lit_grpo.config.trainer import SMALL_MODEL_PARAMS
 from lit_grpo.errors import UserError
 from lit_grpo.models.byte_bpe import as_transformers_tokenizer, build_byte_bpe_tokenizer
+from lit_grpo.models.vision import (
+    build_tiny_vlm,
+    build_tiny_vlm_processor,
+    build_vlm_tokenizer,
+    freeze_vision_tower,
+    load_image_processor_of,
+)
 
 # pad, bos, eos, unk, then the roles and the end of a turn (`as_transformers_tokenizer` reads them in this order).
 SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|unk|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
@@ -141,6 +148,8 @@ def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
     """The policy's tokenizer; it needs a pad token (eos is used when the model has none)."""
     if cfg.kind == "tiny":
         return build_char_tokenizer(cfg.alphabet)
+    if cfg.kind == "tiny_vlm":
+        return build_vlm_tokenizer()
     if cfg.kind == "qwen2_shape":
         assert cfg.vocab_size is not None, "model.kind=qwen2_shape without vocab_size passed the config's checks"
         return build_byte_bpe_tokenizer(cfg.vocab_size, special_tokens=SPECIAL_TOKENS, chat_template=CHAT_TEMPLATE)
@@ -155,7 +164,9 @@ def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
 
 
 def load_policy(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, seed: int) -> PreTrainedModel:
-    """The trainable policy, built (`tiny`, `qwen2_shape`) or loaded (`hf`)."""
+    """The trainable policy, built (`tiny`, `qwen2_shape`, `tiny_vlm`) or loaded (`hf`)."""
+    if cfg.kind == "tiny_vlm":
+        return built_vlm(cfg, tokenizer, seed)
     if cfg.kind in BUILT_KINDS:
         return build_tiny_model(cfg, len(tokenizer), seed, tokenizer)
     name = _model_path(cfg)
@@ -163,7 +174,58 @@ def load_policy(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, seed: int)
         return AutoModelForCausalLM.from_pretrained(
             name, dtype=DTYPES[cfg.dtype], trust_remote_code=cfg.trust_remote_code
         )
+    except ValueError as err:
+        vlm = _vision_language_model(cfg, name, err)  # not a causal LM: an image-text-to-text one?
+        if vlm is None:
+            raise _unreachable(name, err) from None
+        return vlm
+    except OSError as err:
+        raise _unreachable(name, err) from None
+
+
+def _vision_language_model(cfg: ModelConfig, name: str, err: ValueError) -> Optional[PreTrainedModel]:
+    """The folder's vision-language model (`AutoModelForImageTextToText`: Qwen2-VL, Qwen2.5-VL, ...),
+    its vision tower frozen unless `model.train_vision`; None when `err` is not a VLM's refusal."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    if "Unrecognized configuration class" not in str(err):
+        return None
+    config = AutoConfig.from_pretrained(name, trust_remote_code=cfg.trust_remote_code)
+    if getattr(config, "vision_config", None) is None:
+        return None
+    model = AutoModelForImageTextToText.from_pretrained(
+        name, dtype=DTYPES[cfg.dtype], trust_remote_code=cfg.trust_remote_code
+    )
+    freeze_vision_tower(model, cfg.train_vision)
+    return model
+
+
+def built_vlm(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, seed: int) -> PreTrainedModel:
+    """`kind=tiny_vlm`: the tiny Qwen2-VL, its vision tower frozen unless `model.train_vision`."""
+    model = build_tiny_vlm(tokenizer, seed, hidden_size=cfg.hidden_size, num_layers=cfg.num_layers)
+    freeze_vision_tower(model, cfg.train_vision)
+    return model.to(DTYPES[cfg.dtype])  # type: ignore[arg-type]
+
+
+def load_processor(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> Optional[Any]:
+    """A vision-language policy's processor (`kind=tiny_vlm`: `build_tiny_vlm_processor`; `kind=hf`:
+    the folder's, `lit_grpo.models.vision.load_image_processor_of`); None for a text policy."""
+    if cfg.kind == "tiny_vlm":
+        return build_tiny_vlm_processor(tokenizer)
+    if cfg.kind != "hf":
+        return None
+    from transformers import AutoConfig
+
+    name = _model_path(cfg)
+    try:
+        config = AutoConfig.from_pretrained(name, trust_remote_code=cfg.trust_remote_code)
     except (OSError, ValueError) as err:
+        raise _unreachable(name, err) from None
+    if getattr(config, "vision_config", None) is None:
+        return None
+    try:
+        return load_image_processor_of(name, tokenizer, trust_remote_code=cfg.trust_remote_code)
+    except (OSError, ValueError) as err:  # a vision-language model folder without its processor's files
         raise _unreachable(name, err) from None
 
 
@@ -204,6 +266,8 @@ def set_cpu_threads(setting: Optional[int], policy: torch.nn.Module, *, engine_i
 
 def build_policy_skeleton(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, seed: int) -> PreTrainedModel:
     """The policy's architecture without reading its weights (they come from a checkpoint next)."""
+    if cfg.kind == "tiny_vlm":
+        return built_vlm(cfg, tokenizer, seed)
     if cfg.kind in BUILT_KINDS:
         return build_tiny_model(cfg, len(tokenizer), seed, tokenizer)
     from transformers import AutoConfig
@@ -213,6 +277,14 @@ def build_policy_skeleton(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, 
         config = AutoConfig.from_pretrained(name, trust_remote_code=cfg.trust_remote_code)
     except (OSError, ValueError) as err:
         raise _unreachable(name, err) from None
+    if getattr(config, "vision_config", None) is not None and type(config) not in AutoModelForCausalLM._model_mapping:
+        from transformers import AutoModelForImageTextToText  # a vision-language model (`load_policy`)
+
+        model = AutoModelForImageTextToText.from_config(
+            config, dtype=DTYPES[cfg.dtype], trust_remote_code=cfg.trust_remote_code
+        )
+        freeze_vision_tower(model, cfg.train_vision)
+        return model
     return AutoModelForCausalLM.from_config(config, dtype=DTYPES[cfg.dtype], trust_remote_code=cfg.trust_remote_code)
 
 

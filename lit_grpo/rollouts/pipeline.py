@@ -27,7 +27,8 @@ from lit_grpo.advantages.registry import Advantage, make_advantage, rewards_unif
 from lit_grpo.maths.health import rollout_health
 from lit_grpo.rollouts.checks import check_sample, shown_type
 from lit_grpo.samplers.arguments import PromptTooLong
-from lit_grpo.types import PromptGroup, RolloutBatch, RolloutRecord, RolloutRun, RolloutSample
+from lit_grpo.tasks.images import RowImageError
+from lit_grpo.types import MultiModalBatch, PromptGroup, RolloutBatch, RolloutRecord, RolloutRun, RolloutSample
 
 _TYPECODES = {"q": torch.long, "f": torch.float32}
 """`array` typecodes of the padded batch tensors, and their torch dtypes."""
@@ -38,7 +39,10 @@ GroupFilter = Callable[[PromptGroup], bool]
 
 def error_key(err: BaseException) -> str:
     """The metric key that counts a rollout call that ended in `err`: a prompt the sampler refused
-    as too long is a drop (`rollout/dropped_prompt_too_long`), anything else a failure."""
+    as too long is a drop (`rollout/dropped_prompt_too_long`), so is a row's image that cannot be
+    used (`rollout/dropped_bad_image`), anything else a failure."""
+    if isinstance(err, RowImageError):  # a missing or unreadable image: that row's sample is dropped
+        return "rollout/dropped_bad_image"
     return "rollout/dropped_prompt_too_long" if isinstance(err, PromptTooLong) else "rollout/failures"
 
 
@@ -180,6 +184,7 @@ def collate_groups(
         rewards_B=torch.tensor([float(s.reward) for s in samples], dtype=torch.float64),  # float32 overflows at 3.4e38
         versions_B=torch.tensor([g.version for g in groups for _ in g.samples], dtype=torch.long),
         advantages_BT=advantages_BT,
+        multi_modal=MultiModalBatch.of([s.multi_modal for s in samples]),
     )
 
 

@@ -19,7 +19,8 @@ from typing import Optional
 
 from lit_grpo.rollouts.deadlines import MAX_BACKOFF_S, RETRY_BACKOFF_S, TRANSIENT_ERRORS, classify, function_name
 from lit_grpo.samplers.arguments import chat_prompt_tokens
-from lit_grpo.tasks.rows import RowPromptError, bad_prompt_message, prompt_field_of
+from lit_grpo.tasks.images import RowImageError, messages_have_images, row_has_images, row_images, vision_prompt
+from lit_grpo.tasks.rows import RowPromptError, bad_prompt_message, prompt_field_of, row_label
 from lit_grpo.types import Completion, RolloutSample, RolloutSetup
 
 RolloutFn = Callable[[dict], Awaitable[Optional[RolloutSample]]]
@@ -124,8 +125,32 @@ def row_prompt_tokens(
         if isinstance(value[0], int) and not isinstance(value[0], bool):
             return list(value)
         if isinstance(value[0], dict):
+            if messages_have_images(value):  # a text policy would read the placeholders blind
+                raise RowPromptError(
+                    f"row {row_label(row)}: its messages hold images, which only a vision-language policy "
+                    "takes (model.kind=tiny_vlm), through the default rollout"
+                )
             return chat_prompt_tokens(tokenizer, _prompt_messages(list(value)))
     raise RowPromptError(bad_prompt_message(row, field))
+
+
+def row_prompt(
+    row: dict,
+    tokenizer,
+    processor=None,
+    prompt_field: Optional[str] = None,
+    *,
+    text_tokens: Optional[Callable[[str], Sequence[int]]] = None,
+) -> tuple[list[int], Optional[dict]]:
+    """A row's prompt token ids and, for a vision-language policy (`processor`) and a row with
+    images (`lit_grpo.tasks.images`), the image tensors its forward takes (else None):
+    `row_prompt_tokens` for text. `RowImageError` for images that cannot be used."""
+    if processor is not None:
+        messages = row.get(prompt_field or "messages")
+        if isinstance(messages, list) and row_has_images(row, messages):
+            messages = _prompt_messages(messages)
+            return vision_prompt(processor, messages, row_images(row, messages))
+    return row_prompt_tokens(row, tokenizer, prompt_field, text_tokens=text_tokens), None
 
 
 GROUP_ATTRIBUTE = "sample_group"
@@ -162,7 +187,21 @@ def make_rollout_fn(setup: RolloutSetup) -> RolloutFn:
     retry_on = tuple(setup.extras.get("retry_on", TRANSIENT_ERRORS))
     max_retries = int(setup.extras.get("max_retries", 2))
 
-    async def scored(c: Completion, row: dict) -> Optional[RolloutSample]:
+    processor = setup.processor
+    # A generated image placeholder would stand for an image the row does not have: the forward
+    # would refuse the sequence (placeholders and image features must match), so its sample is dropped.
+    placeholders = {
+        i for i in (getattr(processor, "image_token_id", None), getattr(processor, "video_token_id", None)) if i
+    }
+
+    def prompt_of(row: dict) -> tuple[list[int], Optional[dict]]:
+        return row_prompt(row, tokenizer, processor, prompt_field, text_tokens=cached_text_tokens)
+
+    async def sample(prompt: list[int], n: int, images: Optional[dict]) -> list[Completion]:
+        more = {"multi_modal": images} if images else {}  # a text prompt calls every sampler as before
+        return await sampler.sample_with_prompt_tokens(prompt, n=n, **more, **sample_kwargs)
+
+    async def scored(c: Completion, row: dict, images: Optional[dict] = None) -> Optional[RolloutSample]:
         # A reward error of `retry_on` is retried here, for this sample alone (the completion is kept).
         for attempt in range(max_retries + 1):
             try:
@@ -174,23 +213,26 @@ def make_rollout_fn(setup: RolloutSetup) -> RolloutFn:
                 await asyncio.sleep(min(RETRY_BACKOFF_S * 2**attempt, MAX_BACKOFF_S))
         if result.value is None:  # not applicable to this row: counted as rollout/dropped_none
             return None
+        if images and placeholders.intersection(c.full_tokens[c.prompt_len :]):
+            raise RowImageError("the completion holds an image placeholder token, which stands for no image")
         sample = sample_from_completion(c, result.value)
+        sample.multi_modal = images
         sample.metrics.update(result.metrics)
         sample.metrics["reward/retries"] = float(attempt)
         return sample
 
     async def rollout_fn(row: dict) -> Optional[RolloutSample]:
-        prompt = row_prompt_tokens(row, tokenizer, prompt_field, text_tokens=cached_text_tokens)
-        completions = await sampler.sample_with_prompt_tokens(prompt, n=1, **sample_kwargs)
-        return await scored(completions[0], row) if completions else None
+        prompt, images = prompt_of(row)
+        completions = await sample(prompt, 1, images)
+        return await scored(completions[0], row, images) if completions else None
 
     async def sample_group(row: dict, n: int) -> list[Optional[RolloutSample] | BaseException]:
-        prompt = row_prompt_tokens(row, tokenizer, prompt_field, text_tokens=cached_text_tokens)
-        completions = await sampler.sample_with_prompt_tokens(prompt, n=n, **sample_kwargs)
+        prompt, images = prompt_of(row)
+        completions = await sample(prompt, n, images)
         if len(completions) != n:
             raise RuntimeError(f"the sampler returned {len(completions)} completions for a request of n={n}")
         # A reward that raises drops its own sample, not the group's others (a bug still stops the run).
-        results = await asyncio.gather(*(scored(c, row) for c in completions), return_exceptions=True)
+        results = await asyncio.gather(*(scored(c, row, images) for c in completions), return_exceptions=True)
         for result in results:
             if isinstance(result, BaseException) and not isinstance(result, Exception):
                 raise result  # a cancellation or an interrupt
@@ -213,8 +255,12 @@ class Trajectory:
     Each sampled turn's span is recorded (`turn_spans`), for turn-level credit (`to_sample`).
     """
 
-    def __init__(self, prompt_tokens: list[int]) -> None:
+    def __init__(self, prompt_tokens: list[int], multi_modal: Optional[dict] = None) -> None:
         self.tokens = list(prompt_tokens)
+        self.multi_modal = multi_modal
+        """The prompt's images (`row_prompt`'s second value) for a vision-language policy: sample
+        each turn with them (`sample_with_prompt_tokens(multi_modal=...)`); the sample keeps them
+        (`RolloutSample.multi_modal`). None: text."""
         self.logprobs = [0.0] * len(self.tokens)
         self.loss_mask = [0] * len(self.tokens)
         self.turn_spans: list[tuple[int, int]] = []
@@ -265,4 +311,5 @@ class Trajectory:
             turn_spans=spans,
             turn_rewards=turn_rewards,
             token_versions=list(self.token_versions) if self._versioned else None,
+            multi_modal=self.multi_modal,
         )

@@ -65,6 +65,8 @@ class _Request:
     stop: tuple[str, ...]
     future: asyncio.Future
     """Set to the request's n completions: one future per request, not one per completion."""
+    multi_modal: Optional[dict[str, torch.Tensor]] = None
+    """The prompt's images as the policy's forward takes them (`RolloutSample.multi_modal`); None: text."""
 
     @property
     def key(self) -> tuple:
@@ -88,6 +90,10 @@ class BatchingSampler(ABC):
 
     group_requests = True
     """A request for n completions is one batched engine call, which succeeds or fails whole."""
+
+    takes_images = False
+    """Whether `sample_with_prompt_tokens` takes a prompt's images (`multi_modal`): the engine's
+    `_generate` then takes `multi_modal=` too. A sampler that does not refuses images by name."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, *, max_batch_size: int = 256) -> None:
         self.tokenizer = tokenizer
@@ -113,14 +119,25 @@ class BatchingSampler(ABC):
         self._score_tasks: set[asyncio.Task] = set()
 
     async def sample_with_prompt_tokens(
-        self, prompt_token_ids: list[int], n: int = 1, **kwargs: Any
+        self,
+        prompt_token_ids: list[int],
+        n: int = 1,
+        *,
+        multi_modal: Optional[dict[str, torch.Tensor]] = None,
+        **kwargs: Any,
     ) -> list[Completion]:
-        """`n` completions of a tokenized prompt; `kwargs` are the sampling arguments of
+        """`n` completions of a tokenized prompt (with `multi_modal`, the images its placeholder
+        tokens stand for, for a sampler that `takes_images`); `kwargs` are the sampling arguments of
         `check_sample_kwargs` (temperature, max_tokens, top_p, top_k, stop, logprobs, max_seq_len,
         http_timeout). `http_timeout` is a deadline on the wait for this request only: the
         in-process engine call it joined cannot be cancelled and the other requests of that call
         get their completions; a request still queued when its deadline passes is never generated."""
         args = check_sample_kwargs(kwargs)
+        if multi_modal and not self.takes_images:
+            raise ValueError(
+                f"{type(self).__name__} cannot sample a prompt with images (multi_modal): "
+                "only sampler.kind=hf takes them so far"
+            )
         prompt_len = len(prompt_token_ids)
         if self.max_seq_len is not None and prompt_len >= self.max_seq_len:
             raise PromptTooLong(
@@ -141,7 +158,8 @@ class BatchingSampler(ABC):
             max_tokens = min(max_tokens, args.max_seq_len - prompt_len)
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        self._queue.append(_Request(list(prompt_token_ids), n, args.temperature, max_tokens, args.stop, future))
+        images = multi_modal or None
+        self._queue.append(_Request(list(prompt_token_ids), n, args.temperature, max_tokens, args.stop, future, images))
         if loop not in self._flushing:
             self._flushing[loop] = loop.create_task(self._flush(loop))
         if args.http_timeout is None:
@@ -284,9 +302,10 @@ class BatchingSampler(ABC):
                 taken = set(map(id, batch))
                 self._queue = [r for r in self._queue if id(r) not in taken]
                 prompts = [r.prompt for r in batch for _ in range(r.n)]
+                images = [r.multi_modal for r in batch for _ in range(r.n)]
                 try:
                     completions = await self._bounded(
-                        self._engine_call(loop, self._generate_all, prompts, head), len(prompts)
+                        self._engine_call(loop, self._generate_all, prompts, head, images), len(prompts)
                     )
                 except Exception as err:  # every waiting rollout sees the failure
                     for r in batch:
@@ -314,15 +333,19 @@ class BatchingSampler(ABC):
                 size += r.n
         return batch
 
-    def _generate_all(self, prompts: list[list[int]], head: _Request) -> list[Completion]:
+    def _generate_all(
+        self, prompts: list[list[int]], head: _Request, images: Optional[list[Optional[dict]]] = None
+    ) -> list[Completion]:
         """`generate` over `prompts` with `head`'s arguments, in calls of at most `max_batch_size`.
-        The stop strings are passed only when set: an engine without them keeps the 3-argument `_generate`."""
+        The stop strings are passed only when set: an engine without them keeps the 3-argument
+        `_generate`; the images (one entry per prompt, None: text) only when a prompt has some."""
         extra = (head.stop,) if head.stop else ()
+        with_images = images is not None and any(images)
         out: list[Completion] = []
         for start in range(0, len(prompts), self.max_batch_size):
-            out += self.generate(
-                prompts[start : start + self.max_batch_size], head.temperature, head.max_tokens, *extra
-            )
+            chunk = slice(start, start + self.max_batch_size)
+            more = {"multi_modal": images[chunk]} if with_images and images is not None else {}
+            out += self.generate(prompts[chunk], head.temperature, head.max_tokens, *extra, **more)
         return out
 
     def _engine_call(self, loop: asyncio.AbstractEventLoop, fn, *args: Any) -> asyncio.Future:
@@ -357,16 +380,24 @@ class BatchingSampler(ABC):
         return call.result()
 
     def generate(
-        self, prompts: list[list[int]], temperature: float, max_tokens: int, stop: tuple[str, ...] = ()
+        self,
+        prompts: list[list[int]],
+        temperature: float,
+        max_tokens: int,
+        stop: tuple[str, ...] = (),
+        multi_modal: Optional[list[Optional[dict[str, torch.Tensor]]]] = None,
     ) -> list[Completion]:
         """One batched call. Returns one `Completion` per prompt; `SamplerClosed` once cancelled
-        (a call that `cancel` cut short included: its completions would be partial)."""
+        (a call that `cancel` cut short included: its completions would be partial). `multi_modal`:
+        each prompt's images (None: text), for a sampler that `takes_images`."""
+        more: dict[str, Any] = {"stop": tuple(stop)} if stop else {}
+        if multi_modal is not None and any(multi_modal):
+            if not self.takes_images:
+                raise ValueError(f"{type(self).__name__} cannot sample a prompt with images (multi_modal)")
+            more["multi_modal"] = list(multi_modal)
         with self._weights_lock:
             self._refuse_if_cancelled()
-            if stop:
-                completions = self._generate(prompts, temperature, max_tokens, stop=tuple(stop))
-            else:
-                completions = self._generate(prompts, temperature, max_tokens)
+            completions = self._generate(prompts, temperature, max_tokens, **more)
         self._refuse_if_cancelled(call_cut_short=True)
         return completions
 

@@ -29,11 +29,12 @@ from transformers import (
 )
 
 from lit_grpo.maths.logprobs import token_logprobs
+from lit_grpo.maths.multimodal import vision_forward_kwargs
 from lit_grpo.models.weights import DTensor
 from lit_grpo.samplers.arguments import SamplerTimeout
 from lit_grpo.samplers.base import BatchingSampler, normalize_weight_name
 from lit_grpo.samplers.stops import find_stop, first_stop
-from lit_grpo.types import Completion
+from lit_grpo.types import Completion, MultiModalBatch
 
 
 class HFSampler(BatchingSampler):
@@ -46,7 +47,12 @@ class HFSampler(BatchingSampler):
     mode is the trainer's too), and turns its `requires_grad` flags off only for the length of a
     call (`_as_a_copy`); generation builds no graph (inference mode). Between a step's rollouts and
     its sync the trainer holds the weights (`sleep`), so no generate call reads them while they change.
+
+    A vision-language policy's prompts come with their images (`multi_modal`, `takes_images`):
+    generate gets them as its forward does (`lit_grpo.maths.multimodal`), left-padded rows and all.
     """
+
+    takes_images = True
 
     def __init__(
         self,
@@ -177,7 +183,12 @@ class HFSampler(BatchingSampler):
 
     @torch.inference_mode()
     def _generate(
-        self, prompts: list[list[int]], temperature: float, max_tokens: int, stop: tuple[str, ...] = ()
+        self,
+        prompts: list[list[int]],
+        temperature: float,
+        max_tokens: int,
+        stop: tuple[str, ...] = (),
+        multi_modal: Optional[list[Optional[dict[str, torch.Tensor]]]] = None,
     ) -> list[Completion]:
         device = self._device()
         pad_id, eos_id = self.tokenizer.pad_token_id, self.eos_token_id
@@ -203,10 +214,17 @@ class HFSampler(BatchingSampler):
         temperature = temperature or 1.0
         ends = _StopStrings(self.tokenizer, stop, width) if stop else None
         recorder = _LogprobRecorder(temperature)
+        images = MultiModalBatch.of(multi_modal) if multi_modal is not None else None
+        vision = (
+            {}
+            if images is None
+            else {k: v.to(device) for k, v in vision_forward_kwargs(self.model, input_ids, images.tensors).items()}
+        )
         with self._as_a_copy(), _contiguous_head_input(self.model):
             out = self.model.generate(
                 input_ids=input_ids.to(device),
                 attention_mask=attention.to(device),
+                **vision,
                 generation_config=gen_config,
                 logits_processor=LogitsProcessorList([recorder]),
                 stopping_criteria=StoppingCriteriaList([_UntilCancelled(self.cancelled), *([ends] if ends else [])]),

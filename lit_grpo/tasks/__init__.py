@@ -14,7 +14,7 @@ import dataclasses
 from typing import Optional, cast
 
 from lit_grpo.config import TrainConfig
-from lit_grpo.tasks import arithmetic, calculator, gsm8k, lookup  # noqa: F401  (registers the built-in tasks)
+from lit_grpo.tasks import arithmetic, calculator, gsm8k, lookup, vlm_shapes  # noqa: F401  (registers the built-in tasks)
 from lit_grpo.tasks.registry import (
     TASKS,
     RewardFn,
