@@ -35,14 +35,14 @@ RUN = [
 ]
 
 
-def start(run_dir: Path, *overrides: str) -> subprocess.Popen:
+def start(run_dir: Path, *overrides: str, main: str = "lit_grpo.train", env: dict | None = None) -> subprocess.Popen:
     run_dir.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), str(REPO)])}
+    env = {**os.environ, **(env or {}), "PYTHONPATH": os.pathsep.join([str(TESTS), str(REPO)])}
     return subprocess.Popen(
         [
             sys.executable,
             "-m",
-            "lit_grpo.train",
+            main,
             *RUN,
             *overrides,
             f"output_dir={run_dir}",
@@ -195,3 +195,23 @@ def test_an_error_on_one_rank_alone_stops_the_other_at_once(tmp_path):
     assert "stopped with an error: rollout_fn failed on 5 rows in a row" in peer_lines[0]  # rank 1's own message
     assert time.monotonic() - started < 240
     assert_nothing_left(run_dir)
+
+
+def test_a_weight_sync_failing_on_one_rank_between_checkpoints_stops_both(tmp_path):
+    """Rank 1's weight sync fails after step 3 (its server's engine died mid-sync), a step with no
+    checkpoint due: it saves nothing (a save's collectives would meet rank 0 in its next step and wait
+    forever: the cluster rehearsal's hang), names the last checkpoint, and rank 0 stops on its note."""
+    run_dir = tmp_path / "run"
+    fault = {"LIT_GRPO_TEST_SYNC_FAIL_RANK": "1", "LIT_GRPO_TEST_SYNC_FAIL_AT": "3"}
+    proc = start(run_dir, "max_steps=400", "trainer.strategy=ddp", main="weight_sync_fault_main", env=fault)
+    took, err = stopped(proc, time.monotonic())
+    assert proc.returncode != 0
+    assert "Traceback" not in err, err[-3000:]
+    mine = [line for line in err.splitlines() if line.startswith("error: weight sync to version 3 failed")]
+    peer = [line for line in err.splitlines() if line.startswith("error: rank 1")]
+    assert len(mine) == 1 and len(peer) == 1, err[-3000:]
+    assert "it continues from step 2, the last checkpoint" in mine[0]
+    assert "the last saved checkpoint is step 2" in peer[0]
+    assert sorted(p.name for p in (run_dir / "checkpoints").glob("step_*")) == ["step_00000002"]
+    assert_nothing_left(run_dir)
+    assert_checkpoints_whole(run_dir)

@@ -46,7 +46,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from benchmarks.cluster.netns import Cluster, _namespace_pids, available
+from benchmarks.cluster.netns import Cluster, _namespace_pids, _stop, available
 
 REPO = Path(__file__).resolve().parents[2]
 TRAINERS = ("train-0", "train-1")
@@ -149,6 +149,36 @@ def read_outcome(cluster: Cluster, procs: dict[str, subprocess.Popen], outcome: 
             outcome.tracebacks.append(node)
         if agent_tracebacks(log):
             outcome.agent_tracebacks.append(node)
+
+
+def end_stuck(cluster: Cluster, procs: dict[str, subprocess.Popen], outcome: Outcome) -> None:
+    """The trainers of a fault that did not stop in time: their Python stacks into the outcome (with
+    py-spy, when installed: where a run hung is the finding), then ended, so the relaunch does not
+    meet the old agents at the rendezvous."""
+    import shutil
+
+    stuck = {node: proc for node, proc in procs.items() if proc.poll() is None}
+    if not stuck:
+        return
+    spy = shutil.which("py-spy") or shutil.which("py-spy", path=str(Path(sys.executable).parent))
+    for node in stuck:
+        pids = [pid for pid in _namespace_pids(cluster.nodes[node].namespace) if b"lit_grpo.train" in _cmdline(pid)]
+        if spy is None:
+            outcome.errors[f"{node}.stacks"] = "still running (install py-spy for its stacks)"
+            continue
+        dumps = [
+            subprocess.run([spy, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=60).stdout
+            for pid in pids
+        ]
+        outcome.errors[f"{node}.stacks"] = "\n".join(dumps)
+    _stop(list(stuck.values()), [cluster.nodes[node].namespace for node in stuck], 2.0)
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
 
 
 def worker_tracebacks(log: str) -> int:
@@ -275,6 +305,7 @@ def faulted_run(
                 outcome.worker_stop_s[node] = round(time.monotonic() - faulted, 1)
         time.sleep(0.1)
     outcome.stop_s = time.monotonic() - faulted if all(p.poll() is not None for p in procs.values()) else None
+    end_stuck(cluster, procs, outcome)
     read_outcome(cluster, procs, outcome)
     time.sleep(1)
     outcome.left_running = [pid for pid in _namespace_pids_of(cluster) if pid not in (p.pid for p in procs.values())]
@@ -439,6 +470,7 @@ def served_run(cluster: Cluster, work: Path, steps: int, timeout_s: float, repea
                     outcome.node_stop_s[name] = round(time.monotonic() - faulted, 1)
             time.sleep(0.1)
         outcome.stop_s = time.monotonic() - faulted if all(p.poll() is not None for p in procs.values()) else None
+        end_stuck(cluster, procs, outcome)
         read_outcome(cluster, procs, outcome)
         outcome.checkpoints_whole = all_whole(fault_dir)
         servers[node].kill()

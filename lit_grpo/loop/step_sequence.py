@@ -136,7 +136,10 @@ class StepSequence:
             metrics.update(self.sync(module, step))
         except EnvironmentFault as fault:  # step `step` is trained: keep it, then stop
             self.datamodule.advance_version()  # as a sync would have: the saved state is step `step`'s end
-            if self.checkpointer is not None and not trainer.fast_dev_run:
+            # This rank's sampler alone failed: with several ranks a save (collectives) would meet the
+            # others in their next step's first collective and wait forever (seen in the cluster
+            # rehearsal). The last periodic checkpoint stands; the peer watch stops the others.
+            if self.checkpointer is not None and not trainer.fast_dev_run and not is_distributed():
                 self._save(trainer, module, step)
             raise self.stopped_by(fault, trainer, module) from None
         if self.checkpointer is not None and (
