@@ -259,3 +259,62 @@ def test_a_curriculum_run_stopped_and_resumed_draws_and_ends_as_an_uninterrupted
     state = torch.load(parted / "checkpoints" / "step_00000006" / "trainer_state_rank0.pt", weights_only=True)
     stats = state["datamodule"]["scheduler"]["cursor"]["stats"]
     assert sum(s[0] for s in stats) >= 6 * 4  # every group drawn counted, filtered ones included
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_two_ranks_draw_disjoint_rows_and_hold_the_same_merged_statistics(tmp_path):
+    """2 processes (gloo): the recording rollout's reward is the rank, so rank 1's rows pass and
+    rank 0's fail; after the merge both ranks hold both, and their checkpoints agree."""
+    from test_checkpoint import run_cli
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    proc = run_cli(
+        run_dir,
+        "trainer.accelerator=cpu",
+        "trainer.devices=2",
+        "trainer.strategy=ddp",
+        "callbacks=none",
+        "max_steps=3",
+        "checkpoint.save_interval=3",
+        "offpolicy.synchronous=true",
+        "data.completions_per_prompt=2",
+        "data.prompt_groups_per_step=2",
+        "task.num_rows=16",
+        "task.max_operand=300",
+        "task.max_answer=600",  # distinct prompts
+        "curriculum.kind=pools",
+        "rollout.factory=ddp_rollouts:make_recording_rollout_fn",
+        f"+rollout.extras.record_dir={run_dir}",
+        "output_model_id=null",
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    drawn = [
+        {line.split(" ", 1)[1] for line in (run_dir / f"rows_rank{r}.txt").read_text().splitlines()} for r in range(2)
+    ]
+    assert drawn[0] and drawn[1] and not drawn[0] & drawn[1], "the ranks drew the same rows"
+    step = run_dir / "checkpoints" / "step_00000003"
+    states = [torch.load(step / f"trainer_state_rank{r}.pt", weights_only=True) for r in range(2)]
+    stats = [s["datamodule"]["scheduler"]["cursor"]["stats"] for s in states]
+    assert stats[0] == stats[1]
+    rates = Counter(s[4] for s in stats[0] if s[4] is not None)
+    assert rates == {0.0: len(drawn[0]), 1.0: len(drawn[1])}  # rank 0's rows failed, rank 1's passed
+    last = trained_steps(run_dir)[-1]
+    assert last["curriculum/easy"] == len(drawn[1]) and last["curriculum/hard"] == len(drawn[0])
+    assert last["curriculum/pass_rate"] == 0.5
+
+
+@pytest.mark.timeout(300)
+def test_the_off_policy_scheduler_draws_from_the_curriculum_on_its_thread(tmp_path):
+    from lit_grpo.train import train
+
+    summary = train(
+        compose_config(
+            *CURRICULUM_RUN, "offpolicy.synchronous=false", "offpolicy.max_lag=1", "max_steps=4", output_dir=tmp_path
+        )
+    )
+    assert summary["steps"] == 4
+    steps = trained_steps(tmp_path)
+    assert [sum(s[k] for k in CURRICULUM_KEYS) for s in steps] == [24.0] * 4
+    assert all(0.0 <= s["curriculum/pass_rate"] <= 1.0 for s in steps)
