@@ -137,10 +137,11 @@ def row_weights(stats: list[RowStats], c: CurriculumConfig, fn: Optional[WeightF
 
 def pool_sizes(stats: list[RowStats], c: CurriculumConfig) -> dict[str, float]:
     """`curriculum/easy`, `/normal`, `/hard` (live rows) and `/retired` over all rows."""
-    sizes = {"curriculum/easy": 0.0, "curriculum/normal": 0.0, "curriculum/hard": 0.0, "curriculum/retired": 0.0}
+    keys = {"easy": "curriculum/easy", "normal": "curriculum/normal", "hard": "curriculum/hard"}
+    sizes = dict.fromkeys([*keys.values(), "curriculum/retired"], 0.0)
     for s in stats:
-        key = "retired" if is_retired(s, c.retire_after) else pool_of(s, c.easy_above, c.hard_below)
-        sizes[f"curriculum/{key}"] += 1
+        retired = is_retired(s, c.retire_after)
+        sizes["curriculum/retired" if retired else keys[pool_of(s, c.easy_above, c.hard_below)]] += 1
     return sizes
 
 
