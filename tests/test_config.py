@@ -308,6 +308,7 @@ def test_the_state_defining_fields_are_the_marked_ones():
     assert set(STATE_DEFINING_FIELDS) == {
         "model", "seed", "policy_loss.name", "task", "data.completions_per_prompt", "data.prompt_groups_per_step",
         "data.max_rows", "data.shuffle", "data.path", "data.split", "data.dataset_config", "batching.ppo_minibatches",
+        "curriculum.kind",
     }  # fmt: skip
 
 

@@ -318,3 +318,24 @@ def test_the_off_policy_scheduler_draws_from_the_curriculum_on_its_thread(tmp_pa
     steps = trained_steps(tmp_path)
     assert [sum(s[k] for k in CURRICULUM_KEYS) for s in steps] == [24.0] * 4
     assert all(0.0 <= s["curriculum/pass_rate"] <= 1.0 for s in steps)
+
+
+def test_a_resume_with_another_curriculum_kind_is_refused(tmp_path):
+    from omegaconf import OmegaConf
+
+    from lit_grpo.run.checkpoint import CONFIG_FILE, check_resumable, config_as_dict
+
+    saved = validate(compose_config("+experiment=arithmetic", "curriculum.kind=pools", output_dir=tmp_path))
+    OmegaConf.save(OmegaConf.create(config_as_dict(saved)), tmp_path / CONFIG_FILE)
+    check_resumable(tmp_path, saved)
+    with pytest.raises(ConfigError, match="curriculum.kind"):
+        check_resumable(tmp_path, validate(compose_config("+experiment=arithmetic", output_dir=tmp_path)))
+    # The pools' weights may change on a resume: they shape the draws to come, not the state's meaning.
+    check_resumable(
+        tmp_path,
+        validate(
+            compose_config(
+                "+experiment=arithmetic", "curriculum.kind=pools", "curriculum.pool_weights.easy=0", output_dir=tmp_path
+            )
+        ),
+    )
