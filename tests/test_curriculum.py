@@ -339,3 +339,11 @@ def test_a_resume_with_another_curriculum_kind_is_refused(tmp_path):
             )
         ),
     )
+
+
+def test_curriculum_knobs_without_effect_are_named(tmp_path):
+    from lit_grpo.config import ineffective_knobs
+
+    assert ineffective_knobs(validate(compose_config("curriculum.kind=pools", output_dir=tmp_path))) == []
+    (knob,) = ineffective_knobs(validate(compose_config("curriculum.easy_above=0.8", output_dir=tmp_path)))
+    assert "curriculum.easy_above=0.8" in knob and "curriculum.kind=none" in knob

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import fields
 
 from lit_grpo.config.controls import EntropyConfig
+from lit_grpo.config.curriculum import CurriculumConfig
 from lit_grpo.config.groups import DataConfig
 from lit_grpo.config.run import TrainConfig
 from lit_grpo.config.sources import source_kind
@@ -56,6 +57,7 @@ def ineffective_knobs(c: TrainConfig) -> list[str]:
             "(counted in train/micro_batches_over_budget); set it to at least data.max_seq_len to bound every forward"
         )
     knobs += _ineffective_entropy_knobs(c.entropy)
+    knobs += _ineffective_curriculum_knobs(c.curriculum)
     if c.checkpoint.save_interval == 0 and c.checkpoint.keep_last != CheckpointConfig().keep_last:
         knobs.append(
             f"checkpoint.keep_last={c.checkpoint.keep_last} has no effect with checkpoint.save_interval=0: "
@@ -76,3 +78,19 @@ def _ineffective_entropy_knobs(e: EntropyConfig) -> list[str]:
                 value = getattr(e, name)
                 knobs.append(f"entropy.{name}={value} has no effect without entropy.target (the adaptive bonus)")
     return knobs
+
+
+def _ineffective_curriculum_knobs(cur: CurriculumConfig) -> list[str]:
+    defaults = CurriculumConfig()
+    if cur.kind == "none":
+        names = ["pass_reward", "pass_rate_ema", "easy_above", "hard_below", "pool_weights"]
+        why = "with curriculum.kind=none: every row is drawn once per epoch"
+    elif cur.kind == "fn":
+        names, why = ["pool_weights"], "with curriculum.kind=fn: curriculum.fn gives the weights"
+    else:
+        return []
+    return [
+        f"curriculum.{name}={getattr(cur, name)} has no effect {why}"
+        for name in names
+        if getattr(cur, name) != getattr(defaults, name)
+    ]

@@ -95,7 +95,7 @@ class RolloutStream(IterableDataset):
             self.rows_exhausted = True
             log.warning(
                 "the rows ran out after %d of max_steps=%d steps (data.epochs, data.max_rows or the task's rows "
-                "bound them): the run ends early",
+                "bound them, or curriculum.retire_after retired them all): the run ends early",
                 self.steps_done,
                 self.max_steps,
             )
