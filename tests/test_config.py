@@ -309,6 +309,7 @@ def test_the_state_defining_fields_are_the_marked_ones():
         "model", "seed", "policy_loss.name", "task", "data.completions_per_prompt", "data.prompt_groups_per_step",
         "data.max_rows", "data.shuffle", "data.path", "data.split", "data.dataset_config", "batching.ppo_minibatches",
         "reference.sync_every",
+        "curriculum.kind",
     }  # fmt: skip
 
 

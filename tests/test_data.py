@@ -190,6 +190,6 @@ def test_rows_running_out_before_max_steps_is_flagged_and_logged_once(caplog):
         assert list(stream) == []
     assert stream.rows_exhausted
     assert [r.message for r in caplog.records].count(
-        "the rows ran out after 2 of max_steps=10 steps (data.epochs, data.max_rows or the task's rows bound them): "
-        "the run ends early"
+        "the rows ran out after 2 of max_steps=10 steps (data.epochs, data.max_rows or the task's rows bound them, "
+        "or curriculum.retire_after retired them all): the run ends early"
     ) == 1

@@ -4,6 +4,7 @@
     model.py        ModelConfig, LoraConfig: the policy and its adapters
     sampler.py      SamplerConfig: the engine, how it samples, the vLLM servers' fields
     groups.py       data, rollout, reward, advantage, policy loss
+    curriculum.py   CurriculumConfig: which rows are drawn, by their online pass rate
     training.py     optim, batching, checkpoint: the trainer's side of a step
     offpolicy.py    OffPolicyConfig: how sampling overlaps training, weight syncs, partial rollouts
     guards.py       GuardsConfig: rollout deadlines and retries, the bounds that stop a broken run
@@ -31,6 +32,7 @@ from lit_grpo.config.checks import (
     require_finite,
 )
 from lit_grpo.config.controls import CorrectionConfig, EntropyConfig, ReferenceConfig
+from lit_grpo.config.curriculum import CurriculumConfig
 from lit_grpo.config.groups import (
     AdvantageConfig,
     DataConfig,
@@ -59,6 +61,7 @@ __all__ = [
     "MAX_TEMPERATURE",
     "ConfigError",
     "CorrectionConfig",
+    "CurriculumConfig",
     "DataConfig",
     "EntropyConfig",
     "GuardsConfig",

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import fields
 
 from lit_grpo.config.controls import EntropyConfig
+from lit_grpo.config.curriculum import CurriculumConfig
 from lit_grpo.config.groups import DataConfig, RewardConfig
 from lit_grpo.config.run import TrainConfig
 from lit_grpo.config.sources import source_kind
@@ -62,6 +63,7 @@ def ineffective_knobs(c: TrainConfig) -> list[str]:
             "the reference stays frozen"
         )
     knobs += _ineffective_reward_model_knobs(c.reward)
+    knobs += _ineffective_curriculum_knobs(c.curriculum)
     if c.checkpoint.save_interval == 0 and c.checkpoint.keep_last != CheckpointConfig().keep_last:
         knobs.append(
             f"checkpoint.keep_last={c.checkpoint.keep_last} has no effect with checkpoint.save_interval=0: "
@@ -96,3 +98,19 @@ def _ineffective_reward_model_knobs(r: RewardConfig) -> list[str]:
             if getattr(r, name) != getattr(defaults, name):
                 knobs.append(f"reward.{name}={getattr(r, name)} has no effect {why}")
     return knobs
+
+
+def _ineffective_curriculum_knobs(cur: CurriculumConfig) -> list[str]:
+    defaults = CurriculumConfig()
+    if cur.kind == "none":
+        names = ["pass_reward", "pass_rate_ema", "easy_above", "hard_below", "pool_weights"]
+        why = "with curriculum.kind=none: every row is drawn once per epoch"
+    elif cur.kind == "fn":
+        names, why = ["pool_weights"], "with curriculum.kind=fn: curriculum.fn gives the weights"
+    else:
+        return []
+    return [
+        f"curriculum.{name}={getattr(cur, name)} has no effect {why}"
+        for name in names
+        if getattr(cur, name) != getattr(defaults, name)
+    ]

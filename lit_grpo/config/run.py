@@ -23,6 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from lit_grpo.config.checks import DEFINES_STATE, MAX_LEARNING_RATE, ConfigError, require, require_finite
 from lit_grpo.config.controls import CorrectionConfig, EntropyConfig, ReferenceConfig
+from lit_grpo.config.curriculum import CurriculumConfig
 from lit_grpo.config.groups import (
     AdvantageConfig,
     DataConfig,
@@ -77,6 +78,8 @@ class TrainConfig:
     """The reward (`conf/reward/`): null `reward.fn` is the task's; a name, `module:function` or a
     weighted list of them replaces it."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    curriculum: CurriculumConfig = field(default_factory=CurriculumConfig)
+    """Which rows are drawn: every row once per epoch (`none`), or weighted by each row's online pass rate."""
     policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
     """The advantage estimator (`conf/advantage/<name>.yaml`): grpo, dr_grpo, igpo or a user's

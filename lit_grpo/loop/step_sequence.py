@@ -3,7 +3,8 @@
 After a step's optimizer steps, `GRPOModule.on_train_batch_end` runs `StepSequence.finish_step`,
 on every rank:
 
-    0. merge    the step's metrics over all ranks (rewards pooled, counts summed, slowest timings)
+    0. merge    the step's metrics over all ranks (rewards pooled, counts summed, slowest timings), and
+                the curriculum's row statistics (`curriculum.kind` pools or fn: every rank's groups)
     1. sync     if due (every `offpolicy.weight_sync_interval` steps): the policy's full weights into the
                 sampler; then the policy version advances (with `offpolicy.weight_sync_interval=0` the
                 sampler keeps its weights and only the version advances, every step, so the
@@ -39,7 +40,7 @@ import torch
 from lightning.pytorch.loggers import CSVLogger
 
 from lit_grpo.errors import EnvironmentFault, UserError
-from lit_grpo.loop.distributed import all_reduce, is_distributed
+from lit_grpo.loop.distributed import all_gather_objects, all_reduce, is_distributed
 from lit_grpo.loop.evaluation import Evaluator
 from lit_grpo.loop.metrics import MetricHistory, merge_step_metrics
 from lit_grpo.loop.signals import StopSignals
@@ -122,6 +123,9 @@ class StepSequence:
         """Run the end of step `module.rollout_step`; returns its metrics (every rank gets them)."""
         step = module.rollout_step
         metrics = merge_step_metrics(result.record, result.train_metrics, result.timings)
+        if (curriculum := self.datamodule.curriculum) is not None:
+            # Every rank applies every rank's groups in rank order: the same statistics everywhere.
+            metrics.update(curriculum.merge(all_gather_objects(curriculum.take_pending())))
         # The entropy controls see the step's mean over every rank (the same on each: no collective).
         if (control := getattr(module, "entropy_control", None)) is not None and control.config.watched:
             metrics.update(control.after_step(metrics.get("train/entropy", 0.0), warn=trainer.global_rank == 0))

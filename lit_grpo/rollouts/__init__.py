@@ -1,6 +1,7 @@
 """Rows to training batches: the row cursor, the pure pipeline, the group sampler and the two schedulers.
 
 cursor.py      RowCursor: this rank's disjoint, seeded, resumable share of the rows
+curriculum.py  CurriculumCursor: rows drawn by their online pass rate (`curriculum.kind` pools | fn)
 pipeline.py    pure functions: checks, group verdicts, advantages and padding, rollout metrics
 groups.py      GroupSampler: the G rollout calls of a row, the circuit breaker, drop counts
 schedulers.py  the Scheduler interface and SynchronousScheduler

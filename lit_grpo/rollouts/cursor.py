@@ -15,8 +15,23 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
+from typing import Protocol
 
 Position = tuple[int, int]
+
+
+class Cursor(Protocol):
+    """What the schedulers draw rows from: the `RowCursor`, or the curriculum's (`lit_grpo.rollouts.curriculum`)."""
+
+    def take_positioned(self, n: int) -> list[tuple[Position, dict]]: ...
+
+    def context(self, position: Position) -> dict: ...
+
+    def sample_again(self, position: Position) -> None: ...
+
+    def state_dict(self, unfinished: Sequence[Position] = ()) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
 
 
 class RowCursor:

@@ -31,6 +31,7 @@ from lit_grpo.rollouts import (
     make_batch,
 )
 from lit_grpo.rollouts.checks import NoProgressError
+from lit_grpo.rollouts.curriculum import CurriculumCursor, weight_fn
 from lit_grpo.rollouts.rollout import RolloutFn
 from lit_grpo.rollouts.waiting import WaitReport
 from lit_grpo.types import RolloutBatch
@@ -94,7 +95,7 @@ class RolloutStream(IterableDataset):
             self.rows_exhausted = True
             log.warning(
                 "the rows ran out after %d of max_steps=%d steps (data.epochs, data.max_rows or the task's rows "
-                "bound them): the run ends early",
+                "bound them, or curriculum.retire_after retired them all): the run ends early",
                 self.steps_done,
                 self.max_steps,
             )
@@ -124,7 +125,17 @@ class RolloutDataModule(L.LightningDataModule):
         super().__init__()
         data = c.data
         self.tokenizer, self.sampler = tokenizer, sampler
-        self.cursor = RowCursor(rows, data.epochs, c.seed, data.shuffle, rank=rank, world_size=world_size)
+        self.curriculum: Optional[CurriculumCursor] = None
+        """The curriculum's cursor (`curriculum.kind` pools or fn), whose statistics the step
+        sequence merges after every step; None: the row cursor."""
+        self.cursor: RowCursor | CurriculumCursor
+        if c.curriculum.kind == "none":
+            self.cursor = RowCursor(rows, data.epochs, c.seed, data.shuffle, rank=rank, world_size=world_size)
+        else:
+            fn = weight_fn(c.curriculum.fn) if c.curriculum.fn else None
+            self.cursor = self.curriculum = CurriculumCursor(
+                rows, data.epochs, c.seed, data.shuffle, c.curriculum, fn=fn, rank=rank, world_size=world_size
+            )
         self.groups = GroupSampler(
             rollout_fn,
             data.completions_per_prompt,
@@ -142,6 +153,8 @@ class RolloutDataModule(L.LightningDataModule):
             failure_share=c.guards.rollout_failure_share,
             failure_window=c.guards.rollout_failure_window,
         )
+        if self.curriculum is not None:
+            self.groups.on_group = self.curriculum.record
         # The sampler's calls get the same bounds as the rollouts.
         sampler.bound_calls(
             c.guards.rollout_timeout_s,

@@ -13,6 +13,7 @@ import logging
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from typing import Optional
 
 from lit_grpo.rollouts.checks import CircuitBreaker, ProgressGuard, short_reason
@@ -83,6 +84,9 @@ class GroupSampler:
         self._counts: Counter = Counter()
         self._lock = threading.Lock()  # the off-policy scheduler counts on its own thread
         self._warned: set[str] = set()
+        self.on_group: Optional[Callable[[PromptGroup, Optional[dict]], None]] = None
+        """Called with each completed group and its row's context, before any filter sees it (the
+        curriculum's statistics)."""
 
     async def sample(self, row: dict, version: int, context: Optional[dict] = None) -> PromptGroup:
         """The row's group, sampled at policy `version`. `context` (the row's place: `epoch`,
@@ -93,7 +97,10 @@ class GroupSampler:
         token = object()
         self._in_flight[id(token)] = time.monotonic()
         try:
-            return await self._sample(row, version, context)
+            group = await self._sample(row, version, context)
+            if self.on_group is not None:
+                self.on_group(group, context)
+            return group
         finally:
             self._in_flight.pop(id(token), None)
 

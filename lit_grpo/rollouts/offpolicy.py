@@ -34,7 +34,7 @@ import time
 from collections import deque
 from typing import Optional
 
-from lit_grpo.rollouts.cursor import Position, RowCursor
+from lit_grpo.rollouts.cursor import Cursor, Position
 from lit_grpo.rollouts.deadlines import Heartbeat, RolloutStalled, heartbeat_period, stall_report
 from lit_grpo.rollouts.groups import GroupSampler
 from lit_grpo.rollouts.schedulers import StepGroups
@@ -49,7 +49,7 @@ class OffPolicyScheduler:
 
     def __init__(
         self,
-        cursor: RowCursor,
+        cursor: Cursor,
         groups: GroupSampler,
         prompt_groups_per_step: int,
         *,

@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from lit_grpo.rollouts.cursor import Position, RowCursor
+from lit_grpo.rollouts.cursor import Cursor, Position
 from lit_grpo.rollouts.deadlines import Heartbeat, LoopWatchdog, gather_or_cancel, heartbeat_period, stall_report
 from lit_grpo.rollouts.groups import GroupSampler
 from lit_grpo.types import PromptGroup
@@ -61,7 +61,7 @@ class SynchronousScheduler:
     """Samples a step's groups concurrently on the trainer's thread until P pass every check."""
 
     def __init__(
-        self, cursor: RowCursor, groups: GroupSampler, prompt_groups_per_step: int, *, max_concurrency: int
+        self, cursor: Cursor, groups: GroupSampler, prompt_groups_per_step: int, *, max_concurrency: int
     ) -> None:
         self.cursor, self.groups, self.P = cursor, groups, prompt_groups_per_step
         self.max_rows_in_flight = max(max_concurrency // groups.G, 1)
