@@ -73,7 +73,7 @@ def build_vlm_tokenizer() -> PreTrainedTokenizerFast:
 def _image_only_processor_class(base: Optional[type] = None):
     from transformers import Qwen2VLProcessor
 
-    class ImageOnlyProcessor(base or Qwen2VLProcessor):  # type: ignore[misc, valid-type]
+    class ImageOnlyProcessor(base or Qwen2VLProcessor):  # type: ignore[misc]
         """`Qwen2VLProcessor` without a video processor (see the module docstring): the class check
         of a `None` video processor is skipped, everything else is transformers' own."""
 
@@ -94,7 +94,7 @@ def _image_only_processor_class(base: Optional[type] = None):
     return ImageOnlyProcessor
 
 
-def build_tiny_vlm_processor(tokenizer: Optional[PreTrainedTokenizerFast] = None, *, patch_size: int = 14):
+def build_tiny_vlm_processor(tokenizer: Optional[Any] = None, *, patch_size: int = 14):
     """A Qwen2-VL processor over `tokenizer` (default `build_vlm_tokenizer()`): images resized
     within `TINY_IMAGE_PIXELS`, patches of `patch_size`, merged 2 × 2, two frames a temporal patch."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
@@ -123,7 +123,7 @@ def load_image_processor_of(name: str, tokenizer, *, trust_remote_code: bool = F
     from transformers.models.auto.processing_auto import PROCESSOR_MAPPING
 
     config = AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code)
-    base = PROCESSOR_MAPPING[type(config)]
+    base: Any = PROCESSOR_MAPPING[type(config)]
     image_processor = AutoImageProcessor.from_pretrained(name, trust_remote_code=trust_remote_code)
     return _image_only_processor_class(base)(
         image_processor=image_processor, tokenizer=tokenizer, chat_template=tokenizer.chat_template
@@ -179,13 +179,15 @@ def build_tiny_vlm(tokenizer, seed: int, **shape: Any) -> PreTrainedModel:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = Qwen2VLForConditionalGeneration(tiny_vlm_config(tokenizer, **shape))
-    return model.eval()
+    model.eval()
+    return model
 
 
 def freeze_vision_tower(model: torch.nn.Module, train_vision: bool = False) -> list[str]:
     """Turn off the gradient of the vision tower's parameters (`model.visual`, or `model.model.visual`)
     unless `train_vision`; the names frozen."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    get_base = getattr(model, "get_base_model", None)  # a peft model: the model under its adapters
+    base: Any = get_base() if callable(get_base) else model
     tower = getattr(getattr(base, "model", base), "visual", None) or getattr(base, "visual", None)
     if tower is None or train_vision:
         return []

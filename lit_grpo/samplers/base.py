@@ -344,7 +344,7 @@ class BatchingSampler(ABC):
         out: list[Completion] = []
         for start in range(0, len(prompts), self.max_batch_size):
             chunk = slice(start, start + self.max_batch_size)
-            more = {"multi_modal": images[chunk]} if with_images and images is not None else {}
+            more: dict[str, Any] = {"multi_modal": images[chunk]} if with_images and images is not None else {}
             out += self.generate(prompts[chunk], head.temperature, head.max_tokens, *extra, **more)
         return out
 

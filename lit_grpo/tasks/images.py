@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import io
 import os
+from collections.abc import Sequence
 from typing import Any, Optional
 
 import torch
@@ -64,7 +65,7 @@ def load_image(value: Any):
         raise RowImageError(f"image {where} cannot be read: {err}") from None
 
 
-def _image_items(messages: list[dict]) -> list[dict]:
+def _image_items(messages: Sequence) -> list[dict]:
     return [
         item
         for m in messages
@@ -74,7 +75,7 @@ def _image_items(messages: list[dict]) -> list[dict]:
     ]
 
 
-def messages_have_images(messages: list) -> bool:
+def messages_have_images(messages: Sequence) -> bool:
     """Whether chat messages hold an image content item (`{"type": "image", ...}`)."""
     return bool(_image_items(messages))
 

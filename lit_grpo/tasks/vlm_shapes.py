@@ -54,7 +54,7 @@ def square_image(colour: str, rng: random.Random, canvas: int = 56, min_side: in
 def make_rows(opts: VlmShapesOptions, seed: int) -> list[dict]:
     """`opts.num_rows` rows, colours drawn uniformly."""
     rng = random.Random(seed)
-    rows = []
+    rows: list[dict] = []
     for _ in range(opts.num_rows):
         colour = rng.choice(sorted(COLOURS))
         image = square_image(colour, rng, opts.canvas, opts.min_side)
