@@ -329,6 +329,7 @@ def test_micro_batches_give_each_forward_its_own_rows_images(processor, model):
 
 
 @pytest.mark.slow
+@pytest.mark.nightly  # a whole demo run (~80 s), like the text demos' runs
 @pytest.mark.timeout(900)
 def test_the_vlm_shapes_demo_learns_which_colour_the_square_is(tmp_path):
     """The CPU demo as shipped (`+experiment=vlm_shapes`, seed 0): from chance to >= 0.9 mean reward
