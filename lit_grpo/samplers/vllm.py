@@ -2,7 +2,11 @@
 
 The engine runs in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`) so a weight sync is a call, not
 a file: `reload_weights` over `collective_rpc` with the policy's tensors, then the prefix cache is
-reset. Logprobs are the processed ones (after temperature; top_p=1, top_k=0), so they are the
+reset. A LoRA policy with adapter sync (`update_adapter`) is the exception: the engine holds the
+base weights (`enable_lora`), and each sync writes the adapter's small folder, which vLLM loads
+(0.32 loads adapters from a path only) and every call names from then on.
+
+Logprobs are the processed ones (after temperature; top_p=1, top_k=0), so they are the
 behaviour policy's for TIS. The engine reports one kind of logprob per run (`logprobs_mode`) and
 the behaviour policy's is the one training needs, so the raw ones (`inference_logprobs`) are
 known only where they are the same numbers: at temperature 1, and in greedy decoding (vLLM does
