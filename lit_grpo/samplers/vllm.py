@@ -89,7 +89,7 @@ class VLLMSampler(BatchingSampler):
         self.adapter: Optional[Any] = None
         """The `LoRARequest` every call names (None: the engine's own weights, no adapter)."""
         self.last_sync_bytes = 0
-        """What the last adapter sync wrote for the engine (the adapter's weights file)."""
+        """What the last weight sync handed the engine: the tensors, or the adapter's weights file."""
         self.version = 0
         """The policy version of the adapter the calls name (`update_adapter`)."""
         if self.on_cuda:
@@ -187,6 +187,7 @@ class VLLMSampler(BatchingSampler):
     @torch.no_grad()
     def _load(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         weights = [(strip_wrapper_prefixes(n), t.detach()) for n, t in named_tensors]
+        self.last_sync_bytes = sum(t.numel() * t.element_size() for _, t in weights)
         self.wake_up()
         try:
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
