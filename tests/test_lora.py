@@ -6,6 +6,7 @@ tested with the servers' in tests/test_lora_sync.py."""
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import json
 
@@ -104,6 +105,7 @@ def _new_adapters(policy, seed: int) -> None:
 def test_an_adapter_sync_copies_only_the_adapters_into_the_hf_samplers_copy(tiny_model, tokenizer):
     policy = lora_policy(tiny_model)
     adapter_sampler = HFSampler(policy, tokenizer)  # a copy of the peft model, adapters and all
+    adapter_sampler.enable_partial_rollouts()  # tokens tagged with the version of the adapter they ran on
     merged_sampler = HFSampler(copy.deepcopy(policy).merge_and_unload(), tokenizer)  # the merged mode's copy
     base_before = {n: t.clone() for n, t in adapter_sampler.model.state_dict().items() if ".lora_" not in n}
     weights = PolicyWeights(Holder(policy), prefix="policy.")  # as the step sequence streams them
@@ -114,6 +116,8 @@ def test_an_adapter_sync_copies_only_the_adapters_into_the_hf_samplers_copy(tiny
         adapter_sampler.update_adapter(weights.adapter_tensors(), adapter_config(policy), version)
         merged_sampler.update_weights(weights.named_tensors())
         assert adapter_sampler.version == version
+        (completion,) = asyncio.run(adapter_sampler.sample_with_prompt_tokens([1, 12], n=1, max_tokens=4))
+        assert completion.token_versions == [version] * len(completion.sampling_logprobs)
         with torch.no_grad():
             trainer = token_logprobs(policy, TOKENS, attention, 1.0)[0][:, 1:]
         adapter_scores = torch.tensor(adapter_sampler.score_pairs(pairs))
