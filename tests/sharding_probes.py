@@ -11,6 +11,7 @@ from pathlib import Path
 
 import lightning as L
 import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from lit_grpo.models.weights import full_named_tensors
 
@@ -26,7 +27,9 @@ def _record(out_dir: str, name: str, rank: int, entry: dict) -> None:
 
 class SamplerHoldsPolicy(L.Callback):
     """At each step's start (after the previous step's sync), compare this rank's `hf` sampler
-    weights with the policy's full weights, gathered from the shards."""
+    weights with the policy's full weights, gathered from the shards: merged (`lora_sync=merged`,
+    or a full fine-tune), or a LoRA policy's own, adapters unmerged (adapter sync: the sampler's
+    copy is of the peft model)."""
 
     def __init__(self, out_dir: str) -> None:
         self.out_dir = out_dir
@@ -34,7 +37,11 @@ class SamplerHoldsPolicy(L.Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if pl_module.rollout_step == 0:
             return
-        policy = {name: t.clone() for name, t in full_named_tensors(trainer.strategy.model, prefix="policy.")}
+        if trainer.datamodule.adapter_sync:
+            state = get_model_state_dict(trainer.strategy.model, options=StateDictOptions(full_state_dict=True))
+            policy = {n[len("policy.") :]: _full(t).clone() for n, t in state.items() if n.startswith("policy.")}
+        else:
+            policy = {name: t.clone() for name, t in full_named_tensors(trainer.strategy.model, prefix="policy.")}
         sampler = trainer.datamodule.sampler.model.state_dict()
         _record(
             self.out_dir,

@@ -1,9 +1,12 @@
 """LoRA training (`lit_grpo.models.lora`, `model.lora.*`): only the adapters train, the KL reference is the
 base model (the policy with its adapters off, no second copy), a weight sync hands the sampler the
-merged weights under the base names, checkpoints resume exactly, and the export is the merged model."""
+merged weights under the base names or (`sampler.lora_sync=adapter`) the adapters alone, checkpoints
+resume exactly, and the export is the merged model. The in-process vLLM engine's adapter syncs are
+tested with the servers' in tests/test_lora_sync.py."""
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import json
 
@@ -19,8 +22,8 @@ from lit_grpo.config import ConfigError, LoraConfig
 from lit_grpo.loop.micro_batches import MicroBatch, no_grad_logprobs
 from lit_grpo.loop.module import token_logprobs
 from lit_grpo.models.load import load_policy, load_tokenizer
-from lit_grpo.models.lora import AdapterFreeView, apply_lora, base_name, is_lora
-from lit_grpo.models.weights import full_named_tensors
+from lit_grpo.models.lora import AdapterFreeView, adapter_config, apply_lora, base_name, is_lora
+from lit_grpo.models.weights import PolicyWeights, full_named_tensors
 from lit_grpo.run.validate import validate
 from lit_grpo.samplers.hf import HFSampler
 
@@ -68,6 +71,79 @@ def test_config_defaults_and_refusals_name_the_field():
             LoraConfig(**bad)
     with pytest.raises(ConfigError, match="`model.lora.dropout`.*logprobs"):
         validate(compose_config("+experiment=arithmetic", "model.lora.dropout=0.05"))
+
+
+@pytest.mark.timeout(60)
+def test_lora_sync_auto_takes_the_adapter_where_it_pays_and_adapter_works_wherever_a_sampler_loads_one():
+    def resolved(*overrides: str) -> tuple[bool, str]:
+        c = validate(compose_config("+experiment=arithmetic_lora", "model.num_heads=2", *overrides))
+        return c.adapter_sync, c.sampler.lora_sync_mode
+
+    for kind in ("hf", "vllm", "vllm_server"):
+        auto = (True, "adapter") if kind != "vllm" else (False, "merged")  # the engine's LoRA path is slower
+        assert resolved(f"sampler={kind}") == auto, kind
+        assert resolved(f"sampler={kind}", "sampler.lora_sync=adapter") == (True, "adapter"), kind
+        assert resolved(f"sampler={kind}", "sampler.lora_sync=merged") == (False, "merged"), kind
+    assert resolved("sampler=vllm_server", "sampler.weight_transfer=gloo") == (False, "merged")  # streams: merged
+    assert not validate(compose_config("+experiment=arithmetic", "sampler=vllm_server")).adapter_sync  # no LoRA
+    with pytest.raises(ConfigError, match="`sampler.lora_sync`.*does not stream"):
+        resolved("sampler=vllm_server", "sampler.weight_transfer=gloo", "sampler.lora_sync=adapter")
+    off_policy = ("offpolicy.synchronous=false", "offpolicy.max_lag=3", "offpolicy.weight_sync_interval=1")
+    with pytest.raises(ConfigError, match="`sampler.max_loras`"):  # a server keeps the adapters old rollouts run on
+        resolved("sampler=vllm_server", *off_policy)
+    for kind in ("hf", "vllm"):  # no engine call runs across a sync in this process: the newest adapter alone
+        assert resolved(f"sampler={kind}", *off_policy) == (True, "adapter"), kind
+
+
+def _new_adapters(policy, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in policy.named_parameters():
+            if ".lora_" in name:
+                param.copy_(0.3 * torch.randn(param.shape, generator=gen))
+
+
+@pytest.mark.timeout(60)
+def test_an_adapter_sync_copies_only_the_adapters_into_the_hf_samplers_copy(tiny_model, tokenizer):
+    policy = lora_policy(tiny_model)
+    adapter_sampler = HFSampler(policy, tokenizer)  # a copy of the peft model, adapters and all
+    adapter_sampler.enable_partial_rollouts()  # tokens tagged with the version of the adapter they ran on
+    merged_sampler = HFSampler(copy.deepcopy(policy).merge_and_unload(), tokenizer)  # the merged mode's copy
+    base_before = {n: t.clone() for n, t in adapter_sampler.model.state_dict().items() if ".lora_" not in n}
+    weights = PolicyWeights(Holder(policy), prefix="policy.")  # as the step sequence streams them
+    pairs = [(row[:2], row[2:]) for row in TOKENS.tolist()]
+    attention = torch.ones_like(TOKENS)
+    for version, seed in enumerate((1, 2), start=1):
+        _new_adapters(policy, seed)
+        adapter_sampler.update_adapter(weights.adapter_tensors(), adapter_config(policy), version)
+        merged_sampler.update_weights(weights.named_tensors())
+        assert adapter_sampler.version == version
+        (completion,) = asyncio.run(adapter_sampler.sample_with_prompt_tokens([1, 12], n=1, max_tokens=4))
+        assert completion.token_versions == [version] * len(completion.sampling_logprobs)
+        with torch.no_grad():
+            trainer = token_logprobs(policy, TOKENS, attention, 1.0)[0][:, 1:]
+        adapter_scores = torch.tensor(adapter_sampler.score_pairs(pairs))
+        torch.testing.assert_close(adapter_scores, trainer, atol=1e-6, rtol=0)  # the trainer's own computation
+        torch.testing.assert_close(adapter_scores, torch.tensor(merged_sampler.score_pairs(pairs)), atol=1e-5, rtol=0)
+        assert (adapter_scores - whole_batch_logprobs(AdapterFreeView(policy), attention)[:, 1:]).abs().max() > 1e-3
+    after = adapter_sampler.model.state_dict()
+    assert all(torch.equal(after[n], t) for n, t in base_before.items())  # the base weights never move
+    adapter_bytes = sum(p.numel() * 4 for n, p in policy.named_parameters() if ".lora_" in n)
+    assert adapter_sampler.last_sync_bytes == adapter_bytes < merged_sampler.last_sync_bytes / 5
+
+
+@pytest.mark.timeout(60)
+def test_an_adapter_sync_to_a_copy_without_adapters_or_to_shared_weights(tiny_model, tokenizer):
+    policy = lora_policy(copy.deepcopy(tiny_model))
+    weights = PolicyWeights(Holder(policy), prefix="policy.")
+    with pytest.raises(RuntimeError, match="no counterpart in the sampler's copy.*made of the LoRA policy"):
+        HFSampler(tiny_model, tokenizer).update_adapter(weights.adapter_tensors(), adapter_config(policy))
+    shared = HFSampler(policy, tokenizer, share_weights=True)
+    stream = weights.adapter_tensors()
+    shared.sleep()  # the step's rollouts are in: the trainer holds the weights until the sync
+    shared.update_adapter(stream, adapter_config(policy), 3)
+    assert next(stream, None) is None and shared.last_sync_bytes == 0 and shared.version == 3  # consumed, none copied
+    assert shared._held_for_training_by is None  # generation may go on
 
 
 @pytest.mark.timeout(60)
@@ -202,7 +278,7 @@ def test_sampler_generates_with_the_lora_policy_itself(lora_run):
     c, base, trainer, module = lora_run
     sampler = trainer.datamodule.sampler
     sampler.cancelled.clear()  # the run's end cancelled its engine calls; this test scores with it after
-    assert sampler.shares_weights and sampler.model is module.policy.get_base_model()
+    assert sampler.shares_weights and sampler.model is module.policy  # lora_sync=auto: adapter, nothing to copy
     assert {p.data_ptr() for p in sampler.model.parameters()} == {p.data_ptr() for p in module.policy.parameters()}
     merged = copy.deepcopy(module.policy).merge_and_unload()
     attention = torch.ones_like(TOKENS)
@@ -217,13 +293,31 @@ def test_sampler_generates_with_the_lora_policy_itself(lora_run):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_a_private_sampler_after_sync_holds_exactly_the_merged_weights(tmp_path):
-    c = validate(compose_config(*LORA, "max_steps=2", "sampler.share_policy_weights=false", output_dir=tmp_path))
+@pytest.mark.parametrize("lora_sync", ["merged", "adapter"])
+def test_a_private_sampler_after_sync_holds_the_policy(tmp_path, lora_sync):
+    """merged: the copy holds the merged weights; adapter: a copy of the peft model whose adapters are
+    the policy's, generating as the trainer computes; in both the logprobs are the trained policy's."""
+    c = validate(
+        compose_config(
+            *LORA,
+            "max_steps=2",
+            "sampler.share_policy_weights=false",
+            f"sampler.lora_sync={lora_sync}",
+            output_dir=tmp_path,
+        )
+    )
     trainer, module = fit(c)
     merged = copy.deepcopy(module.policy).merge_and_unload()
     sampler = trainer.datamodule.sampler  # synced after the last step (offpolicy.weight_sync_interval=1)
-    assert not sampler.shares_weights
-    assert max_diff(sampler.model.state_dict(), merged.state_dict()) <= 1e-6
+    assert not sampler.shares_weights and sampler.model is not module.policy
+    if lora_sync == "merged":
+        assert max_diff(sampler.model.state_dict(), merged.state_dict()) <= 1e-6
+    else:
+        assert max_diff(sampler.model.state_dict(), module.policy.state_dict()) == 0.0
+        assert any(p.abs().max() > 0 for n, p in sampler.model.named_parameters() if ".lora_B." in n)  # trained
+        steps = module.step_sequence.history.steps
+        adapter_mb = sum(p.numel() * 4 for n, p in module.policy.named_parameters() if ".lora_" in n) / 2**20
+        assert [s["perf/weight_sync_mb"] for s in steps] == pytest.approx([adapter_mb] * len(steps))
     attention = torch.ones_like(TOKENS)
     with torch.no_grad():
         torch.testing.assert_close(

@@ -1,8 +1,9 @@
 """Adapter-only weight syncs of a LoRA policy to a real vLLM CPU server (`sampler.lora_sync=adapter`),
 started once for the file with runtime LoRA loading on: after every sync the served logprobs are
 the LoRA policy's; a request running across a sync finishes on the adapter it began with; what a
-sync sends is the adapter, a fraction of the merged weights. Without vLLM these tests fail, they
-never skip."""
+sync sends is the adapter, a fraction of the merged weights. The in-process engine (`sampler=vllm`)
+likewise: after every sync its logprobs are the LoRA policy's and the merged engine's. Without vLLM
+these tests fail, they never skip."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import pytest
 import torch
 from conftest import compose_config, start_test_servers, tiny_arithmetic_model, trained_steps
 
+from lit_grpo.build import fit
 from lit_grpo.config import LoraConfig
 from lit_grpo.loop.module import token_logprobs
 from lit_grpo.models.load import save_pretrained
@@ -163,29 +165,6 @@ def test_a_request_running_across_an_adapter_sync_finishes_on_its_own_adapter(lo
         sampler.close()
 
 
-def test_lora_sync_config():
-    c = validate(compose_config("+experiment=arithmetic_lora", "sampler=vllm_server"))
-    assert c.adapter_sync and c.sampler.lora_sync_mode == "adapter"
-    assert not validate(compose_config("+experiment=arithmetic_lora")).adapter_sync  # hf: merged
-    assert not validate(compose_config("+experiment=arithmetic", "sampler=vllm_server")).adapter_sync  # no LoRA
-    merged = validate(compose_config("+experiment=arithmetic_lora", "sampler=vllm_server", "sampler.lora_sync=merged"))
-    assert not merged.adapter_sync
-    from lit_grpo.config import ConfigError
-
-    with pytest.raises(ConfigError, match="sampler.lora_sync"):
-        validate(compose_config("+experiment=arithmetic_lora", "sampler.lora_sync=adapter"))
-    with pytest.raises(ConfigError, match="sampler.max_loras"):
-        validate(
-            compose_config(
-                "+experiment=arithmetic_lora",
-                "sampler=vllm_server",
-                "offpolicy.synchronous=false",
-                "offpolicy.max_lag=3",
-                "offpolicy.weight_sync_interval=1",
-            )
-        )
-
-
 @pytest.mark.timeout(300)
 def test_a_lora_run_syncs_its_adapter_to_the_servers_it_starts(tmp_path):
     """The LoRA demo on one server it starts (runtime LoRA on): every sync sends the adapter alone,
@@ -301,3 +280,81 @@ def test_one_server_pool_serves_run_after_run_and_a_preempted_run_resumes_on_it(
     print(f"adapter folders by run tag: {versions}; still served: {_served_adapters(url)}")
     assert sorted(versions.values()) == [[0, 3, 4], [1, 2, 3], [4, 5, 6]]  # each attempt's last three
     assert _served_adapters(url) == left  # the last attempt unloaded its own; the killed one's stay
+
+
+# ---------------------------------------------------------------------- the in-process vLLM engine
+
+
+@pytest.mark.timeout(300)
+def test_after_each_adapter_sync_the_in_process_engines_logprobs_are_the_lora_policys(tmp_path):
+    """`sampler=vllm` with adapter sync: the engine holds the base weights and serves each synced
+    adapter; its logprobs are the LoRA policy's and those of an engine given the merged weights
+    (`lora_sync=merged`); only the newest adapter stays loaded, and what a sync writes is the adapter."""
+    from lit_grpo.samplers.vllm import VLLMSampler
+
+    model, tokenizer = tiny_arithmetic_model()
+    policy = apply_lora(model, LoraConfig(rank=RANK, target_modules="all-linear"), seed=0).eval()
+    base = save_pretrained(
+        policy.get_base_model(),
+        tokenizer,
+        tmp_path / "base",
+        state_dict=dict(base_tensors(policy.state_dict().items())),
+    )
+    engine = dict(dtype="float32", max_model_len=128, enforce_eager=True)
+    sampler = VLLMSampler(str(base), tokenizer, lora_rank=RANK, adapter_dir=tmp_path / "adapters", **engine)
+    merged_sampler = VLLMSampler(str(base), tokenizer, **engine)
+    ids = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in PROMPTS]
+    pairs = [(p, tokenizer("42", add_special_tokens=False)["input_ids"]) for p in ids]
+    try:
+        sizes = []
+        for version in range(3):
+            _new_adapter(policy, seed=version)
+            _push(sampler, policy, version)
+            merged_sampler.update_weights(full_named_tensors(policy))
+            sizes.append(sampler.last_sync_bytes)
+            assert sampler.version == version and sampler.adapter.lora_name.endswith(f"-v{version}")
+            assert [p.name for p in (tmp_path / "adapters").iterdir()] == [sampler.adapter.lora_name]  # the newest
+            assert sampler.llm.llm_engine.list_loras() == {sampler.adapter.lora_int_id}
+            completions = _sample(sampler, tokenizer, PROMPTS * 2, temperature=1.0, max_tokens=12)
+            err = _diff(policy, completions)
+            print(f"v{version}: sampled logprobs vs the LoRA policy's: mean |diff| = {err:.2e}")
+            assert err < 1e-5
+            scores, merged_scores = sampler.score_pairs(pairs), merged_sampler.score_pairs(pairs)
+            assert torch.tensor(sum(scores, [])).sub(torch.tensor(sum(merged_scores, []))).abs().max() < 1e-4
+        merged_bytes = sum(t.numel() * t.element_size() for _, t in full_named_tensors(policy))
+        assert len(set(sizes)) == 1 and sizes[0] < merged_bytes / 2
+    finally:
+        sampler.close()
+        merged_sampler.close()
+
+
+@pytest.mark.timeout(300)
+def test_a_lora_run_with_the_in_process_engine_syncs_its_adapter(tmp_path):
+    """The LoRA demo on `sampler=vllm` with `lora_sync=adapter`: every sync sends the adapter,
+    and after the run the engine's logprobs are the trained policy's."""
+    c = validate(
+        compose_config(
+            "+experiment=arithmetic_lora",
+            "sampler=vllm",
+            "sampler.lora_sync=adapter",
+            "model.num_heads=2",
+            "sampler.dtype=float32",
+            "sampler.max_model_len=64",
+            "sampler.enforce_eager=true",
+            "max_steps=3",
+            "optim.lr_decay=constant",
+            "trainer.enable_progress_bar=false",
+            "output_model_id=null",
+            output_dir=tmp_path,
+        )
+    )
+    assert c.adapter_sync
+    trainer, module = fit(c)
+    sampler = trainer.datamodule.sampler
+    adapter_mb = sum(p.numel() * 4 for n, p in module.policy.named_parameters() if ".lora_" in n) / 2**20
+    sent = [s["perf/weight_sync_mb"] for s in module.step_sequence.history.steps]
+    assert len(sent) == 3 and all(adapter_mb < mb < 1.05 * adapter_mb for mb in sent)  # the adapter, and a header
+    assert sampler.version == 3 and [p.name for p in (tmp_path / "sampler_adapters").iterdir()] == ["policy-4-v3"]
+    sampler.cancelled.clear()  # the run's end cancelled its engine calls; this test samples with it after
+    completions = _sample(sampler, trainer.datamodule.tokenizer, PROMPTS, temperature=1.0, max_tokens=8)
+    assert _diff(module.policy.eval(), completions) < 1e-5

@@ -19,7 +19,8 @@ LORA_DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up
 @dataclass
 class LoraConfig:
     """LoRA training (`lit_grpo.models.lora`): only low-rank adapters train; the KL reference is the same
-    model with its adapters off, and a weight sync sends the merged weights under the base names."""
+    model with its adapters off, and a weight sync sends the adapters alone or the merged weights under
+    the base names (`sampler.lora_sync`)."""
 
     rank: int = 0
     """r of the adapters; 0: off (full fine-tuning)."""

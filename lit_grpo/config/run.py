@@ -192,7 +192,7 @@ def check_checkpoint(c: TrainConfig) -> None:
 def check_offpolicy(c: TrainConfig) -> None:
     """The sampler can do what the schedule asks of it."""
     o = c.offpolicy
-    if c.adapter_sync:
+    if c.adapter_sync and c.sampler.kind == "vllm_server":  # in-process engines never run a call across a sync
         require(
             o.synchronous or c.sampler.max_loras >= o.max_lag + 2,
             "sampler.max_loras",

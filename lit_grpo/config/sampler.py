@@ -16,6 +16,12 @@ ENGINE_THREADS = ("auto", "worker", "loop")
 
 LORA_SYNCS = ("auto", "adapter", "merged")
 """`sampler.lora_sync`."""
+ADAPTER_SYNC_KINDS = ("hf", "vllm", "vllm_server")
+AUTO_ADAPTER_SYNC_KINDS = ("hf", "vllm_server")
+"""Where `lora_sync=auto` picks the adapter alone. Not the in-process `vllm`: its engine's LoRA path
+made a CPU demo step 0.14 -> 0.5-3.6 s (`make bench-lora-sync`, 2026-11-27), far more than the
+sync saves on a small model; `sampler.lora_sync=adapter` asks for it."""
+"""The sampler kinds that take a LoRA policy's adapter alone at a weight sync (`sampler.lora_sync=adapter`)."""
 SHARE_POLICY_WEIGHTS = ("auto", "true", "false")
 """`sampler.share_policy_weights`."""
 
@@ -123,21 +129,26 @@ class SamplerConfig:
     empty: no key is sent). The config names where the key is, never the key; servers started here
     get it the same way (`python -m lit_grpo.serve` reads `LIT_GRPO_SERVER_KEY`)."""
     lora_sync: str = "auto"
-    """A LoRA policy's weight sync: `adapter` sends only the adapter weights, which the vLLM servers
-    load as a new adapter and serve from then on (older adapters stay loaded for the requests
-    still running on them); `merged` sends every weight, the adapters merged in; `auto`: `adapter`
-    with `vllm_server` and `weight_transfer=reload`, else `merged`. Servers attached by
-    `server_urls` must run with runtime LoRA loading on (`python -m lit_grpo.serve --lora-rank R`)."""
+    """A LoRA policy's weight sync: `adapter` sends only the adapter weights: `hf` with the policy
+    itself copies nothing, `hf` on a copy copies the adapter tensors into the copy's own adapters,
+    `vllm` and `vllm_server` load the adapter files as a new adapter on the base weights and name it
+    in the requests from then on (a server keeps older ones for the requests still running on them);
+    `merged` sends every weight, the adapters merged in; `auto`: `adapter` with `hf` and
+    `vllm_server` with `weight_transfer=reload`, else `merged` (the in-process `vllm` engine
+    generates slower with an adapter than the sync saves: measured in `make bench-lora-sync`). Servers attached by `server_urls`
+    must run with runtime LoRA loading on (`python -m lit_grpo.serve --lora-rank R`)."""
     max_loras: int = 4
     """vllm_server with adapter sync: adapters a server keeps loaded (`--max-loras`): the newest
-    one and those older rollouts may still run on; must exceed offpolicy.max_lag + 1."""
+    one and those older rollouts may still run on; must exceed offpolicy.max_lag + 1 (the
+    in-process `vllm` keeps only the newest: no engine call runs across a sync)."""
 
     @property
     def lora_sync_mode(self) -> str:
         """`lora_sync` with `auto` resolved (for a LoRA policy; a full one always syncs whole)."""
         if self.lora_sync != "auto":
             return self.lora_sync
-        return "adapter" if self.kind == "vllm_server" and self.weight_transfer == "reload" else "merged"
+        takes_adapter = self.kind in AUTO_ADAPTER_SYNC_KINDS and self.weight_transfer == "reload"
+        return "adapter" if takes_adapter else "merged"
 
     @property
     def servers_to_start(self) -> int:
@@ -214,9 +225,10 @@ def _check_server_fields(cfg: SamplerConfig) -> None:
         f"must be one of {', '.join(LORA_SYNCS)}, got {cfg.lora_sync!r}",
     )
     require(
-        cfg.lora_sync_mode == "merged" or cfg.kind == "vllm_server",
+        cfg.lora_sync_mode == "merged" or cfg.kind in ADAPTER_SYNC_KINDS,
         "sampler.lora_sync",
-        f"adapter sync needs sampler=vllm_server (servers that load adapters); sampler={cfg.kind} takes merged weights",
+        f"adapter sync needs sampler {', '.join(ADAPTER_SYNC_KINDS)} (samplers that load an adapter); "
+        f"sampler={cfg.kind} takes merged weights",
     )
     require(
         cfg.lora_sync_mode == "merged" or cfg.weight_transfer == "reload",

@@ -255,13 +255,17 @@ class BatchingSampler(ABC):
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load the weights between two generate calls; waiting for a running call is bounded by
         `call_timeout_s` (a stuck engine would otherwise hold the sync, and training, forever)."""
+        self._between_calls(self._load, named_tensors)
+
+    def _between_calls(self, load: Any, *args: Any) -> None:
+        """`load(*args)` while no engine call runs (the wait bounded by `call_timeout_s`)."""
         if not self._weights_lock.acquire(timeout=-1 if self.call_timeout_s is None else self.call_timeout_s):
             raise SamplerTimeout(
                 f"the weight sync waited {self.call_timeout_s:g} s (guards.rollout_timeout_s) for the sampler's "
                 "running generate call to end: the engine looks stuck"
             )
         try:
-            self._load(named_tensors)
+            load(*args)
         finally:
             self._weights_lock.release()
 

@@ -13,9 +13,10 @@ from __future__ import annotations
 import collections
 import contextlib
 import copy
+import re
 import threading
 from collections.abc import Iterable, Iterator
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from transformers import (
@@ -32,9 +33,13 @@ from lit_grpo.maths.logprobs import token_logprobs
 from lit_grpo.maths.multimodal import vision_forward_kwargs
 from lit_grpo.models.weights import DTensor
 from lit_grpo.samplers.arguments import SamplerTimeout
-from lit_grpo.samplers.base import BatchingSampler, normalize_weight_name
+from lit_grpo.samplers.base import BatchingSampler, normalize_weight_name, strip_wrapper_prefixes
 from lit_grpo.samplers.stops import find_stop, first_stop
 from lit_grpo.types import Completion, MultiModalBatch
+
+_ADAPTER_SEGMENT = re.compile(r"\.(lora_[AB])\.[^.]+\.(?=weight$)")
+"""The adapter's name in a peft model's state-dict name (`q_proj.lora_A.default.weight`), which
+peft's saved names (`q_proj.lora_A.weight`) leave out."""
 
 
 class HFSampler(BatchingSampler):
@@ -50,6 +55,11 @@ class HFSampler(BatchingSampler):
 
     A vision-language policy's prompts come with their images (`multi_modal`, `takes_images`):
     generate gets them as its forward does (`lit_grpo.maths.multimodal`), left-padded rows and all.
+
+    A LoRA policy's copy is a copy of the peft model, adapters and all, when the sync sends the
+    adapter alone (`update_adapter`): only the adapter tensors are copied at a sync, and generation
+    computes exactly as the trainer does (base and adapters unmerged). With merged syncs the copy is
+    of the base model, and every weight is copied.
     """
 
     takes_images = True
@@ -66,6 +76,8 @@ class HFSampler(BatchingSampler):
         self.shares_weights = share_weights
         self.version = 0
         """Weight syncs loaded, unless set (the run's policy version: `enable_partial_rollouts`)."""
+        self.last_sync_bytes = 0
+        """What the last weight sync copied into a private copy (shared weights: nothing)."""
         self.partial_rollouts = False
         if share_weights:
             self.model = model.eval()  # GRPOModule keeps its policy in eval mode too (no dropout)
@@ -82,6 +94,8 @@ class HFSampler(BatchingSampler):
         self._aliases = _tied_aliases(self._state)
         self._plan: Optional[tuple[list[str], list[torch.Tensor]]] = None
         """The names of the last sync and the tensors they copy into: looked up once, not every sync."""
+        self._adapter_plan: Optional[tuple[list[str], list[torch.Tensor]]] = None
+        """The same for the adapter syncs (`update_adapter`)."""
 
     def to_device(self, device: torch.device) -> None:
         """Generate on `device` (the trainer's: the policy was on the CPU when this copy was made).
@@ -91,7 +105,7 @@ class HFSampler(BatchingSampler):
         with self._weights_lock:
             self.model.to(device)
             self._state = self.model.state_dict()
-            self._plan = None
+            self._plan = self._adapter_plan = None
 
     def sleep(self) -> None:
         """Shared weights: once a step's rollouts are in, hold the weights until the step's sync
@@ -113,6 +127,18 @@ class HFSampler(BatchingSampler):
         try:
             super().update_weights(named_tensors)
             self.version += 1
+        finally:
+            self._release_weights()
+
+    def update_adapter(self, named_tensors: Iterable[tuple[str, torch.Tensor]], config: Any, version=None) -> None:
+        """A LoRA policy's adapter alone (`sampler.lora_sync=adapter`; peft-saved names, as
+        `lit_grpo.models.lora.adapter_tensors` gives them, and its peft config) as policy `version`
+        (default: the next). Shared weights: consumed, copying nothing (the sampler generates with
+        the adapters being trained). A copy: copied into the copy's own adapters, its base weights
+        untouched (they never change in LoRA training); it must have been made from the LoRA policy."""
+        try:
+            self._between_calls(self._load_adapter, named_tensors)
+            self.version = self.version + 1 if version is None else int(version)
         finally:
             self._release_weights()
 
@@ -169,8 +195,41 @@ class HFSampler(BatchingSampler):
             tensors.append(tensor)
         if self._plan is None or self._plan[0] != names:  # the first sync, or another set of names
             self._plan = (names, self._targets(names))
+        self.last_sync_bytes = sum(t.numel() * t.element_size() for t in tensors)
         # One kernel over every tensor; copy_ semantics, so it casts the dtype and moves the device.
         torch._foreach_copy_(self._plan[1], tensors)
+
+    @torch.no_grad()
+    def _load_adapter(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        if self.shares_weights:
+            collections.deque(named_tensors, maxlen=0)  # every tensor consumed, as `_load`
+            return
+        names, tensors = [], []
+        for name, tensor in named_tensors:
+            names.append(name)
+            tensors.append(tensor)
+        if self._adapter_plan is None or self._adapter_plan[0] != names:
+            self._adapter_plan = (names, self._adapter_targets(names))
+        self.last_sync_bytes = sum(t.numel() * t.element_size() for t in tensors)
+        torch._foreach_copy_(self._adapter_plan[1], tensors)
+
+    def _adapter_targets(self, names: list[str]) -> list[torch.Tensor]:
+        """The copy's adapter tensor each peft-saved name is copied into; refuses a sync that would
+        leave one of them stale (a copy made of the policy before its adapters were added has none)."""
+        own = {_ADAPTER_SEGMENT.sub(r".\1.", name): name for name in self._state if _ADAPTER_SEGMENT.search(name)}
+        keys = [own.get(strip_wrapper_prefixes(name)) for name in names]
+        unknown = [name for name, key in zip(names, keys) if key is None]
+        if unknown or not own:
+            raise RuntimeError(
+                f"adapter sync: {len(unknown)} adapter tensors have no counterpart in the sampler's copy, e.g. "
+                f"{unknown[:3]} (the copy holds {len(own)} adapter tensors: was it made of the LoRA policy?)"
+            )
+        stale = set(own.values()) - set(keys)
+        if stale:
+            raise RuntimeError(
+                f"adapter sync left {len(stale)} sampler adapter tensors stale, e.g. {sorted(stale)[:3]}"
+            )
+        return [self._state[key] for key in keys]  # type: ignore[index]  # None refused above
 
     def _targets(self, names: list[str]) -> list[torch.Tensor]:
         """The sampler's tensor each of `names` is copied into; refuses names that would leave one stale."""

@@ -2,7 +2,11 @@
 
 The engine runs in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`) so a weight sync is a call, not
 a file: `reload_weights` over `collective_rpc` with the policy's tensors, then the prefix cache is
-reset. Logprobs are the processed ones (after temperature; top_p=1, top_k=0), so they are the
+reset. A LoRA policy with adapter sync (`update_adapter`) is the exception: the engine holds the
+base weights (`enable_lora`), and each sync writes the adapter's small folder, which vLLM loads
+(0.32 loads adapters from a path only) and every call names from then on.
+
+Logprobs are the processed ones (after temperature; top_p=1, top_k=0), so they are the
 behaviour policy's for TIS. The engine reports one kind of logprob per run (`logprobs_mode`) and
 the behaviour policy's is the one training needs, so the raw ones (`inference_logprobs`) are
 known only where they are the same numbers: at temperature 1, and in greedy decoding (vLLM does
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Optional
@@ -25,7 +30,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from lit_grpo.samplers.base import BatchingSampler, strip_wrapper_prefixes
-from lit_grpo.samplers.vllm_boundary import IN_PROCESS_ENV
+from lit_grpo.samplers.vllm_boundary import IN_PROCESS_ENV, lora_rank_for_vllm
 from lit_grpo.types import Completion
 
 log = logging.getLogger(__name__)
@@ -62,6 +67,8 @@ class VLLMSampler(BatchingSampler):
         sleep_between_phases: bool = False,
         seed: int = 0,
         max_batch_size: int = 256,
+        lora_rank: int = 0,
+        adapter_dir: Optional[Path] = None,
     ) -> None:
         super().__init__(tokenizer, max_batch_size=max_batch_size)
         vllm = import_vllm()
@@ -75,6 +82,16 @@ class VLLMSampler(BatchingSampler):
             seed=seed,
             logprobs_mode="processed_logprobs",
         )
+        if lora_rank > 0:  # adapter syncs (`update_adapter`): one adapter at a time, the newest
+            kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=lora_rank_for_vllm(lora_rank))
+        self.adapter_dir = adapter_dir
+        """Where each synced adapter is written for the engine to load (`update_adapter`)."""
+        self.adapter: Optional[Any] = None
+        """The `LoRARequest` every call names (None: the engine's own weights, no adapter)."""
+        self.last_sync_bytes = 0
+        """What the last weight sync handed the engine: the tensors, or the adapter's weights file."""
+        self.version = 0
+        """The policy version of the adapter the calls name (`update_adapter`)."""
         if self.on_cuda:
             kwargs.update(
                 gpu_memory_utilization=gpu_memory_utilization,
@@ -100,8 +117,10 @@ class VLLMSampler(BatchingSampler):
         """The id (`LLM.request_counter`) of the running generate call's first request."""
         self._SamplingParams = vllm.SamplingParams
         from vllm.inputs import TokensPrompt
+        from vllm.lora.request import LoRARequest
 
         self._TokensPrompt = TokensPrompt
+        self._LoRARequest = LoRARequest
 
     def _generate(
         self, prompts: list[list[int]], temperature: float, max_tokens: int, stop: tuple[str, ...] = ()
@@ -112,7 +131,9 @@ class VLLMSampler(BatchingSampler):
         )
         raw_known = temperature in (0.0, 1.0)  # processed logprobs == raw ones there (see the module docstring)
         self._first_request_id = self.llm.request_counter.counter
-        outputs = self.llm.generate([self._TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        outputs = self.llm.generate(
+            [self._TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False, lora_request=self.adapter
+        )
         completions = []
         for prompt, out in zip(prompts, outputs):
             c = out.outputs[0]
@@ -141,7 +162,9 @@ class VLLMSampler(BatchingSampler):
         params = self._SamplingParams(temperature=1.0, max_tokens=1, prompt_logprobs=0, detokenize=False)
         rows = [p + t for p, t in pairs]
         self._first_request_id = self.llm.request_counter.counter
-        outputs = self.llm.generate([self._TokensPrompt(prompt_token_ids=r) for r in rows], params, use_tqdm=False)
+        outputs = self.llm.generate(
+            [self._TokensPrompt(prompt_token_ids=r) for r in rows], params, use_tqdm=False, lora_request=self.adapter
+        )
         scores = []
         for (prompt, _target), row, out in zip(pairs, rows, outputs):
             # Entry j scores token j given tokens < j (entry 0, with nothing before it, is None).
@@ -164,6 +187,7 @@ class VLLMSampler(BatchingSampler):
     @torch.no_grad()
     def _load(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         weights = [(strip_wrapper_prefixes(n), t.detach()) for n, t in named_tensors]
+        self.last_sync_bytes = sum(t.numel() * t.element_size() for _, t in weights)
         self.wake_up()
         try:
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
@@ -172,6 +196,38 @@ class VLLMSampler(BatchingSampler):
             raise RuntimeError(
                 f"vLLM weight sync failed ({type(err).__name__}: {err}); the sampler would be stale"
             ) from err
+
+    def update_adapter(self, named_tensors: Iterable[tuple[str, torch.Tensor]], config: Any, version=None) -> None:
+        """A LoRA policy's adapter alone (peft-saved names and its peft config; `sampler.lora_sync=adapter`)
+        as policy `version` (default: the next): written as peft saves it under `adapter_dir`, loaded
+        by the engine on its base weights (which never change), and named by every call from then on.
+        Only the newest adapter is kept: a sync waits for the running engine call, so no request
+        runs on an older one (unlike the servers, whose requests do)."""
+        self._between_calls(self._load_adapter, named_tensors, config, version)
+
+    def _load_adapter(self, named_tensors, config: Any, version) -> None:
+        from lit_grpo.samplers.server.adapters import write_adapter  # peft's files, as the servers load them
+
+        if self.adapter_dir is None:
+            raise RuntimeError("this vLLM sampler was built without LoRA (lora_rank=0): it cannot load an adapter")
+        version = self.version + 1 if version is None else int(version)
+        old = self.adapter
+        lora_id = 1 if old is None else old.lora_int_id + 1  # a new id each time: a resumed version is reloaded
+        folder = self.adapter_dir / f"policy-{lora_id}-v{version}"
+        self.last_sync_bytes = write_adapter(named_tensors, config, folder)
+        new = self._LoRARequest(f"policy-{lora_id}-v{version}", lora_id, str(folder.resolve()))
+        self.wake_up()
+        try:
+            self.llm.llm_engine.add_lora(new)  # loaded now: a bad adapter fails the sync, not the next call
+        except Exception as err:  # never train against stale weights silently
+            raise RuntimeError(
+                f"vLLM adapter sync to version {version} failed ({type(err).__name__}: {err}); "
+                "the sampler would be stale"
+            ) from err
+        self.adapter, self.version = new, version
+        if old is not None:
+            self.llm.llm_engine.remove_lora(old.lora_int_id)
+            shutil.rmtree(old.lora_path, ignore_errors=True)
 
     def sleep(self) -> None:
         """Free the engine's GPU memory while the trainer steps (CUDA with sleep mode only)."""
@@ -188,13 +244,18 @@ class VLLMSampler(BatchingSampler):
 def build_vllm_sampler(cfg, weights, tokenizer, *, work_dir: str, seed: int) -> VLLMSampler:
     """`sampler.kind=vllm`: an engine in this process, loading the model the policy was loaded from,
     or (a model built here) a folder of the policy's weights written now under `work_dir`;
-    `weights` is the run's `lit_grpo.samplers.StartingWeights`."""
+    `weights` is the run's `lit_grpo.samplers.StartingWeights`. A LoRA policy (adapter sync,
+    `cfg.lora_sync_mode=adapter`): the engine holds the base weights, unmerged, and serves the
+    policy's adapter from the first call (version 0)."""
     import_vllm()  # fail with the install hint before writing anything
+    adapter = weights.lora_rank > 0 and cfg.lora_sync_mode == "adapter"
     if weights.loaded_from is not None:
-        source = weights.loaded_from
+        source = weights.loaded_from  # a LoRA policy's base weights are the ones loaded
     else:
-        source = str(weights.write_folder(Path(work_dir) / "sampler_init", None))
-    return VLLMSampler(
+        # A LoRA policy's folder holds the base model's names: its own weights, or the adapters merged in.
+        tensors = (weights.base_tensors() if adapter else weights.full_tensors()) if weights.lora_rank > 0 else None
+        source = str(weights.write_folder(Path(work_dir) / "sampler_init", tensors))
+    sampler = VLLMSampler(
         source,
         tokenizer,
         dtype=cfg.dtype,
@@ -205,4 +266,14 @@ def build_vllm_sampler(cfg, weights, tokenizer, *, work_dir: str, seed: int) -> 
         sleep_between_phases=cfg.sleep_between_phases,
         seed=seed,
         max_batch_size=cfg.max_batch_size,
+        lora_rank=weights.lora_rank if adapter else 0,
+        adapter_dir=Path(work_dir) / "sampler_adapters" if adapter else None,
     )
+    if adapter:
+        try:
+            tensors, config = weights.adapter()
+            sampler.update_adapter(tensors, config, 0)
+        except BaseException:
+            sampler.close()
+            raise
+    return sampler

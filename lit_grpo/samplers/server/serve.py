@@ -57,13 +57,11 @@ from pathlib import Path
 from typing import Optional
 
 from lit_grpo.samplers.server.keys import KEY_ENV, RequireServerKey, is_loopback, read_key_file
-from lit_grpo.samplers.vllm_boundary import installed_vllm_version, version_problem
+from lit_grpo.samplers.vllm_boundary import installed_vllm_version, lora_rank_for_vllm, version_problem
 
 READY_PREFIX = "lit_grpo.samplers.server.serve: ready at "
 """The start of the line printed once the server answers `/health`."""
 WEIGHT_TRANSFER_BACKENDS = {"gloo": "lit_grpo_gloo", "nccl": "nccl"}
-VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-"""The `--max-lora-rank` values vLLM accepts."""
 """`sampler.weight_transfer` (other than `reload`) -> the vLLM weight-transfer backend."""
 
 
@@ -187,14 +185,6 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"a file holding the key every request but /health must carry (default: ${KEY_ENV}, if set)",
     )
     return parser
-
-
-def lora_rank_for_vllm(rank: int) -> int:
-    """The smallest `--max-lora-rank` vLLM accepts that holds adapters of rank `rank`."""
-    fits = [r for r in VLLM_LORA_RANKS if r >= rank]
-    if not fits:
-        raise ValueError(f"vLLM serves LoRA adapters up to rank {VLLM_LORA_RANKS[-1]}, not {rank}")
-    return fits[0]
 
 
 def vllm_argv(args: argparse.Namespace, passthrough: Sequence[str]) -> list[str]:
