@@ -92,7 +92,7 @@ def test_lora_sync_auto_takes_the_adapter_where_it_pays_and_adapter_works_wherev
     with pytest.raises(ConfigError, match="`sampler.max_loras`"):  # a server keeps the adapters old rollouts run on
         resolved("sampler=vllm_server", *off_policy)
     for kind in ("hf", "vllm"):  # no engine call runs across a sync in this process: the newest adapter alone
-        assert resolved(f"sampler={kind}", *off_policy) == (True, "adapter"), kind
+        assert resolved(f"sampler={kind}", "sampler.lora_sync=adapter", *off_policy) == (True, "adapter"), kind
 
 
 def _new_adapters(policy, seed: int) -> None:
