@@ -74,6 +74,14 @@ COMMANDS: dict[str, str] = {
     "lit-grpo --config-dir my_conf +experiment=mine": "slow",
     "python -m lit_grpo.train +experiment=arithmetic --cfg job": "fast",
     # docs/guides
+    "python -m lit_grpo.train +experiment=arithmetic_sums18 curriculum.kind=pools curriculum.retire_after=3": "nightly",
+    "python -m lit_grpo.train +experiment=arithmetic reward.model=/path/to/rm": PLACEHOLDER,
+    "python -m lit_grpo.train task=gsm8k reward.fn=[gsm8k,reward_model] reward.weights=[1.0,0.2] "
+    "reward.model=/path/to/rm": PLACEHOLDER,
+    "python -m lit_grpo.serve --model /path/to/rm --port 8001 --runner pooling --convert classify": PLACEHOLDER,
+    "python -m lit_grpo.train ... reward.fn=[gsm8k,reward_model] reward.model=/path/to/rm "
+    "reward.model_url=http://127.0.0.1:8001": PLACEHOLDER,
+    "python -m lit_grpo.train +experiment=vlm_shapes": "nightly",
     'python -m lit_grpo.train -m +experiment=arithmetic "+menu=glob(*)" trainer.fast_dev_run=true': "slow",
     "python -m lit_grpo.train +experiment=arithmetic checkpoint.save_interval=100 hydra.run.dir=runs/demo": "slow",
     "python -m lit_grpo.train +experiment=arithmetic checkpoint.save_interval=100 hydra.run.dir=runs/demo "

@@ -56,6 +56,7 @@ NOT_METRICS = {
     "url/health": "a server's endpoint",
     "trainer/global_step": "W&B's step axis of the reward histogram",
     "eval/step": "a key of old checkpoints' evaluator state",
+    "application/json": "an HTTP content type",
 }
 """Names shaped like a metric, in the docs or as literals in the code, that are not one."""
 

@@ -170,7 +170,11 @@ def test_a_field_the_yaml_changes_shows_both_defaults():
 
 # --- config keys and choices the docs write -----------------------------------------------------
 
-NOT_KEYS = {"sampler.score": "the Sampler protocol's method, `lit_grpo.types.Sampler.score`"}
+NOT_KEYS = {
+    "sampler.score": "the Sampler protocol's method, `lit_grpo.types.Sampler.score`",
+    "data.sampler.class_path": "verl's key (docs/guides/algorithm-menu.md's peers' names)",
+    "data.sampler.class_name": "verl's key (docs/guides/algorithm-menu.md's peers' names)",
+}
 """Dotted names that start like a config key and are not one."""
 OLD_NAMES_PAGE = "docs/reference/moved.md"
 """Names what moved: its old keys are gone from the schema on purpose."""

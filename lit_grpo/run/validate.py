@@ -30,7 +30,6 @@ from lit_grpo.maths.correction import correction_param_problems, get_correction
 from lit_grpo.maths.loss_params import policy_loss_param_problems
 from lit_grpo.maths.losses import LOSS_NORMALIZATIONS
 from lit_grpo.rewards.combine import RESERVED_NAMES, check_weights, component_names
-from lit_grpo.rollouts.curriculum import weight_fn
 from lit_grpo.samplers import available_samplers
 from lit_grpo.tasks import check_task
 
@@ -47,6 +46,8 @@ def validate(cfg: DictConfig | TrainConfig) -> TrainConfig:
     check_correction(c.correction)
     check_task(c)
     if c.curriculum.fn is not None:
+        from lit_grpo.rollouts.curriculum import weight_fn  # here: the rollouts package imports transformers
+
         weight_fn(c.curriculum.fn)  # imports the user's module: a missing one is named before any model loads
     return c
 
