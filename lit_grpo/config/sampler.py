@@ -135,8 +135,9 @@ class SamplerConfig:
     in the requests from then on (a server keeps older ones for the requests still running on them);
     `merged` sends every weight, the adapters merged in; `auto`: `adapter` with `hf` and
     `vllm_server` with `weight_transfer=reload`, else `merged` (the in-process `vllm` engine
-    generates slower with an adapter than the sync saves: measured in `make bench-lora-sync`). Servers attached by `server_urls`
-    must run with runtime LoRA loading on (`python -m lit_grpo.serve --lora-rank R`)."""
+    generates slower with an adapter than the sync saves: measured in `make bench-lora-sync`).
+    Servers attached by `server_urls` must run with runtime LoRA loading on
+    (`python -m lit_grpo.serve --lora-rank R`)."""
     max_loras: int = 4
     """vllm_server with adapter sync: adapters a server keeps loaded (`--max-loras`): the newest
     one and those older rollouts may still run on; must exceed offpolicy.max_lag + 1 (the
