@@ -229,7 +229,7 @@ class HFSampler(BatchingSampler):
             raise RuntimeError(
                 f"adapter sync left {len(stale)} sampler adapter tensors stale, e.g. {sorted(stale)[:3]}"
             )
-        return [self._state[key] for key in keys]  # type: ignore[index]  # None refused above
+        return [self._state[key] for key in keys]  # None refused above
 
     def _targets(self, names: list[str]) -> list[torch.Tensor]:
         """The sampler's tensor each of `names` is copied into; refuses names that would leave one stale."""
