@@ -210,11 +210,8 @@ def token_logprobs(
     head through the whole multimodal body (`split_vlm_head`). None or empty: the text path, unchanged.
     """
     T = tokens_BT.shape[1]
-    if vision:
-        return _vision_token_logprobs(
-            model, tokens_BT, attention_mask_BT, temperature, first_scored, entropy_grad, fused_head, vision
-        )
-    if padding_free:
+    forward_kwargs = vision_forward_kwargs(model, tokens_BT, vision) if vision else None
+    if padding_free and forward_kwargs is None:  # rows with images stay padded
         why_not = packing_support(model)
         if not why_not:
             first = first_scored if 0 < first_scored < T - 1 else 0
@@ -223,34 +220,15 @@ def token_logprobs(
             )
         _say_once(model, f"padding-free micro-batches off: {why_not}; rows are padded instead")
     if fused_head:
-        split, why_not = split_lm_head(model)
+        split, why_not = split_lm_head(model) if forward_kwargs is None else split_vlm_head(model, forward_kwargs)
         if split is not None:
             first = first_scored if 0 < first_scored < T - 1 else 0
             return fused_token_logprobs(split, tokens_BT, attention_mask_BT, temperature, first, entropy_grad)
-        _say_once(model, f"fused LM head off: {why_not}; its full logits are computed instead")
-    return _unfused_token_logprobs(model, tokens_BT, attention_mask_BT, temperature, first_scored, entropy_grad)
-
-
-def _vision_token_logprobs(
-    model: CausalLM,
-    tokens_BT: torch.Tensor,
-    attention_mask_BT: torch.Tensor,
-    temperature: float,
-    first_scored: int,
-    entropy_grad: bool,
-    fused_head: bool,
-    vision: VisionInputs,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`token_logprobs` of a vision-language policy (see there): the images go into every forward."""
-    T = tokens_BT.shape[1]
-    kwargs = vision_forward_kwargs(model, tokens_BT, vision)
-    if fused_head:
-        split, why_not = split_vlm_head(model, kwargs)
-        if split is not None:
-            first = first_scored if 0 < first_scored < T - 1 else 0
-            return fused_token_logprobs(split, tokens_BT, attention_mask_BT, temperature, first, entropy_grad)
-        _say_once(model, f"fused LM head off with images: {why_not}; its full logits are computed instead")
-    return _unfused_token_logprobs(model, tokens_BT, attention_mask_BT, temperature, first_scored, entropy_grad, kwargs)
+        images = "" if forward_kwargs is None else " with images"
+        _say_once(model, f"fused LM head off{images}: {why_not}; its full logits are computed instead")
+    return _unfused_token_logprobs(
+        model, tokens_BT, attention_mask_BT, temperature, first_scored, entropy_grad, forward_kwargs
+    )
 
 
 def _unfused_token_logprobs(
