@@ -292,6 +292,38 @@ class RolloutRecord:
     `rollout/truncated_masked_frac` is their share of all ranks' trained sequences."""
 
 
+class PromptImages(dict):
+    """A prompt's images as the policy's forward takes them: a dict of keyword -> tensor (the
+    processor's outputs besides the text ones: Qwen2-VL's `pixel_values`, `image_grid_thw`), which
+    is all the trainer and the `hf` sampler read. It also keeps what an engine that runs the
+    processor itself (vLLM) needs: `images`, the row's images as loaded (PIL), and
+    `template_tokens`, the prompt as the chat template made it, one placeholder per image, before
+    the processor expanded each into its image tokens (`expanded_len` tokens in all)."""
+
+    def __init__(
+        self,
+        tensors: dict[str, torch.Tensor],
+        images: Optional[list] = None,
+        template_tokens: Optional[list[int]] = None,
+        expanded_len: int = 0,
+    ) -> None:
+        super().__init__(tensors)
+        self.images = list(images) if images is not None else None
+        self.template_tokens = list(template_tokens) if template_tokens is not None else None
+        self.expanded_len = expanded_len
+
+    def engine_prompt(self, prompt_token_ids: list[int]) -> list[int]:
+        """`prompt_token_ids` (the expanded prompt, maybe followed by more turns' tokens) with its
+        expanded start replaced by `template_tokens`: what an engine that expands the images
+        itself takes. `ValueError` when this holds no template (tensors built elsewhere)."""
+        if self.template_tokens is None or self.images is None:
+            raise ValueError(
+                "this prompt's images are tensors only (no images or template tokens): build them with "
+                "lit_grpo.rollouts.rollout.row_prompt (lit_grpo.tasks.images.vision_prompt) for a vLLM sampler"
+            )
+        return self.template_tokens + list(prompt_token_ids[self.expanded_len :])
+
+
 @dataclass
 class MultiModalBatch:
     """The images of a batch's rows: each forward keyword tensor of `RolloutSample.multi_modal`,

@@ -65,6 +65,8 @@ class LoraConfig:
 
 
 MODEL_KINDS = ("tiny", "qwen2_shape", "tiny_vlm", "hf")
+TINY_VLM_ARCHS = ("qwen2_vl", "idefics3")
+"""`model.vlm_arch`: the tiny VLMs `lit_grpo.models.vision` builds."""
 BUILT_KINDS = ("tiny", "qwen2_shape", "tiny_vlm")
 """The kinds built here from the fields below, random-init and seeded (no download)."""
 
@@ -120,6 +122,9 @@ class ModelConfig:
     memory drops to about one layer's, for about a third more compute. Only the training forward pays;
     the reference and old-policy forwards and sampling do not. null (auto): on when the policy's
     `hidden_size × num_layers` is at least 16,384 (Qwen2.5-0.5B: 21,504; the tiny demo's 128 stays off)."""
+    vlm_arch: str = "qwen2_vl"
+    """`kind=tiny_vlm`: its architecture, `qwen2_vl` (Qwen2-VL) or `idefics3` (the SmolVLM family:
+    the one vLLM 0.32's CPU build runs without torchvision, so `sampler=vllm` takes it on a CPU)."""
     train_vision: bool = False
     """A vision-language policy (`kind=tiny_vlm`, or a VLM folder with `kind=hf`): train its vision
     tower too; false: the tower is frozen and only the language model trains."""
@@ -131,6 +136,11 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         require(self.kind in MODEL_KINDS, "model.kind", f"must be one of {', '.join(MODEL_KINDS)}, got {self.kind!r}")
+        require(
+            self.vlm_arch in TINY_VLM_ARCHS,
+            "model.vlm_arch",
+            f"must be one of {', '.join(TINY_VLM_ARCHS)}, got {self.vlm_arch!r}",
+        )
         require(
             self.kind != "hf" or bool(self.name_or_path),
             "model.name_or_path",

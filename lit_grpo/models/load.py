@@ -149,7 +149,7 @@ def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
     if cfg.kind == "tiny":
         return build_char_tokenizer(cfg.alphabet)
     if cfg.kind == "tiny_vlm":
-        return build_vlm_tokenizer()
+        return build_vlm_tokenizer(cfg.vlm_arch)
     if cfg.kind == "qwen2_shape":
         assert cfg.vocab_size is not None, "model.kind=qwen2_shape without vocab_size passed the config's checks"
         return build_byte_bpe_tokenizer(cfg.vocab_size, special_tokens=SPECIAL_TOKENS, chat_template=CHAT_TEMPLATE)
@@ -201,8 +201,8 @@ def _vision_language_model(cfg: ModelConfig, name: str, err: ValueError) -> Opti
 
 
 def built_vlm(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, seed: int) -> PreTrainedModel:
-    """`kind=tiny_vlm`: the tiny Qwen2-VL, its vision tower frozen unless `model.train_vision`."""
-    model = build_tiny_vlm(tokenizer, seed, hidden_size=cfg.hidden_size, num_layers=cfg.num_layers)
+    """`kind=tiny_vlm`: the tiny VLM of `model.vlm_arch`, its vision tower frozen unless `model.train_vision`."""
+    model = build_tiny_vlm(tokenizer, seed, arch=cfg.vlm_arch, hidden_size=cfg.hidden_size, num_layers=cfg.num_layers)
     freeze_vision_tower(model, cfg.train_vision)
     return model.to(DTYPES[cfg.dtype])  # type: ignore[arg-type]
 
@@ -211,7 +211,7 @@ def load_processor(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> Opti
     """A vision-language policy's processor (`kind=tiny_vlm`: `build_tiny_vlm_processor`; `kind=hf`:
     the folder's, `lit_grpo.models.vision.load_image_processor_of`); None for a text policy."""
     if cfg.kind == "tiny_vlm":
-        return build_tiny_vlm_processor(tokenizer)
+        return build_tiny_vlm_processor(tokenizer, arch=cfg.vlm_arch)
     if cfg.kind != "hf":
         return None
     from transformers import AutoConfig

@@ -1,11 +1,16 @@
-"""Vision-language policies: a tiny Qwen2-VL built here (no download) and its processor.
+"""Vision-language policies: tiny ones built here (no download) with their processors, and a
+model folder's processor.
 
-`build_tiny_vlm` makes a random-init `Qwen2VLForConditionalGeneration` (a one-block vision tower,
-a two-layer text model) with a character tokenizer that holds the special tokens Qwen2-VL's chat
-template and processor need (`<|im_start|>`, `<|im_end|>`, `<|vision_start|>`, `<|image_pad|>`,
-`<|vision_end|>`, `<|video_pad|>`), and `build_tiny_vlm_processor` a `Qwen2VLProcessor` whose
-image processor resizes into a few patches (a 56 × 56 image: a 1 × 4 × 4 grid of 14-pixel patches,
-merged 2 × 2 into 4 `<|image_pad|>` tokens).
+Two architectures (`TINY_VLM_ARCHS`, `model.vlm_arch`), each a random-init model with a character
+tokenizer holding its family's special tokens and chat template, and its processor:
+
+- `qwen2_vl`: `Qwen2VLForConditionalGeneration` (a one-block vision tower, M-RoPE); a 56 × 56
+  image is a 1 × 4 × 4 grid of 14-pixel patches, merged 2 × 2 into 4 `<|image_pad|>` tokens.
+- `idefics3` (the SmolVLM family): `Idefics3ForConditionalGeneration` (a SigLIP-like tower, a
+  pixel-shuffle connector, a Llama text model); an image, resized to 56 pixels on its longest
+  side, is `<fake_token_around_image><global-img>` + 4 `<image>` tokens + `<fake_token_around_image>`.
+  vLLM 0.32's CPU build runs this one without torchvision (its Qwen2-VL needs it), so the vLLM
+  samplers' tests use it; its attention heads are 32 wide (the CPU attention's smallest).
 
 The processor is built with the PIL image processor (`Qwen2VLImageProcessorPil`) and no video
 processor: transformers 5's video processors need torchvision, which this project does not
@@ -19,6 +24,8 @@ from typing import Any, Optional
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
+
+from lit_grpo.config.model import TINY_VLM_ARCHS
 
 VLM_SPECIAL_TOKENS = [
     "<|endoftext|>",  # pad
@@ -48,25 +55,49 @@ TINY_IMAGE_PIXELS = (28 * 28, 56 * 56)
 """min and max pixels of the tiny processor: an image is resized to 28 × 28 .. 56 × 56 (1 to 4 image tokens)."""
 
 
-def build_vlm_tokenizer() -> PreTrainedTokenizerFast:
+IDEFICS3_SPECIAL_TOKENS = [
+    "<|endoftext|>",  # pad
+    "<end_of_utterance>",  # eos: the end of a turn
+    "<fake_token_around_image>",
+    "<image>",
+    "<global-img>",
+]
+"""Idefics3's special tokens, in id order (the tiny Idefics3's ids 0..4)."""
+
+# Idefics3's (SmolVLM's) turn format: "User:" ... "<end_of_utterance>\n", an image item as one
+# `<image>` (the processor expands it), the generation cue "Assistant:".
+IDEFICS3_CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] | capitalize }}:"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for c in m['content'] %}"
+    "{% if c['type'] == 'image' %}<image>{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}"
+    "<end_of_utterance>\n{% endfor %}{% if add_generation_prompt %}Assistant:{% endif %}"
+)
+
+_SPECIALS = {
+    "qwen2_vl": (VLM_SPECIAL_TOKENS, VLM_CHAT_TEMPLATE),
+    "idefics3": (IDEFICS3_SPECIAL_TOKENS, IDEFICS3_CHAT_TEMPLATE),
+}
+assert set(_SPECIALS) == set(TINY_VLM_ARCHS), "every model.vlm_arch has its tokens and template here"
+
+
+def build_vlm_tokenizer(arch: str = "qwen2_vl") -> PreTrainedTokenizerFast:
     """A character-level, byte-level-shaped tokenizer (as `lit_grpo.models.load.build_char_tokenizer`)
-    with Qwen2-VL's special tokens first and its chat template (`VLM_CHAT_TEMPLATE`)."""
+    with `arch`'s special tokens first (pad, then eos, ...) and its chat template."""
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
 
+    specials, template = _SPECIALS[arch]
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     symbols = [byte_level.pre_tokenize_str(char)[0][0] for char in VLM_ALPHABET]
-    vocab = {tok: i for i, tok in enumerate(VLM_SPECIAL_TOKENS + symbols)}
+    vocab = {tok: i for i, tok in enumerate(specials + symbols)}
     backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None, fuse_unk=False, byte_fallback=False))
     backend.normalizer = normalizers.NFC()
     backend.pre_tokenizer = byte_level
     backend.decoder = decoders.ByteLevel()
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend,
-        pad_token="<|endoftext|>",
-        eos_token="<|im_end|>",
-        additional_special_tokens=VLM_SPECIAL_TOKENS[1:],
+        tokenizer_object=backend, pad_token=specials[0], eos_token=specials[1], additional_special_tokens=specials[1:]
     )
-    tokenizer.chat_template = VLM_CHAT_TEMPLATE
+    tokenizer.chat_template = template
     return tokenizer
 
 
@@ -94,12 +125,29 @@ def _image_only_processor_class(base: Optional[type] = None):
     return ImageOnlyProcessor
 
 
-def build_tiny_vlm_processor(tokenizer: Optional[Any] = None, *, patch_size: int = 14):
-    """A Qwen2-VL processor over `tokenizer` (default `build_vlm_tokenizer()`): images resized
-    within `TINY_IMAGE_PIXELS`, patches of `patch_size`, merged 2 × 2, two frames a temporal patch."""
+TINY_IDEFICS3_IMAGE = 56
+"""The tiny Idefics3's image side: an image is resized to it on its longest side (no tiling)."""
+
+
+def build_tiny_vlm_processor(tokenizer: Optional[Any] = None, *, patch_size: int = 14, arch: str = "qwen2_vl"):
+    """`arch`'s processor over `tokenizer` (default `build_vlm_tokenizer(arch)`). Qwen2-VL: images
+    resized within `TINY_IMAGE_PIXELS`, patches of `patch_size`, merged 2 × 2, two frames a temporal
+    patch. Idefics3: images resized to `TINY_IDEFICS3_IMAGE` on the longest side, not split into
+    tiles, 4 `<image>` tokens each ((56 / 14)² patches shuffled 2 × 2)."""
+    tokenizer = tokenizer if tokenizer is not None else build_vlm_tokenizer(arch)
+    if arch == "idefics3":
+        from transformers import Idefics3Processor
+        from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+
+        side = {"longest_edge": TINY_IDEFICS3_IMAGE}
+        return Idefics3Processor(
+            image_processor=Idefics3ImageProcessorPil(do_image_splitting=False, size=side, max_image_size=side),
+            tokenizer=tokenizer,
+            image_seq_len=(TINY_IDEFICS3_IMAGE // patch_size) ** 2 // 4,
+            chat_template=tokenizer.chat_template,
+        )
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    tokenizer = tokenizer if tokenizer is not None else build_vlm_tokenizer()
     min_pixels, max_pixels = TINY_IMAGE_PIXELS
     image_processor = Qwen2VLImageProcessorPil(
         min_pixels=min_pixels, max_pixels=max_pixels, patch_size=patch_size, merge_size=2, temporal_patch_size=2
@@ -171,24 +219,72 @@ def tiny_vlm_config(tokenizer, *, hidden_size: int = 64, num_layers: int = 2, pa
     )
 
 
-def build_tiny_vlm(tokenizer, seed: int, **shape: Any) -> PreTrainedModel:
-    """A random-init `Qwen2VLForConditionalGeneration` of `tiny_vlm_config(tokenizer, **shape)`,
-    initialised by transformers' own init from `seed`, in eval mode (no dropout)."""
-    from transformers import Qwen2VLForConditionalGeneration
+def tiny_idefics3_config(tokenizer, *, hidden_size: int = 64, num_layers: int = 2, patch_size: int = 14):
+    """An `Idefics3Config`: a one-layer vision tower (width 32) over `TINY_IDEFICS3_IMAGE`-pixel
+    images, a pixel-shuffle connector (scale 2), and a Llama text model with tied embeddings whose
+    attention heads are 32 wide (vLLM's CPU attention takes no narrower) with grouped-query pairs."""
+    from transformers import Idefics3Config
+
+    heads = max(hidden_size // 32, 1)
+    return Idefics3Config(
+        text_config=dict(
+            model_type="llama",
+            vocab_size=len(tokenizer),
+            hidden_size=hidden_size,
+            intermediate_size=2 * hidden_size,
+            num_hidden_layers=num_layers,
+            num_attention_heads=heads,
+            num_key_value_heads=max(heads // 2, 1),
+            max_position_embeddings=1024,
+            bos_token_id=None,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+            tie_word_embeddings=True,
+        ),
+        vision_config=dict(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            image_size=TINY_IDEFICS3_IMAGE,
+            patch_size=patch_size,
+        ),
+        scale_factor=2,
+        image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=True,
+    )
+
+
+def build_tiny_vlm(tokenizer, seed: int, *, arch: str = "qwen2_vl", **shape: Any) -> PreTrainedModel:
+    """A random-init VLM of `arch` (`tiny_vlm_config` or `tiny_idefics3_config` of `tokenizer` and
+    `shape`), initialised by transformers' own init from `seed`, in eval mode (no dropout)."""
+    from transformers import Idefics3ForConditionalGeneration, Qwen2VLForConditionalGeneration
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = Qwen2VLForConditionalGeneration(tiny_vlm_config(tokenizer, **shape))
+        if arch == "idefics3":
+            model: PreTrainedModel = Idefics3ForConditionalGeneration(tiny_idefics3_config(tokenizer, **shape))
+        else:
+            model = Qwen2VLForConditionalGeneration(tiny_vlm_config(tokenizer, **shape))
     model.eval()
     return model
 
 
+VISION_TOWER_NAMES = ("visual", "vision_model", "vision_tower")
+"""Where transformers' VLMs keep their vision tower, under the model's `model` (Qwen2-VL's
+`visual`, Idefics3's `vision_model`, LLaVA's `vision_tower`); a projector beside it still trains."""
+
+
 def freeze_vision_tower(model: torch.nn.Module, train_vision: bool = False) -> list[str]:
-    """Turn off the gradient of the vision tower's parameters (`model.visual`, or `model.model.visual`)
-    unless `train_vision`; the names frozen."""
+    """Turn off the gradient of the vision tower's parameters (`VISION_TOWER_NAMES`, under the
+    model's `model` or the model itself) unless `train_vision`; the names frozen."""
     get_base = getattr(model, "get_base_model", None)  # a peft model: the model under its adapters
     base: Any = get_base() if callable(get_base) else model
-    tower = getattr(getattr(base, "model", base), "visual", None) or getattr(base, "visual", None)
+    towers = (
+        getattr(owner, name, None) for owner in (getattr(base, "model", None), base) for name in VISION_TOWER_NAMES
+    )
+    tower = next((t for t in towers if isinstance(t, torch.nn.Module)), None)
     if tower is None or train_vision:
         return []
     names = [name for name, p in tower.named_parameters() if p.requires_grad]

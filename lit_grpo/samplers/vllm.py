@@ -31,7 +31,7 @@ from transformers import PreTrainedTokenizerBase
 
 from lit_grpo.samplers.base import BatchingSampler, strip_wrapper_prefixes
 from lit_grpo.samplers.vllm_boundary import IN_PROCESS_ENV, lora_rank_for_vllm
-from lit_grpo.types import Completion
+from lit_grpo.types import Completion, PromptImages
 
 log = logging.getLogger(__name__)
 _INSTALL_HINT = (
@@ -122,20 +122,29 @@ class VLLMSampler(BatchingSampler):
         self._TokensPrompt = TokensPrompt
         self._LoRARequest = LoRARequest
 
+    takes_images = True
+
     def _generate(
-        self, prompts: list[list[int]], temperature: float, max_tokens: int, stop: tuple[str, ...] = ()
+        self,
+        prompts: list[list[int]],
+        temperature: float,
+        max_tokens: int,
+        stop: tuple[str, ...] = (),
+        multi_modal: Optional[list[Optional[dict[str, torch.Tensor]]]] = None,
     ) -> list[Completion]:
         self.wake_up()
         params = self._SamplingParams(
             temperature=temperature, top_p=1.0, top_k=0, max_tokens=max_tokens, logprobs=0, stop=list(stop) or None
         )
         raw_known = temperature in (0.0, 1.0)  # processed logprobs == raw ones there (see the module docstring)
+        engine_prompts = [
+            self._engine_prompt(p, images) for p, images in zip(prompts, multi_modal or [None] * len(prompts))
+        ]
         self._first_request_id = self.llm.request_counter.counter
-        outputs = self.llm.generate(
-            [self._TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False, lora_request=self.adapter
-        )
+        outputs = self.llm.generate(engine_prompts, params, use_tqdm=False, lora_request=self.adapter)
         completions = []
         for prompt, out in zip(prompts, outputs):
+            check_expanded_like_the_policy(prompt, out.prompt_token_ids)
             c = out.outputs[0]
             tokens = list(c.token_ids)
             # logprobs=0 returns, per position, the sampled token's processed logprob.
@@ -153,6 +162,18 @@ class VLLMSampler(BatchingSampler):
                 )
             )
         return completions
+
+    def _engine_prompt(self, prompt: list[int], images: Optional[dict]):
+        """vLLM's prompt: the tokens, and for a prompt with images (`PromptImages`) the template's
+        tokens (one placeholder per image, which vLLM expands with the model's own processor) and
+        the images themselves (`multi_modal_data`)."""
+        if not images:
+            return self._TokensPrompt(prompt_token_ids=prompt)
+        if not isinstance(images, PromptImages):
+            images = PromptImages(images)  # tensors only: `engine_prompt` says what is missing
+        return self._TokensPrompt(
+            prompt_token_ids=images.engine_prompt(prompt), multi_modal_data={"image": images.images}
+        )
 
     def _score(self, pairs: list[tuple[list[int], list[int]]]) -> list[list[float]]:
         """The target tokens' prompt logprobs of prompt + target (`prompt_logprobs=0`: the logprob of
@@ -192,6 +213,8 @@ class VLLMSampler(BatchingSampler):
         try:
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
             self.llm.reset_prefix_cache()
+            # A VLM's image features are cached by image: computed with the old weights, they are stale.
+            self.llm.llm_engine.reset_encoder_cache()
         except Exception as err:  # never train against stale weights silently
             raise RuntimeError(
                 f"vLLM weight sync failed ({type(err).__name__}: {err}); the sampler would be stale"
@@ -239,6 +262,21 @@ class VLLMSampler(BatchingSampler):
         if self._asleep:
             self.llm.wake_up()
             self._asleep = False
+
+
+def check_expanded_like_the_policy(prompt: list[int], engine_prompt: Optional[list[int]]) -> None:
+    """`ValueError` unless the engine's prompt (vLLM's expansion of the images' placeholders) is the
+    policy's: otherwise the sampler's logprobs would be of another sequence than the one trained."""
+    if engine_prompt is None or list(engine_prompt) == list(prompt):
+        return
+    first = next(
+        (i for i, (a, b) in enumerate(zip(prompt, engine_prompt)) if a != b), min(len(prompt), len(engine_prompt))
+    )
+    raise ValueError(
+        f"vLLM expanded the prompt's images into {len(engine_prompt)} tokens where the policy's processor "
+        f"made {len(prompt)} (first difference at token {first}): the engine and the policy read the "
+        "images differently (is the model folder's preprocessor_config.json the policy's processor?)"
+    )
 
 
 def build_vllm_sampler(cfg, weights, tokenizer, *, work_dir: str, seed: int) -> VLLMSampler:

