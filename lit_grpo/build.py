@@ -146,9 +146,12 @@ def starting_weights(policy, tokenizer, model: Optional[ModelConfig] = None) -> 
     and its weights, full, base or adapter, or written as a Hugging Face folder."""
     lora = is_lora(policy)
 
+    # A vision-language policy's folder holds its processor, which an engine reads the images with.
+    saved_with = (load_processor(model, tokenizer) if model is not None else None) or tokenizer
+
     def write_folder(out_dir: Path, tensors) -> Path:
         saved = policy.get_base_model() if lora else policy
-        return save_pretrained(saved, tokenizer, out_dir, state_dict=None if tensors is None else dict(tensors))
+        return save_pretrained(saved, saved_with, out_dir, state_dict=None if tensors is None else dict(tensors))
 
     return StartingWeights(
         policy=policy,

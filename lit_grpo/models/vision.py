@@ -178,12 +178,12 @@ def load_image_processor_of(name: str, tokenizer, *, trust_remote_code: bool = F
     )
 
 
-def tiny_vlm_config(tokenizer, *, hidden_size: int = 64, num_layers: int = 2, patch_size: int = 14):
+def tiny_vlm_config(tokenizer, *, hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4, patch_size: int = 14):
     """A `Qwen2VLConfig`: a one-block vision tower (embed dim 32) and a small text model with tied
     embeddings; M-RoPE sections sum to head_dim / 2 (16 / 2 = 8 at 64 wide, 4 heads)."""
     from transformers import Qwen2VLConfig
 
-    heads = 4
+    heads = num_heads
     half = hidden_size // heads // 2
     section = [half - 2 * (half // 3), half // 3, half // 3]  # temporal, height, width
     ids = tokenizer.convert_tokens_to_ids
@@ -219,13 +219,13 @@ def tiny_vlm_config(tokenizer, *, hidden_size: int = 64, num_layers: int = 2, pa
     )
 
 
-def tiny_idefics3_config(tokenizer, *, hidden_size: int = 64, num_layers: int = 2, patch_size: int = 14):
+def tiny_idefics3_config(tokenizer, *, hidden_size: int = 64, num_layers: int = 2, num_heads: int = 2, patch_size: int = 14):
     """An `Idefics3Config`: a one-layer vision tower (width 32) over `TINY_IDEFICS3_IMAGE`-pixel
-    images, a pixel-shuffle connector (scale 2), and a Llama text model with tied embeddings whose
-    attention heads are 32 wide (vLLM's CPU attention takes no narrower) with grouped-query pairs."""
+    images, a pixel-shuffle connector (scale 2), and a Llama text model with tied embeddings and
+    grouped-query pairs of heads (2 heads of 32 by default: vLLM's CPU attention takes no narrower)."""
     from transformers import Idefics3Config
 
-    heads = max(hidden_size // 32, 1)
+    heads = num_heads
     return Idefics3Config(
         text_config=dict(
             model_type="llama",
