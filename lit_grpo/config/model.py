@@ -67,6 +67,8 @@ class LoraConfig:
 MODEL_KINDS = ("tiny", "qwen2_shape", "tiny_vlm", "hf")
 BUILT_KINDS = ("tiny", "qwen2_shape", "tiny_vlm")
 """The kinds built here from the fields below, random-init and seeded (no download)."""
+TEXT_BUILT_KINDS = ("tiny", "qwen2_shape")
+"""The built kinds that are text policies: they take no images (`tiny_vlm` does; `hf` is known once loaded)."""
 
 
 @dataclass
