@@ -207,7 +207,7 @@ def test_row_images_take_bare_placeholders_from_the_images_field():
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "image", "image": blue}, {"type": "image"}]}]
     got = row_images({"images": [red, red]}, messages)
     assert [im.getpixel((0, 0)) for im in got] == [(255, 0, 0), (0, 0, 255), (255, 0, 0)]
-    with pytest.raises(RowImageError, match="2 image placeholders in the messages for 1 images"):
+    with pytest.raises(RowImageError, match="2 image placeholders in the messages for 1 image in"):
         row_images({"image": red}, messages)
 
 

@@ -69,6 +69,8 @@ TINY_VLM_ARCHS = ("qwen2_vl", "idefics3")
 """`model.vlm_arch`: the tiny VLMs `lit_grpo.models.vision` builds."""
 BUILT_KINDS = ("tiny", "qwen2_shape", "tiny_vlm")
 """The kinds built here from the fields below, random-init and seeded (no download)."""
+TEXT_BUILT_KINDS = ("tiny", "qwen2_shape")
+"""The built kinds that are text policies: they take no images (`tiny_vlm` does; `hf` is known once loaded)."""
 
 
 @dataclass

@@ -248,7 +248,14 @@ def check_reference(c: TrainConfig) -> None:
 
 
 def check_sampler_fits(c: TrainConfig) -> None:
-    """The sampler can run the model: vLLM's CPU attention needs a head size of 32 or more."""
+    """The sampler can run the model: a vision-language policy built here samples with `hf` (the vLLM
+    samplers take no images); vLLM's CPU attention needs a head size of 32 or more."""
+    require(
+        not (c.model.kind == "tiny_vlm" and c.sampler.kind in ("vllm", "vllm_server")),
+        "sampler.kind",
+        f"{c.sampler.kind} cannot sample a prompt with images (the vLLM samplers take none), and "
+        "model.kind=tiny_vlm is a vision-language policy: use sampler=hf",
+    )
     if c.sampler.kind == "vllm" and c.model.kind in BUILT_KINDS:
         head_dim = c.model.hidden_size // c.model.num_heads
         require(

@@ -14,7 +14,9 @@ import dataclasses
 from typing import Optional, cast
 
 from lit_grpo.config import TrainConfig
+from lit_grpo.config.model import TEXT_BUILT_KINDS
 from lit_grpo.tasks import arithmetic, calculator, gsm8k, lookup, vlm_shapes  # noqa: F401  (registers the built-in tasks)
+from lit_grpo.tasks.images import messages_have_images
 from lit_grpo.tasks.registry import (
     TASKS,
     RewardFn,
@@ -25,7 +27,15 @@ from lit_grpo.tasks.registry import (
     task_options,
     task_spec,
 )
-from lit_grpo.tasks.rows import DEFAULT_ROLLOUT, RowError, check_prompts, load_rows, prompt_field_of
+from lit_grpo.tasks.rows import (
+    DEFAULT_ROLLOUT,
+    RowError,
+    RowPromptError,
+    check_prompts,
+    load_rows,
+    prompt_field_of,
+    row_label,
+)
 
 __all__ = [
     "TASKS", "RewardFn", "TaskSpec", "available_tasks", "build_eval_rows", "build_rows", "check_task",
@@ -94,7 +104,22 @@ def source_problems(c: TrainConfig) -> list[str]:
 def _checked(c: TrainConfig, rows: list[dict], source: str) -> list[dict]:
     if c.rollout.factory == DEFAULT_ROLLOUT:  # another rollout reads whatever fields it likes
         check_prompts(rows, c.data.prompt_field, source)
+        if c.model.kind in TEXT_BUILT_KINDS:  # a folder's policy (kind=hf) is known once loaded: its rollout refuses
+            _check_no_images(rows, c.data.prompt_field, source, c.model.kind)
     return rows
+
+
+def _check_no_images(rows: list[dict], prompt_field: Optional[str], source: str, kind: str) -> None:
+    """A text policy is given no row whose prompt messages hold images (before any model loads);
+    `RowPromptError` naming `model.kind` and the first such row."""
+    for i, row in enumerate(rows):
+        value = row[prompt_field_of(row, prompt_field)]
+        if isinstance(value, list) and messages_have_images(value):
+            raise RowPromptError(
+                f"model.kind={kind} is a text policy, but {source}, row {i} ({row_label(row)}) holds images in its "
+                "messages: only a vision-language policy takes them (model.kind=tiny_vlm, or a vision-language "
+                "folder with model.kind=hf)"
+            )
 
 
 def training_rows(c: TrainConfig, rows: Optional[list[dict]] = None) -> list[dict]:

@@ -90,6 +90,10 @@ def row_has_images(row: dict, messages: Optional[list] = None) -> bool:
     )
 
 
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
 def row_images(row: dict, messages: list[dict]) -> list:
     """The images of the row's image items, in order, loaded (`load_image`); the items' own values
     first, bare items take the row's `images` (or `image`) in order. `RowImageError` when the
@@ -100,8 +104,8 @@ def row_images(row: dict, messages: list[dict]) -> list:
     bare = [item for item in items if not any(item.get(k) is not None for k in ("image", "path", "url"))]
     if len(bare) != len(given):
         raise RowImageError(
-            f"{len(bare)} image placeholders in the messages for {len(given)} images in the row's "
-            f"{field or 'images'} field"
+            f"{_count(len(bare), 'image placeholder')} in the messages for {_count(len(given), 'image')} in the "
+            f"row's {field or 'images'} field"
         )
     queue, bare_ids = iter(given), {id(item) for item in bare}
     values = [

@@ -1,0 +1,147 @@
+"""Faults of a vision-language run, through the real CLI as for text (`test_faults_cli.py`): a row
+whose image cannot be used drops that row's samples with one warning naming the row and the run
+goes on; a run whose every row is bad stops with one `error:` message; a config that cannot take
+images is refused at the start, naming the field, before a model loads.
+
+Each run is the tiny VLM's demo (`+experiment=vlm_shapes`) on a JSONL file of our own, two steps.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+from PIL import Image
+from test_faults_cli import _assert_user_error, _cli
+
+pytestmark = pytest.mark.timeout(120)
+
+QUESTION = {"type": "text", "text": "colour of the square? r g b y"}
+BAD = "bad"
+"""The id of the one bad row, first in the file (rows unshuffled: it is sampled at step 0)."""
+
+
+def _row(row_id: str, content: list[dict], **fields) -> dict:
+    return {"id": row_id, "messages": [{"role": "user", "content": content}], "answer": "r", **fields}
+
+
+def _write_rows(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.fixture
+def red(tmp_path) -> str:
+    path = tmp_path / "red.png"
+    Image.new("RGB", (56, 56), (220, 30, 30)).save(path)
+    return str(path)
+
+
+def _vlm_run(tmp_path: Path, data: Path, *more: str) -> tuple[subprocess.CompletedProcess, float]:
+    return _cli(
+        tmp_path,
+        "+experiment=vlm_shapes",
+        f"data.path={data}",
+        "data.shuffle=false",
+        "max_steps=2",
+        "data.completions_per_prompt=2",
+        "data.prompt_groups_per_step=2",
+        f"hydra.run.dir={tmp_path / 'run'}",
+        *more,
+    )
+
+
+def _warnings(proc: subprocess.CompletedProcess) -> list[str]:
+    """The run's warning lines (the log goes to stdout; the progress bar's `\\r` splits lines too)."""
+    lines = (proc.stdout + proc.stderr).replace("\r", "\n").splitlines()
+    return [line[line.index("WARNING") :] for line in lines if "[WARNING]" in line]
+
+
+def _metric_total(run_dir: Path, key: str) -> float:
+    with open(run_dir / "metrics.csv") as f:
+        return sum(float(r[key]) for r in csv.DictReader(f) if r.get(key))
+
+
+def _bad_rows(tmp_path: Path, red: str) -> dict[str, dict]:
+    garbage = tmp_path / "garbage.png"
+    garbage.write_bytes(b"\x89PNG but not really" * 8)
+    image = {"type": "image", "path": red}
+    return {
+        "missing": _row(BAD, [{"type": "image", "path": str(tmp_path / "missing.png")}, QUESTION]),
+        "unreadable": _row(BAD, [{"type": "image", "path": str(garbage)}, QUESTION]),
+        "placeholders": _row(BAD, [{"type": "image"}, {"type": "image"}, QUESTION], images=[red]),
+        "url": _row(BAD, [{"type": "image", "url": "https://example.com/red.png"}, QUESTION]),
+        # 16 images of 4 placeholder tokens each: 144 prompt tokens, data.max_seq_len=64.
+        "too_long": _row(BAD, [image] * 16 + [QUESTION]),
+    }
+
+
+@pytest.mark.parametrize(
+    "case,key,needles",
+    [
+        ("missing", "rollout/dropped_bad_image", ["missing.png", "not found"]),
+        ("unreadable", "rollout/dropped_bad_image", ["garbage.png", "cannot be read"]),
+        (
+            "placeholders",
+            "rollout/dropped_bad_image",
+            ["2 image placeholders in the messages for 1 image in the row's images field"],
+        ),
+        ("url", "rollout/dropped_bad_image", ["https://example.com/red.png", "is a URL: runs are offline"]),
+        ("too_long", "rollout/dropped_prompt_too_long", ["a prompt of 144 tokens", "data.max_seq_len=64"]),
+    ],
+)
+def test_a_row_whose_image_cannot_be_used_is_dropped_with_one_line_and_the_run_goes_on(
+    tmp_path, red, case, key, needles
+):
+    good = [_row(f"square{i}", [{"type": "image", "path": red}, QUESTION]) for i in range(4)]
+    data = _write_rows(tmp_path / "rows.jsonl", [_bad_rows(tmp_path, red)[case], *good])
+    proc, seconds = _vlm_run(tmp_path, data)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr + proc.stdout, proc.stderr[-3000:]
+    assert "stopped: max_steps=2 reached" in proc.stdout
+    named = [line for line in _warnings(proc) if f"row id={BAD!r}" in line]
+    assert len(named) == 1, _warnings(proc)  # sampled again each epoch, warned about once
+    assert key in named[0] and all(n in named[0] for n in needles), (named[0], needles)
+    assert _metric_total(tmp_path / "run", key) >= 2  # its G samples, each time it was sampled
+    assert seconds < 60
+
+
+def test_a_run_whose_every_row_is_bad_stops_with_one_message(tmp_path):
+    rows = [_row(f"square{i}", [{"type": "image", "path": str(tmp_path / f"gone{i}.png")}, QUESTION]) for i in range(3)]
+    proc, seconds = _vlm_run(tmp_path, _write_rows(tmp_path / "rows.jsonl", rows))
+    message = _assert_user_error(
+        proc,
+        "no prompt group was accepted in the last 1000 rows sampled (guards.max_rows_without_progress=1000)",
+        "rollout/dropped_bad_image",
+    )
+    assert proc.stderr.count("error: ") == 1, proc.stderr
+    assert "stopped: max_steps" not in proc.stdout
+    [warning] = _warnings(proc)  # the first bad row, named once
+    assert "row id='square0'" in warning and "gone0.png' not found" in warning, warning
+    assert seconds < 60, message
+
+
+@pytest.mark.parametrize("sampler", ["vllm", "vllm_server"])
+def test_a_sampler_that_takes_no_images_is_refused_for_a_vlm_before_it_loads(tmp_path, sampler):
+    proc, _ = _cli(tmp_path, "+experiment=vlm_shapes", f"sampler={sampler}", f"hydra.run.dir={tmp_path / 'run'}")
+    message = _assert_user_error(
+        proc, "config field `sampler.kind`", f"{sampler} cannot sample a prompt with images", "use sampler=hf"
+    )
+    assert message.count("\n") == 1 and proc.stderr.count("error: ") == 1, proc.stderr  # one line
+    assert "lit_grpo.models.load" not in proc.stdout  # no model was built
+
+
+@pytest.mark.parametrize("data", ["task", "file"])
+def test_a_text_policy_is_refused_rows_with_images_before_it_loads(tmp_path, red, data):
+    overrides = ["+experiment=vlm_shapes", "model=tiny", f"hydra.run.dir={tmp_path / 'run'}"]
+    if data == "file":
+        rows = [_row("square0", [QUESTION]), _row(BAD, [{"type": "image", "path": red}, QUESTION])]
+        overrides.append(f"data.path={_write_rows(tmp_path / 'rows.jsonl', rows)}")
+    proc, _ = _cli(tmp_path, *overrides)
+    where = f"data.path={tmp_path / 'rows.jsonl'}, row 1 (id={BAD!r})" if data == "file" else "row 0 (id='square0')"
+    message = _assert_user_error(proc, "model.kind=tiny is a text policy", where, "model.kind=tiny_vlm")
+    assert message.count("\n") == 1 and proc.stderr.count("error: ") == 1, proc.stderr
+    assert "lit_grpo.models.load" not in proc.stdout
