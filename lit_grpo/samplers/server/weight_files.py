@@ -69,11 +69,14 @@ async def sync_replicas(
     folder: str,
     timeout: float,
     transfer: Optional[Callable[[list[str]], None]] = None,
+    images: bool = False,
 ) -> None:
     """Every replica of `live` to weight `version` from `folder`, phase by phase: all paused (requests
     in flight kept) before any reloads; reload, reset the prefix cache (frozen requests recompute
-    with the new weights), set the version; then every one resumed, even where the sync failed (a
-    paused engine would hold its requests forever) and its version read back. `call(replica,
+    with the new weights) and, where images were sampled (`images`), the encoder cache (image
+    features computed with the old weights: vLLM asks for it at every weight update), set the
+    version; then every one resumed, even where the sync failed (a paused engine would hold its
+    requests forever) and its version read back. `call(replica,
     method, path, timeout=, ...)` is the client's HTTP call. `WeightSyncError` names every server
     that failed; those are marked down. `transfer(urls)` (blocking, run in a thread): replaces
     the reload, streaming the weights to all the paused servers at once (`weight_transfer`);
@@ -98,6 +101,8 @@ async def sync_replicas(
             await asyncio.sleep(0.05)
         else:
             raise ServerError(f"vLLM server {r.url}: /reset_prefix_cache kept failing after the reload")
+        if images:
+            await call(r, "POST", "/reset_encoder_cache", timeout=t)
         await call(r, "POST", "/update_weight_version", timeout=t, json={"new_version": str(version)})
 
     async def resume(r: Any) -> None:
@@ -222,7 +227,9 @@ class ServerWeightSync(ServerSamplerState):
         try:
             # Each server call has its own deadline (sync_timeout_s); this bound is only for a stuck
             # client loop: cancelling between phases could leave a server paused.
-            sync = sync_replicas(self.router.call, live, version, folder, self.sync_timeout_s, transfer=transfer)
+            sync = sync_replicas(
+                self.router.call, live, version, folder, self.sync_timeout_s, transfer=transfer, images=self.sent_images
+            )
             # With partial rollouts the streams in flight are closed first, and continue after it.
             held = self._streams.hold(sync, version, interrupt=True) if self.partial_rollouts else sync
             self._run(held, timeout=8 * self.sync_timeout_s)
