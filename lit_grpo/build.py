@@ -48,7 +48,9 @@ from lit_grpo.run.checkpoint import CheckpointStore
 from lit_grpo.run.loggers import finish_runs
 from lit_grpo.run.state import RunCheckpointer
 from lit_grpo.samplers import StartingWeights, build_sampler
+from lit_grpo.samplers.base import BatchingSampler
 from lit_grpo.tasks import RewardFn, evaluation_rows, reward_fn, training_rows
+from lit_grpo.tasks.images import image_placeholder_ids
 from lit_grpo.types import RolloutSetup
 
 RESCUED_MODEL_DIR = "exported_policy"
@@ -99,6 +101,9 @@ def build_datamodule(
         share_weights=c.sampler_shares_policy_weights,
     )
     scorer = run_reward_scorer(c, reward)
+    processor = load_processor(c.model, tokenizer)
+    if isinstance(sampler, BatchingSampler):  # its `score` takes no images: it refuses their placeholders
+        sampler.image_token_ids = image_placeholder_ids(processor)
     setup = RolloutSetup(
         sampler=sampler,
         tokenizer=tokenizer,
@@ -120,7 +125,7 @@ def build_datamodule(
         completions_per_prompt=c.data.completions_per_prompt,
         model=c.model.name_or_path or c.model.kind,
         tokenizer_id=c.model.name_or_path or c.model.kind,
-        processor=load_processor(c.model, tokenizer),
+        processor=processor,
     )
     datamodule = RolloutDataModule(
         c,

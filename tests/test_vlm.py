@@ -428,3 +428,22 @@ def test_a_vlm_folder_loads_as_model_kind_hf_with_its_processor(processor, model
     )
     assert isinstance(build_policy_skeleton(cfg, tokenizer, seed=0), Qwen2VLForConditionalGeneration)
     assert load_processor(ModelConfig(kind="tiny"), tokenizer) is None
+
+
+def test_score_refuses_a_prompt_holding_image_placeholders(processor, model):
+    """IGPO's `score` takes no images: a VLM's placeholders would be scored as plain tokens."""
+    import asyncio
+
+    from lit_grpo.samplers.hf import HFSampler
+    from lit_grpo.tasks.images import image_placeholder_ids
+
+    sampler = HFSampler(model, processor.tokenizer)
+    sampler.image_token_ids = image_placeholder_ids(processor)
+    prompt = _encode(processor, Image.new("RGB", (28, 28)))["input_ids"][0].tolist()
+    try:
+        with pytest.raises(ValueError, match="score takes text only"):
+            asyncio.run(sampler.score([(prompt, [20, 21])]))
+        text = processor.tokenizer("colour?")["input_ids"]
+        assert len(asyncio.run(sampler.score([(text, [20, 21])]))[0]) == 2  # text prompts are scored
+    finally:
+        sampler.close()

@@ -19,7 +19,14 @@ from typing import Optional
 
 from lit_grpo.rollouts.deadlines import MAX_BACKOFF_S, RETRY_BACKOFF_S, TRANSIENT_ERRORS, classify, function_name
 from lit_grpo.samplers.arguments import chat_prompt_tokens
-from lit_grpo.tasks.images import RowImageError, messages_have_images, row_has_images, row_images, vision_prompt
+from lit_grpo.tasks.images import (
+    RowImageError,
+    image_placeholder_ids,
+    messages_have_images,
+    row_has_images,
+    row_images,
+    vision_prompt,
+)
 from lit_grpo.tasks.rows import RowPromptError, bad_prompt_message, prompt_field_of, row_label
 from lit_grpo.types import Completion, RolloutSample, RolloutSetup
 
@@ -190,9 +197,7 @@ def make_rollout_fn(setup: RolloutSetup) -> RolloutFn:
     processor = setup.processor
     # A generated image placeholder would stand for an image the row does not have: the forward
     # would refuse the sequence (placeholders and image features must match), so its sample is dropped.
-    placeholders = {
-        i for i in (getattr(processor, "image_token_id", None), getattr(processor, "video_token_id", None)) if i
-    }
+    placeholders = image_placeholder_ids(processor)
 
     def prompt_of(row: dict) -> tuple[list[int], Optional[dict]]:
         return row_prompt(row, tokenizer, processor, prompt_field, text_tokens=cached_text_tokens)

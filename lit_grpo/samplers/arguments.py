@@ -4,7 +4,7 @@ abandoned (`PromptTooLong`, `SamplerTimeout`). Shared by every sampler, in-proce
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -100,14 +100,24 @@ ScorePair = tuple[list[int], list[int]]
 """(prompt token ids, target token ids) to score: the target's logprobs given the prompt."""
 
 
-def check_score_pairs(pairs: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[ScorePair]:
+def check_score_pairs(
+    pairs: Sequence[tuple[Sequence[int], Sequence[int]]], image_token_ids: Collection[int] = ()
+) -> list[ScorePair]:
     """The pairs as lists of ints; a ValueError when a prompt or a target is empty (the first
-    target token needs a token before it, and an empty target has no score)."""
+    target token needs a token before it, and an empty target has no score), or holds one of
+    `image_token_ids` (a vision-language policy's image placeholders: `score` takes no images, and
+    would score the placeholders as plain tokens)."""
     checked = []
     for prompt, target in pairs:
         if len(prompt) == 0 or len(target) == 0:
             raise ValueError(f"score needs a non-empty prompt and target, got {len(prompt)} and {len(target)} tokens")
-        checked.append(([int(t) for t in prompt], [int(t) for t in target]))
+        pair = ([int(t) for t in prompt], [int(t) for t in target])
+        if image_token_ids and not set(image_token_ids).isdisjoint(pair[0] + pair[1]):
+            raise ValueError(
+                "score takes text only: a prompt or target holds an image placeholder token, and its image "
+                "would not be seen (score a vision-language policy's answers on text prompts)"
+            )
+        checked.append(pair)
     return checked
 
 

@@ -100,6 +100,9 @@ class BatchingSampler(ABC):
         self.eos_token_id = tokenizer.eos_token_id
         """Looked up once: a transformers tokenizer resolves it through the vocabulary at each access."""
         self.max_batch_size = max_batch_size
+        self.image_token_ids: frozenset[int] = frozenset()
+        """A vision-language policy's image placeholder ids (set by the run from its processor):
+        `score`, which takes no images, refuses pairs that hold them."""
         self.cancelled = threading.Event()
         """Set by `cancel` (the run's end): engine calls end early and new ones are refused."""
         self.call_timeout_s: Optional[float] = None
@@ -185,7 +188,7 @@ class BatchingSampler(ABC):
         the target tokens before it, at temperature 1 (IGPO's answer scores). Concurrent calls from
         one event-loop tick are scored in one batched engine call on the worker thread, never
         during a weight sync; waited for at most `call_timeout_s`. Shapes: [N] pairs -> [N][len(target)]."""
-        checked = check_score_pairs(pairs)
+        checked = check_score_pairs(pairs, self.image_token_ids)
         if not checked:
             return []
         loop = asyncio.get_running_loop()

@@ -33,6 +33,12 @@ class RowImageError(ValueError):
     """A row's image that cannot be used; the message says which and why (the sample is dropped)."""
 
 
+def image_placeholder_ids(processor: Any) -> frozenset[int]:
+    """The processor's image and video placeholder token ids (none for a text policy's None)."""
+    ids = (getattr(processor, "image_token_id", None), getattr(processor, "video_token_id", None))
+    return frozenset(int(i) for i in ids if i is not None)
+
+
 def load_image(value: Any):
     """`value` as an RGB `PIL.Image`: an image, a file path, encoded bytes, or a `datasets` Image
     value (`{"bytes": ..., "path": ...}`); `RowImageError` for a URL or anything unreadable."""

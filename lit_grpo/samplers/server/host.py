@@ -28,6 +28,7 @@ class ServerSamplerState:
     transport: Any  # weight_transfer.WeightTransport, or None: weights go by file
     partial_rollouts: bool
     sent_images: bool
+    image_token_ids: frozenset[int]
     last_sync_bytes: int
     _streams: Any  # partial.InFlightStreams
     _loop: asyncio.AbstractEventLoop

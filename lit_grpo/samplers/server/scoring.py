@@ -20,7 +20,7 @@ class ServerScoring(ServerSamplerState):
         all in flight together on the client's loop, waited for at most `call_timeout_s`. A weight sync
         pauses the servers (`mode=keep`) and resets their prefix cache, so a frozen scoring request
         is recomputed after the reload."""
-        checked = check_score_pairs(pairs)
+        checked = check_score_pairs(pairs, self.image_token_ids)
         self._check_open()
         future = asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._score_all(checked), self._loop))
         try:
@@ -33,7 +33,7 @@ class ServerScoring(ServerSamplerState):
 
     def score_pairs(self, pairs: list[tuple[list[int], list[int]]]) -> list[list[float]]:
         """`score` from a thread without an event loop (blocking)."""
-        checked = check_score_pairs(pairs)
+        checked = check_score_pairs(pairs, self.image_token_ids)
         try:
             return self._run(self._score_all(checked), timeout=self.call_timeout_s)
         except TimeoutError:
