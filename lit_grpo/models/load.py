@@ -203,7 +203,7 @@ def _vision_language_model(cfg: ModelConfig, name: str, err: ValueError) -> Opti
 def built_vlm(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, seed: int) -> PreTrainedModel:
     """`kind=tiny_vlm`: the tiny VLM of `model.vlm_arch`, its vision tower frozen unless `model.train_vision`."""
     shape = dict(hidden_size=cfg.hidden_size, num_layers=cfg.num_layers, num_heads=cfg.num_heads)
-    model = build_tiny_vlm(tokenizer, seed, arch=cfg.vlm_arch, **shape)
+    model = build_tiny_vlm(tokenizer, seed, arch=cfg.vlm_arch, init_std=cfg.init_std, **shape)
     freeze_vision_tower(model, cfg.train_vision)
     return model.to(DTYPES[cfg.dtype])  # type: ignore[arg-type]
 

@@ -258,17 +258,21 @@ def tiny_idefics3_config(
     )
 
 
-def build_tiny_vlm(tokenizer, seed: int, *, arch: str = "qwen2_vl", **shape: Any) -> PreTrainedModel:
+def build_tiny_vlm(
+    tokenizer, seed: int, *, arch: str = "qwen2_vl", init_std: Optional[float] = None, **shape: Any
+) -> PreTrainedModel:
     """A random-init VLM of `arch` (`tiny_vlm_config` or `tiny_idefics3_config` of `tokenizer` and
-    `shape`), initialised by transformers' own init from `seed`, in eval mode (no dropout)."""
+    `shape`), initialised by transformers' own init from `seed` (the language model's weights with
+    std `init_std`, None: transformers' 0.02), in eval mode (no dropout)."""
     from transformers import Idefics3ForConditionalGeneration, Qwen2VLForConditionalGeneration
 
+    config = tiny_idefics3_config(tokenizer, **shape) if arch == "idefics3" else tiny_vlm_config(tokenizer, **shape)
+    if init_std is not None:
+        config.text_config.initializer_range = init_std
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        if arch == "idefics3":
-            model: PreTrainedModel = Idefics3ForConditionalGeneration(tiny_idefics3_config(tokenizer, **shape))
-        else:
-            model = Qwen2VLForConditionalGeneration(tiny_vlm_config(tokenizer, **shape))
+        model_class = Idefics3ForConditionalGeneration if arch == "idefics3" else Qwen2VLForConditionalGeneration
+        model: PreTrainedModel = model_class(config)
     model.eval()
     return model
 
