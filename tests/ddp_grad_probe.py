@@ -7,7 +7,9 @@ same weights).
 With 2 devices (DDP or FSDP2, gloo), rank r trains on batch r; with 1 device, on the union of the
 batches. Under FSDP2 each gradient is saved whole (gathered from its shards). With `train`, the
 optimizer steps are taken and the whole weights after the last one are saved instead. Further
-arguments are config overrides (e.g. batching.micro_batch_max_tokens=20).
+arguments are config overrides (e.g. batching.micro_batch_max_tokens=20). With `model=tiny_vlm`
+among them, each row is a prompt with an image (`vision_prompt`) and the batch carries the images
+(`RolloutBatch.multi_modal`); the patches the vision tower encoded are saved too.
 Lightning re-runs this script for rank 1.
 """
 
@@ -23,10 +25,10 @@ from torch.utils.data import DataLoader
 
 from lit_grpo.loop.distributed import FSDP2Strategy
 from lit_grpo.loop.module import GRPOModule
-from lit_grpo.models.load import load_policy, load_tokenizer
+from lit_grpo.models.load import load_policy, load_processor, load_tokenizer
 from lit_grpo.run.validate import validate
 from lit_grpo.train import compose_config
-from lit_grpo.types import RolloutBatch
+from lit_grpo.types import MultiModalBatch, RolloutBatch
 
 NORMALIZATIONS = ["token_mean", "seq_mean", "sum"]
 T = 12
@@ -52,7 +54,61 @@ def fixed_batch(rank: int, size: int, vocab: int) -> RolloutBatch:
     )
 
 
+IMAGE_SIZES = [(56, 56), (28, 56), (28, 28)]
+"""Image sizes (width, height) of the rows with images: 4, 2 and 1 image tokens under Qwen2-VL."""
+COMPLETION = (3, 7)
+"""Completion lengths of the rows with images: 3 to 6 tokens."""
+
+
+def fixed_vision_batch(rank: int, size: int, processor) -> RolloutBatch:
+    """A batch of rows with images that depends only on (rank, size): each row the processor's prompt
+    of an image whose colour and size depend on (rank, row), then random completion tokens (the loss
+    on them alone), right-padded; the images in `multi_modal`, in row order."""
+    from PIL import Image
+
+    from lit_grpo.tasks.images import vision_prompt
+
+    g = torch.Generator().manual_seed(2000 + rank)
+    vocab = len(processor.tokenizer)
+    specials = max(processor.tokenizer.all_special_ids) + 1  # the character ids follow the special tokens
+    rows, images = [], []
+    for i in range(size):
+        colour = ((37 * rank + 91 * i) % 256, (53 * i + 17) % 256, (200 - 60 * rank) % 256)
+        image = Image.new("RGB", IMAGE_SIZES[(rank + i) % len(IMAGE_SIZES)], colour)
+        messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": f"row {rank} {i}?"}]}]
+        prompt, prompt_images = vision_prompt(processor, messages, [image])
+        assert prompt_images is not None
+        completion = torch.randint(specials, vocab, (int(torch.randint(*COMPLETION, (1,), generator=g)),), generator=g)
+        rows.append((prompt, completion.tolist()))
+        images.append(dict(prompt_images))
+    width = max(len(p) + len(c) for p, c in rows)
+    tokens = torch.full((size, width), processor.tokenizer.pad_token_id, dtype=torch.long)
+    attention = torch.zeros((size, width), dtype=torch.long)
+    loss_mask = torch.zeros((size, width))
+    for i, (prompt, completion) in enumerate(rows):
+        n = len(prompt) + len(completion)
+        tokens[i, :n] = torch.tensor(prompt + completion)
+        attention[i, :n] = 1
+        loss_mask[i, len(prompt) : n] = 1.0
+    return RolloutBatch(
+        tokens_BT=tokens,
+        attention_mask_BT=attention,
+        loss_mask_BT=loss_mask,
+        sampler_logprobs_BT=-torch.rand(size, width, generator=g) * loss_mask,
+        advantages_B=torch.randn(size, generator=g),
+        rewards_B=torch.rand(size, generator=g),
+        versions_B=torch.zeros(size, dtype=torch.long),
+        multi_modal=MultiModalBatch.of(images),
+    )
+
+
+def _right_pad(tensor: torch.Tensor, width: int) -> torch.Tensor:
+    return torch.nn.functional.pad(tensor, (0, width - tensor.shape[1])) if tensor.dim() == 2 else tensor
+
+
 def union(batches: list[RolloutBatch]) -> RolloutBatch:
+    """The batches' rows in order (right-padded to the widest), their images too."""
+    width = max(b.tokens_BT.shape[1] for b in batches)
     fields = [
         "tokens_BT",
         "attention_mask_BT",
@@ -62,7 +118,17 @@ def union(batches: list[RolloutBatch]) -> RolloutBatch:
         "rewards_B",
         "versions_B",
     ]
-    return RolloutBatch(**{f: torch.cat([getattr(b, f) for b in batches]) for f in fields})
+    images = [b.multi_modal for b in batches]
+    multi_modal = None
+    if any(m is not None for m in images):
+        assert all(m is not None for m in images), "a union of batches with and without images"
+        multi_modal = MultiModalBatch(
+            {k: torch.cat([m.tensors[k] for m in images]) for k in images[0].tensors},
+            {k: [n for m in images for n in m.sizes_B[k]] for k in images[0].sizes_B},
+        )
+    return RolloutBatch(
+        **{f: torch.cat([_right_pad(getattr(b, f), width) for b in batches]) for f in fields}, multi_modal=multi_modal
+    )
 
 
 def run_probe(out: Path, devices: int, sizes: str, *args: str) -> None:
@@ -85,6 +151,15 @@ def assert_ranks_equal_the_union(out: Path, strategy: str) -> None:
                 assert diff <= 1e-6, f"{normalization}: {name} differs by {diff}"
 
 
+def assert_images_reached_the_tower(out: Path, strategy: str, fillers: bool = False) -> None:
+    """Every run's vision tower encoded patches, the ranks' together as many as one process's on the
+    union (more with `fillers`: FSDP2's filler forwards of the rank with fewer micro-batches)."""
+    single = torch.load(out / f"patches_{strategy}_world1_rank0.pt")
+    ranks = [torch.load(out / f"patches_{strategy}_world2_rank{r}.pt") for r in (0, 1)]
+    assert single > 0 and all(n > 0 for n in ranks), (single, ranks)
+    assert sum(ranks) > single if fillers else sum(ranks) == single, (single, ranks)
+
+
 def full(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
@@ -100,10 +175,20 @@ class Probe(L.Callback):
         """Each step's loss on this rank: its share of the step's loss (the normalizers are global)."""
         self.recomputes = 0
         """Decoder-layer forwards run inside a backward: gradient checkpointing's recomputes."""
+        self.patches = 0
+        """Image patches the policy's vision tower encoded (a VLM's; each forward's, the reference's too)."""
 
     def on_train_start(self, trainer, pl_module) -> None:
         for layer in pl_module.checkpointed_layers:
             layer.register_forward_pre_hook(self._count_recompute)
+        for model in (pl_module.policy, pl_module.reference):
+            tower = getattr(getattr(model, "model", None), "visual", None)  # Qwen2-VL's vision tower
+            if tower is not None:
+                tower.register_forward_pre_hook(self._count_patches, with_kwargs=True)
+
+    def _count_patches(self, module, args, kwargs) -> None:
+        pixels = args[0] if args else kwargs["hidden_states"]  # pixel_values: [patches, channels × patch size]
+        self.patches += int(pixels.shape[0])
 
     def _count_recompute(self, module, args) -> None:
         self.recomputes += int(torch._C._current_graph_task_id() != -1)
@@ -116,7 +201,8 @@ class Probe(L.Callback):
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         if self.train:
             return
-        self.grads.append({k: full(p.grad).detach().clone() for k, p in pl_module.policy.named_parameters()})
+        trained = [(k, p) for k, p in pl_module.policy.named_parameters() if p.requires_grad]  # a VLM's tower is frozen
+        self.grads.append({k: full(p.grad).detach().clone() for k, p in trained})
         for p in pl_module.policy.parameters():
             p.grad = None
 
@@ -129,13 +215,16 @@ class Probe(L.Callback):
 
 
 class FixedData(L.LightningDataModule):
-    def __init__(self, sizes: list[int], vocab: int) -> None:
+    def __init__(self, sizes: list[int], vocab: int, processor=None) -> None:
         super().__init__()
-        self.sizes, self.vocab = sizes, vocab
+        self.sizes, self.vocab, self.processor = sizes, vocab, processor
 
     def train_dataloader(self) -> DataLoader:
         rank, world = self.trainer.global_rank, self.trainer.world_size
-        batches = [fixed_batch(r, n, self.vocab) for r, n in enumerate(self.sizes)]
+        batches = [
+            fixed_vision_batch(r, n, self.processor) if self.processor is not None else fixed_batch(r, n, self.vocab)
+            for r, n in enumerate(self.sizes)
+        ]
         batch = batches[rank] if world > 1 else union(batches)
         return DataLoader([batch] * len(NORMALIZATIONS), batch_size=None, collate_fn=lambda b: b)
 
@@ -161,6 +250,7 @@ def main() -> None:
     L.seed_everything(0, verbose=False)
     tokenizer = load_tokenizer(c.model)
     policy = load_policy(c.model, tokenizer, c.seed)
+    processor = load_processor(c.model, tokenizer)  # a vision-language policy's: rows with images
     probe = Probe(train)
     trainer = L.Trainer(
         accelerator="cpu",
@@ -174,10 +264,11 @@ def main() -> None:
         callbacks=[probe],
         use_distributed_sampler=False,  # each rank its own fixed batch
     )
-    trainer.fit(GRPOModule(policy, c), datamodule=FixedData(sizes, len(tokenizer)))
+    trainer.fit(GRPOModule(policy, c), datamodule=FixedData(sizes, len(tokenizer), processor))
     kind = "weights" if train else "grads"
     torch.save(probe.losses, out / f"losses_{strategy}_world{devices}_rank{trainer.global_rank}.pt")
     torch.save(probe.recomputes, out / f"recomputes_{strategy}_world{devices}_rank{trainer.global_rank}.pt")
+    torch.save(probe.patches, out / f"patches_{strategy}_world{devices}_rank{trainer.global_rank}.pt")
     torch.save(
         probe.weights if train else probe.grads, out / f"{kind}_{strategy}_world{devices}_rank{trainer.global_rank}.pt"
     )

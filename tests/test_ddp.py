@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import run_test_script
-from ddp_grad_probe import assert_ranks_equal_the_union, run_probe
+from ddp_grad_probe import assert_images_reached_the_tower, assert_ranks_equal_the_union, run_probe
 from test_checkpoint import assert_bit_identical, run_cli, tensors
 
 REPO = Path(__file__).resolve().parents[1]
@@ -65,6 +65,18 @@ def test_two_process_gradient_equals_one_process_gradient_on_the_union(sizes, tm
     for devices in (1, 2):
         run_probe(tmp_path, devices, sizes)
     assert_ranks_equal_the_union(tmp_path, "ddp")
+
+
+@pytest.mark.parametrize("overrides", [[], ["model.gradient_checkpointing=true"]], ids=["plain", "checkpointed"])
+def test_two_process_gradient_with_images_equals_one_process_gradient_on_the_union(overrides, tmp_path):
+    """A vision-language policy: rows with images of different sizes (4, 2 or 1 image tokens), each
+    rank's images sliced into micro-batches of 3 rows, KL on so the reference's forward takes them too."""
+    for devices in (1, 2):
+        run_probe(tmp_path, devices, "4,6", "ddp", "0.01", "grads", "model=tiny_vlm", *overrides)
+    assert_ranks_equal_the_union(tmp_path, "ddp")
+    assert_images_reached_the_tower(tmp_path, "ddp")
+    if overrides:  # the decoder layers were recomputed in the backward on every rank
+        assert all(torch.load(p) > 0 for p in tmp_path.glob("recomputes_ddp_*.pt"))
 
 
 def test_both_ranks_step_when_either_has_a_signal_and_skip_together_when_neither_has(tmp_path):

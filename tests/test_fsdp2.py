@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from ddp_grad_probe import assert_ranks_equal_the_union, run_probe
+from ddp_grad_probe import assert_images_reached_the_tower, assert_ranks_equal_the_union, run_probe
 from test_checkpoint import assert_bit_identical, run_cli, tensors
 from test_ddp import _metrics
 
@@ -36,6 +36,54 @@ def test_sharded_gradient_equals_one_process_gradient_on_the_union(sizes, overri
     for devices in (1, 2):
         run_probe(tmp_path, devices, sizes, "fsdp2", "0.01", "grads", *overrides)  # kl_beta > 0: the reference too
     assert_ranks_equal_the_union(tmp_path, "fsdp2")
+
+
+# A vision-language policy (rows with images of 4, 2 or 1 image tokens), KL on: the reference's
+# forwards take the images too. "whole": one micro-batch per rank; "micro": 2 rows each, sliced with
+# their images; "uneven": 3 rows each; "token_budget": rows grouped by length, picked by index with
+# their images; "train_vision": the tower's sharded blocks get gradients too. In "micro", "uneven"
+# and "token_budget" rank 0 pads its 2 micro-batches to rank 1's 3 with fillers (`fillers`), which
+# must run the vision tower (its blocks are FSDP2 units) on a row whose image tokens are all there.
+@pytest.mark.parametrize(
+    "sizes,overrides,fillers",
+    [
+        ("4,6", ["batching.micro_batch_size=16"], False),
+        ("4,6", ["batching.micro_batch_size=2"], True),
+        ("4,7", [], True),
+        ("4,6", ["batching.micro_batch_max_tokens=80"], True),
+        ("4,6", ["model.train_vision=true"], False),
+    ],
+    ids=["whole", "micro", "uneven", "token_budget", "train_vision"],
+)
+def test_sharded_gradient_with_images_equals_one_process_gradient_on_the_union(sizes, overrides, fillers, tmp_path):
+    for devices in (1, 2):
+        run_probe(tmp_path, devices, sizes, "fsdp2", "0.01", "grads", "model=tiny_vlm", *overrides)
+    assert_ranks_equal_the_union(tmp_path, "fsdp2")
+    assert_images_reached_the_tower(tmp_path, "fsdp2", fillers)
+    if "model.train_vision=true" in overrides:
+        grads = torch.load(tmp_path / "grads_fsdp2_world1_rank0.pt")[0]
+        assert any(name.startswith("model.visual.") and g.abs().max() > 0 for name, g in grads.items())
+
+
+def test_sharded_vlm_training_ends_with_the_weights_of_one_process_on_the_union(tmp_path):
+    """Three optimizer steps of a vision-language policy (frozen tower) with uneven micro-batches
+    (fillers with images): every weight as one process's on the union, the text model's moved, the
+    tower's not."""
+    for devices in (1, 2):
+        run_probe(tmp_path, devices, "4,7", "fsdp2", "0.01", "train", "model=tiny_vlm")
+    single = torch.load(tmp_path / "weights_fsdp2_world1_rank0.pt")
+    for rank in (0, 1):
+        weights = torch.load(tmp_path / f"weights_fsdp2_world2_rank{rank}.pt")
+        for name, expected in single.items():
+            diff = (weights[name] - expected).abs().max().item()
+            assert diff <= 1e-5, f"{name} differs by {diff}"
+    from lit_grpo.models.load import load_policy, load_tokenizer
+    from lit_grpo.train import compose_config
+
+    c = compose_config(["model=tiny_vlm"])
+    init = dict(load_policy(c.model, load_tokenizer(c.model), c.seed).named_parameters())
+    for name, weight in single.items():
+        assert torch.equal(init[name], weight) == name.startswith("model.visual."), name
 
 
 def test_sharded_training_ends_with_the_weights_of_one_process_on_the_union(tmp_path):

@@ -17,11 +17,11 @@ from lit_grpo.build import build_run
 from lit_grpo.config import ineffective_knobs
 from lit_grpo.loop import metrics as metrics_py
 from lit_grpo.loop.metrics import merge_step_metrics
-from lit_grpo.loop.micro_batches import plan_token_budget, sequence_lengths
+from lit_grpo.loop.micro_batches import TEXT_FILLER, filler_micro_batch, plan_token_budget, sequence_lengths
 from lit_grpo.loop.module import GRPOModule
 from lit_grpo.models.load import load_policy, load_tokenizer
 from lit_grpo.run.validate import validate
-from lit_grpo.types import RolloutBatch, RolloutRecord
+from lit_grpo.types import MultiModalBatch, RolloutBatch, RolloutRecord
 
 # ------------------------------------------------------------------ the plan
 
@@ -115,6 +115,17 @@ def test_the_plan_refuses_a_budget_below_one_token():
 
 
 @pytest.mark.timeout(10)
+def test_a_filler_of_a_batch_with_images_is_a_whole_row_with_its_images():
+    # FSDP2's filler forwards: two tokens of row 0 for text; with images, the first row that has
+    # some, whole, so that its forward runs the vision tower on all of that image's tokens.
+    attention = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [1, 1, 0, 0, 0]])
+    assert filler_micro_batch(attention) == TEXT_FILLER
+    image = {"pixel_values": torch.ones(4, 2), "image_grid_thw": torch.tensor([[1, 2, 2]])}
+    filler = filler_micro_batch(attention, MultiModalBatch.of([None, image, image]))
+    assert filler.filler and filler.rows == slice(1, 2) and filler.width == 4
+    assert filler.vision(MultiModalBatch.of([None, image, image]))["pixel_values"].shape == (4, 2)
+
+
 def test_sequence_lengths_run_to_the_last_real_token():
     attention = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0], [0, 0, 1, 1, 0]])
     assert sequence_lengths(attention) == [3, 5, 1, 4]  # left padding keeps its leading zeros

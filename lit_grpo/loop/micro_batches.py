@@ -214,11 +214,30 @@ def plan_forwards(
     return ForwardPlan(per_minibatch, no_grad, sum(m.token_slots for m in no_grad), over_budget)
 
 
-def with_fillers(plan: ForwardPlan, counts: Sequence[int]) -> ForwardPlan:
-    """`plan` with filler micro-batches appended (one row, two tokens) so that the no-gradient pass
-    makes `counts[0]` forwards and minibatch k makes `counts[k + 1]`: under FSDP2 every rank must
+TEXT_FILLER = MicroBatch(slice(0, 1), 2, filler=True)
+"""A text batch's filler: two tokens of row 0, one prediction through every decoder layer."""
+
+
+def filler_micro_batch(attention_BT: torch.Tensor, multi_modal: MultiModalBatch | None = None) -> MicroBatch:
+    """The micro-batch `with_fillers` pads a rank's forwards with: `TEXT_FILLER`, or, for a batch
+    with images, the first row that has some, whole (`sequence_lengths`), with its images.
+
+    A vision-language filler must run the vision tower, as the other ranks' forwards of rows with
+    images do: under FSDP2 the tower's blocks are units of their own (`_no_split_modules`, e.g.
+    `Qwen2VLVisionBlock`), whose shards every rank's forward gathers together. And it must keep all
+    of its row's image tokens: the model refuses images whose tokens are not all in the forward's
+    (two tokens of a row with an image have none of them)."""
+    if multi_modal is None:
+        return TEXT_FILLER
+    has_images = [any(sizes[row] for sizes in multi_modal.sizes_B.values()) for row in range(attention_BT.shape[0])]
+    row = has_images.index(True)
+    return MicroBatch(slice(row, row + 1), sequence_lengths(attention_BT[row : row + 1])[0], filler=True)
+
+
+def with_fillers(plan: ForwardPlan, counts: Sequence[int], filler: MicroBatch = TEXT_FILLER) -> ForwardPlan:
+    """`plan` with `filler` micro-batches appended (`filler_micro_batch`) so that the no-gradient
+    pass makes `counts[0]` forwards and minibatch k makes `counts[k + 1]`: under FSDP2 every rank must
     run as many forwards and backwards as the rank with the most (each gathers shards from all)."""
-    filler = MicroBatch(slice(0, 1), 2, filler=True)  # two tokens: one prediction, through every layer
 
     def padded(micros: list[MicroBatch], count: int) -> list[MicroBatch]:
         return micros + [filler] * (count - len(micros))

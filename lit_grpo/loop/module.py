@@ -39,6 +39,7 @@ from lit_grpo.loop.entropy_control import EntropyControl
 from lit_grpo.loop.micro_batches import (
     BudgetWatch,
     ForwardPlan,
+    filler_micro_batch,
     forward_counts,
     no_grad_logprobs,
     plan_forwards,
@@ -62,7 +63,7 @@ from lit_grpo.models.checkpointing import (
 )
 from lit_grpo.models.lora import AdapterFreeView, is_lora, with_lora
 from lit_grpo.models.sharding import gradient_sync_off, is_fsdp2, shard_per_decoder_layer
-from lit_grpo.types import RolloutBatch
+from lit_grpo.types import MultiModalBatch, RolloutBatch
 
 log = logging.getLogger(__name__)
 
@@ -189,7 +190,7 @@ class GRPOModule(L.LightningModule):
         advantages = batch.advantages_B if batch.advantages_BT is None else align_to_predictions(batch.advantages_BT)
         # Every rank makes the same number of optimizer steps, even with a short batch.
         minibatches = even_slices(batch.num_sequences, min(self.config.batching.ppo_minibatches, fewest_sequences))
-        plan = self._plan(batch.attention_mask_BT, minibatches)
+        plan = self._plan(batch.attention_mask_BT, minibatches, batch.multi_modal)
         ref_logprobs_BT = (
             None if self.reference is None else self._no_grad_logprobs(self.reference, batch, plan, mask_BT)
         )
@@ -223,16 +224,19 @@ class GRPOModule(L.LightningModule):
         )
         return {"loss": metrics["train/loss"]}
 
-    def _plan(self, attention_BT: torch.Tensor, minibatches: list[slice]) -> ForwardPlan:
+    def _plan(
+        self, attention_BT: torch.Tensor, minibatches: list[slice], multi_modal: Optional[MultiModalBatch] = None
+    ) -> ForwardPlan:
         """Which rows go through each forward; under FSDP2 every rank makes as many forwards (each
-        gathers shards from every rank), the short ones padded with fillers."""
+        gathers shards from every rank), the short ones padded with fillers (with images when the
+        batch has some: `filler_micro_batch`)."""
         batching = self.config.batching
         plan = plan_forwards(
             attention_BT, minibatches, batching.micro_batch_size, batching.micro_batch_max_tokens, self.padding_free
         )
         if is_fsdp2(self.policy):
             counts = all_reduce(torch.tensor(forward_counts(plan), device=self.device), "max")
-            plan = with_fillers(plan, counts.tolist())
+            plan = with_fillers(plan, counts.tolist(), filler_micro_batch(attention_BT, multi_modal))
         return plan
 
     def _no_grad_logprobs(self, model, batch: RolloutBatch, plan: ForwardPlan, mask_BT) -> torch.Tensor:
