@@ -187,3 +187,28 @@ def test_a_text_policy_is_refused_rows_with_images_before_it_loads(tmp_path, red
     message = _assert_user_error(proc, "model.kind=tiny is a text policy", where, "model.kind=tiny_vlm")
     assert message.count("\n") == 1 and proc.stderr.count("error: ") == 1, proc.stderr
     assert "lit_grpo.models.load" not in proc.stdout
+
+
+@pytest.mark.parametrize(
+    "strategy, train_vision, refused", [("fsdp2", False, True), ("ddp", True, True), ("ddp", False, False)]
+)
+def test_rows_with_and_without_images_are_refused_where_ranks_must_run_the_tower_together(
+    tmp_path, red, strategy, train_vision, refused
+):
+    """A rank whose batch holds no image would leave the others waiting in the tower's collectives."""
+    from conftest import compose_config
+
+    from lit_grpo.config.run import parse
+    from lit_grpo.tasks import training_rows
+    from lit_grpo.tasks.rows import RowPromptError
+
+    rows = [_row("square0", [{"type": "image", "path": red}, QUESTION]), _row("text1", [QUESTION])]
+    overrides = ["+experiment=vlm_shapes", f"trainer.strategy={strategy}", f"model.train_vision={train_vision}"]
+    c = parse(compose_config(*overrides, output_dir=tmp_path))
+    if refused:
+        with pytest.raises(
+            RowPromptError, match=rf"trainer.strategy={strategy}: .*row 1 \(id='text1'\) holds no image"
+        ):
+            training_rows(c, rows)
+    else:
+        assert training_rows(c, rows) == rows

@@ -279,7 +279,9 @@ def build_tiny_vlm(
 
 VISION_TOWER_NAMES = ("visual", "vision_model", "vision_tower")
 """Where transformers' VLMs keep their vision tower, under the model's `model` (Qwen2-VL's
-`visual`, Idefics3's `vision_model`, LLaVA's `vision_tower`); a projector beside it still trains."""
+`visual`, Idefics3's `vision_model`, LLaVA's `vision_tower`). What the tower holds is frozen with
+it: Qwen2-VL's projector (`merger`) is inside `visual`; Idefics3's (`connector`) and LLaVA's
+(`multi_modal_projector`) sit beside their towers and train with the language model."""
 
 
 def freeze_vision_tower(model: torch.nn.Module, train_vision: bool = False) -> list[str]:

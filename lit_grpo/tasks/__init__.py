@@ -16,7 +16,7 @@ from typing import Optional, cast
 from lit_grpo.config import TrainConfig
 from lit_grpo.config.model import TEXT_BUILT_KINDS
 from lit_grpo.tasks import arithmetic, calculator, gsm8k, lookup, vlm_shapes  # noqa: F401  (registers the built-in tasks)
-from lit_grpo.tasks.images import messages_have_images
+from lit_grpo.tasks.images import messages_have_images, row_has_images
 from lit_grpo.tasks.registry import (
     TASKS,
     RewardFn,
@@ -106,7 +106,30 @@ def _checked(c: TrainConfig, rows: list[dict], source: str) -> list[dict]:
         check_prompts(rows, c.data.prompt_field, source)
         if c.model.kind in TEXT_BUILT_KINDS:  # a folder's policy (kind=hf) is known once loaded: its rollout refuses
             _check_no_images(rows, c.data.prompt_field, source, c.model.kind)
+        elif c.trainer.strategy == "fsdp2" or (c.trainer.strategy != "auto" and c.model.train_vision):
+            _check_images_in_all_or_none(rows, c.data.prompt_field, source, c.trainer.strategy)
     return rows
+
+
+def _check_images_in_all_or_none(rows: list[dict], prompt_field: Optional[str], source: str, strategy: str) -> None:
+    """Under FSDP2 the vision tower's blocks are sharded units that every rank's forward must run
+    together, and DDP with a training tower needs every rank's tower in each backward: a rank whose
+    batch has no image would leave the others waiting in a collective. So the rows hold images all
+    or none; `RowPromptError` naming the first row that differs from row 0."""
+
+    def has_images(row: dict) -> bool:
+        value = row.get(prompt_field_of(row, prompt_field))
+        return row_has_images(row, value if isinstance(value, list) else None)
+
+    first = has_images(rows[0])
+    for i, row in enumerate(rows):
+        if has_images(row) != first:
+            raise RowPromptError(
+                f"trainer.strategy={strategy}: {source}, row {i} ({row_label(row)}) "
+                f"{'holds no image' if first else 'holds images'} where row 0 {'does' if first else 'does not'}; "
+                "with a vision-language policy every rank's forward runs the vision tower together, so the rows "
+                "must hold images all or none (split them into two runs, or train on one process)"
+            )
 
 
 def _check_no_images(rows: list[dict], prompt_field: Optional[str], source: str, kind: str) -> None:
