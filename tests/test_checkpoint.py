@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -39,9 +40,13 @@ RUN = [
 ]
 
 
-def run_cli(run_dir: Path, *overrides: str, module: str = "lit_grpo.train") -> subprocess.CompletedProcess:
+def run_cli(
+    run_dir: Path, *overrides: str, module: str = "lit_grpo.train", base: Sequence[str] = RUN
+) -> subprocess.CompletedProcess:
+    """`python -m module` in a fresh process: for `lit_grpo.train`, `base` (this file's run) then
+    `overrides`, in `run_dir`."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), str(REPO)])}
-    args = [*RUN, *overrides, f"hydra.run.dir={run_dir}"] if module == "lit_grpo.train" else list(overrides)
+    args = [*base, *overrides, f"hydra.run.dir={run_dir}"] if module == "lit_grpo.train" else list(overrides)
     return subprocess.run(
         [sys.executable, "-m", module, *args], cwd=run_dir.parent, env=env, capture_output=True, text=True, timeout=600
     )

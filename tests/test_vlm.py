@@ -447,3 +447,39 @@ def test_score_refuses_a_prompt_holding_image_placeholders(processor, model):
         assert len(asyncio.run(sampler.score([(text, [20, 21])]))[0]) == 2  # text prompts are scored
     finally:
         sampler.close()
+
+
+VLM_RUN = ["+experiment=vlm_shapes", "max_steps=6", "checkpoint.save_interval=2", "trainer.enable_progress_bar=false"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_killed_vlm_run_resumes_bit_identical_and_exports_its_processor(tmp_path):
+    """DCP checkpoints of a VLM run: killed after its step-4 checkpoint, `resume=auto` ends with the
+    uninterrupted run's weights and rewards; the exported folder loads with its processor."""
+    import json
+
+    from test_checkpoint import assert_bit_identical, csv_rewards, run_cli, tensors
+    from transformers import AutoModelForImageTextToText
+
+    from lit_grpo.config import ModelConfig
+    from lit_grpo.models.load import load_processor, load_tokenizer
+
+    whole, parted = tmp_path / "whole" / "run", tmp_path / "parted" / "run"
+    for d in (whole, parted):
+        d.parent.mkdir()
+    done = run_cli(whole, base=VLM_RUN)
+    assert done.returncode == 0, done.stderr[-3000:]
+    killed = run_cli(parted, "+callbacks.kill={_target_:fault_injection.KillAfterStep,step:5}", base=VLM_RUN)
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    resumed = run_cli(parted, "resume=auto", base=VLM_RUN)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert json.loads((parted / "summary.json").read_text())["resumed_from"].endswith("step_00000004")
+    assert_bit_identical(tensors(whole / "final_model"), tensors(parted / "final_model"))
+    assert csv_rewards(parted) == csv_rewards(whole) and len(csv_rewards(whole)) == 6
+    exported = parted / "final_model"
+    assert (exported / "preprocessor_config.json").exists()
+    cfg = ModelConfig(kind="hf", name_or_path=str(exported))
+    processor = load_processor(cfg, load_tokenizer(cfg))
+    assert processor is not None and processor.image_token_id is not None
+    assert type(AutoModelForImageTextToText.from_pretrained(exported)).__name__ == "Qwen2VLForConditionalGeneration"
