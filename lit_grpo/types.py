@@ -324,6 +324,19 @@ class PromptImages(dict):
         return self.template_tokens + list(prompt_token_ids[self.expanded_len :])
 
 
+def _zero_padded(parts: list[torch.Tensor]) -> list[torch.Tensor]:
+    """`parts` zero-padded at the end of every dim but the first to the largest: rows with different
+    image counts where a processor batches images per row (Idefics3's `pixel_values` [1, images, C,
+    H, W]), padded as the processor pads them itself (an all-zero image is padding to the model)."""
+    largest = [max(p.shape[d] for p in parts) for d in range(1, parts[0].dim())]
+    if all(list(p.shape[1:]) == largest for p in parts):
+        return parts
+    return [
+        torch.nn.functional.pad(p, [x for d in reversed(range(1, p.dim())) for x in (0, largest[d - 1] - p.shape[d])])
+        for p in parts
+    ]
+
+
 @dataclass
 class MultiModalBatch:
     """The images of a batch's rows: each forward keyword tensor of `RolloutSample.multi_modal`,
@@ -343,7 +356,7 @@ class MultiModalBatch:
             return None
         tensors, sizes = {}, {}
         for key in keys:
-            parts = [s[key] for s in samples if s and key in s]
+            parts = _zero_padded([s[key] for s in samples if s and key in s])
             tensors[key] = torch.cat(parts, dim=0)
             sizes[key] = [int(s[key].shape[0]) if s and key in s else 0 for s in samples]
         return MultiModalBatch(tensors, sizes)

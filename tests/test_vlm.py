@@ -483,3 +483,36 @@ def test_a_killed_vlm_run_resumes_bit_identical_and_exports_its_processor(tmp_pa
     processor = load_processor(cfg, load_tokenizer(cfg))
     assert processor is not None and processor.image_token_id is not None
     assert type(AutoModelForImageTextToText.from_pretrained(exported)).__name__ == "Qwen2VLForConditionalGeneration"
+
+
+def test_rows_with_different_image_counts_batch_as_each_row_alone_where_images_are_per_row():
+    """Idefics3 batches images per row (`pixel_values` [1, images, C, H, W]): a row of 1 image and
+    one of 2 are zero-padded to 2 images each, the padding image dropped by the model."""
+    from lit_grpo.tasks.images import vision_prompt
+
+    processor = build_tiny_vlm_processor(arch="idefics3")
+    model = build_tiny_vlm(processor.tokenizer, seed=0, arch="idefics3")
+
+    def prompt(images, text):
+        messages = [{"role": "user", "content": [{"type": "image"}] * len(images) + [{"type": "text", "text": text}]}]
+        return vision_prompt(processor, messages, images)
+
+    (t1, one), (t2, two) = (
+        prompt([Image.new("RGB", (56, 56), (200, 0, 0))], "a"),
+        prompt([Image.new("RGB", (56, 56), (0, 200, 0)), Image.new("RGB", (28, 28), (0, 0, 200))], "b"),
+    )
+    rows = [t1 + [20, 21], t2 + [22, 23, 24]]
+    tokens = torch.zeros((2, max(map(len, rows))), dtype=torch.long)
+    attention = torch.zeros_like(tokens)
+    for i, row in enumerate(rows):
+        tokens[i, : len(row)], attention[i, : len(row)] = torch.tensor(row), 1
+    batch = MultiModalBatch.of([one, two])
+    assert batch is not None and batch.tensors["pixel_values"].shape == (2, 2, 3, 56, 56)
+    assert batch.tensors["pixel_values"][0, 1].abs().sum() == 0  # row 0's padding image
+    with torch.no_grad():
+        both, _ = token_logprobs(model, tokens, attention, 1.0, vision=batch.select(slice(0, 2)))
+        for i, (row, images) in enumerate(zip(rows, [one, two])):
+            alone, _ = token_logprobs(
+                model, torch.tensor([row]), torch.ones(1, len(row), dtype=torch.long), 1.0, vision=dict(images)
+            )
+            torch.testing.assert_close(both[i, : len(row) - 1], alone[0], atol=1e-6, rtol=1e-6)
