@@ -144,9 +144,9 @@ class VLLMServerSampler(ServerScoring, AdapterSync, ServerWeightSync, BatchingSa
 
             self.transport = WeightTransport(weight_transfer, timeout_s=sync_timeout_s, address=weight_transfer_address)
         self.partial_rollouts = False
+        """True: completions are streamed; a weight sync interrupts and continues them (`enable_partial_rollouts`)."""
         self.sent_images = False
         """Whether a prompt with images was sampled: a weight sync then drops the servers' cached image features."""
-        """True: completions are streamed; a weight sync interrupts and continues them (`enable_partial_rollouts`)."""
         self.max_retries = max_retries
         self._streams = InFlightStreams()
         self._closed = False
