@@ -92,16 +92,16 @@ def build_datamodule(
                     f"out to {world_size} ranks (each rank syncs its own servers); give at least one per rank"
                 )
             sampler_cfg = dataclasses.replace(c.sampler, server_urls=list(c.sampler.server_urls[rank::world_size]))
+    processor = load_processor(c.model, tokenizer)  # a vision-language policy's (None: text)
     sampler = build_sampler(
         sampler_cfg,
-        starting_weights(policy, tokenizer, c.model),
+        starting_weights(policy, tokenizer, c.model, processor),
         tokenizer,
         work_dir=work_dir,
         seed=c.seed + RANK_SEED_STRIDE * rank,
         share_weights=c.sampler_shares_policy_weights,
     )
     scorer = run_reward_scorer(c, reward)
-    processor = load_processor(c.model, tokenizer)
     if isinstance(sampler, BatchingSampler):  # its `score` takes no images: it refuses their placeholders
         sampler.image_token_ids = image_placeholder_ids(processor)
     setup = RolloutSetup(
@@ -145,14 +145,13 @@ def build_datamodule(
     return datamodule
 
 
-def starting_weights(policy, tokenizer, model: Optional[ModelConfig] = None) -> StartingWeights:
+def starting_weights(policy, tokenizer, model: Optional[ModelConfig] = None, processor=None) -> StartingWeights:
     """What a sampler's builder reads of the policy it starts from (`StartingWeights`): the
     policy, where it was loaded from (`model`: its config; None, or a model built here: nowhere),
-    and its weights, full, base or adapter, or written as a Hugging Face folder."""
+    and its weights, full, base or adapter, or written as a Hugging Face folder (with `processor`,
+    a vision-language policy's, which an engine reads the images with; else the tokenizer)."""
     lora = is_lora(policy)
-
-    # A vision-language policy's folder holds its processor, which an engine reads the images with.
-    saved_with = (load_processor(model, tokenizer) if model is not None else None) or tokenizer
+    saved_with = processor or tokenizer
 
     def write_folder(out_dir: Path, tensors) -> Path:
         saved = policy.get_base_model() if lora else policy
