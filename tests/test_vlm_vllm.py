@@ -166,3 +166,20 @@ def test_an_engine_that_expands_the_images_otherwise_is_refused(engine):
     doubled.template_tokens = images.template_tokens[:5] + [processor.image_token_id] + images.template_tokens[5:]
     with pytest.raises((ValueError, ServerError), match="expanded the prompt.s images into .* the policy.s processor"):
         _sample_rows(sampler, [(tokens, doubled)], n=1)
+
+
+@pytest.mark.slow
+def test_a_lora_vlm_run_samples_with_vllm_on_the_merged_weights(tmp_path):
+    """LoRA on the tiny Idefics3 with the in-process engine (`lora_sync=auto`: merged): after each
+    sync the engine's logprobs of what it sampled are the trainer's (`train/drift/k3`), while the
+    policy moves away from its reference (`train/ref_kl`)."""
+    from conftest import trained_steps
+    from test_checkpoint import run_cli
+
+    run = ["+experiment=vlm_shapes", "model.vlm_arch=idefics3", "model.num_heads=2", "sampler=vllm"]
+    proc = run_cli(tmp_path / "run", "model.lora.rank=8", "max_steps=4", base=run)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    steps = trained_steps(tmp_path / "run")
+    assert len(steps) == 4
+    assert all(s["train/drift/k3"] < 1e-5 for s in steps), [s["train/drift/k3"] for s in steps]
+    assert steps[-1]["train/ref_kl"] > 1e-3  # the adapters trained, and the engine followed them
