@@ -67,7 +67,11 @@ def test_two_process_gradient_equals_one_process_gradient_on_the_union(sizes, tm
     assert_ranks_equal_the_union(tmp_path, "ddp")
 
 
-@pytest.mark.parametrize("overrides", [[], ["model.gradient_checkpointing=true"]], ids=["plain", "checkpointed"])
+@pytest.mark.parametrize(  # checkpointed: nightly (CI's 30 minutes)
+    "overrides",
+    [[], pytest.param(["model.gradient_checkpointing=true"], marks=pytest.mark.nightly)],
+    ids=["plain", "checkpointed"],
+)
 def test_two_process_gradient_with_images_equals_one_process_gradient_on_the_union(overrides, tmp_path):
     """A vision-language policy: rows with images of different sizes (4, 2 or 1 image tokens), each
     rank's images sliced into micro-batches of 3 rows, KL on so the reference's forward takes them too."""

@@ -46,11 +46,11 @@ def test_sharded_gradient_equals_one_process_gradient_on_the_union(sizes, overri
 # must run the vision tower (its blocks are FSDP2 units) on a row whose image tokens are all there.
 @pytest.mark.parametrize(
     "sizes,overrides,fillers",
-    [
-        ("4,6", ["batching.micro_batch_size=16"], False),
-        ("4,6", ["batching.micro_batch_size=2"], True),
+    [  # "uneven" and "train_vision" in CI; the others nightly (CI's 30 minutes)
+        pytest.param("4,6", ["batching.micro_batch_size=16"], False, marks=pytest.mark.nightly),
+        pytest.param("4,6", ["batching.micro_batch_size=2"], True, marks=pytest.mark.nightly),
         ("4,7", [], True),
-        ("4,6", ["batching.micro_batch_max_tokens=80"], True),
+        pytest.param("4,6", ["batching.micro_batch_max_tokens=80"], True, marks=pytest.mark.nightly),
         ("4,6", ["model.train_vision=true"], False),
     ],
     ids=["whole", "micro", "uneven", "token_budget", "train_vision"],
