@@ -55,18 +55,18 @@ COMMANDS: dict[str, str] = {
         "slow"
     ),
     "python -m lit_grpo.train +experiment=arithmetic rollout.factory=my_rollout:make_rollout_fn max_steps=300": "slow",
-    # docs/demo.md, getting-started.md, configuration.md
-    "python -m lit_grpo.train +experiment=arithmetic": "slow",
+    # docs/demo.md, getting-started.md, configuration.md (the demo itself: CI runs its like below, runs/demo)
+    "python -m lit_grpo.train +experiment=arithmetic": "nightly",
     "python -m lit_grpo.train +experiment=arithmetic task.max_answer=18 sampler.max_completion_tokens=3": "nightly",
     "python -m lit_grpo.train +experiment=arithmetic task.operators=+-": "nightly",
     "python -m lit_grpo.train +experiment=arithmetic_lora": "nightly",
     "python -m lit_grpo.train +experiment=igpo_lookup": "nightly",
-    "python -m lit_grpo.train +experiment=igpo_lookup_grpo": "slow",
+    "python -m lit_grpo.train +experiment=igpo_lookup_grpo": "nightly",  # as igpo_lookup above
     "python -m lit_grpo.train +experiment=arithmetic trainer=gpu": GPU,
     "python -m lit_grpo.train +experiment=arithmetic trainer.fast_dev_run=true": "fast",
     "python -m lit_grpo.train +experiment=arithmetic policy_loss=dapo max_steps=500": "slow",
     "python -m lit_grpo.train model=hf model.name_or_path=/path/to/model trainer=gpu": HF_MODEL,
-    "python -m lit_grpo.train +experiment=arithmetic ~callbacks.reward_filter": "slow",
+    "python -m lit_grpo.train +experiment=arithmetic ~callbacks.reward_filter": "nightly",  # the demo less a filter
     "python -m lit_grpo.train -m +experiment=arithmetic seed=0,1,2": "nightly",
     "python -m lit_grpo.train +experiment=arithmetic policy_loss=user policy_loss.name=my_losses:scaled "
     "+policy_loss.params.scale=3.0 max_steps=200": "slow",

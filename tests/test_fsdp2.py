@@ -65,6 +65,7 @@ def test_sharded_gradient_with_images_equals_one_process_gradient_on_the_union(s
         assert any(name.startswith("model.visual.") and g.abs().max() > 0 for name, g in grads.items())
 
 
+@pytest.mark.nightly  # CI's 30 minutes: the gradient tests above stay
 def test_sharded_vlm_training_ends_with_the_weights_of_one_process_on_the_union(tmp_path):
     """Three optimizer steps of a vision-language policy (frozen tower) with uneven micro-batches
     (fillers with images): every weight as one process's on the union, the text model's moved, the

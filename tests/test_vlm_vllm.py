@@ -169,6 +169,7 @@ def test_an_engine_that_expands_the_images_otherwise_is_refused(engine):
 
 
 @pytest.mark.slow
+@pytest.mark.nightly  # CI's 30 minutes
 def test_a_lora_vlm_run_samples_with_vllm_on_the_merged_weights(tmp_path):
     """LoRA on the tiny Idefics3 with the in-process engine (`lora_sync=auto`: merged): after each
     sync the engine's logprobs of what it sampled are the trainer's (`train/drift/k3`), while the
