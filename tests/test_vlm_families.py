@@ -87,6 +87,21 @@ def family(request, tmp_path_factory):
     return request.param, load_policy(cfg, tokenizer, seed=0).eval(), load_processor(cfg, tokenizer)
 
 
+def trainer_logprobs_of(model, completions, temperature, pad_id, with_images=True):
+    """The trainer's forward over the completions, right-padded as its batch, with each row's images."""
+    width = max(len(c.full_tokens) for c, _ in completions)
+    tokens = torch.full((len(completions), width), pad_id)
+    attention = torch.zeros_like(tokens)
+    for i, (c, _) in enumerate(completions):
+        tokens[i, : len(c.full_tokens)] = torch.tensor(c.full_tokens)
+        attention[i, : len(c.full_tokens)] = 1
+    images = MultiModalBatch.of([dict(im) for _, im in completions])
+    assert images is not None
+    vision = images.select(slice(0, len(completions))) if with_images else None
+    with torch.no_grad():
+        return token_logprobs(model, tokens, attention, temperature, vision=vision)[0]
+
+
 def _prompt(processor, image, text="which colour is it?"):
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}]}]
     return vision_prompt(processor, messages, [image])
@@ -141,16 +156,7 @@ def test_hf_sampler_logprobs_with_images_equal_the_trainer_forward(family):
     finally:
         sampler.close()
     completions = [(c, im) for group, (_, im) in zip(groups, prompts) for c in group]
-    width = max(len(c.full_tokens) for c, _ in completions)
-    tokens = torch.full((len(completions), width), processor.tokenizer.pad_token_id)
-    attention = torch.zeros_like(tokens)
-    for i, (c, _) in enumerate(completions):
-        tokens[i, : len(c.full_tokens)] = torch.tensor(c.full_tokens)
-        attention[i, : len(c.full_tokens)] = 1
-    batch = MultiModalBatch.of([dict(im) for _, im in completions])
-    assert batch is not None
-    with torch.no_grad():
-        trainer, _ = token_logprobs(policy, tokens, attention, 0.9, vision=batch.select(slice(0, len(completions))))
+    trainer = trainer_logprobs_of(policy, completions, 0.9, processor.tokenizer.pad_token_id)
     for i, (c, _) in enumerate(completions):
         generated = len(c.full_tokens) - c.prompt_len
         got = trainer[i, c.prompt_len - 1 : c.prompt_len - 1 + generated]

@@ -17,14 +17,14 @@ from PIL import Image
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 import vllm  # noqa: E402,F401  (fail, never skip, when the engine is missing)
 from conftest import start_test_servers  # noqa: E402
+from test_vlm_families import trainer_logprobs_of  # noqa: E402
 
-from lit_grpo.maths.logprobs import token_logprobs  # noqa: E402
 from lit_grpo.models.load import save_pretrained  # noqa: E402
 from lit_grpo.models.vision import build_tiny_vlm, build_tiny_vlm_processor  # noqa: E402
 from lit_grpo.samplers.server.sampler import ServerError, VLLMServerSampler  # noqa: E402
 from lit_grpo.samplers.vllm import VLLMSampler  # noqa: E402
 from lit_grpo.tasks.images import vision_prompt  # noqa: E402
-from lit_grpo.types import MultiModalBatch, PromptImages  # noqa: E402
+from lit_grpo.types import PromptImages  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
 
@@ -79,23 +79,8 @@ def _sample_rows(sampler, prompts, temperature=0.8, n=2):
     return [(c, images) for group, (_, images) in zip(asyncio.run(run()), prompts) for c in group]
 
 
-def _trainer_logprobs(model, completions, temperature, pad_id, with_images=True):
-    """The trainer's forward over the completions, right-padded as its batch, with each row's images."""
-    width = max(len(c.full_tokens) for c, _ in completions)
-    tokens = torch.full((len(completions), width), pad_id)
-    attention = torch.zeros_like(tokens)
-    for i, (c, _) in enumerate(completions):
-        tokens[i, : len(c.full_tokens)] = torch.tensor(c.full_tokens)
-        attention[i, : len(c.full_tokens)] = 1
-    images = MultiModalBatch.of([dict(im) for _, im in completions])
-    assert images is not None
-    vision = images.select(slice(0, len(completions))) if with_images else None
-    with torch.no_grad():
-        return token_logprobs(model, tokens, attention, temperature, vision=vision)[0]
-
-
 def _max_gap(model, completions, temperature, pad_id, with_images=True):
-    trainer = _trainer_logprobs(model, completions, temperature, pad_id, with_images)
+    trainer = trainer_logprobs_of(model, completions, temperature, pad_id, with_images)
     gaps = []
     for i, (c, _) in enumerate(completions):
         generated = len(c.full_tokens) - c.prompt_len
