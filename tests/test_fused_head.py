@@ -12,8 +12,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import lit_grpo
 from lit_grpo.build import build_run
 from lit_grpo.config import LoraConfig, ModelConfig
-from lit_grpo.maths.head_logprobs import fused_token_logprobs, head_logprobs_and_entropy, split_lm_head
+from lit_grpo.maths.head_logprobs import (
+    FUSED_CHUNK_BYTES,
+    fused_token_logprobs,
+    head_logprobs_and_entropy,
+    split_lm_head,
+)
 from lit_grpo.maths.logprobs import token_logprobs
+from lit_grpo.maths.softmax_chunks import default_chunk_rows
 from lit_grpo.models.load import build_char_tokenizer, build_tiny_model
 from lit_grpo.models.lora import AdapterFreeView, apply_lora
 from lit_grpo.run.validate import validate
@@ -239,7 +245,7 @@ def test_no_vocabulary_sized_tensor_beyond_a_chunk():
         with _LargestVocabTensor(V, model.config.hidden_size) as meter:
             _step(model, tokens_BT, attention_BT, weights_BT, fused=fused, entropy_grad=True)
         largest[fused] = meter.largest
-    chunk_rows = max(1, 64 * 2**20 // (4 * V))  # the default chunk (~64 MiB float32): all 156 rows here
+    chunk_rows = default_chunk_rows(V, FUSED_CHUNK_BYTES)  # the default chunk: all 156 rows here
     chunk_rows = min(chunk_rows, 4 * 39)
     assert largest[False] >= 4 * 40 * V  # the unfused path does make the full logits (the meter sees them)
     with _LargestVocabTensor(V, model.config.hidden_size) as meter:

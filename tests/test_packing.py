@@ -9,7 +9,14 @@ from conftest import lora_policy_that_moves
 
 from lit_grpo.config import ModelConfig
 from lit_grpo.maths.logprobs import token_logprobs
-from lit_grpo.maths.packing import pack_rows, packing_support, unpack_predictions
+from lit_grpo.maths.packing import (
+    SEGMENTED_SDPA,
+    pack_rows,
+    packed_forward,
+    packing_support,
+    unpack_predictions,
+    use_segmented_sdpa,
+)
 from lit_grpo.models.load import build_char_tokenizer, build_tiny_model
 from lit_grpo.models.lora import AdapterFreeView
 
@@ -29,6 +36,7 @@ def test_the_packed_layout_by_hand():
     assert packed.rows_M.tolist() == [0, 0, 1, 2, 2, 2]
     assert packed.columns_M.tolist() == [0, 1, 0, 0, 1, 2]
     assert packed.shape == (3, 3)
+    assert packed.bounds == (0, 3, 5, 9)
 
     later = pack_rows(TOKENS, ATTENTION, first_scored=1)  # predictions from column 1 on
     assert later.predicting_M.tolist() == [1, 6, 7] and later.targets_M.tolist() == [13, 18, 19]
@@ -162,3 +170,80 @@ def test_models_that_cannot_pack_say_why_and_take_the_padded_path(caplog):
             want = token_logprobs(model, batch[0], batch[1], 0.7, padding_free=False)[0]
     assert torch.equal(got, want)  # the very same padded path
     assert sum("padding-free micro-batches off" in r.message for r in caplog.records) == 1
+
+
+class _SdpaCalls:
+    """Records the key length and mask of every `scaled_dot_product_attention` call (transformers' sdpa calls it)."""
+
+    def __init__(self, monkeypatch):
+        self.calls: list[tuple[int, bool, bool]] = []
+        original = torch.nn.functional.scaled_dot_product_attention
+
+        def recording(query, key, value, attn_mask=None, *args, is_causal=False, **kwargs):
+            self.calls.append((key.shape[-2], attn_mask is not None, is_causal))
+            return original(query, key, value, attn_mask, *args, is_causal=is_causal, **kwargs)
+
+        monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording)
+
+
+@pytest.mark.timeout(120)
+def test_packed_sdpa_attends_within_each_sequence_without_a_mask(monkeypatch):
+    # An sdpa model runs a packed forward one sequence at a time (causal, no [N, N] mask), with
+    # the values of transformers' block-diagonal mask over the whole row and of the padded forward.
+    model = _tiny("sdpa")
+    tokens_BT, attention_BT, _ = _ragged(model.config.vocab_size)
+    packed = pack_rows(tokens_BT, attention_BT)
+    calls = _SdpaCalls(monkeypatch)
+    with torch.no_grad():
+        got_BT = token_logprobs(model, tokens_BT, attention_BT, 1.0, padding_free=True)[0]
+    assert model.config._attn_implementation == SEGMENTED_SDPA
+    layers = model.config.num_hidden_layers
+    assert calls.calls == [(n, False, n > 1) for n in (13, 5, 9, 2)] * layers
+
+    calls.calls.clear()
+    with torch.no_grad():  # outside a packed forward: transformers' sdpa and its block-diagonal mask
+        logits_1NV = model(input_ids=packed.tokens_1N, position_ids=packed.positions_1N, use_cache=False).logits
+    assert calls.calls == [(29, True, False)] * layers
+    want_M = torch.log_softmax(logits_1NV[0, packed.predicting_M], -1).gather(-1, packed.targets_M[:, None])[:, 0]
+    torch.testing.assert_close(got_BT, unpack_predictions(packed, want_M), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.timeout(120)
+def test_the_segmented_model_generates_as_sdpa_does():
+    # Outside packed forwards the switched model is transformers' sdpa: the same greedy tokens and scores.
+    model = _tiny("sdpa")
+    before = copy.deepcopy(model)
+    assert use_segmented_sdpa(model) and model.config._attn_implementation == SEGMENTED_SDPA
+    assert before.config._attn_implementation == "sdpa"
+    prompts = torch.tensor([[0, 0, 21, 22, 23], [31, 32, 33, 34, 35]])
+    attention = (prompts != 0).long()
+    outputs = [
+        m.generate(
+            input_ids=prompts, attention_mask=attention, max_new_tokens=6, do_sample=False,
+            output_scores=True, return_dict_in_generate=True, pad_token_id=0,
+        )
+        for m in (model, before)
+    ]  # fmt: skip
+    assert torch.equal(outputs[0].sequences, outputs[1].sequences)
+    torch.testing.assert_close(torch.stack(outputs[0].scores), torch.stack(outputs[1].scores))
+
+
+@pytest.mark.timeout(120)
+def test_a_sliding_window_model_keeps_sdpa_and_its_mask():
+    model = _tiny("sdpa")
+    model.config.sliding_window = 64
+    assert not use_segmented_sdpa(model) and model.config._attn_implementation == "sdpa"
+    batch = _ragged(model.config.vocab_size)
+    _assert_close(_step(model, *batch, padding_free=True), _step(model, *batch, padding_free=False))
+
+
+@pytest.mark.timeout(60)
+def test_a_packed_forward_whose_bounds_do_not_reach_the_attention_stops():
+    # Without its mask and without the bounds, attention would run across the whole packed row.
+    model = _tiny("sdpa")
+    tokens_BT, attention_BT, _ = _ragged(model.config.vocab_size)
+    packed = pack_rows(tokens_BT, attention_BT)
+    with torch.no_grad(), packed_forward(model, packed) as attention_kwargs:
+        assert attention_kwargs == {"segment_bounds": packed.bounds}
+        with pytest.raises(RuntimeError, match="batching.padding_free=false"):
+            model(input_ids=packed.tokens_1N, position_ids=packed.positions_1N, use_cache=False)

@@ -27,10 +27,12 @@ from torch.autograd.function import once_differentiable
 
 from lit_grpo.maths.softmax_chunks import chunk_forward, chunk_grad, default_chunk_rows
 
-# Bytes of one float32 `[rows, V]` chunk: twice the unfused path's, as each chunk here also makes
-# three matmuls, which run more efficiently on more rows (110 rows of Qwen2.5's vocabulary); a
-# few such chunks are the fused head's whole footprint.
-FUSED_CHUNK_BYTES = 64 * 2**20
+# Bytes of one float32 `[rows, V]` chunk (441 rows of Qwen2.5's 151,936 ids). Each chunk feeds the
+# head's matmuls, whose speed depends on the rows: on a 2-core CPU a `[C, 896] x [896, 151,936]`
+# matmul ran at 114 GFLOP/s with 110 rows, 174 with 256 and 181 with 512, and the head's forward
+# and backward over 2,048 tokens took 14.9 s in 110-row chunks against 12.0-12.6 s in 384-768-row
+# ones. A few such chunks (two in the forward, up to two in the backward) are the head's footprint.
+FUSED_CHUNK_BYTES = 256 * 2**20
 
 
 def _compute_dtype(hidden_NH: torch.Tensor, weight_VH: torch.Tensor) -> torch.dtype:
@@ -176,7 +178,7 @@ def head_logprobs_and_entropy(
     `log_softmax(logits.float() / temperature).gather(target)` and `-(p * log p).sum(-1)`, with
     gradients to the hidden states, the weight and the bias (those that require one) for the
     logprob, and for the entropy too with `entropy_grad`; else the entropy is detached. The logits
-    exist `chunk_rows` rows at a time only (`None`: a ~64 MiB float32 chunk, `FUSED_CHUNK_BYTES`).
+    exist `chunk_rows` rows at a time only (`None`: a ~256 MiB float32 chunk, `FUSED_CHUNK_BYTES`).
     A tied head (the weight is the input embedding) needs nothing special: the weight's gradient
     is returned to autograd, which adds it to the parameter's like any other use of it.
 
@@ -208,19 +210,24 @@ class LMHeadSplit:
     """A causal LM cut before its LM head: the body makes the final hidden states, the head is applied by us."""
 
     body: Callable[..., torch.Tensor]
-    """`(input_ids [B, T], attention_mask [B, T] or None, position_ids [B, T] or None) -> last hidden
-    states [B, T, H]` (final norm included); position ids and no mask: packed sequences (`maths.packing`)."""
+    """`(input_ids [B, T], attention_mask [B, T] or None, position_ids [B, T] or None, **attention
+    kwargs) -> last hidden states [B, T, H]` (final norm included); position ids and no mask: packed
+    sequences, with `maths.packing.packed_forward`'s keyword arguments."""
     head: torch.nn.Linear
     """The output embedding (`get_output_embeddings()`): weight `[V, H]`, tied to the input one or not."""
 
 
 def _decoder_body(decoder: torch.nn.Module) -> Callable[..., torch.Tensor]:
     def body(
-        input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None = None
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        position_ids: torch.Tensor | None = None,
+        **attention_kwargs: Any,
     ) -> torch.Tensor:
         return decoder(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
-        ).last_hidden_state
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
+            **attention_kwargs,
+        ).last_hidden_state  # fmt: skip
 
     return body
 

@@ -27,7 +27,7 @@ from torch.autograd.function import once_differentiable
 
 from lit_grpo.maths.head_logprobs import fused_token_logprobs, head_logprobs_and_entropy, split_lm_head
 from lit_grpo.maths.multimodal import VisionInputs, split_vlm_head, vision_forward_kwargs
-from lit_grpo.maths.packing import pack_rows, packing_support, unpack_predictions
+from lit_grpo.maths.packing import pack_rows, packed_forward, packing_support, unpack_predictions
 from lit_grpo.maths.softmax_chunks import chunk_forward, chunk_grad, default_chunk_rows
 
 log = logging.getLogger(__name__)
@@ -270,21 +270,26 @@ def packed_token_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`token_logprobs` of the rows packed into one (`lit_grpo.maths.packing`): one forward over
     their real tokens only, position ids restarting at each sequence, no attention mask (transformers
-    builds the block-diagonal one). Only the predictions of real tokens from `first_scored` on reach
-    the LM head (through the fused head when the model splits, `split_lm_head`).
+    builds the block-diagonal one, or sdpa runs each sequence alone: `packed_forward`). Only the
+    predictions of real tokens from `first_scored` on reach the LM head (through the fused head when
+    the model splits, `split_lm_head`).
     Shapes: `[B, T]` -> (`[B, T-1]`, `[B, T-1]`) float32, 0 where nothing is predicted.
     """
     packed = pack_rows(tokens_BT, attention_mask_BT, first_scored)
     split = split_lm_head(model)[0] if fused_head else None
     if split is not None:
-        hidden_1NH = split.body(packed.tokens_1N, None, packed.positions_1N)
+        with packed_forward(model, packed) as attention_kwargs:
+            hidden_1NH = split.body(packed.tokens_1N, None, packed.positions_1N, **attention_kwargs)
         hidden_MH = hidden_1NH[0].index_select(0, packed.predicting_M)
         head = split.head
         logprobs_M, entropy_M = head_logprobs_and_entropy(
             hidden_MH, head.weight, head.bias, packed.targets_M, temperature, entropy_grad=entropy_grad
         )
     else:
-        logits_1NV = model(input_ids=packed.tokens_1N, position_ids=packed.positions_1N, use_cache=False).logits
+        with packed_forward(model, packed) as attention_kwargs:
+            logits_1NV = model(
+                input_ids=packed.tokens_1N, position_ids=packed.positions_1N, use_cache=False, **attention_kwargs
+            ).logits
         # Each position against the next packed token (across a boundary a dummy, never kept).
         targets_1N = torch.roll(packed.tokens_1N, -1, dims=1)
         logprobs_1N, entropy_1N = selected_logprobs_and_entropy(

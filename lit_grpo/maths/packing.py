@@ -5,8 +5,17 @@ completions are ragged (the longest sets T). Packed, its real tokens become one 
 (N = the sum of the lengths), with position ids restarting at 0 at each sequence's first token.
 transformers reads the sequence boundaries from those position ids when no attention mask is
 given: its mask utilities (`masking_utils.find_packed_sequence_indices`) build a block-diagonal
-causal mask for sdpa, eager and flex attention, and flash-attention takes its varlen path. No
-attention is written here; `packing_support` says which models take that route.
+causal mask for sdpa, eager and flex attention, and flash-attention takes its varlen path.
+`packing_support` says which models take that route.
+
+sdpa with that mask computes the whole `[N, N]` score matrix (on a CPU torch's kernel skips no
+masked block), N² where the sequences need the sum of their squares: 7.5× more for 8 ragged
+1,024-token completions, 24× the mask's memory for a 20k-token row. So a model whose attention is
+plain causal sdpa is switched to `SEGMENTED_SDPA` (`use_segmented_sdpa`), registered with
+transformers: outside a packed forward it is transformers' sdpa unchanged; in one (`packed_forward`)
+no mask is built and transformers' own sdpa function runs on each sequence's slice of the queries,
+keys and values with `is_causal`, as flash-attention's varlen path does on a GPU. No attention
+arithmetic is written here.
 
 The layout (`pack_rows`) keeps, for each prediction to compute, where it lives in the packed row
 and where its value goes back in `[b, T-1]` (`unpack_predictions`): a prediction never crosses a
@@ -15,15 +24,23 @@ boundary, as the last token of a sequence predicts nothing.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import inspect
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
+from itertools import pairwise
 from typing import Any
 
 import torch
 
+# transformers' sdpa, each packed sequence alone in a packed forward (see above): registered under this name.
+SEGMENTED_SDPA = "lit_grpo_segmented_sdpa"
 # transformers' attention implementations whose masks follow packed position ids (see above).
-PACKED_ATTENTION = ("sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3")
+PACKED_ATTENTION = ("sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3", SEGMENTED_SDPA)
+# Set on the thread of a packed forward of a `SEGMENTED_SDPA` model: its mask is not built.
+_IN_PACKED_FORWARD: contextvars.ContextVar[bool] = contextvars.ContextVar("lit_grpo_packed_forward", default=False)
 
 
 @dataclass(frozen=True)
@@ -44,6 +61,8 @@ class PackedRows:
     """`[M]` its column there."""
     shape: tuple[int, int]
     """`(b, T - 1)`: the padded predictions' shape."""
+    bounds: tuple[int, ...]
+    """Where each sequence starts in the packed row, then N: `(0, L_0, L_0 + L_1, ..., N)` (no empty sequence)."""
 
 
 def pack_rows(tokens_BT: torch.Tensor, attention_BT: torch.Tensor, first_scored: int = 0) -> PackedRows:
@@ -64,6 +83,8 @@ def pack_rows(tokens_BT: torch.Tensor, attention_BT: torch.Tensor, first_scored:
     if first_scored > 0:
         predicts_BT[:, :first_scored] = False
     rows_M, columns_M = predicts_BT.nonzero(as_tuple=True)
+    lengths = [int(n) for n in real_BT.sum(dim=1).tolist() if n > 0]
+    bounds = tuple(int(b) for b in torch.tensor([0, *lengths]).cumsum(0).tolist())
     return PackedRows(
         tokens_1N=tokens_BT[real_BT].unsqueeze(0),
         positions_1N=positions_BT[real_BT].unsqueeze(0),
@@ -72,6 +93,7 @@ def pack_rows(tokens_BT: torch.Tensor, attention_BT: torch.Tensor, first_scored:
         rows_M=rows_M,
         columns_M=columns_M,
         shape=(tokens_BT.shape[0], tokens_BT.shape[1] - 1),
+        bounds=bounds,
     )
 
 
@@ -126,3 +148,96 @@ def packing_support(model: Any) -> str:
     except AttributeError:
         pass
     return why_not
+
+
+def _segmented_sdpa_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    segment_bounds: tuple[int, ...] | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """`SEGMENTED_SDPA`'s attention: transformers' `sdpa_attention_forward`, once per packed
+    sequence (`segment_bounds`, from `packed_forward`) with `is_causal`, else once as it is.
+
+    Shapes: query `[1, heads, N, d]`, key and value `[1, kv_heads, N, d]` -> (`[1, N, heads, d]`, None).
+    """
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if segment_bounds is None:
+        if _IN_PACKED_FORWARD.get():  # no mask was built: attending across the whole row would be wrong
+            raise RuntimeError(
+                f"{type(module).__name__} does not pass its forward's keyword arguments to its attention, so "
+                "its packed sequences cannot be told apart; set batching.padding_free=false"
+            )
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    if query.shape[0] != 1 or not query.shape[2] == key.shape[2] == segment_bounds[-1]:
+        raise ValueError(f"one packed row of {segment_bounds[-1]} tokens expected, got {tuple(query.shape)}")
+    kwargs.pop("is_causal", None)
+    outputs = [
+        sdpa_attention_forward(
+            module, query[:, :, start:stop], key[:, :, start:stop], value[:, :, start:stop], None,
+            is_causal=True, **kwargs,
+        )[0]
+        for start, stop in pairwise(segment_bounds)
+    ]  # fmt: skip
+    return torch.cat(outputs, dim=1), None
+
+
+def _segmented_sdpa_mask(attention_mask: torch.Tensor | None = None, **kwargs: Any) -> Any:
+    """`SEGMENTED_SDPA`'s mask: none in a packed forward (each sequence is causal by itself), else sdpa's."""
+    from transformers.masking_utils import sdpa_mask
+
+    if attention_mask is None and _IN_PACKED_FORWARD.get():
+        return None
+    return sdpa_mask(attention_mask=attention_mask, **kwargs)  # transformers passes every argument by name
+
+
+def use_segmented_sdpa(model: Any) -> bool:
+    """Switch `model` (a transformers model, through peft or LoRA's view) from sdpa to
+    `SEGMENTED_SDPA` when every layer's attention is plain causal (no sliding window, no chunked or
+    other layer types), and say whether it runs it; once per model (cached). Models loaded with
+    another implementation keep it.
+    """
+    cached = getattr(model, "_lit_grpo_segmented_sdpa", None)
+    if cached is not None:
+        return bool(cached)
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    base = get_base() if (get_base := getattr(model, "get_base_model", None)) else model
+    config = getattr(base, "config", None)
+    implementation = getattr(config, "_attn_implementation", None)
+    plain_causal = (
+        getattr(config, "sliding_window", None) is None
+        and getattr(config, "attention_chunk_size", None) is None
+        and all(kind == "full_attention" for kind in getattr(config, "layer_types", None) or ())
+    )
+    if implementation == "sdpa" and plain_causal and hasattr(base, "set_attn_implementation"):
+        AttentionInterface.register(SEGMENTED_SDPA, _segmented_sdpa_attention)
+        AttentionMaskInterface.register(SEGMENTED_SDPA, _segmented_sdpa_mask)
+        base.set_attn_implementation(SEGMENTED_SDPA)
+        implementation = SEGMENTED_SDPA
+    uses = implementation == SEGMENTED_SDPA
+    try:
+        setattr(model, "_lit_grpo_segmented_sdpa", uses)  # noqa: B010  (not an attribute of its class)
+    except AttributeError:
+        pass
+    return uses
+
+
+@contextlib.contextmanager
+def packed_forward(model: Any, packed: PackedRows) -> Iterator[dict[str, Any]]:
+    """The keyword arguments a packed forward of `model` passes on to its attention: the sequences'
+    bounds when it runs `SEGMENTED_SDPA` (`use_segmented_sdpa`), with its mask skipped on this
+    thread for the forward's length; else none (transformers builds the block-diagonal mask)."""
+    if not use_segmented_sdpa(model):
+        yield {}
+        return
+    token = _IN_PACKED_FORWARD.set(True)
+    try:
+        yield {"segment_bounds": packed.bounds}
+    finally:
+        _IN_PACKED_FORWARD.reset(token)

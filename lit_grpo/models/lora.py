@@ -107,10 +107,13 @@ class AdapterFreeView:
         policy_body = split.body
 
         def body(
-            input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None = None
+            input_ids: torch.Tensor,
+            attention_mask: torch.Tensor | None,
+            position_ids: torch.Tensor | None = None,
+            **attention_kwargs: Any,
         ) -> torch.Tensor:
             with self._policy.disable_adapter():
-                return policy_body(input_ids, attention_mask, position_ids)
+                return policy_body(input_ids, attention_mask, position_ids, **attention_kwargs)
 
         return LMHeadSplit(body, split.head), ""
 
