@@ -1,6 +1,7 @@
 """The transformers sampler: batched requests, finish reasons, logprobs that match the trainer."""
 
 import asyncio
+import math
 
 import pytest
 import torch
@@ -8,7 +9,7 @@ from test_sampler_kwargs import check_stop_contract, reference_cut
 
 from lit_grpo.loop.module import token_logprobs
 from lit_grpo.samplers.arguments import PromptTooLong
-from lit_grpo.samplers.hf import HFSampler, chosen_logprobs
+from lit_grpo.samplers.hf import HFSampler, chosen_logprobs, draw_tokens
 
 
 def _sample(sampler, prompts, **kw):
@@ -257,3 +258,34 @@ def test_a_weight_sync_behind_a_stuck_generate_call_times_out(tiny_model, tokeni
     holder.join()
     sampler.update_weights(tiny_model.state_dict().items())  # free again: it loads
     sampler.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_drawn_tokens_follow_the_tempered_softmax(temperature):
+    # 200,000 draws of each row: every id's frequency within 5 standard errors of its probability
+    # softmax(logits / T), worked out with Python's math; an id at -inf is never drawn.
+    logits_NV = torch.tensor([[2.0, 0.5, -1.0, 1.0, float("-inf")], [0.0, 0.0, 3.0, -2.0, 1.0]])
+    draws = 200_000
+    torch.manual_seed(0)
+    tokens_DN = torch.stack([draw_tokens(logits_NV.repeat(1000, 1), temperature).view(1000, 2) for _ in range(200)])
+    tokens_DN = tokens_DN.view(draws, 2)
+    for row in range(2):
+        weights = [
+            0.0 if x == float("-inf") else 2.718281828459045 ** (x / temperature) for x in logits_NV[row].tolist()
+        ]
+        want = [w / sum(weights) for w in weights]
+        counts = torch.bincount(tokens_DN[:, row], minlength=5).tolist()
+        for i, p in enumerate(want):
+            sigma = (p * (1 - p) / draws) ** 0.5
+            assert abs(counts[i] / draws - p) <= 5 * sigma + 1e-12, (row, i, counts[i] / draws, p)
+    assert (tokens_DN[:, 0] != 4).all()
+
+
+@pytest.mark.timeout(30)
+def test_drawn_tokens_follow_the_global_seed():
+    logits_NV = torch.randn(3, 50)
+    torch.manual_seed(7)
+    first = draw_tokens(logits_NV, 1.0)
+    torch.manual_seed(7)
+    assert torch.equal(draw_tokens(logits_NV, 1.0), first)
