@@ -271,9 +271,7 @@ def test_drawn_tokens_follow_the_tempered_softmax(temperature):
     tokens_DN = torch.stack([draw_tokens(logits_NV.repeat(1000, 1), temperature).view(1000, 2) for _ in range(200)])
     tokens_DN = tokens_DN.view(draws, 2)
     for row in range(2):
-        weights = [
-            0.0 if x == float("-inf") else 2.718281828459045 ** (x / temperature) for x in logits_NV[row].tolist()
-        ]
+        weights = [0.0 if x == float("-inf") else math.exp(x / temperature) for x in logits_NV[row].tolist()]
         want = [w / sum(weights) for w in weights]
         counts = torch.bincount(tokens_DN[:, row], minlength=5).tolist()
         for i, p in enumerate(want):

@@ -141,7 +141,7 @@ def test_hf_sampler_logprobs_with_images_equal_the_trainer_forward(family):
         _prompt(processor, Image.new("RGB", (28, 56), (20, 20, 220)), "colour?"),
     ]
     sampler = HFSampler(policy, processor.tokenizer)
-    torch.manual_seed(1)
+    torch.manual_seed(0)  # draws with no image placeholder token (a rollout would drop such a sample)
 
     async def sample_both():
         return await asyncio.gather(
