@@ -4,6 +4,8 @@ scoring), interleaved in one process on one model, so the machine's load reaches
 
     python -m benchmarks.sampling_vs_generate                         # 2 layers, 2 x 8 rows, 32 tokens, 5 repeats
     python -m benchmarks.sampling_vs_generate --tokens 128 --repeats 3
+    python -m benchmarks.sampling_vs_generate --layers 1 --prompts 1 --tokens 256 --override model.hidden_size=64 \
+        --override model.intermediate_size=256 --override model.num_heads=4 --override model.num_kv_heads=4
 
 The model is `benchmarks/rehearsal.py`'s (the random-init Qwen2.5-0.5B shapes cut to `--layers`,
 151,936 ids, float32, lit_grpo's builder and seed); the prompts are the first `--prompts` GSM8K rows
@@ -11,9 +13,9 @@ through the chat template, each `--group` times (a step's one generate call: 16 
 left-padded. Three variants, their order rotated every repeat:
 
 - `lit`: `HFSampler._generate` on the policy itself (`share_weights`, as the rehearsal's synchronous
-  run), temperature 1, top-p 1, top-k 0: generate with the logprob recorder scoring each drawn
-  token (`chosen_logprobs`), then the cut at eos and the decoding.
-- `lit_main`: the same sampler as it was before its two sampling-speed changes: the recorder's
+  run), temperature 1, top-p 1, top-k 0: generate with the logprob recorder scoring each token
+  (`chosen_logprobs`) and each token drawn by `draw_tokens`, then the cut at eos and the decoding.
+- `lit_main`: the same sampler without two of its sampling-speed changes (it keeps its draw): the recorder's
   former per-step formula, `log_softmax(logits).gather(token)` over the whole vocabulary, and the
   LM head handed the prefill's strided last-position slice (`_contiguous_head_input` off), which
   ATen runs as a bmm over the rows when no weight requires grad.
@@ -101,8 +103,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     for name, default in (("layers", 2), ("tokens", 32), ("prompts", 2), ("group", 8), ("repeats", 5), ("seed", 0)):
         parser.add_argument(f"--{name}", type=int, default=default)
+    parser.add_argument(
+        "--override", action="append", default=[], metavar="KEY=VALUE",
+        help="a Hydra override of the rehearsal run, e.g. model.hidden_size=64 (the model's shape)",
+    )  # fmt: skip
     args = parser.parse_args()
-    settings = Settings(layers=args.layers, tokens=args.tokens, prompts=args.prompts, group=args.group)
+    settings = Settings(
+        layers=args.layers, tokens=args.tokens, prompts=args.prompts, group=args.group, lit_overrides=args.override
+    )
     policy, tokenizer, prompts = build(settings)
     sampler = hf.HFSampler(policy, tokenizer, share_weights=True)
     scoring, contiguous = hf.chosen_logprobs, hf._contiguous_head_input
