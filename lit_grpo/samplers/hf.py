@@ -5,9 +5,9 @@ Logprobs are those of the sampling distribution: `log_softmax(logits / temperatu
 top_p=1 and top_k=0, so they can serve as the behaviour policy in TIS; `inference_logprobs` are
 the raw `log_softmax(logits)`. Each token is drawn from that distribution by `draw_tokens` (an
 inverted cumulative sum: exact, and a fraction of `torch.multinomial`'s cost at a wide vocabulary),
-handed to generate as a one-token distribution its greedy step takes. Stop strings are cut after generation (`stops.find_stop`); a
-stopping criterion only ends the rows that completed one early, so a batch whose rows all
-stopped returns before `max_tokens`.
+handed to generate as a one-token distribution its greedy step takes. Stop strings are cut after
+generation (`stops.find_stop`); a stopping criterion only ends the rows that completed one early,
+so a batch whose rows all stopped returns before `max_tokens`.
 """
 
 from __future__ import annotations
