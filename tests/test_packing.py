@@ -247,3 +247,14 @@ def test_a_packed_forward_whose_bounds_do_not_reach_the_attention_stops():
         assert attention_kwargs == {"segment_bounds": packed.bounds}
         with pytest.raises(RuntimeError, match="batching.padding_free=false"):
             model(input_ids=packed.tokens_1N, position_ids=packed.positions_1N, use_cache=False)
+
+
+@pytest.mark.timeout(30)
+def test_a_position_bias_over_the_packed_row_is_refused():
+    from lit_grpo.maths.packing import _segmented_sdpa_attention
+
+    model = _tiny("sdpa")
+    attention = model.model.layers[0].self_attn
+    query = key = value = torch.zeros(1, 2, 5, 8)
+    with pytest.raises(RuntimeError, match="batching.padding_free=false"):
+        _segmented_sdpa_attention(attention, query, key, value, None, (0, 2, 5), position_bias=torch.zeros(1, 2, 5, 5))

@@ -1,6 +1,7 @@
 """The transformers sampler: batched requests, finish reasons, logprobs that match the trainer."""
 
 import asyncio
+import copy
 import math
 
 import pytest
@@ -57,6 +58,25 @@ def test_sampler_logprobs_equal_trainer_logprobs(tiny_model, tokenizer, temperat
         )
         if temperature == 0.7:
             assert (torch.tensor(c.sampling_logprobs) - torch.tensor(c.inference_logprobs)).abs().max() > 1e-2
+
+
+@pytest.mark.timeout(60)
+def test_a_released_models_generation_config_changes_neither_the_draw_nor_the_scores(tiny_model, tokenizer):
+    # A released model ships sampling defaults (Qwen2.5-Instruct: top-p 0.8, top-k 20, repetition
+    # penalty 1.05) that generate fills into every unset field; the sampler's must not apply.
+    from transformers import GenerationConfig
+
+    model = copy.deepcopy(tiny_model)
+    model.generation_config = GenerationConfig(
+        do_sample=True, temperature=0.3, top_p=0.5, top_k=3, repetition_penalty=1.5,
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+    )  # fmt: skip
+    sampler = HFSampler(model, tokenizer)
+    prompts = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in ["1+2=", "12+3="]]
+    for c in _sample(sampler, prompts, temperature=1.0, max_tokens=6):
+        torch.testing.assert_close(
+            torch.tensor(c.sampling_logprobs), _trainer_logprobs(model, c, 1.0), atol=1e-4, rtol=0
+        )
 
 
 @pytest.mark.timeout(120)

@@ -9,8 +9,8 @@ causal mask for sdpa, eager and flex attention, and flash-attention takes its va
 `packing_support` says which models take that route.
 
 sdpa with that mask computes the whole `[N, N]` score matrix (on a CPU torch's kernel skips no
-masked block), N² where the sequences need the sum of their squares: 7.5× more for 8 ragged
-1,024-token completions, 24× the mask's memory for a 20k-token row. So a model whose attention is
+masked block), N² where the sequences need the sum of their squares (7.5× more for 8 ragged
+1,024-token completions), and holds the mask (0.4 GB of booleans for a 20k-token row). So a model whose attention is
 plain causal sdpa is switched to `SEGMENTED_SDPA` (`use_segmented_sdpa`), registered with
 transformers: outside a packed forward it is transformers' sdpa unchanged; in one (`packed_forward`)
 no mask is built and transformers' own sdpa function runs on each sequence's slice of the queries,
@@ -30,7 +30,7 @@ import inspect
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
-from itertools import pairwise
+from itertools import accumulate, pairwise
 from typing import Any
 
 import torch
@@ -84,7 +84,6 @@ def pack_rows(tokens_BT: torch.Tensor, attention_BT: torch.Tensor, first_scored:
         predicts_BT[:, :first_scored] = False
     rows_M, columns_M = predicts_BT.nonzero(as_tuple=True)
     lengths = [int(n) for n in real_BT.sum(dim=1).tolist() if n > 0]
-    bounds = tuple(int(b) for b in torch.tensor([0, *lengths]).cumsum(0).tolist())
     return PackedRows(
         tokens_1N=tokens_BT[real_BT].unsqueeze(0),
         positions_1N=positions_BT[real_BT].unsqueeze(0),
@@ -93,7 +92,7 @@ def pack_rows(tokens_BT: torch.Tensor, attention_BT: torch.Tensor, first_scored:
         rows_M=rows_M,
         columns_M=columns_M,
         shape=(tokens_BT.shape[0], tokens_BT.shape[1] - 1),
-        bounds=bounds,
+        bounds=tuple(accumulate(lengths, initial=0)),
     )
 
 
@@ -175,6 +174,11 @@ def _segmented_sdpa_attention(
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     if query.shape[0] != 1 or not query.shape[2] == key.shape[2] == segment_bounds[-1]:
         raise ValueError(f"one packed row of {segment_bounds[-1]} tokens expected, got {tuple(query.shape)}")
+    if kwargs.get("position_bias") is not None:  # a bias over the whole row: not sliced per sequence here
+        raise RuntimeError(
+            f"{type(module).__name__} adds a position bias to its attention scores, which packed sequences do not "
+            "support here; set batching.padding_free=false"
+        )
     kwargs.pop("is_causal", None)
     outputs = [
         sdpa_attention_forward(

@@ -265,6 +265,9 @@ class HFSampler(BatchingSampler):
         drawn = [_DrawByInverseCdf(temperature)] if temperature > 0 else []
         gen_config = GenerationConfig(
             do_sample=False,
+            # generate fills what is unset here from the model's own generation config: a released
+            # model's repetition penalty would change the scores before the recorder sees them.
+            repetition_penalty=1.0,
             max_new_tokens=max_tokens,
             eos_token_id=eos_id,
             pad_token_id=pad_id,
@@ -423,13 +426,14 @@ class _DrawByInverseCdf(LogitsProcessor):
 def draw_tokens(logits_NV: torch.Tensor, temperature: float) -> torch.Tensor:
     """One token per row drawn from `softmax(logits / temperature)`, by inverting the row's cumulative
     distribution: a uniform draw (torch's global generator) located in the running sum of the
-    probabilities, in float64. Exact for the categorical: id i is drawn with probability p_i (to
+    probabilities, in float64 (float32 on MPS). Exact for the categorical: id i is drawn with probability p_i (to
     float64 rounding of the sums), an id of probability 0 never. It costs a softmax, a cumulative sum
     and a search per row, where `torch.multinomial`, generate's own draw, makes one exponential draw
     per vocabulary entry: 18.6 ms of a 26 ms decode step for 8 rows of 151,936 ids on a 2-core CPU.
     Shapes: `[N, V]` (any float dtype) -> `[N]` int64.
     """
-    cdf_NV = torch.softmax(logits_NV.double().div_(temperature), dim=-1).cumsum_(dim=-1)
+    wide = torch.float32 if logits_NV.device.type == "mps" else torch.float64  # MPS has no float64
+    cdf_NV = torch.softmax(logits_NV.to(wide) / temperature, dim=-1).cumsum_(dim=-1)
     uniform_N1 = torch.rand(cdf_NV.shape[0], 1, dtype=cdf_NV.dtype, device=cdf_NV.device) * cdf_NV[:, -1:]
     return torch.searchsorted(cdf_NV, uniform_N1, right=True)[:, 0].clamp_(max=cdf_NV.shape[1] - 1)
 
