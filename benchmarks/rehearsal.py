@@ -129,7 +129,8 @@ class Settings:
     token_budget: int = 2048
     """lit_grpo's `lit_budget` side: `batching.micro_batch_max_tokens` (no count of sequences), not `micro_batch`."""
     lit_overrides: list = dataclasses.field(default_factory=list)
-    """Hydra overrides for lit_grpo's side, e.g. batching.micro_batch_max_tokens=4096."""
+    """Hydra overrides for lit_grpo's side, e.g. batching.micro_batch_max_tokens=4096; TRL's side trains
+    the model lit_grpo's config builds, so `model.*` ones (its shape) reach it too."""
     trl_args: dict = dataclasses.field(default_factory=dict)
     """GRPOConfig fields for TRL's side, e.g. {"use_transformers_paged": True}."""
 
@@ -341,7 +342,10 @@ def main() -> None:
     )
     parser.add_argument("--seed", type=int, default=defaults.seed)
     parser.add_argument("--sides", default="lit,lit_budget,trl", help="comma-separated: lit, lit_budget, trl")
-    parser.add_argument("--lit-override", action="append", default=[], metavar="KEY=VALUE", help="lit_grpo only")
+    parser.add_argument(
+        "--lit-override", action="append", default=[], metavar="KEY=VALUE",
+        help="a Hydra override of lit_grpo's run; TRL's side trains the model it builds, so model.* ones reach it too",
+    )  # fmt: skip
     parser.add_argument(
         "--trl-arg", action="append", default=[], metavar="KEY=VALUE", help="GRPOConfig field, TRL only"
     )
