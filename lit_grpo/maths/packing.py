@@ -28,7 +28,7 @@ import contextlib
 import contextvars
 import inspect
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from itertools import accumulate, pairwise
 from typing import Any
@@ -124,29 +124,37 @@ def packing_support(model: Any) -> str:
     not the plain per-sequence ones packed here. Through a peft model or LoRA's adapter-free view
     (`get_base_model`). Cached on the model.
     """
-    cached = getattr(model, "_lit_grpo_packing_support", None)
-    if cached is not None:
-        return str(cached)
-    base = get_base() if (get_base := getattr(model, "get_base_model", None)) else model
+    return str(_once_per_model(model, "_lit_grpo_packing_support", _why_not_packed))
+
+
+def _why_not_packed(base: Any) -> str:
     config = getattr(base, "config", None)
     implementation = getattr(config, "_attn_implementation", None)
     module = _modeling_module(base)
-    why_not = ""
     if module is None:
-        why_not = f"{type(base).__name__} is not a transformers model"
-    elif getattr(config, "vision_config", None) is not None:
-        why_not = "it is multimodal (its rotary positions are not one plain range per sequence)"
-    elif implementation not in PACKED_ATTENTION:
-        why_not = f"its attention implementation {implementation!r} is not one of {', '.join(PACKED_ATTENTION)}"
-    elif not hasattr(module, "create_causal_mask"):
-        why_not = f"{module.__name__} does not build its mask with transformers' create_causal_mask"
-    elif "position_ids" not in inspect.signature(base.forward).parameters:
-        why_not = "its forward takes no position_ids"
-    try:
-        setattr(model, "_lit_grpo_packing_support", why_not)  # noqa: B010  (not an attribute of its class)
-    except AttributeError:
-        pass
-    return why_not
+        return f"{type(base).__name__} is not a transformers model"
+    if getattr(config, "vision_config", None) is not None:
+        return "it is multimodal (its rotary positions are not one plain range per sequence)"
+    if implementation not in PACKED_ATTENTION:
+        return f"its attention implementation {implementation!r} is not one of {', '.join(PACKED_ATTENTION)}"
+    if not hasattr(module, "create_causal_mask"):
+        return f"{module.__name__} does not build its mask with transformers' create_causal_mask"
+    if "position_ids" not in inspect.signature(base.forward).parameters:
+        return "its forward takes no position_ids"
+    return ""
+
+
+def _once_per_model(model: Any, attribute: str, compute: Callable[[Any], Any]) -> Any:
+    """`compute(base)` of `model`'s transformers model (through peft or LoRA's view: `get_base_model`)
+    the first time, then the value cached on `model` as `attribute`."""
+    cached = getattr(model, attribute, None)
+    if cached is None:
+        cached = compute(get_base() if (get_base := getattr(model, "get_base_model", None)) else model)
+        try:
+            setattr(model, attribute, cached)
+        except AttributeError:  # a wrapper that takes no new attributes: asked again next time
+            pass
+    return cached
 
 
 def _segmented_sdpa_attention(
@@ -205,13 +213,13 @@ def use_segmented_sdpa(model: Any) -> bool:
     other layer types), and say whether it runs it; once per model (cached). Models loaded with
     another implementation keep it.
     """
-    cached = getattr(model, "_lit_grpo_segmented_sdpa", None)
-    if cached is not None:
-        return bool(cached)
+    return bool(_once_per_model(model, "_lit_grpo_segmented_sdpa", _switch_to_segmented_sdpa))
+
+
+def _switch_to_segmented_sdpa(base: Any) -> bool:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
-    base = get_base() if (get_base := getattr(model, "get_base_model", None)) else model
     config = getattr(base, "config", None)
     implementation = getattr(config, "_attn_implementation", None)
     plain_causal = (
@@ -224,12 +232,7 @@ def use_segmented_sdpa(model: Any) -> bool:
         AttentionMaskInterface.register(SEGMENTED_SDPA, _segmented_sdpa_mask)
         base.set_attn_implementation(SEGMENTED_SDPA)
         implementation = SEGMENTED_SDPA
-    uses = implementation == SEGMENTED_SDPA
-    try:
-        setattr(model, "_lit_grpo_segmented_sdpa", uses)  # noqa: B010  (not an attribute of its class)
-    except AttributeError:
-        pass
-    return uses
+    return implementation == SEGMENTED_SDPA
 
 
 @contextlib.contextmanager
