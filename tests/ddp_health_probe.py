@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import lightning as L
+import torch
 from ddp_grad_probe import FixedData
 
 from lit_grpo.loop.metrics import merge_step_metrics
@@ -69,6 +70,8 @@ def main() -> None:
     trainer.fit(GRPOModule(policy, c), datamodule=FixedData(sizes, len(tokenizer)))
     if trainer.global_rank == 0:
         (out / f"metrics_world{devices}.json").write_text(json.dumps(merged.steps))
+    if torch.distributed.is_initialized():  # gloo's threads joined now, not torn down at the interpreter's exit
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
