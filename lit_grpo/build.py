@@ -37,7 +37,14 @@ from lit_grpo.loop.module import GRPOModule
 from lit_grpo.loop.peers import PeerWatchCallback
 from lit_grpo.loop.signals import StopSignals
 from lit_grpo.loop.step_sequence import StepSequence
-from lit_grpo.models.load import load_policy, load_processor, load_tokenizer, save_pretrained, set_cpu_threads
+from lit_grpo.models.load import (
+    load_policy,
+    load_processor,
+    load_tokenizer,
+    save_pretrained,
+    set_cpu_threads,
+    with_resolved_model,
+)
 from lit_grpo.models.lora import adapter_config, adapter_tensors, base_tensors, is_lora, with_lora
 from lit_grpo.models.weights import full_named_tensors
 from lit_grpo.rewards.combine import component_names
@@ -245,6 +252,7 @@ def evaluators(
             batch_size=c.sampler.max_batch_size,
             prompt_field=c.data.prompt_field,
             processor=load_processor(c.model, datamodule.tokenizer),
+            at_start=c.eval_at_start,
         )
     ]
     if inputs is not None and inputs.evaluation_fn is not None:
@@ -326,6 +334,8 @@ def build_run(
     eval_rows = evaluation_rows(c, eval_rows)
     # The reward before the policy: a reward model that cannot be loaded fails before the policy loads.
     reward = (inputs.reward_fn if inputs is not None else None) or reward_fn(c)
+    # A GGUF file or a model built without the hub: every reader (samplers, vLLM, export) gets its folder.
+    c = dataclasses.replace(c, model=with_resolved_model(c.model))
     tokenizer = load_tokenizer(c.model)
     policy: nn.Module = load_policy(c.model, tokenizer, c.seed)  # the same on every rank
     set_cpu_threads(c.trainer.cpu_threads, policy, engine_in_process=c.sampler.kind == "vllm")

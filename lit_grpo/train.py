@@ -96,6 +96,8 @@ def write_summary(
     sequence = module.step_sequence if module is not None else None
     history = sequence.history if sequence is not None else MetricHistory()
     summary: dict[str, Any] = dict(summarize(history, c.summary_metric, wall_s))  # numbers, and `stopped_by`
+    if sequence is not None and "eval/accuracy" in (start := sequence.start_evaluation()):
+        summary["eval_accuracy_start"] = start["eval/accuracy"]  # before the first step (`eval_at_start`)
     if sequence is not None and "eval/accuracy" in (evaluation := sequence.last_evaluation()):
         summary["eval_accuracy"] = evaluation["eval/accuracy"]
     if stop.signum is not None:

@@ -290,3 +290,64 @@ def test_a_slow_step_says_what_it_waits_on(monkeypatch, caplog):
     assert lines and lines[0].startswith("step 1: waiting 0 s for its groups: ")
     assert "rows sampled since it began" in lines[0]
     assert "failures 2" in lines[-1] and "rows sampling now: 1, the oldest for" in lines[-1]
+
+
+def test_groups_that_keep_coming_back_uniform_are_said_to_be_once_with_the_reward_and_what_to_change():
+    from lit_grpo.rollouts.checks import UniformGroupWatch
+
+    now = [0.0]
+    watch = UniformGroupWatch(completions_per_prompt=4, stop_after_rows=80, period_s=60.0, clock=lambda: now[0])
+    notes = []
+    for i in range(12):  # 11 uniform groups at 0, one that trains, over 66 s
+        now[0] = 6.0 * i
+        notes.append(watch.record([0.0, 1.0, 0.0, 0.0] if i == 3 else [0.0] * 4))
+    said = [n for n in notes if n]
+    assert len(said) == 1 and notes.index(said[0]) == 10  # the first group past the 60 s period
+    assert said[0].startswith("10 of the 11 groups sampled in the last 60 s (91%) came back uniform")
+    assert "all 4 completions with one reward (10 at 0)" in said[0]
+    assert "rarely earns any reward" in said[0]
+    for advice in ("reward.fn=", "data.completions_per_prompt=8", "~callbacks.reward_filter", "sampler.temperature"):
+        assert advice in said[0]
+    assert "stops after 80 rows in a row" in said[0]
+    now[0] = 200.0
+    assert watch.record([0.0] * 4) is None  # once a run
+
+
+def test_a_run_whose_groups_mostly_train_is_not_warned():
+    from lit_grpo.rollouts.checks import UniformGroupWatch
+
+    now = [0.0]
+    watch = UniformGroupWatch(completions_per_prompt=2, stop_after_rows=80, period_s=10.0, clock=lambda: now[0])
+    for i in range(40):  # 70 % uniform, at 1.0 and 0.0: under the 80 % that is worth a warning
+        now[0] = float(i)
+        assert watch.record([1.0, 1.0] if i % 10 < 4 else [0.0, 0.0] if i % 10 < 7 else [0.0, 1.0]) is None
+
+
+def test_a_stream_of_uniform_groups_warns_and_then_stops_after_its_budget(caplog):
+    """Through the real group sampler: every group scores 0, so the watch speaks (its period made
+    short), then the no-progress guard stops the run after the budget given in rows."""
+    import logging
+
+    async def rollout_fn(row):
+        return RolloutSample(**{**GOOD, "reward": 0.0})
+
+    with caplog.at_level(logging.WARNING, logger="lit_grpo.rollouts.groups"):
+        with pytest.raises(NoProgressError, match=r"(?s)last 20 rows.*20  filtered_groups"):
+            groups = GroupSampler(
+                rollout_fn, 4, max_seq_len=64, min_group_size=2, filters=[lambda g: False], max_rows_without_progress=20
+            )
+            groups.uniform_watch.period_s = 0.0
+            scheduler = SynchronousScheduler(
+                RowCursor([{"id": i} for i in range(100)], 1, 0, False), groups, 2, max_concurrency=4
+            )
+            next(iter(RolloutStream(scheduler, groups, max_steps=-1, pad_id=0)))
+    warnings = [r.getMessage() for r in caplog.records if "came back uniform" in r.getMessage()]
+    assert len(warnings) == 1 and "(4 at 0)" in warnings[0] and "stops after 20 rows" in warnings[0]
+
+
+def test_the_no_progress_budget_defaults_to_ten_steps_of_rows():
+    from lit_grpo.config.guards import NO_PROGRESS_STEPS, GuardsConfig
+
+    assert NO_PROGRESS_STEPS == 10
+    assert GuardsConfig().rows_without_progress(4) == 40
+    assert GuardsConfig(max_rows_without_progress=7).rows_without_progress(4) == 7

@@ -307,3 +307,52 @@ def test_drawn_tokens_follow_the_global_seed():
     first = draw_tokens(logits_NV, 1.0)
     torch.manual_seed(7)
     assert torch.equal(draw_tokens(logits_NV, 1.0), first)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("temperature", [1.0, 0.0])
+def test_a_shared_prompt_is_prefilled_once_and_samples_as_if_each_copy_were(tokenizer, temperature):
+    """Groups of one prompt (ragged lengths, left-padded together) sample the same tokens with the
+    same logprobs (to float32 rounding) whether each distinct prompt is encoded once or every copy
+    is; the prefill's forward sees the distinct prompts only, and the tokens it did not encode are counted."""
+    from lit_grpo.config import ModelConfig
+    from lit_grpo.models.load import build_tiny_model
+
+    tiny_model = build_tiny_model(ModelConfig(dtype="float32"), len(tokenizer), seed=0, tokenizer=tokenizer)
+    texts = ["12+34=", "7+1=", "12+34=", "7+1=", "99+1=", "12+34=", "7+1="]
+    prompts = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    results = {}
+    for share in (False, True):
+        sampler = HFSampler(tiny_model, tokenizer, share_prompt_prefill=share)
+        widths = []
+        # a hook, not a wrapped forward: generate reads the forward's signature to choose its inputs
+        hook = sampler.model.register_forward_pre_hook(
+            lambda module, args, kwargs, seen=widths: seen.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True
+        )
+        torch.manual_seed(5)
+        results[share] = sampler._generate(prompts, temperature, 6)
+        hook.remove()
+        if share:
+            width = max(map(len, prompts))
+            assert widths[0] == (3, width - 1)  # the 3 distinct prompts, all but their last token
+            assert widths[1] == (len(prompts), 1)  # then each row's last prompt token only
+            padded = sum(len(p) - 1 for p in prompts) - sum(len(p) - 1 for p in prompts[:2] + prompts[4:5])
+            assert sampler.prefill_tokens_saved == padded
+        else:
+            assert widths[0] == (len(prompts), max(map(len, prompts)))
+    for plain, shared in zip(results[False], results[True]):
+        assert shared.full_tokens == plain.full_tokens
+        assert shared.sampling_logprobs == pytest.approx(plain.sampling_logprobs, abs=1e-5)
+
+
+def test_a_batch_of_distinct_prompts_is_prefilled_as_before(tiny_model, tokenizer):
+    from lit_grpo.samplers.shared_prefill import distinct_rows, shared_prompt_cache
+
+    ids = torch.tensor([[0, 5, 6], [7, 8, 9], [0, 5, 6], [7, 8, 9], [5, 5, 6]])
+    mask = torch.tensor([[0, 1, 1], [1, 1, 1], [0, 1, 1], [1, 1, 1], [1, 1, 1]])
+    firsts, inverse = distinct_rows(ids, mask)
+    assert firsts.tolist() == [0, 1, 4] and inverse.tolist() == [0, 1, 0, 1, 2]
+    # the same ids under another mask are another prompt (a pad id that is also a real token)
+    firsts, inverse = distinct_rows(ids[:2], torch.tensor([[1, 1, 1], [1, 1, 1]]))
+    assert inverse.tolist() == [0, 1]
+    assert shared_prompt_cache(tiny_model, ids[:2], mask[:2]) is None  # nothing shared: nothing to save

@@ -5,8 +5,12 @@ non-finite steps a run survives. Every field is checked alone, here."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 from lit_grpo.config.checks import exception_class, require, require_finite
+
+NO_PROGRESS_STEPS = 10
+"""`guards.max_rows_without_progress=null`: this many steps' worth of rows without one group that trains."""
 
 
 @dataclass
@@ -31,10 +35,12 @@ class GuardsConfig:
     row only drops its group (`rollout/failures`)."""
     rollout_failure_window: int = 20
     """The rows `rollout_failure_share` is taken over."""
-    max_rows_without_progress: int = 1000
+    max_rows_without_progress: Optional[int] = None
     """Consecutive rows sampled without one accepted group before the run stops with
-    `NoProgressError`, whose message counts the rows per drop reason (None returned, malformed
-    samples, non-finite rewards, uniform groups filtered, prompts too long, failures)."""
+    `NoProgressError` (exit 2), whose message counts the rows per drop reason (None returned,
+    malformed samples, non-finite rewards, uniform groups filtered, prompts too long, failures).
+    null: `NO_PROGRESS_STEPS` (10) steps' worth of rows, `data.prompt_groups_per_step` x 10, the
+    analogue of verl's `max_num_gen_batches`."""
     max_nonfinite_steps: int = 3
     """Consecutive training steps whose loss or gradient norm is non-finite before the run stops;
     each such step's update is skipped."""
@@ -52,6 +58,12 @@ class GuardsConfig:
     """The process group's timeout (DDP and FSDP2): a collective that has not completed by then
     fails. The backstop behind `peer_timeout_s`; it must exceed the longest wait of a rank for the
     others in a healthy run (one rank's sampling while the others wait at the step's all-reduce)."""
+
+    def rows_without_progress(self, prompt_groups_per_step: int) -> int:
+        """`max_rows_without_progress`, its null read as `NO_PROGRESS_STEPS` steps' worth of rows."""
+        if self.max_rows_without_progress is not None:
+            return self.max_rows_without_progress
+        return NO_PROGRESS_STEPS * prompt_groups_per_step
 
     def __post_init__(self) -> None:
         require_finite(self.rollout_timeout_s, "guards.rollout_timeout_s")
@@ -74,7 +86,11 @@ class GuardsConfig:
         require_finite(self.rollout_failure_share, "guards.rollout_failure_share")
         require(0 < self.rollout_failure_share <= 1, "guards.rollout_failure_share", "must be in (0, 1]")
         require(self.rollout_failure_window >= 1, "guards.rollout_failure_window", "must be >= 1")
-        require(self.max_rows_without_progress >= 1, "guards.max_rows_without_progress", "must be >= 1")
+        require(
+            self.max_rows_without_progress is None or self.max_rows_without_progress >= 1,
+            "guards.max_rows_without_progress",
+            "must be null (10 steps' worth of rows) or >= 1",
+        )
         require(self.max_nonfinite_steps >= 1, "guards.max_nonfinite_steps", "must be >= 1")
         for name in ("peer_heartbeat_s", "peer_timeout_s", "collective_timeout_s"):
             require_finite(getattr(self, name), f"guards.{name}")

@@ -65,6 +65,9 @@ class TrainConfig:
     format when fit ends (null: no export)."""
     eval_interval: int = 0
     """Greedy accuracy on `data.eval_rows` held-out rows every N rollout steps and at the end (0: at the end only)."""
+    eval_at_start: bool = False
+    """Also score the held-out rows before the first step (`eval/accuracy` at step 0, the summary's
+    `eval_accuracy_start`): the base model's accuracy, measured by the run itself."""
     summary_metric: str = "reward/mean"
     """Metric reported in the run summary and the reward curve."""
 

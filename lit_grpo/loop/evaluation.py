@@ -92,6 +92,7 @@ class GreedyEvaluator:
         batch_size: int = 64,
         prompt_field: Optional[str] = None,
         processor=None,
+        at_start: bool = False,
     ) -> None:
         self.sampler, self.tokenizer, self.rows, self.reward_fn = sampler, tokenizer, rows, reward_fn
         self.processor = processor
@@ -104,9 +105,20 @@ class GreedyEvaluator:
         )
         self.last_metrics: dict[str, float] = {}
         self.last_step: Optional[int] = None
+        self.at_start = at_start and bool(rows)
+        """Whether a fresh run scores the rows before its first step too (`eval_at_start`)."""
+        self.start_metrics: dict[str, float] = {}
+        """That first evaluation's metrics (kept through a resume, for the summary)."""
 
     def due(self, step: int) -> bool:
         return bool(self.rows) and self.interval > 0 and step % self.interval == 0
+
+    def evaluate_at_start(self, rank: int = 0, world_size: int = 1) -> dict[str, float]:
+        """The evaluation before the first step (step 0), when `at_start`; else nothing."""
+        if not self.at_start:
+            return {}
+        self.start_metrics = self.evaluate(0, rank, world_size)
+        return dict(self.start_metrics)
 
     def evaluate(self, step: int, rank: int = 0, world_size: int = 1) -> dict[str, float]:
         """`eval/accuracy` over all ranks' shares of the rows (a collective); nothing without rows."""
@@ -143,10 +155,11 @@ class GreedyEvaluator:
         return dict(self.last_metrics)
 
     def state_dict(self) -> dict:
-        return {"last": dict(self.last_metrics), "last_step": self.last_step}
+        return {"last": dict(self.last_metrics), "last_step": self.last_step, "start": dict(self.start_metrics)}
 
     def load_state_dict(self, state: dict) -> None:
         self.last_metrics = {k: v for k, v in state["last"].items() if k == "eval/accuracy"}
+        self.start_metrics = dict(state.get("start", {}))  # absent from checkpoints written before it was kept
         # Checkpoints written before `last_step` was saved kept the step in `last` as "eval/step".
         step = state.get("last_step", state["last"].get("eval/step"))
         self.last_step = None if step is None else int(step)

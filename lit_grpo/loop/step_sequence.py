@@ -293,9 +293,11 @@ class StepSequence:
     # ------------------------------------------------------------------ start, resume, end
 
     def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
-        self._last_end = time.perf_counter()
         if self.resume_from is None:
+            self._evaluate_at_start(trainer)
+            self._last_end = time.perf_counter()
             return
+        self._last_end = time.perf_counter()
         assert self.checkpointer is not None, "a resume always has a checkpointer (build.step_sequence)"
         state = self.checkpointer.load(self.resume_from, trainer, module)
         module.rollout_step = state["step"]
@@ -347,6 +349,14 @@ class StepSequence:
                     for logger in trainer.loggers:
                         logger.log_metrics(metrics, step=step - 1)
 
+    def _evaluate_at_start(self, trainer: L.Trainer) -> None:
+        """A fresh run's evaluation before its first step (`eval_at_start`), logged at step 0."""
+        for evaluator in self.evaluators:
+            if (at_start := getattr(evaluator, "evaluate_at_start", None)) is not None:
+                if metrics := at_start(trainer.global_rank, trainer.world_size):
+                    for logger in trainer.loggers:
+                        logger.log_metrics(metrics, step=0)
+
     def _say_reward_timeouts(self, trainer: L.Trainer) -> None:
         """One line with every rank's count of substituted rewards (a collective; none without a scorer)."""
         scorer = getattr(self.datamodule, "reward_scorer", None)
@@ -369,6 +379,10 @@ class StepSequence:
     def last_evaluation(self) -> dict[str, float]:
         """The latest metrics of every evaluator (greedy accuracy: `eval/accuracy`)."""
         return {k: v for e in self.evaluators for k, v in e.last_metrics.items()}
+
+    def start_evaluation(self) -> dict[str, float]:
+        """The metrics of the evaluation before the first step (`eval_at_start`; empty without one)."""
+        return {k: v for e in self.evaluators for k, v in getattr(e, "start_metrics", {}).items()}
 
     @property
     def rows_exhausted(self) -> bool:

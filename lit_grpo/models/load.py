@@ -128,6 +128,32 @@ def _unreachable(name: str, err: Exception) -> ModelLoadError:
     )
 
 
+def resolve_model_name(name: str) -> str:
+    """Where `model.name_or_path` is read from: a `.gguf` file's float folder in the model cache
+    (converted once, `lit_grpo.models.gguf`); a hub id built without the hub (`make smollm2`) its
+    cache folder, unless the hub's own copy is already in the Hugging Face cache; else `name`."""
+    from lit_grpo.config.sources import GGUF_SUFFIX, built_model_folder, hub_cached
+
+    path = Path(name).expanduser()
+    if path.suffix.lower() == GGUF_SUFFIX and path.is_file():
+        from lit_grpo.models.gguf import gguf_folder
+
+        return str(gguf_folder(path))
+    if (built := built_model_folder(name)) is not None and not hub_cached(name, "model"):
+        log.info("model %s: the build in %s (made by `make smollm2` from the package index)", name, built)
+        return str(built)
+    return name
+
+
+def with_resolved_model(cfg: ModelConfig) -> ModelConfig:
+    """`cfg` with `name_or_path` as `resolve_model_name` reads it (a loaded model, `kind=hf`, only)."""
+    import dataclasses
+
+    if cfg.kind != "hf" or cfg.name_or_path is None:
+        return cfg
+    return dataclasses.replace(cfg, name_or_path=resolve_model_name(cfg.name_or_path))
+
+
 def _model_path(cfg: ModelConfig) -> str:
     """`model.name_or_path` of a model to load (`kind=hf`, where the config requires it), checked
     first when it is a local path."""

@@ -8,6 +8,9 @@ and a search for usable groups that finds none.
 - Rows that never give an accepted group (every sample None or malformed, every group uniform,
   every prompt too long) stop the run after `guards.max_rows_without_progress` rows (`ProgressGuard`),
   with the counts per reason and what to check (`NoProgressError`).
+- Groups that keep coming back uniform (every completion one reward: no advantage to learn from)
+  are said to be so, in one warning with the reward and what to change, within `UNIFORM_NOTICE_S`
+  of wall time (`UniformGroupWatch`), long before that stop.
 """
 
 from __future__ import annotations
@@ -15,9 +18,12 @@ from __future__ import annotations
 import math
 import numbers
 import reprlib
+import time
 from collections import Counter, deque
+from collections.abc import Callable, Sequence
 from typing import Optional
 
+from lit_grpo.advantages.registry import UNIFORM_TOLERANCE, rewards_uniform
 from lit_grpo.errors import UserError
 from lit_grpo.types import RolloutSample
 
@@ -255,6 +261,79 @@ class CircuitBreaker:
                 f"{len(self.recent)} rows (every call of a failed row raised); last error: {error!r}. "
                 f"Training stops: {hint} (the limits: guards.rollout_failure_share, guards.rollout_failure_window)."
             ) from error
+
+
+UNIFORM_NOTICE_S = 60.0
+"""The wall time over which the share of uniform groups is judged, and after which it is said once."""
+UNIFORM_NOTICE_SHARE = 0.8
+"""The share of uniform groups in such a period that is worth a warning."""
+UNIFORM_NOTICE_MIN_GROUPS = 4
+"""Fewer groups in a period say too little to warn on."""
+
+
+class UniformGroupWatch:
+    """Counts, over periods of `period_s` wall seconds, the groups whose runs all got one reward;
+    the first period in which at least `share` of `min_groups` or more groups were uniform gets one
+    warning line (`record` returns it): the rewards they had, the share, and what to change. Said
+    once a run: the no-progress stop, if it comes, says the rest."""
+
+    def __init__(
+        self,
+        *,
+        completions_per_prompt: int,
+        stop_after_rows: int,
+        period_s: float = UNIFORM_NOTICE_S,
+        share: float = UNIFORM_NOTICE_SHARE,
+        min_groups: int = UNIFORM_NOTICE_MIN_GROUPS,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.G, self.stop_after_rows = completions_per_prompt, stop_after_rows
+        self.period_s, self.share, self.min_groups, self.clock = period_s, share, min_groups, clock
+        self.said = False
+        self._start: Optional[float] = None
+        self._groups = 0
+        self._uniform: Counter = Counter()  # reward value -> uniform groups with it
+
+    def record(self, rewards: Sequence[float]) -> Optional[str]:
+        """Count one judged group by its runs' rewards; the warning line when one is due, else None."""
+        if self.said or not rewards:
+            return None
+        now = self.clock()
+        if self._start is None:
+            self._start = now
+        self._groups += 1
+        if rewards_uniform(rewards, UNIFORM_TOLERANCE):
+            self._uniform[float(rewards[0])] += 1
+        if now - self._start < self.period_s or self._groups < self.min_groups:
+            return None
+        uniform = sum(self._uniform.values())
+        if uniform >= self.share * self._groups:
+            self.said = True
+            return self.notice(uniform, self._groups, now - self._start)
+        self._start, self._groups, self._uniform = now, 0, Counter()  # a new period
+        return None
+
+    def notice(self, uniform: int, groups: int, seconds: float) -> str:
+        by_value = ", ".join(f"{n} at {value:g}" for value, n in self._uniform.most_common(3))
+        common = self._uniform.most_common(1)[0][0]
+        why = (
+            "the model rarely earns any reward on these rows"
+            if common <= 0
+            else f"most completions score {common:g} alike: the task may be too easy, or the reward too coarse"
+        )
+        advice = (
+            "a shaping or format reward beside the task's (reward.fn=[<task reward>,my_rewards:format] "
+            "reward.weights=[1.0,0.2]), an easier task, more completions per prompt "
+            f"(data.completions_per_prompt={2 * self.G}), a higher sampler.temperature, or train on uniform "
+            "groups anyway (~callbacks.reward_filter)"
+        )
+        return (
+            f"{uniform} of the {groups} groups sampled in the last {seconds:.0f} s ({uniform / groups:.0%}) came back "
+            f"uniform, all {self.G} completions with one reward ({by_value}): such a group has no advantage to learn "
+            f"from (the uniform-reward filter, when on, drops it). {why[0].upper() + why[1:]}. Change one of: "
+            f"{advice}. The run stops after {self.stop_after_rows} rows in a row without a group that trains "
+            "(guards.max_rows_without_progress)."
+        )
 
 
 class NoProgressError(UserError, RuntimeError):

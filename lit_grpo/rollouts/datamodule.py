@@ -145,7 +145,7 @@ class RolloutDataModule(L.LightningDataModule):
             vocab_size=len(tokenizer),
             rollout_timeout_s=c.guards.rollout_timeout_s,
             max_retries=c.guards.rollout_max_retries,
-            max_rows_without_progress=c.guards.max_rows_without_progress,
+            max_rows_without_progress=c.guards.rows_without_progress(c.data.prompt_groups_per_step),
             max_completion_tokens=c.sampler.max_completion_tokens,
             overlong_buffer_len=c.rollout.overlong_buffer_len,
             overlong_penalty_factor=c.rollout.overlong_penalty_factor,

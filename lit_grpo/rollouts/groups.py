@@ -16,7 +16,7 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Optional
 
-from lit_grpo.rollouts.checks import CircuitBreaker, ProgressGuard, short_reason
+from lit_grpo.rollouts.checks import CircuitBreaker, ProgressGuard, UniformGroupWatch, short_reason
 from lit_grpo.rollouts.context import RolloutCalls
 from lit_grpo.rollouts.deadlines import TRANSIENT_ERRORS, call_rollout, function_name, gather_or_cancel
 from lit_grpo.rollouts.pipeline import GroupFilter, checked_samples, error_key, group_verdict, penalize_overlong
@@ -79,6 +79,9 @@ class GroupSampler:
         self.retry_on = retry_on
         self.breaker = CircuitBreaker(window=failure_window, max_failure_rate=failure_share)
         self.guard = ProgressGuard(max_rows_without_progress, max_seq_len=max_seq_len)
+        self.uniform_watch = UniformGroupWatch(
+            completions_per_prompt=completions_per_prompt, stop_after_rows=max_rows_without_progress
+        )
         self.rows_sampled = 0
         self._in_flight: dict[int, float] = {}  # rows sampling now -> when they began
         self._counts: Counter = Counter()
@@ -191,6 +194,8 @@ class GroupSampler:
     def accept(self, group: PromptGroup) -> bool:
         """Whether the group trains; a rejection is counted under its reason. Raises
         `NoProgressError` when too many rows in a row were rejected."""
+        if notice := self.uniform_watch.record(group.rewards if group.samples else []):
+            log.warning("%s", notice)
         verdict = group_verdict(group, self.min_group_size, self.filters)
         if verdict is None:
             self.guard.accepted()

@@ -36,6 +36,7 @@ from lit_grpo.maths.multimodal import vision_forward_kwargs
 from lit_grpo.models.weights import DTensor
 from lit_grpo.samplers.arguments import SamplerTimeout
 from lit_grpo.samplers.base import BatchingSampler, normalize_weight_name, strip_wrapper_prefixes
+from lit_grpo.samplers.shared_prefill import shared_prompt_cache
 from lit_grpo.samplers.stops import find_stop, first_stop
 from lit_grpo.types import Completion, MultiModalBatch
 
@@ -73,9 +74,15 @@ class HFSampler(BatchingSampler):
         *,
         max_batch_size: int = 256,
         share_weights: bool = False,
+        share_prompt_prefill: bool = True,
     ) -> None:
         super().__init__(tokenizer, max_batch_size=max_batch_size)
         self.shares_weights = share_weights
+        self.share_prompt_prefill = share_prompt_prefill
+        """Encode each distinct prompt of a batch once (`lit_grpo.samplers.shared_prefill`): a group's
+        G completions share their prompt's prefill."""
+        self.prefill_tokens_saved = 0
+        """Prompt tokens the shared prefill did not encode, over this sampler's life."""
         self.version = 0
         """Weight syncs loaded, unless set (the run's policy version: `enable_partial_rollouts`)."""
         self.last_sync_bytes = 0
@@ -283,9 +290,19 @@ class HFSampler(BatchingSampler):
             else {k: v.to(device) for k, v in vision_forward_kwargs(self.model, input_ids, images.tensors).items()}
         )
         with self._as_a_copy(), _contiguous_head_input(self.model):
+            shared = (
+                shared_prompt_cache(self.model, input_ids.to(device), attention.to(device))
+                if self.share_prompt_prefill and images is None
+                else None
+            )
+            cache = None
+            if shared is not None:
+                cache, saved = shared
+                self.prefill_tokens_saved += saved
             out = self.model.generate(
                 input_ids=input_ids.to(device),
                 attention_mask=attention.to(device),
+                **({"past_key_values": cache} if cache is not None else {}),
                 **vision,
                 generation_config=gen_config,
                 logits_processor=LogitsProcessorList([recorder, *drawn]),

@@ -1,6 +1,7 @@
 """Tasks: each makes dataset rows and names the reward that scores them (a registry, see
-`lit_grpo.tasks.registry`). The built-ins are `arithmetic` (the CPU demo), `gsm8k`, `lookup`
-(a multi-turn game for IGPO) and `calculator` (problems answered through a tool).
+`lit_grpo.tasks.registry`). The built-ins are `arithmetic` (the CPU demo), `chat_sums` (two-digit
+sums asked a chat model), `gsm8k`, `lookup` (a multi-turn game for IGPO) and `calculator` (problems
+answered through a tool).
 
 What the training entry point calls, all from the validated `TrainConfig` (`lit_grpo.tasks.rows` calls
 the first two only when `data.path` / `data.eval_path` give no rows of the user's own):
@@ -15,7 +16,7 @@ from typing import Optional, cast
 
 from lit_grpo.config import TrainConfig
 from lit_grpo.config.model import TEXT_BUILT_KINDS
-from lit_grpo.tasks import arithmetic, calculator, gsm8k, lookup, vlm_shapes  # noqa: F401  (registers the built-in tasks)
+from lit_grpo.tasks import arithmetic, calculator, chat_sums, gsm8k, lookup, vlm_shapes  # noqa: F401  (registers the built-in tasks)
 from lit_grpo.tasks.images import messages_have_images, row_has_images
 from lit_grpo.tasks.registry import (
     TASKS,
