@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import logging
 import warnings
 from collections.abc import Sequence
 from datetime import timedelta
@@ -27,7 +28,7 @@ from torch import nn
 
 from lit_grpo.advantages.registry import Advantage, get_advantage, make_advantage
 from lit_grpo.callbacks.export import HFExport
-from lit_grpo.callbacks.progress import StepProgressBar
+from lit_grpo.callbacks.progress import StepLogLine, StepProgressBar
 from lit_grpo.config import ConfigError, ModelConfig, TrainConfig, UserInputs
 from lit_grpo.config.checks import exception_class
 from lit_grpo.config.guards import GuardsConfig
@@ -59,6 +60,8 @@ from lit_grpo.samplers.base import BatchingSampler
 from lit_grpo.tasks import RewardFn, evaluation_rows, reward_fn, training_rows
 from lit_grpo.tasks.images import image_placeholder_ids
 from lit_grpo.types import RolloutSetup
+
+log = logging.getLogger(__name__)
 
 RESCUED_MODEL_DIR = "exported_policy"
 """Where, in the run folder, the trained policy goes when `output_model_id` cannot be written."""
@@ -307,7 +310,7 @@ def build_trainer(c: TrainConfig, extra_callbacks: Sequence[L.Callback] = ()) ->
             *extra_callbacks,
             PeerWatchCallback(c.guards.peer_heartbeat_s, c.guards.peer_timeout_s),
         ]
-        + ([StepProgressBar(c.max_steps)] if t.enable_progress_bar else []),
+        + ([StepProgressBar(c.max_steps)] if t.enable_progress_bar else [StepLogLine(c.max_steps, c.summary_metric)]),
         logger=_instantiate_all(c.logger) or False,
         **t.extra,
     )
@@ -349,6 +352,10 @@ def build_run(
         else []
     )  # an absolute id stays absolute
     trainer = build_trainer(c, [*callbacks, *extra_callbacks])
+    if trainer.is_global_zero:
+        log.info("%s", run_mode_line(c))
+        if (short := completion_room_problem(c, rows, tokenizer)) is not None:
+            log.warning("%s", short)
     L.seed_everything(c.seed + RANK_SEED_STRIDE * trainer.global_rank, verbose=False)
     datamodule = build_datamodule(
         c, policy, tokenizer, rows, reward, rank=trainer.global_rank, world_size=trainer.world_size, inputs=inputs
@@ -357,6 +364,57 @@ def build_run(
         datamodule.add_group_filter(inputs.group_filter)
     module = GRPOModule(policy, c, build_step_sequence(c, datamodule, resume_from, stop, inputs, eval_rows, reward))
     return trainer, module, datamodule
+
+
+def run_mode_line(c: TrainConfig) -> str:
+    """The one line a run starts with about how it runs: the policy's number format and the
+    trainer's, and whether sampling overlaps training (and on what weights)."""
+    policy = c.model.name_or_path or f"model.kind={c.model.kind}"
+    precision = f"{policy} in {c.model.dtype} (model.dtype), trainer.precision={c.trainer.precision}"
+    if c.offpolicy.synchronous:
+        how = (
+            "the hf sampler generates with the policy itself"
+            if c.sampler_shares_policy_weights
+            else f"the {c.sampler.kind} sampler generates"
+        )
+        mode = f"synchronous (offpolicy.synchronous=true): {how}, then the trainer trains, in turn"
+    else:
+        copy = " on a copy of the weights" if c.sampler.kind == "hf" else ""
+        mode = (
+            f"asynchronous (offpolicy.synchronous=false): the {c.sampler.kind} sampler generates the next rows{copy} "
+            "while the trainer trains, so perf/sample_s overlaps perf/train_s (perf/overlap_ratio says how much); "
+            "offpolicy.synchronous=true alternates them"
+        )
+    return f"{precision}; training is {mode}"
+
+
+PROMPT_ROWS_CHECKED = 256
+"""The rows whose prompt lengths the start of a run checks against `data.max_seq_len`."""
+
+
+def completion_room_problem(c: TrainConfig, rows: list[dict], tokenizer) -> Optional[str]:
+    """A warning when the longest prompt of the first rows leaves less than
+    `sampler.max_completion_tokens` within `data.max_seq_len` (None when all fit, or the rows'
+    prompts are a custom rollout's to read)."""
+    from lit_grpo.rollouts.rollout import row_prompt_tokens
+    from lit_grpo.tasks.rows import DEFAULT_ROLLOUT
+
+    if c.rollout.factory != DEFAULT_ROLLOUT or c.model.kind == "tiny_vlm":
+        return None
+    try:
+        longest = max(len(row_prompt_tokens(row, tokenizer, c.data.prompt_field)) for row in rows[:PROMPT_ROWS_CHECKED])
+    except Exception:  # a row the rollout will refuse, with its own message
+        return None
+    room = c.data.max_seq_len - longest
+    if room >= c.sampler.max_completion_tokens:
+        return None
+    limit, wanted = c.sampler.max_completion_tokens, longest + c.sampler.max_completion_tokens
+    checked = min(len(rows), PROMPT_ROWS_CHECKED)
+    return (
+        f"data.max_seq_len={c.data.max_seq_len} leaves {max(room, 0)} tokens for a completion after the longest "
+        f"prompt of the first {checked} rows ({longest} tokens, chat template included), less than "
+        f"sampler.max_completion_tokens={limit}: completions are cut there. Raise data.max_seq_len to {wanted} or more"
+    )
 
 
 def fit(c: TrainConfig, resume_from: Optional[Path] = None, **build_kwargs) -> tuple[L.Trainer, GRPOModule]:

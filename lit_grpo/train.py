@@ -127,7 +127,12 @@ def write_summary(
         tmp = path.with_name(f".{SUMMARY_FILE}.{os.getpid()}.tmp")
         tmp.write_text(json.dumps(summary_file, indent=1))
         os.replace(tmp, path)
-        log.info("run summary: %s", json.dumps(summary))
+        window = summary_file["reward_window"]
+        log.info(
+            "run summary (first_reward, final_reward, best_reward: %s): %s",
+            f"means over {window} steps" if window > 1 else "one step each",
+            json.dumps(summary),
+        )
         log.info("%s", reason)  # the run's last line: why it stopped
     return summary
 

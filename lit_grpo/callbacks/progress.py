@@ -68,3 +68,36 @@ class StepProgressBar(TQDMProgressBar):
         if self._redirect is not None:
             self._redirect.close()
             self._redirect = None
+
+
+STEP_LINE_EVERY_S = 30.0
+"""With no progress bar, a step's line is logged when this long has passed since the last one."""
+
+
+class StepLogLine(L.Callback):
+    """With the progress bar off (`trainer.enable_progress_bar=false`: CI, `nohup`, a cluster's job
+    log), one log line per step, at most one per `every_s` seconds (and always the last step's):
+    the step out of `max_steps`, its reward and its time, so a log is never silent for minutes."""
+
+    def __init__(self, max_steps: int, metric: str = "reward/mean", every_s: float = STEP_LINE_EVERY_S) -> None:
+        self.max_steps, self.metric, self.every_s = max_steps, metric, every_s
+        self._last: Optional[float] = None
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        import time
+
+        now = time.monotonic()
+        step = getattr(pl_module, "rollout_step", batch_idx + 1)
+        last = self.max_steps > 0 and step >= self.max_steps
+        if not trainer.is_global_zero or (self._last is not None and now - self._last < self.every_s and not last):
+            return
+        self._last = now
+        sequence = getattr(pl_module, "step_sequence", None)
+        metrics = sequence.history.steps[-1] if sequence is not None and sequence.history.steps else {}
+        parts = [f"step {step}" + (f"/{self.max_steps}" if self.max_steps > 0 else "")]
+        for key, label in ((self.metric, self.metric), ("perf/step_s", "s/step")):
+            if key in metrics:
+                parts.append(f"{label} {float(metrics[key]):.4g}")
+        logging.getLogger("lit_grpo.progress").info("%s", ", ".join(parts))

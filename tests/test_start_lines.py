@@ -1,0 +1,63 @@
+"""What a run says at its start and while it runs, for a user bringing a real model: the number
+formats and whether sampling overlaps training (one line), a `data.max_seq_len` that cuts the
+completions (one warning), a step line when no progress bar is drawn, the summary's windows named."""
+
+from __future__ import annotations
+
+import logging
+
+from conftest import compose_config
+
+from lit_grpo.build import completion_room_problem, run_mode_line
+from lit_grpo.callbacks.progress import StepLogLine
+from lit_grpo.run.validate import validate
+
+
+def test_the_start_line_says_the_formats_and_the_mode():
+    sync = run_mode_line(validate(compose_config("offpolicy.synchronous=true")))
+    assert "model.kind=tiny in float32 (model.dtype), trainer.precision=32-true" in sync
+    assert "synchronous (offpolicy.synchronous=true): the hf sampler generates with the policy itself" in sync
+    asynchronous = run_mode_line(validate(compose_config("offpolicy.synchronous=false", "model.dtype=bfloat16")))
+    assert "in bfloat16 (model.dtype)" in asynchronous
+    assert "asynchronous (offpolicy.synchronous=false): the hf sampler generates the next rows on a copy" in asynchronous
+    assert "perf/sample_s overlaps perf/train_s" in asynchronous and "offpolicy.synchronous=true" in asynchronous
+
+
+def test_a_loaded_model_defaults_to_float32_master_weights():
+    c = validate(compose_config("model=hf", "model.name_or_path=/nowhere/model"))
+    assert c.model.dtype == "float32"
+
+
+def test_a_max_seq_len_that_cuts_the_completions_is_said_with_the_length_to_use(tokenizer):
+    rows = [{"messages": [{"role": "user", "content": "What is 12 + 34?"}]}, {"prompt": "1+1="}]
+    text = tokenizer.apply_chat_template(rows[0]["messages"], add_generation_prompt=True, tokenize=False)
+    longest = len(tokenizer(text, add_special_tokens=False)["input_ids"])
+    c = validate(compose_config(f"data.max_seq_len={longest + 4}", "sampler.max_completion_tokens=10"))
+    warning = completion_room_problem(c, rows, tokenizer)
+    assert warning is not None
+    assert f"data.max_seq_len={longest + 4} leaves 4 tokens for a completion" in warning
+    assert f"({longest} tokens, chat template included)" in warning
+    assert f"sampler.max_completion_tokens=10: completions are cut there. Raise data.max_seq_len to {longest + 10}" in warning
+    roomy = validate(compose_config(f"data.max_seq_len={longest + 10}", "sampler.max_completion_tokens=10"))
+    assert completion_room_problem(roomy, rows, tokenizer) is None
+
+
+def test_without_a_progress_bar_each_step_gets_a_line_at_most_every_period(caplog):
+    class History:
+        steps: list = []
+
+    class Module:
+        rollout_step = 0
+        step_sequence = type("S", (), {"history": History()})()
+
+    class Trainer:
+        is_global_zero = True
+
+    line, module = StepLogLine(max_steps=3, every_s=3600.0), Module()
+    with caplog.at_level(logging.INFO, logger="lit_grpo.progress"):
+        for step in (1, 2, 3):
+            module.rollout_step = step
+            History.steps.append({"reward/mean": 0.25 * step, "perf/step_s": 10.0})
+            line.on_train_batch_end(Trainer(), module, {}, None, step - 1)
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == ["step 1/3, reward/mean 0.25, s/step 10", "step 3/3, reward/mean 0.75, s/step 10"]  # the last always
