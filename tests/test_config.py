@@ -159,9 +159,10 @@ def test_the_run_guards_have_documented_defaults(tmp_path):
     assert (g.rollout_timeout_s, g.rollout_max_retries, g.max_rows_without_progress, g.max_nonfinite_steps) == (
         300.0,
         2,
-        1000,
+        None,  # 10 steps' worth of rows: data.prompt_groups_per_step x 10
         3,
     )
+    assert g.rows_without_progress(c.data.prompt_groups_per_step) == 10 * c.data.prompt_groups_per_step
     c = validate(
         compose_config("sampler.temperature=1e-6", "learning_rate=1", output_dir=tmp_path)
     )  # extreme, not absurd

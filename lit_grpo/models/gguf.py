@@ -50,7 +50,7 @@ def readable_architectures() -> list[str]:
     """The model architectures whose GGUF files this transformers maps to its own classes."""
     from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
 
-    return sorted(GGUF_SUPPORTED_ARCHITECTURES)
+    return sorted(set(GGUF_SUPPORTED_ARCHITECTURES) - {"general", "tokenizer"})  # two metadata sections
 
 
 def sha256_of(path: Path, chunk_bytes: int = 1 << 22) -> str:
