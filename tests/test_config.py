@@ -159,10 +159,10 @@ def test_the_run_guards_have_documented_defaults(tmp_path):
     assert (g.rollout_timeout_s, g.rollout_max_retries, g.max_rows_without_progress, g.max_nonfinite_steps) == (
         300.0,
         2,
-        None,  # 10 steps' worth of rows: data.prompt_groups_per_step x 10
+        None,  # 10 steps' worth of rows, data.prompt_groups_per_step x 10, and at least 100
         3,
     )
-    assert g.rows_without_progress(c.data.prompt_groups_per_step) == 10 * c.data.prompt_groups_per_step
+    assert g.rows_without_progress(c.data.prompt_groups_per_step) == max(10 * c.data.prompt_groups_per_step, 100)
     c = validate(
         compose_config("sampler.temperature=1e-6", "learning_rate=1", output_dir=tmp_path)
     )  # extreme, not absurd
@@ -251,7 +251,7 @@ def test_the_task_options_are_checked_strictly_naming_the_key(tmp_path):
         validate(compose_config("task.num_rows=many", output_dir=tmp_path))
     with pytest.raises(ConfigError, match=r"task\.path.*arithmetic"):  # a gsm8k option on the arithmetic task
         validate(compose_config("+task.path=train.jsonl", output_dir=tmp_path))
-    unknown = r"task\.name.*unknown task 'countdown'; valid: arithmetic, calculator, gsm8k"
+    unknown = r"task\.name.*unknown task 'countdown'; valid: arithmetic, calculator, chat_sums, gsm8k"
     with pytest.raises(ConfigError, match=unknown):
         validate(compose_config("task.name=countdown", output_dir=tmp_path))
 
@@ -290,7 +290,7 @@ def test_a_user_task_is_a_registry_entry_with_its_own_options(tmp_path, monkeypa
     assert build_rows(c)[0] == {"prompt": "say hi", "answer": "hihi"}
     with pytest.raises(ConfigError, match=r"task\.repeats.*could not be converted"):
         validate(compose_config("task=user", "task.name=echo", "+task.repeats=twice", output_dir=tmp_path))
-    with pytest.raises(ConfigError, match=r"task\.name.*valid: arithmetic, calculator, echo, gsm8k"):
+    with pytest.raises(ConfigError, match=r"task\.name.*valid: arithmetic, calculator, chat_sums, echo, gsm8k"):
         validate(compose_config("task=user", "task.name=ech", output_dir=tmp_path))
 
 

@@ -99,6 +99,11 @@ COMMANDS: dict[str, str] = {
     "+rollout.extras.environment=my_env:Calculator +rollout.extras.max_turns=4 "
     "'+rollout.extras.stop=[\"</tool_call>\"]' max_steps=200": "slow",
     "python -m lit_grpo.train +experiment=gsm8k": HF_MODEL,
+    # README.md, guides/real-model.md
+    "python -m lit_grpo.train +experiment=smollm2_sums": (
+        "a real model's 15-minute run (tests/test_real_model.py runs it for 2 steps, nightly; "
+        "benchmarks/smollm2_sums.py measures it)"
+    ),
     "python -m lit_grpo.train +experiment=gsm8k model.name_or_path=/models/Qwen2.5-0.5B-Instruct "
     "task.path=/data/gsm8k/train.jsonl task.eval_path=/data/gsm8k/test.jsonl": HF_MODEL,
     "python -m lit_grpo.train +experiment=gsm8k model=tiny sampler=hf trainer=cpu "

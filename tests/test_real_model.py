@@ -17,7 +17,7 @@ import pytest
 
 from lit_grpo.config.sources import MODEL_CACHE_ENV
 
-pytestmark = [pytest.mark.nightly, pytest.mark.timeout(1800)]
+pytestmark = [pytest.mark.slow, pytest.mark.nightly, pytest.mark.timeout(1800)]
 REPO = Path(__file__).resolve().parents[1]
 
 

@@ -345,9 +345,10 @@ def test_a_stream_of_uniform_groups_warns_and_then_stops_after_its_budget(caplog
     assert len(warnings) == 1 and "(4 at 0)" in warnings[0] and "stops after 20 rows" in warnings[0]
 
 
-def test_the_no_progress_budget_defaults_to_ten_steps_of_rows():
-    from lit_grpo.config.guards import NO_PROGRESS_STEPS, GuardsConfig
+def test_the_no_progress_budget_defaults_to_ten_steps_of_rows_and_at_least_a_hundred():
+    from lit_grpo.config.guards import NO_PROGRESS_MIN_ROWS, NO_PROGRESS_STEPS, GuardsConfig
 
-    assert NO_PROGRESS_STEPS == 10
-    assert GuardsConfig().rows_without_progress(4) == 40
+    assert (NO_PROGRESS_STEPS, NO_PROGRESS_MIN_ROWS) == (10, 100)
+    assert GuardsConfig().rows_without_progress(16) == 160
+    assert GuardsConfig().rows_without_progress(4) == 100
     assert GuardsConfig(max_rows_without_progress=7).rows_without_progress(4) == 7

@@ -114,7 +114,7 @@ def test_a_run_whose_every_row_is_bad_stops_with_one_message(tmp_path):
     proc, seconds = _vlm_run(tmp_path, _write_rows(tmp_path / "rows.jsonl", rows))
     message = _assert_user_error(
         proc,
-        "no prompt group was accepted in the last 20 rows sampled (guards.max_rows_without_progress=20)",
+        "no prompt group was accepted in the last 100 rows sampled (guards.max_rows_without_progress=100)",
         "rollout/dropped_bad_image",
     )
     assert proc.stderr.count("error: ") == 1, proc.stderr

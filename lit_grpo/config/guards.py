@@ -10,7 +10,9 @@ from typing import Optional
 from lit_grpo.config.checks import exception_class, require, require_finite
 
 NO_PROGRESS_STEPS = 10
-"""`guards.max_rows_without_progress=null`: this many steps' worth of rows without one group that trains."""
+"""`guards.max_rows_without_progress=null`: this many steps' worth of rows without one group that trains..."""
+NO_PROGRESS_MIN_ROWS = 100
+"""...and never fewer rows: a small step of a model that earns its first rewards rarely needs room."""
 
 
 @dataclass
@@ -39,8 +41,8 @@ class GuardsConfig:
     """Consecutive rows sampled without one accepted group before the run stops with
     `NoProgressError` (exit 2), whose message counts the rows per drop reason (None returned,
     malformed samples, non-finite rewards, uniform groups filtered, prompts too long, failures).
-    null: `NO_PROGRESS_STEPS` (10) steps' worth of rows, `data.prompt_groups_per_step` x 10, the
-    analogue of verl's `max_num_gen_batches`."""
+    null: `NO_PROGRESS_STEPS` (10) steps' worth of rows, `data.prompt_groups_per_step` x 10 and at
+    least 100, the analogue of verl's `max_num_gen_batches`."""
     max_nonfinite_steps: int = 3
     """Consecutive training steps whose loss or gradient norm is non-finite before the run stops;
     each such step's update is skipped."""
@@ -63,7 +65,7 @@ class GuardsConfig:
         """`max_rows_without_progress`, its null read as `NO_PROGRESS_STEPS` steps' worth of rows."""
         if self.max_rows_without_progress is not None:
             return self.max_rows_without_progress
-        return NO_PROGRESS_STEPS * prompt_groups_per_step
+        return max(NO_PROGRESS_STEPS * prompt_groups_per_step, NO_PROGRESS_MIN_ROWS)
 
     def __post_init__(self) -> None:
         require_finite(self.rollout_timeout_s, "guards.rollout_timeout_s")

@@ -74,7 +74,11 @@ def checksum_problem(folder: Path) -> Optional[str]:
     listing = folder / CHECKSUMS
     if not listing.is_file():
         return f"{listing} is missing"
-    expected = dict(reversed(line.split("  ", 1)) for line in listing.read_text().splitlines() if line.strip())
+    expected: dict[str, str] = {}
+    for line in listing.read_text().splitlines():
+        if line.strip():
+            digest, name = line.split("  ", 1)
+            expected[name] = digest
     for name, digest in expected.items():
         path = folder / name
         if not path.is_file():
@@ -105,7 +109,7 @@ def gguf_to_folder(gguf_file: Path, out_dir: Path, *, record: Optional[dict[str,
             "(F32, F16, BF16, Q4_0 to Q8_0, the K-quants, the IQ types), and trains them in float"
         ) from None
     # The file's quantization is gone once dequantized: the folder must load as plain float weights.
-    model.hf_quantizer = None
+    model.hf_quantizer = None  # type: ignore[assignment]  # a plain attribute the saver reads
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     out_dir.parent.mkdir(parents=True, exist_ok=True)

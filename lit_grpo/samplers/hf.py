@@ -292,7 +292,7 @@ class HFSampler(BatchingSampler):
         with self._as_a_copy(), _contiguous_head_input(self.model):
             shared = (
                 shared_prompt_cache(self.model, input_ids.to(device), attention.to(device))
-                if self.share_prompt_prefill and images is None
+                if self.share_prompt_prefill and images is None and not _reads_images(self.model)
                 else None
             )
             cache = None
@@ -370,6 +370,12 @@ def _contiguous_head_input(model: PreTrainedModel) -> Iterator[None]:
     finally:
         if handle is not None:
             handle.remove()
+
+
+def _reads_images(model: PreTrainedModel) -> bool:
+    """A vision-language model: its positions are its own (multimodal rope), so its prompts are
+    prefilled by generate itself, even in a batch without images."""
+    return getattr(model.config, "vision_config", None) is not None
 
 
 def _contiguous_first_input(module: torch.nn.Module, args: tuple) -> Optional[tuple]:

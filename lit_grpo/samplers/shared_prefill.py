@@ -25,7 +25,7 @@ def distinct_rows(input_ids_NW: torch.Tensor, attention_NW: torch.Tensor) -> tup
     ids and mask together; the first occurrence stands for each. Shapes: `[N, W]` -> `[U]`, `[N]`."""
     keys = torch.cat([input_ids_NW, attention_NW.to(input_ids_NW.dtype)], dim=1)
     _, inverse_N = torch.unique(keys, dim=0, return_inverse=True)
-    first_of = {}
+    first_of: dict[int, int] = {}
     for row, group in enumerate(inverse_N.tolist()):
         first_of.setdefault(group, row)
     order = sorted(first_of, key=first_of.__getitem__)  # distinct rows in the order they first appear
@@ -68,6 +68,6 @@ def shared_prompt_cache(
     except (TypeError, ValueError, NotImplementedError) as err:
         log.debug("prompts prefilled per row: the shared prefill failed (%s: %s)", type(err).__name__, err)
         return None
-    cache.reorder_cache(inverse_N.to(head_ids.device))
+    cache.reorder_cache(inverse_N.to(head_ids.device))  # type: ignore[arg-type]  # a LongTensor, as typed
     saved = int(attention_NW[:, :-1].sum()) - int(head_mask.sum())
     return cache, saved
