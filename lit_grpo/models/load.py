@@ -159,7 +159,7 @@ def _model_path(cfg: ModelConfig) -> str:
     first when it is a local path."""
     assert cfg.name_or_path is not None, "model.kind=hf without model.name_or_path passed the config's checks"
     _check_local_path(cfg.name_or_path)
-    return cfg.name_or_path
+    return resolve_model_name(cfg.name_or_path)  # a checkpoint's config (the export) holds the name as given
 
 
 def _check_local_path(name: str) -> None:
