@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from typing import Any, Optional
 
 import lightning as L
@@ -86,8 +87,6 @@ class StepLogLine(L.Callback):
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        import time
-
         now = time.monotonic()
         step = getattr(pl_module, "rollout_step", batch_idx + 1)
         last = self.max_steps > 0 and step >= self.max_steps

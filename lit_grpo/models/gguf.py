@@ -14,11 +14,13 @@ together) wait for it, under a deadline.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Optional
 
@@ -138,31 +140,25 @@ CONVERSION_DEADLINE_S = 1800.0
 """How long a process waits for another's conversion of the same file before it gives up, saying so."""
 
 
-def folder_lock(out_dir: Path, timeout_s: float = CONVERSION_DEADLINE_S):
-    """The lock a process holds while it checks or writes `out_dir`, as a context manager; past
-    `timeout_s` of waiting, a `UserError` naming the lock file."""
-    import contextlib
-
+@contextlib.contextmanager
+def folder_lock(out_dir: Path, timeout_s: float = CONVERSION_DEADLINE_S) -> Iterator[None]:
+    """Held while a process checks or writes `out_dir`; past `timeout_s` of waiting for another
+    holder, a `UserError` naming the lock file."""
     from filelock import FileLock, Timeout
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     lock = FileLock(str(out_dir.with_name(out_dir.name + ".lock")), timeout=timeout_s)
-
-    @contextlib.contextmanager
-    def held():
-        try:
-            lock.acquire()
-        except Timeout:
-            raise UserError(
-                f"waited {timeout_s:.0f} s for another process writing {out_dir} (lock {lock.lock_file}); "
-                "if none runs, delete the lock file and start again"
-            ) from None
-        try:
-            yield
-        finally:
-            lock.release()
-
-    return held()
+    try:
+        lock.acquire()
+    except Timeout:
+        raise UserError(
+            f"waited {timeout_s:.0f} s for another process writing {out_dir} (lock {lock.lock_file}); "
+            "if none runs, delete the lock file and start again"
+        ) from None
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 def gguf_folder(gguf_file: Path) -> Path:
