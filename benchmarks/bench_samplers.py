@@ -2,9 +2,11 @@
 
     python -m benchmarks.bench_samplers                      # `make bench-samplers`
     python -m benchmarks.bench_samplers --steps 60 --samplers hf,server2
+    python -m benchmarks.bench_samplers --experiment smollm2_sums --steps 6 --warmup 1 \
+        --samplers hf,vllm,server1 eval_at_start=false data.eval_rows=0 sampler.max_model_len=256  # make smollm2 first
 
-Each sampler runs the arithmetic demo (`model.num_heads=2`, float32) for `--steps` steps in a
-process of its own, one after the other; the medians skip the first `--warmup` steps. The
+Each sampler runs the arithmetic demo (`model.num_heads=2`, float32), or `--experiment`'s recipe,
+for `--steps` steps in a process of its own, one after the other; the medians skip the first `--warmup` steps. The
 samplers: `hf` (transformers, in-process), `vllm` (vLLM's engine in-process), `server1` and
 `server2` (`sampler=vllm_server` with one or two local vLLM servers the run starts and stops).
 Run it with nothing else running: on a few cores the servers, the trainer and any other busy
@@ -32,15 +34,17 @@ SAMPLERS = {
 RUN_TIMEOUT_S = 1800
 
 
-def run(name: str, overrides: list[str], steps: int, root: Path) -> Path:
+DEMO = ["+experiment=arithmetic", "model.num_heads=2"]
+
+
+def run(name: str, overrides: list[str], steps: int, root: Path, experiment: list[str] = DEMO) -> Path:
     """One training run; its metrics.csv. A failed run prints its log's tail and exits."""
     out = root / name
     command = [
         sys.executable,
         "-m",
         "lit_grpo.train",
-        "+experiment=arithmetic",
-        "model.num_heads=2",
+        *experiment,
         "sampler.dtype=float32",
         f"max_steps={steps}",
         "output_model_id=null",
@@ -74,6 +78,7 @@ def medians(metrics: Path, warmup: int) -> dict[str, float]:
         "sample_s": median("perf/sample_s"),
         "train_s": median("perf/train_s"),
         "sync_s": median("perf/weight_sync_s"),
+        "tokens_per_s": median("perf/sample_tokens_per_s"),
         "samples_per_step": statistics.median(sampled) if sampled else float("nan"),
     }
 
@@ -83,6 +88,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--samplers", default=",".join(SAMPLERS), help=f"comma-separated, from {', '.join(SAMPLERS)}")
+    parser.add_argument("--experiment", default=None, help="a recipe instead of the demo, e.g. smollm2_sums")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for every run")
     args = parser.parse_args()
     names = [n.strip() for n in args.samplers.split(",") if n.strip()]
@@ -92,17 +98,18 @@ def main() -> None:
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name in names:
-            results[name] = medians(run(name, SAMPLERS[name] + args.overrides, args.steps, Path(tmp)), args.warmup)
+            experiment = [f"+experiment={args.experiment}"] if args.experiment else DEMO
+            metrics = run(name, SAMPLERS[name] + args.overrides, args.steps, Path(tmp), experiment)
+            results[name] = medians(metrics, args.warmup)
             print(f"{name}: done", file=sys.stderr, flush=True)
-    print(
-        "lit_grpo bench_samplers: arithmetic demo (num_heads=2, float32), "
-        f"{args.steps} steps, medians after {args.warmup}"
-    )
-    print(f"{'sampler':<10}{'step s':>9}{'samples/s':>11}{'sample s':>10}{'train s':>9}{'sync s':>9}")
+    what = f"+experiment={args.experiment} (float32)" if args.experiment else "arithmetic demo (num_heads=2, float32)"
+    print(f"lit_grpo bench_samplers: {what}, {args.steps} steps, medians after {args.warmup}")
+    print(f"{'sampler':<10}{'step s':>9}{'samples/s':>11}{'sample s':>10}{'tokens/s':>10}{'train s':>9}{'sync s':>9}")
     for name, r in results.items():
         rate = r["samples_per_step"] / r["step_s"]
         print(
-            f"{name:<10}{r['step_s']:>9.3f}{rate:>11.1f}{r['sample_s']:>10.3f}{r['train_s']:>9.3f}{r['sync_s']:>9.4f}"
+            f"{name:<10}{r['step_s']:>9.3f}{rate:>11.1f}{r['sample_s']:>10.3f}{r['tokens_per_s']:>10.1f}"
+            f"{r['train_s']:>9.3f}{r['sync_s']:>9.4f}"
         )
 
 

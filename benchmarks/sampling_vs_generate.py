@@ -4,6 +4,8 @@ scoring), interleaved in one process on one model, so the machine's load reaches
 
     python -m benchmarks.sampling_vs_generate                         # 2 layers, 2 x 8 rows, 32 tokens, 5 repeats
     python -m benchmarks.sampling_vs_generate --tokens 128 --repeats 3
+    python -m benchmarks.sampling_vs_generate --experiment smollm2_sums --prompts 8 --group 8 --tokens 64 \
+        --temperature 0.7
     python -m benchmarks.sampling_vs_generate --layers 1 --prompts 1 --tokens 256 --override model.hidden_size=64 \
         --override model.intermediate_size=256 --override model.num_heads=4 --override model.num_kv_heads=4
 
@@ -52,17 +54,32 @@ def naive_chosen_logprobs(logits_NV: torch.Tensor, tokens_N: torch.Tensor, tempe
     return torch.log_softmax(logits_NV / temperature, dim=-1).gather(-1, tokens_N1)[:, 0], raw_N
 
 
-def build(settings: Settings):
-    """The rehearsal's policy and tokenizer, and a step's prompts (token ids, each `group` times)."""
+def experiment_overrides(experiment: str, settings: Settings) -> list[str]:
+    """A recipe of a real model (`+experiment=smollm2_sums`) at the benchmark's shape."""
+    return [
+        f"+experiment={experiment}",
+        f"data.prompt_groups_per_step={settings.prompts}",
+        f"data.completions_per_prompt={settings.group}",
+        f"sampler.max_completion_tokens={settings.tokens}",
+        *settings.lit_overrides,
+    ]
+
+
+def build(settings: Settings, experiment: str | None = None):
+    """The policy and tokenizer of the rehearsal (or of `experiment`, a recipe's real model), and a
+    step's prompts (token ids, each `group` times)."""
+    import dataclasses
     import tempfile
 
-    from lit_grpo.models.load import load_policy, load_tokenizer
+    from lit_grpo.models.load import load_policy, load_tokenizer, with_resolved_model
     from lit_grpo.run.validate import validate
     from lit_grpo.samplers.arguments import chat_prompt_tokens
     from lit_grpo.tasks import training_rows
     from lit_grpo.train import compose_config
 
-    c = validate(compose_config([*settings.lit_config_overrides(), f"output_dir={tempfile.mkdtemp()}"]))
+    overrides = experiment_overrides(experiment, settings) if experiment else settings.lit_config_overrides()
+    c = validate(compose_config([*overrides, f"output_dir={tempfile.mkdtemp()}"]))
+    c = dataclasses.replace(c, model=with_resolved_model(c.model))
     tokenizer = load_tokenizer(c.model)
     policy = load_policy(c.model, tokenizer, c.seed).eval()
     rows = training_rows(c)[: settings.prompts]
@@ -70,8 +87,11 @@ def build(settings: Settings):
     return policy, tokenizer, prompts
 
 
-def trl_like_generate(policy, tokenizer, prompts: list[list[int]], max_tokens: int) -> list[int]:
-    """The generate call of TRL's transformers path on left-padded prompts; each row's new-token count."""
+def trl_like_generate(
+    policy, tokenizer, prompts: list[list[int]], max_tokens: int, temperature: float = 1.0
+) -> list[int]:
+    """The generate call of TRL's transformers path on left-padded prompts; each row's new-token count
+    (up to and with its eos, as TRL's completion mask counts)."""
     from transformers import GenerationConfig
 
     config = GenerationConfig(
@@ -80,7 +100,7 @@ def trl_like_generate(policy, tokenizer, prompts: list[list[int]], max_tokens: i
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=[tokenizer.eos_token_id],
-        temperature=1.0,
+        temperature=temperature,
         top_p=1.0,
         top_k=0,
         min_p=None,
@@ -96,7 +116,9 @@ def trl_like_generate(policy, tokenizer, prompts: list[list[int]], max_tokens: i
     with torch.no_grad():
         out = policy.generate(input_ids=input_ids, attention_mask=attention, generation_config=config)
     new_NS = out[:, width:]
-    return [int(n) for n in (new_NS != tokenizer.pad_token_id).sum(dim=1)]
+    is_eos_NS = new_NS == tokenizer.eos_token_id
+    first_eos_N = torch.where(is_eos_NS.any(dim=1), is_eos_NS.int().argmax(dim=1) + 1, new_NS.shape[1])
+    return [int(n) for n in first_eos_N]
 
 
 def main() -> None:
@@ -107,16 +129,22 @@ def main() -> None:
         "--override", action="append", default=[], metavar="KEY=VALUE",
         help="a Hydra override of the rehearsal run, e.g. model.hidden_size=64 (the model's shape)",
     )  # fmt: skip
+    parser.add_argument(
+        "--experiment", default=None, metavar="NAME",
+        help="a real model's recipe, not the rehearsal's random-init model: smollm2_sums (make smollm2 first)",
+    )  # fmt: skip
+    parser.add_argument("--temperature", type=float, default=1.0)
     args = parser.parse_args()
     settings = Settings(
         layers=args.layers, tokens=args.tokens, prompts=args.prompts, group=args.group, lit_overrides=args.override
     )
-    policy, tokenizer, prompts = build(settings)
+    policy, tokenizer, prompts = build(settings, args.experiment)
     sampler = hf.HFSampler(policy, tokenizer, share_weights=True)
     scoring, contiguous = hf.chosen_logprobs, hf._contiguous_head_input
 
     def lit() -> list[int]:
-        return [len(c.full_tokens) - c.prompt_len for c in sampler._generate(prompts, 1.0, args.tokens)]
+        completions = sampler._generate(prompts, args.temperature, args.tokens)
+        return [len(c.full_tokens) - c.prompt_len for c in completions]
 
     def lit_main() -> list[int]:
         hf.chosen_logprobs = naive_chosen_logprobs  # the recorder looks both up at each call
@@ -129,7 +157,7 @@ def main() -> None:
     variants = {
         "lit": lit,
         "lit_main": lit_main,
-        "generate": lambda: trl_like_generate(policy, tokenizer, prompts, args.tokens),
+        "generate": lambda: trl_like_generate(policy, tokenizer, prompts, args.tokens, args.temperature),
     }
     names = list(variants)
     seconds: dict[str, list[float]] = {n: [] for n in names}
@@ -150,15 +178,18 @@ def main() -> None:
             flush=True,
         )
 
+    model = f"+experiment={args.experiment}" if args.experiment else f"rehearsal shapes, {args.layers} layers"
     print(
-        f"sampling: rehearsal shapes, {args.layers} layers, {len(prompts)} rows x {args.tokens} tokens, "
+        f"sampling: {model}, {len(prompts)} rows x {args.tokens} tokens, T {args.temperature:g}, "
         f"{args.repeats} repeats, {torch.get_num_threads()} torch threads"
     )
-    print(f"{'variant':<17} {'median s':>9} {'min s':>7} {'max s':>7} {'CPU s median':>13} {'mean len':>9}")
+    header = f"{'variant':<17} {'median s':>9} {'min s':>7} {'max s':>7} {'CPU s median':>13} {'mean len':>9}"
+    print(header + f" {'tokens/s':>9}")
     for n in names:
         s, mean_len = seconds[n], statistics.fmean(lengths[n])
-        cpu = statistics.median(cpu_seconds[n])
-        print(f"{n:<17} {statistics.median(s):>9.2f} {min(s):>7.2f} {max(s):>7.2f} {cpu:>13.2f} {mean_len:>9.1f}")
+        cpu, per_call = statistics.median(cpu_seconds[n]), statistics.median(s)
+        rate = sum(lengths[n]) / sum(s)  # generated tokens (to eos) over the calls' wall time
+        print(f"{n:<17} {per_call:>9.2f} {min(s):>7.2f} {max(s):>7.2f} {cpu:>13.2f} {mean_len:>9.1f} {rate:>9.1f}")
     for n in ("lit", "lit_main"):
         for label, clock in (("wall", seconds), ("CPU", cpu_seconds)):
             ratios = [a / b for a, b in zip(clock[n], clock["generate"])]

@@ -48,7 +48,7 @@ from lit_grpo.models.load import (
 )
 from lit_grpo.models.lora import adapter_config, adapter_tensors, base_tensors, is_lora, with_lora
 from lit_grpo.models.weights import full_named_tensors
-from lit_grpo.rewards.combine import component_names
+from lit_grpo.rewards.combine import component_names, part_key
 from lit_grpo.rewards.scoring import RewardScorer
 from lit_grpo.rollouts.datamodule import RolloutDataModule
 from lit_grpo.rollouts.rollout import built_rollout_fn, load_rollout_factory
@@ -190,7 +190,7 @@ def run_advantage(c: TrainConfig) -> Advantage:
         params.setdefault("weights", c.reward.weights)
     else:
         params.pop("weights", None)  # one column, the run's (already weighted) reward
-    keys = [f"reward/{n}" for n in names] if len(names) > 1 else []
+    keys = [part_key(n) for n in names] if len(names) > 1 else []
     return make_advantage(c.advantage.name, params, keys)
 
 

@@ -96,10 +96,13 @@ def write_summary(
     sequence = module.step_sequence if module is not None else None
     history = sequence.history if sequence is not None else MetricHistory()
     summary: dict[str, Any] = dict(summarize(history, c.summary_metric, wall_s))  # numbers, and `stopped_by`
-    if sequence is not None and "eval/accuracy" in (start := sequence.start_evaluation()):
-        summary["eval_accuracy_start"] = start["eval/accuracy"]  # before the first step (`eval_at_start`)
-    if sequence is not None and "eval/accuracy" in (evaluation := sequence.last_evaluation()):
-        summary["eval_accuracy"] = evaluation["eval/accuracy"]
+    if sequence is not None:
+        # eval/accuracy -> eval_accuracy, eval/reward/<name> -> eval_reward_<name>; `_start`: before
+        # the first step (`eval_at_start`)
+        for suffix, metrics in (("_start", sequence.start_evaluation()), ("", sequence.last_evaluation())):
+            for key, value in metrics.items():
+                if key == "eval/accuracy" or key.startswith("eval/reward/"):
+                    summary[key.replace("/", "_") + suffix] = value
     if stop.signum is not None:
         summary["stopped_by"] = signal.Signals(stop.signum).name
     rows_exhausted = sequence is not None and sequence.rows_exhausted

@@ -157,11 +157,13 @@ def test_the_run_guards_have_documented_defaults(tmp_path):
     c = validate(compose_config(output_dir=tmp_path))
     g = c.guards
     assert (g.rollout_timeout_s, g.rollout_max_retries, g.max_rows_without_progress, g.max_nonfinite_steps) == (
-        300.0,
+        None,  # 300 s plus 0.5 s per completion token
         2,
         None,  # 10 steps' worth of rows, data.prompt_groups_per_step x 10, and at least 100
         3,
     )
+    assert g.rollout_deadline_s(c.sampler.max_completion_tokens) == 300.0 + 0.5 * c.sampler.max_completion_tokens
+    assert g.rollout_deadline_s(128) == 364.0
     assert g.rows_without_progress(c.data.prompt_groups_per_step) == max(10 * c.data.prompt_groups_per_step, 100)
     c = validate(
         compose_config("sampler.temperature=1e-6", "learning_rate=1", output_dir=tmp_path)

@@ -150,7 +150,7 @@ def _episode_limits() -> set[str]:
 FAMILIES = (
     Family("train/{}", "lit_grpo/loop/optimizer_step.py", _loss_keys),  # the loss's metrics and the drift terms
     Family("reward/{}", "lit_grpo/rewards/combine.py", None),  # a list `reward.fn`'s components, by name
-    Family("reward/{}", "lit_grpo/build.py", None),
+    Family("eval/reward/{}", "lit_grpo/loop/evaluation.py", None),  # each component's mean on the held-out rows
     Family("rollout/dropped_{}", "lit_grpo/rollouts/pipeline.py", _drop_reasons),
     Family("rollout/length_{}", "lit_grpo/maths/health.py", None, any_name=True),  # each finish reason reported
     Family("igpo/ig_turn_{}", "lit_grpo/advantages/igpo.py", lambda: {str(t) for t in range(64)}),

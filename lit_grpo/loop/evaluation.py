@@ -1,7 +1,8 @@
 """Evaluation every N steps and at the end, behind one protocol (`Evaluator`) the step sequence
 runs in one loop, after the weight sync, so each scores the sampler holding the policy just trained:
 
-- `GreedyEvaluator`: `eval/accuracy`, the mean reward of one greedy completion per held-out row.
+- `GreedyEvaluator`: `eval/accuracy`, the mean reward of one greedy completion per held-out row
+  (and `eval/reward/<name>`, each component's mean, with a weighted reward list).
   Under data parallelism each rank scores its share of the rows and the sums are reduced.
 - `RolloutEvaluator`: the cookbook's hook, `evaluation_fn(step, eval_rollout_fn) -> dict | None`,
   awaited on rank 0 (the others go on to the next step's collectives and wait there), on an event
@@ -22,7 +23,8 @@ from typing import Any, Optional, Protocol
 import torch
 
 from lit_grpo.loop.distributed import all_reduce
-from lit_grpo.rewards.scoring import RewardScorer
+from lit_grpo.rewards.combine import part_key
+from lit_grpo.rewards.scoring import RewardScorer, Scored
 from lit_grpo.rollouts.context import make_evaluation_rollout_fn
 from lit_grpo.rollouts.rollout import row_prompt
 
@@ -48,7 +50,7 @@ class Evaluator(Protocol):
     def load_state_dict(self, state: dict) -> None: ...
 
 
-def greedy_reward_sum(
+def greedy_scores(
     sampler,
     tokenizer,
     rows: list[dict],
@@ -57,24 +59,40 @@ def greedy_reward_sum(
     batch_size: int,
     prompt_field: Optional[str] = None,
     processor=None,
-) -> tuple[float, int]:
-    """Sum of the rewards of one greedy completion per row, and how many rows were scored (a
-    reward of None, not applicable to its row, counts in neither). Prompts are made as the
-    default rollout makes them (`row_prompt`: with a vision-language policy's `processor`, a row's
-    images go to the sampler too). `reward_fn`: a `RewardScorer` (async rewards, deadlines), or a
-    plain reward function."""
+) -> list[Scored]:
+    """The reward of one greedy completion per row, in order, with each component's value
+    (`Scored.parts`) when the reward is a weighted list. Prompts are made as the default rollout
+    makes them (`row_prompt`: with a vision-language policy's `processor`, a row's images go to
+    the sampler too). `reward_fn`: a `RewardScorer` (async rewards, deadlines), or a plain reward
+    function."""
     scorer = reward_fn if isinstance(reward_fn, RewardScorer) else RewardScorer(reward_fn)
-    total, scored = 0.0, 0
+    results: list[Scored] = []
     for start in range(0, len(rows), batch_size):
         chunk = rows[start : start + batch_size]
         prompts = [row_prompt(r, tokenizer, processor, prompt_field) for r in chunk]
         images = [p[1] for p in prompts]
         more = {"multi_modal": images} if any(images) else {}  # a text-only chunk calls generate as before
         completions = sampler.generate([p[0] for p in prompts], 0.0, max_tokens, **more)
-        for result in scorer.score_all_blocking([(c.text, row) for c, row in zip(completions, chunk)]):
-            if result.value is not None:
-                total, scored = total + result.value, scored + 1
-    return total, scored
+        results += scorer.score_all_blocking([(c.text, row) for c, row in zip(completions, chunk)])
+    return results
+
+
+def greedy_reward_sum(*args: Any, **kwargs: Any) -> tuple[float, int]:
+    """Sum of the rewards of `greedy_scores(*args, **kwargs)`, and how many rows were scored (a
+    reward of None, not applicable to its row, counts in neither)."""
+    values = [r.value for r in greedy_scores(*args, **kwargs) if r.value is not None]
+    return float(sum(values)), len(values)
+
+
+def component_means(results: list[Scored], names: list[str], rank_sums) -> dict[str, float]:
+    """`eval/reward/<name>`: the mean of each reward component `names` over the rows it applied to,
+    on all ranks (`rank_sums` reduces a float64 tensor of sums over the ranks)."""
+    if not names:
+        return {}
+    keys = [part_key(name) for name in names]
+    counts = [(sum(r.parts.get(key, 0.0) for r in results), sum(key in r.parts for r in results)) for key in keys]
+    totals = rank_sums(torch.tensor(counts, dtype=torch.float64)).tolist()
+    return {f"eval/reward/{name}": s / n if n else float("nan") for name, (s, n) in zip(names, totals)}
 
 
 class GreedyEvaluator:
@@ -109,6 +127,10 @@ class GreedyEvaluator:
         """Whether a fresh run scores the rows before its first step too (`eval_at_start`)."""
         self.start_metrics: dict[str, float] = {}
         """That first evaluation's metrics (kept through a resume, for the summary)."""
+        weighted = reward_fn.weighted if isinstance(reward_fn, RewardScorer) else None
+        self.component_names = [name for name, _ in weighted.components] if weighted else []
+        """A weighted reward list's components, each logged as `eval/reward/<name>` beside `eval/accuracy`
+        (the weighted sum): a format reward's share apart from correctness."""
 
     def due(self, step: int) -> bool:
         return bool(self.rows) and self.interval > 0 and step % self.interval == 0
@@ -127,8 +149,8 @@ class GreedyEvaluator:
             return {}
         start = time.perf_counter()
         share = self.rows[rank::world_size]
-        total, scored = (
-            greedy_reward_sum(
+        results = (
+            greedy_scores(
                 self.sampler,
                 self.tokenizer,
                 share,
@@ -139,17 +161,20 @@ class GreedyEvaluator:
                 self.processor,
             )
             if share
-            else (0.0, 0)
+            else []
         )
-        total, scored = all_reduce(torch.tensor([total, scored], dtype=torch.float64)).tolist()
+        values = [r.value for r in results if r.value is not None]
+        total, scored = all_reduce(torch.tensor([sum(values), len(values)], dtype=torch.float64)).tolist()
         accuracy = total / scored if scored else float("nan")
-        self.last_metrics = {"eval/accuracy": accuracy}
+        parts = component_means(results, self.component_names, all_reduce)
+        self.last_metrics = {"eval/accuracy": accuracy, **parts}
         log.info(
-            "step %d: eval/accuracy %.4f on %d held-out rows (%d scored; the reward applies to those) (%.1f s)",
+            "step %d: eval/accuracy %.4f on %d held-out rows (%d scored; the reward applies to those)%s (%.1f s)",
             step,
             accuracy,
             len(self.rows),
             int(scored),
+            "".join(f", {name} {value:.4f}" for name, value in parts.items()),
             time.perf_counter() - start,
         )
         return dict(self.last_metrics)
@@ -158,7 +183,9 @@ class GreedyEvaluator:
         return {"last": dict(self.last_metrics), "last_step": self.last_step, "start": dict(self.start_metrics)}
 
     def load_state_dict(self, state: dict) -> None:
-        self.last_metrics = {k: v for k, v in state["last"].items() if k == "eval/accuracy"}
+        self.last_metrics = {
+            k: v for k, v in state["last"].items() if k == "eval/accuracy" or k.startswith("eval/reward/")
+        }
         self.start_metrics = dict(state.get("start", {}))  # absent from checkpoints written before it was kept
         # Checkpoints written before `last_step` was saved kept the step in `last` as "eval/step".
         step = state.get("last_step", state["last"].get("eval/step"))

@@ -22,9 +22,9 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from lit_grpo.config.sources import BUILT_MODELS, model_cache_dir
+from lit_grpo.config.sources import BUILT_MODELS, model_cache_dir, sha256_of
 from lit_grpo.errors import UserError
-from lit_grpo.models.gguf import checksum_problem, folder_lock, gguf_to_folder, require_gguf, sha256_of
+from lit_grpo.models.gguf import checksum_problem, folder_lock, gguf_to_folder, require_gguf
 
 log = logging.getLogger(__name__)
 DOWNLOAD_DEADLINE_S = 900.0

@@ -15,7 +15,6 @@ together) wait for it, under a deadline.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import logging
 import os
@@ -24,7 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Optional
 
-from lit_grpo.config.sources import model_cache_dir
+from lit_grpo.config.sources import model_cache_dir, sha256_of
 from lit_grpo.errors import MissingExtraError, UserError
 
 log = logging.getLogger(__name__)
@@ -53,15 +52,6 @@ def readable_architectures() -> list[str]:
     from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
 
     return sorted(set(GGUF_SUPPORTED_ARCHITECTURES) - {"general", "tokenizer"})  # two metadata sections
-
-
-def sha256_of(path: Path, chunk_bytes: int = 1 << 22) -> str:
-    """The hex sha256 of a file, read in chunks."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(chunk_bytes):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def write_checksums(folder: Path) -> dict[str, str]:

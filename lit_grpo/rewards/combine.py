@@ -34,6 +34,11 @@ def as_number(name: str, value: Any) -> Optional[float]:
         ) from None
 
 
+def part_key(name: str) -> str:
+    """The metric of one component of a weighted reward, `reward/<name>`."""
+    return f"reward/{name}"
+
+
 class WeightedReward:
     """`reward(completion_text, row)`: Σ weight·value over the components that return a number
     (a None is skipped: not applicable); None when none does. Callable like any reward, so a
@@ -57,7 +62,7 @@ class WeightedReward:
             number = as_number(name, value)
             if number is None:
                 continue
-            parts[f"reward/{name}"] = number
+            parts[part_key(name)] = number
             total += weight * number
         if not parts:
             return None, {}

@@ -155,3 +155,24 @@ def gsm8k(completion_text: str, row: dict) -> float:
         return score(completion_text, str(value))
     except ValueError:
         raise RewardRowError(f"reward 'gsm8k': the row's {field!r} holds no number: {str(value)[:80]!r}") from None
+
+
+# A line `#### N` (N as `_NUMBER` reads it, a period after it allowed) with nothing after it but blank space.
+_ANSWER_LINE_AT_END = re.compile(r"(?:^|\n)[ \t]*####[ \t]*" + _NUMBER + r"[ \t]*\.?\s*$")
+
+
+def format_score(completion: str) -> float:
+    """1.0 when the completion ends with its answer on a line of its own as `#### N`, else 0.0.
+
+    `"3 + 4 = 7\\n#### 7"` and `"#### 1,000."` score; `"The answer is 7"`, `"#### seven"`, a `#### 7`
+    line followed by more text, and `"so #### 7"` (not on a line of its own) do not. Whether N is
+    right is the `gsm8k` reward's business."""
+    return 1.0 if _ANSWER_LINE_AT_END.search(_ANNOTATION.sub("", completion)) else 0.0
+
+
+@register_reward("gsm8k_format")
+@inline_reward
+def gsm8k_format(completion_text: str, row: dict) -> float:
+    """`format_score`: the GSM8K answer format, a shaping reward beside `gsm8k` for a model that
+    rarely earns correctness (`reward.fn=[gsm8k,gsm8k_format] reward.weights=[1.0,0.5]`)."""
+    return format_score(completion_text)

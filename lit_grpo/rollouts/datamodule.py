@@ -143,7 +143,7 @@ class RolloutDataModule(L.LightningDataModule):
             min_group_size=data.min_group_size,
             filters=[],
             vocab_size=len(tokenizer),
-            rollout_timeout_s=c.guards.rollout_timeout_s,
+            rollout_timeout_s=c.guards.rollout_deadline_s(c.sampler.max_completion_tokens),
             max_retries=c.guards.rollout_max_retries,
             max_rows_without_progress=c.guards.rows_without_progress(c.data.prompt_groups_per_step),
             max_completion_tokens=c.sampler.max_completion_tokens,
@@ -157,7 +157,7 @@ class RolloutDataModule(L.LightningDataModule):
             self.groups.on_group = self.curriculum.record
         # The sampler's calls get the same bounds as the rollouts.
         sampler.bound_calls(
-            c.guards.rollout_timeout_s,
+            c.guards.rollout_deadline_s(c.sampler.max_completion_tokens),
             data.max_seq_len,
             engine_on_loop(c.sampler.engine_thread, c.offpolicy.synchronous),
         )

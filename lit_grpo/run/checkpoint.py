@@ -21,7 +21,6 @@ another run's folders, and folders it cannot attribute, are never deleted.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import logging
 import os
@@ -36,6 +35,7 @@ from omegaconf import OmegaConf
 
 from lit_grpo.config import ConfigError, TrainConfig
 from lit_grpo.config.moved import rename_saved
+from lit_grpo.config.sources import sha256_of
 
 log = logging.getLogger(__name__)
 MANIFEST = "manifest.json"
@@ -71,14 +71,6 @@ def trainer_state_file(rank: int) -> str:
     return f"trainer_state_rank{rank}.pt"
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(1 << 22):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -93,7 +85,7 @@ def write_manifest(folder: Path, meta: dict) -> None:
     for path in sorted(p for p in folder.rglob("*") if p.is_file()):
         with path.open("rb") as f:
             os.fsync(f.fileno())
-        files[str(path.relative_to(folder))] = {"bytes": path.stat().st_size, "sha256": _sha256(path)}
+        files[str(path.relative_to(folder))] = {"bytes": path.stat().st_size, "sha256": sha256_of(path)}
     tmp = folder / (MANIFEST + ".part")
     tmp.write_text(json.dumps({**meta, "files": files}, indent=1))
     with tmp.open("rb") as f:
@@ -169,7 +161,7 @@ def verify(folder: Path) -> Optional[str]:
             return f"{name} is missing"
         if path.stat().st_size != expected["bytes"]:
             return f"{name} has {path.stat().st_size} bytes, the manifest says {expected['bytes']}"
-        if _sha256(path) != expected["sha256"]:
+        if sha256_of(path) != expected["sha256"]:
             return f"{name} does not match its sha256 in the manifest"
     return None
 
