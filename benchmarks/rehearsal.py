@@ -92,7 +92,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Optional
 
@@ -259,22 +259,29 @@ def versions() -> dict[str, str]:
     return found
 
 
-def run_lit_side(settings: Settings, work_dir: Path, side: str = "lit") -> dict:
-    """lit_grpo's side, in this process: the experiment through `train`; its steps from metrics.csv.
-    `lit_budget` cuts micro-batches by tokens (`batching.micro_batch_max_tokens`) instead of by sequences."""
+def train_lit(overrides: list[str], work_dir: Path) -> Callable[[str], list[float]]:
+    """Train lit_grpo in this process with these Hydra overrides, into `work_dir`; a reader of its
+    metrics.csv columns (one value per row that logged the metric)."""
     import csv
 
     from lit_grpo.train import compose_config, train
 
-    if settings.ragged:
-        install_ragged_lengths(settings)
-    start = time.perf_counter()
-    train(compose_config([*settings.lit_config_overrides(side), f"output_dir={work_dir}"]))
+    train(compose_config([*overrides, f"output_dir={work_dir}"]))
     rows = list(csv.DictReader((work_dir / "metrics.csv").open()))
 
     def column(name: str) -> list[float]:
         return [float(r[name]) for r in rows if r.get(name)]
 
+    return column
+
+
+def run_lit_side(settings: Settings, work_dir: Path, side: str = "lit") -> dict:
+    """lit_grpo's side, in this process: the experiment through `train`; its steps from metrics.csv.
+    `lit_budget` cuts micro-batches by tokens (`batching.micro_batch_max_tokens`) instead of by sequences."""
+    if settings.ragged:
+        install_ragged_lengths(settings)
+    start = time.perf_counter()
+    column = train_lit(settings.lit_config_overrides(side), work_dir)
     padding = column("perf/padding_frac")
     return {
         "side": "lit_grpo" if side == "lit" else f"lit_grpo, {settings.token_budget}-token micro-batches",
@@ -291,11 +298,16 @@ def run_side_in_subprocess(side: str, settings: Settings, work_dir: Path) -> dic
     module = "benchmarks.rehearsal_trl" if side == "trl" else "benchmarks.rehearsal"
     command = [sys.executable, "-m", module, "--run-side", side, "--settings", json.dumps(dataclasses.asdict(settings))]
     command += ["--out", str(out), "--work-dir", str(work_dir / side)]
+    return run_logged(side, command, out, log)
+
+
+def run_logged(label: str, command: list[str], out: Path, log: Path, timeout_s: float = RUN_TIMEOUT_S) -> dict:
+    """Run `command` with its output in `log`; the JSON it wrote to `out`, or an exit with the log's tail."""
     with open(log, "w") as handle:
-        done = subprocess.run(command, stdout=handle, stderr=subprocess.STDOUT, timeout=RUN_TIMEOUT_S)
+        done = subprocess.run(command, stdout=handle, stderr=subprocess.STDOUT, timeout=timeout_s)
     if done.returncode != 0:
         sys.exit(
-            f"{side}: the run failed (exit {done.returncode}); the end of its log ({log}):\n{log.read_text()[-4000:]}"
+            f"{label}: the run failed (exit {done.returncode}); the end of its log ({log}):\n{log.read_text()[-4000:]}"
         )
     return json.loads(out.read_text())
 

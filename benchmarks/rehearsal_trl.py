@@ -18,6 +18,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from transformers import TrainerCallback
+
 from benchmarks.rehearsal import (
     Settings,
     install_ragged_lengths,
@@ -49,13 +51,54 @@ def build_model_folder(settings: Settings, folder: Path):
     return c, tokenizer
 
 
-def gsm8k_reward(prompts, completions, answer, **kwargs) -> list[float]:
-    """lit_grpo's `gsm8k` reward of each completion (TRL hands conversational completions as messages)."""
+def lit_reward(name: str, completions: list, answer: list) -> list[float]:
+    """lit_grpo's registered reward `name` of each completion against its row's `answer`, as a TRL
+    reward function returns them (TRL hands conversational completions as messages)."""
     from lit_grpo.rewards.registry import get_reward
 
-    score = get_reward("gsm8k")
+    score = get_reward(name)
     texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
     return [score(text, {"answer": a}) for text, a in zip(texts, answer, strict=True)]
+
+
+def gsm8k_reward(prompts, completions, answer, **kwargs) -> list[float]:
+    """lit_grpo's `gsm8k` reward of each completion."""
+    return lit_reward("gsm8k", completions, answer)
+
+
+class StepClock(TrainerCallback):
+    """Wall time between optimizer step ends (the first from the start of training), and the
+    part of it spent sampling (`sampling_now`, added to by `time_generate_turns`)."""
+
+    def __init__(self) -> None:
+        self.last, self.seconds = None, []
+        self.sampling: list[float] = []
+        self.sampling_now = 0.0
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.last = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        now = time.perf_counter()
+        self.seconds.append(now - self.last)
+        self.last = now
+        self.sampling.append(self.sampling_now)
+        self.sampling_now = 0.0
+
+
+def time_generate_turns(trainer, clock: StepClock) -> None:
+    """Add the time of each of the trainer's generate turns to `clock`: TRL's sampling phase, its
+    generate call and the eos masking after it (no reward, no scoring)."""
+    generate_turn = trainer._generate_single_turn
+
+    def timed_generate_turn(*args, **kwargs):
+        begin = time.perf_counter()
+        try:
+            return generate_turn(*args, **kwargs)
+        finally:
+            clock.sampling_now += time.perf_counter() - begin
+
+    trainer._generate_single_turn = timed_generate_turn
 
 
 def grpo_config(settings: Settings, output_dir: Path):
@@ -111,7 +154,6 @@ def grpo_config(settings: Settings, output_dir: Path):
 def run_trl_side(settings: Settings, work_dir: Path) -> dict:
     """TRL's side, in this process: build the model folder, train, and time each optimizer step."""
     from datasets import Dataset
-    from transformers import TrainerCallback
     from trl import GRPOTrainer
 
     from lit_grpo.tasks import training_rows
@@ -124,25 +166,6 @@ def run_trl_side(settings: Settings, work_dir: Path) -> dict:
     rows = training_rows(c)
     dataset = Dataset.from_list([{"prompt": row["messages"], "answer": row["answer"]} for row in rows])
 
-    class StepClock(TrainerCallback):
-        """Wall time between optimizer step ends (the first from the start of training), and the
-        part of it spent sampling (`sampling_now`, added to by the timed generate turn)."""
-
-        def __init__(self) -> None:
-            self.last, self.seconds = None, []
-            self.sampling: list[float] = []
-            self.sampling_now = 0.0
-
-        def on_train_begin(self, args, state, control, **kwargs):
-            self.last = time.perf_counter()
-
-        def on_step_end(self, args, state, control, **kwargs):
-            now = time.perf_counter()
-            self.seconds.append(now - self.last)
-            self.last = now
-            self.sampling.append(self.sampling_now)
-            self.sampling_now = 0.0
-
     clock = StepClock()
     trainer = GRPOTrainer(
         model=str(work_dir / "model"),  # TRL builds its reference model from the policy's path
@@ -152,17 +175,7 @@ def run_trl_side(settings: Settings, work_dir: Path) -> dict:
         processing_class=tokenizer,
         callbacks=[clock],
     )
-    generate_turn = trainer._generate_single_turn
-
-    def timed_generate_turn(*args, **kwargs):
-        """TRL's sampling phase: its generate call and the eos masking after it (no reward, no scoring)."""
-        begin = time.perf_counter()
-        try:
-            return generate_turn(*args, **kwargs)
-        finally:
-            clock.sampling_now += time.perf_counter() - begin
-
-    trainer._generate_single_turn = timed_generate_turn
+    time_generate_turns(trainer, clock)
     trainer.train()
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     lengths = [e["completions/mean_length"] for e in trainer.state.log_history if "completions/mean_length" in e]

@@ -76,7 +76,7 @@ def module_table(package: Path) -> str:
 
 
 _MAKE_TARGETS = re.compile(r"^<!-- make-targets(?: (?P<prefix>[\w-]+))? -->$", re.M)
-_HELP_LINE = re.compile(r"^(?P<target>[a-zA-Z_-]+):.*## (?P<help>.+)$")  # the pattern of the Makefile's own `help`
+_HELP_LINE = re.compile(r"^(?P<target>[a-zA-Z0-9_-]+):.*## (?P<help>.+)$")  # the pattern of the Makefile's own `help`
 
 
 def make_targets(makefile: Path) -> dict[str, str]:

@@ -181,11 +181,11 @@ def test_agreement_when_the_final_line_is_rewritten(template):
         ("#### <<2*3=6>>6", 1.0),  # the calculator annotation is removed first
         ("The answer is 7", 0.0),
         ("#### seven", 0.0),
-        ("#### 7\nand then more", 0.0),  # the answer line is not the end
+        ("#### 7\nThe answer is 7.", 1.0),  # text after the answer line is no matter
         ("so #### 7", 0.0),  # not on a line of its own
         ("#### 7 apples", 0.0),
         ("", 0.0),
     ],
 )
-def test_the_format_reward_wants_the_answer_line_last(text, expected):
+def test_the_format_reward_wants_the_answer_on_a_line_of_its_own(text, expected):
     assert get_reward("gsm8k_format")(text, {"answer": "7"}) == expected

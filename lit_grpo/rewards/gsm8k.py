@@ -157,17 +157,18 @@ def gsm8k(completion_text: str, row: dict) -> float:
         raise RewardRowError(f"reward 'gsm8k': the row's {field!r} holds no number: {str(value)[:80]!r}") from None
 
 
-# A line `#### N` (N as `_NUMBER` reads it, a period after it allowed) with nothing after it but blank space.
-_ANSWER_LINE_AT_END = re.compile(r"(?:^|\n)[ \t]*####[ \t]*" + _NUMBER + r"[ \t]*\.?\s*$")
+# A line of its own `#### N` (N as `_NUMBER` reads it, a period after it allowed).
+_ANSWER_LINE = re.compile(r"^[ \t]*####[ \t]*" + _NUMBER + r"[ \t]*\.?[ \t]*$", re.MULTILINE)
 
 
 def format_score(completion: str) -> float:
-    """1.0 when the completion ends with its answer on a line of its own as `#### N`, else 0.0.
+    """1.0 when the completion puts an answer on a line of its own as `#### N`, else 0.0.
 
-    `"3 + 4 = 7\\n#### 7"` and `"#### 1,000."` score; `"The answer is 7"`, `"#### seven"`, a `#### 7`
-    line followed by more text, and `"so #### 7"` (not on a line of its own) do not. Whether N is
-    right is the `gsm8k` reward's business."""
-    return 1.0 if _ANSWER_LINE_AT_END.search(_ANNOTATION.sub("", completion)) else 0.0
+    `"3 + 4 = 7\n#### 7"`, `"#### 1,000."` and `"#### 7\nThe answer is 7."` score (the first
+    `#### N` is the answer the `gsm8k` reward reads); `"The answer is 7"`, `"#### seven"`,
+    `"#### 7 apples"` and `"so #### 7"` (not on a line of its own) do not. Whether N is right is the
+    `gsm8k` reward's business."""
+    return 1.0 if _ANSWER_LINE.search(_ANNOTATION.sub("", completion)) else 0.0
 
 
 @register_reward("gsm8k_format")
