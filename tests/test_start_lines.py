@@ -46,22 +46,31 @@ def test_a_max_seq_len_that_cuts_the_completions_is_said_with_the_length_to_use(
 
 
 def test_without_a_progress_bar_each_step_gets_a_line_at_most_every_period(caplog):
+    """Lightning calls the callbacks' `on_train_batch_end` before the module's, which records the
+    step's metrics: each line names the step whose metrics it shows, once, and the last comes at the
+    end of training (an earlier version labelled step N with step N-1's reward, and said the last twice)."""
+
     class History:
         steps: list = []
 
     class Module:
-        rollout_step = 0
         step_sequence = type("S", (), {"history": History()})()
 
     class Trainer:
         is_global_zero = True
 
-    line, module = StepLogLine(max_steps=3, every_s=3600.0), Module()
-    with caplog.at_level(logging.INFO, logger="lit_grpo.progress"):
-        for step in (1, 2, 3):
-            module.rollout_step = step
-            History.steps.append({"reward/mean": 0.25 * step, "perf/step_s": 10.0})
-            line.on_train_batch_end(Trainer(), module, {}, None, step - 1)
-    lines = [r.getMessage() for r in caplog.records]
-    # the first, then none within the period but the last step's
-    assert lines == ["step 1/3, reward/mean 0.25, s/step 10", "step 3/3, reward/mean 0.75, s/step 10"]
+    def run(every_s: float) -> list[str]:
+        History.steps.clear()
+        caplog.clear()
+        line, module = StepLogLine(max_steps=3, every_s=every_s), Module()
+        with caplog.at_level(logging.INFO, logger="lit_grpo.progress"):
+            for step in (1, 2, 3):
+                line.on_train_batch_end(Trainer(), module, {}, None, step - 1)  # the callbacks first...
+                History.steps.append({"reward/mean": 0.25 * step, "perf/step_s": 10.0 * step})  # ...then the module
+            line.on_train_end(Trainer(), module)
+        return [r.getMessage() for r in caplog.records]
+
+    every = ["step 1/3, reward/mean 0.25, s/step 10", "step 2/3, reward/mean 0.5, s/step 20"]
+    assert run(every_s=0.0) == [*every, "step 3/3, reward/mean 0.75, s/step 30"]
+    # within the period: the first, then only the last step's, at the end
+    assert run(every_s=3600.0) == ["step 1/3, reward/mean 0.25, s/step 10", "step 3/3, reward/mean 0.75, s/step 30"]

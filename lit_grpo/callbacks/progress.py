@@ -78,25 +78,39 @@ STEP_LINE_EVERY_S = 30.0
 class StepLogLine(L.Callback):
     """With the progress bar off (`trainer.enable_progress_bar=false`: CI, `nohup`, a cluster's job
     log), one log line per step, at most one per `every_s` seconds (and always the last step's):
-    the step out of `max_steps`, its reward and its time, so a log is never silent for minutes."""
+    the step out of `max_steps`, its reward and its time, so a log is never silent for minutes.
+
+    A step's metrics are recorded by the module's own `on_train_batch_end`, which Lightning calls
+    after the callbacks': so a line is written for the latest recorded step (the one before), and
+    the last one at the end of training."""
 
     def __init__(self, max_steps: int, metric: str = "reward/mean", every_s: float = STEP_LINE_EVERY_S) -> None:
         self.max_steps, self.metric, self.every_s = max_steps, metric, every_s
         self._last: Optional[float] = None
+        self._said = 0  # steps whose line is written (or skipped)
 
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         now = time.monotonic()
-        step = getattr(pl_module, "rollout_step", batch_idx + 1)
-        last = self.max_steps > 0 and step >= self.max_steps
-        if not trainer.is_global_zero or (self._last is not None and now - self._last < self.every_s and not last):
+        if self._last is not None and now - self._last < self.every_s:
             return
-        self._last = now
+        if self._say_latest(trainer, pl_module):
+            self._last = now
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._say_latest(trainer, pl_module)
+
+    def _say_latest(self, trainer: L.Trainer, pl_module: L.LightningModule) -> bool:
+        """Write the latest recorded step's line, once; whether one was written."""
         sequence = getattr(pl_module, "step_sequence", None)
-        metrics = sequence.history.steps[-1] if sequence is not None and sequence.history.steps else {}
-        parts = [f"step {step}" + (f"/{self.max_steps}" if self.max_steps > 0 else "")]
+        steps = sequence.history.steps if sequence is not None else []
+        if not trainer.is_global_zero or len(steps) <= self._said:
+            return False
+        self._said, metrics = len(steps), steps[-1]
+        parts = [f"step {len(steps)}" + (f"/{self.max_steps}" if self.max_steps > 0 else "")]
         for key, label in ((self.metric, self.metric), ("perf/step_s", "s/step")):
             if key in metrics:
                 parts.append(f"{label} {float(metrics[key]):.4g}")
         logging.getLogger("lit_grpo.progress").info("%s", ", ".join(parts))
+        return True
