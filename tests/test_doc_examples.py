@@ -104,6 +104,9 @@ COMMANDS: dict[str, str] = {
         "a real model's 15-minute run (tests/test_real_model.py runs it for 2 steps, nightly; "
         "benchmarks/smollm2_sums.py measures it)"
     ),
+    "python -m lit_grpo.train +experiment=smollm2_sums sampler=vllm sampler.dtype=float32 sampler.max_model_len=256": (
+        "a real model's 15-minute run (tests/test_real_model.py trains it 3 steps with each vLLM sampler, nightly)"
+    ),
     "python -m lit_grpo.train +experiment=gsm8k model.name_or_path=/models/Qwen2.5-0.5B-Instruct "
     "task.path=/data/gsm8k/train.jsonl task.eval_path=/data/gsm8k/test.jsonl": HF_MODEL,
     "python -m lit_grpo.train +experiment=gsm8k model=tiny sampler=hf trainer=cpu "

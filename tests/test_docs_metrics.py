@@ -133,6 +133,13 @@ class Family:
         return self.members is not None and part in self.members()
 
 
+def _registered_rewards() -> set[str]:
+    """The rewards a list `reward.fn` names by their registered name (a user's own: a placeholder)."""
+    from lit_grpo.rewards.registry import available_rewards
+
+    return set(available_rewards())
+
+
 def _drop_reasons() -> set[str]:
     from lit_grpo.rollouts.checks import DROP_REASONS
 
@@ -150,7 +157,7 @@ def _episode_limits() -> set[str]:
 FAMILIES = (
     Family("train/{}", "lit_grpo/loop/optimizer_step.py", _loss_keys),  # the loss's metrics and the drift terms
     Family("reward/{}", "lit_grpo/rewards/combine.py", None),  # a list `reward.fn`'s components, by name
-    Family("eval/reward/{}", "lit_grpo/loop/evaluation.py", None),  # each component's mean on the held-out rows
+    Family("eval/reward/{}", "lit_grpo/loop/evaluation.py", _registered_rewards),  # each component's held-out mean
     Family("rollout/dropped_{}", "lit_grpo/rollouts/pipeline.py", _drop_reasons),
     Family("rollout/length_{}", "lit_grpo/maths/health.py", None, any_name=True),  # each finish reason reported
     Family("igpo/ig_turn_{}", "lit_grpo/advantages/igpo.py", lambda: {str(t) for t in range(64)}),
