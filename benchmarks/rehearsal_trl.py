@@ -101,6 +101,16 @@ def time_generate_turns(trainer, clock: StepClock) -> None:
     trainer._generate_single_turn = timed_generate_turn
 
 
+def timed_training(trainer_class, **kwargs):
+    """`trainer_class(**kwargs)` trained with a `StepClock` that times its steps and its generate
+    turns; the trainer and the clock."""
+    clock = StepClock()
+    trainer = trainer_class(callbacks=[clock], **kwargs)
+    time_generate_turns(trainer, clock)
+    trainer.train()
+    return trainer, clock
+
+
 def grpo_config(settings: Settings, output_dir: Path):
     """GRPOConfig matched to lit_grpo's run (module docstring of benchmarks/rehearsal.py)."""
     from trl import GRPOConfig
@@ -166,17 +176,14 @@ def run_trl_side(settings: Settings, work_dir: Path) -> dict:
     rows = training_rows(c)
     dataset = Dataset.from_list([{"prompt": row["messages"], "answer": row["answer"]} for row in rows])
 
-    clock = StepClock()
-    trainer = GRPOTrainer(
+    trainer, clock = timed_training(
+        GRPOTrainer,
         model=str(work_dir / "model"),  # TRL builds its reference model from the policy's path
         reward_funcs=gsm8k_reward,
         args=grpo_config(settings, work_dir / "trainer"),
         train_dataset=dataset,
         processing_class=tokenizer,
-        callbacks=[clock],
     )
-    time_generate_turns(trainer, clock)
-    trainer.train()
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     lengths = [e["completions/mean_length"] for e in trainer.state.log_history if "completions/mean_length" in e]
     return {

@@ -176,7 +176,7 @@ def run_trl(seed: int, steps: int, work_dir: Path) -> dict:
     from trl import GRPOTrainer
 
     from benchmarks.rehearsal import Settings
-    from benchmarks.rehearsal_trl import StepClock, grpo_config, time_generate_turns
+    from benchmarks.rehearsal_trl import grpo_config, timed_training
     from lit_grpo.loop.optim import lr_multiplier
     from lit_grpo.models.load import load_tokenizer, resolve_model_name, with_resolved_model
     from lit_grpo.tasks import training_rows
@@ -227,17 +227,14 @@ def run_trl(seed: int, steps: int, work_dir: Path) -> dict:
         def get_decay_parameter_names(self, model) -> list[str]:
             return [name for name, _ in model.named_parameters()]
 
-    clock = StepClock()
-    trainer = LitOptimTrainer(
+    trainer, clock = timed_training(
+        LitOptimTrainer,
         model=resolve_model_name(c.model.name_or_path),
         reward_funcs=last_integer_reward,
         args=grpo_config(settings, work_dir / "trainer"),
         train_dataset=dataset,
         processing_class=tokenizer,
-        callbacks=[clock],
     )
-    time_generate_turns(trainer, clock)
-    trainer.train()
     export = work_dir / "final_model"
     trainer.save_model(str(export))
     tokenizer.save_pretrained(export)
