@@ -295,7 +295,8 @@ def cli() -> None:
     # before Python sees the error the stop's message explains): off unless asked for. It is read
     # at torch's first C++ log line, so here, before any collective.
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-    sys.argv[1:] = rename_overrides(sys.argv[1:])  # old key names: one line each, then their new names
+    # Old key names: one line each, then their new names; an old and a new name at odds: exit 2.
+    sys.argv[1:] = run_cli(rename_overrides, sys.argv[1:])
     try:
         run_hydra_cli(main, explain=lambda err: composition_error(err, TrainConfig, MOVED))
     except SystemExit as stop:

@@ -221,3 +221,49 @@ def test_a_checkpoint_saved_under_the_old_names_resumes_and_its_state_fields_are
     (tmp_path / CONFIG_FILE).write_text(OmegaConf.to_yaml(saved))
     with pytest.raises(ConfigError, match=r"batching\.ppo_minibatches: 2 in the checkpoint, 1 now"):
         check_resumable(tmp_path, c)
+
+
+# --------------------------------------------------------------------------- old and new name together
+
+
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        (["dcp_save_interval=2", "checkpoint.save_interval=3"], "checkpoint.save_interval"),
+        (["checkpoint.save_interval=3", "dcp_save_interval=2"], "checkpoint.save_interval"),
+        (["synchronous_training=false", "offpolicy.synchronous=true"], "offpolicy.synchronous"),
+        (["policy_loss.eps_clip=0.1", "++policy_loss.params.eps_clip=0.3"], "policy_loss.params.eps_clip"),
+        (["policy_loss.advantage=group", "policy_loss.advantage_scale=none"], "advantage"),
+        (["advantage=dr_grpo", "policy_loss.advantage=group"], "advantage"),
+    ],
+)
+def test_an_old_and_a_new_name_at_odds_are_refused_naming_both(overrides, key):
+    from lit_grpo.config import ConfigError
+
+    with pytest.raises(ConfigError) as refused:
+        compose_config(*overrides)
+    message = str(refused.value)
+    assert overrides[0] in message and overrides[1] in message and f"({key})" in message
+
+
+@pytest.mark.parametrize(
+    "overrides, key, value",
+    [
+        (["dcp_save_interval=2", "checkpoint.save_interval=2"], "checkpoint.save_interval", 2),
+        (["synchronous_training=False", "offpolicy.synchronous=false"], "offpolicy.synchronous", False),
+        (["policy_loss.advantage=group", "policy_loss.advantage_scale=std"], "advantage.name", "grpo"),
+    ],
+)
+def test_an_old_and_a_new_name_that_agree_pass(overrides, key, value):
+    assert OmegaConf.select(compose_config(*overrides), key) == value
+
+
+def test_an_old_and_a_new_name_at_odds_on_the_command_line_exit_2_in_one_line(tmp_path):
+    out = _cli(tmp_path, "+experiment=arithmetic", "dcp_save_interval=2", "checkpoint.save_interval=3", timeout=120)
+    assert out.returncode == 2
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [
+        "error: dcp_save_interval=2 and checkpoint.save_interval=3 set one key (checkpoint.save_interval) to "
+        "different values: give it once, as checkpoint.save_interval"
+    ]
+    assert "Traceback" not in out.stderr

@@ -8,6 +8,7 @@ import json
 import sys
 from collections import Counter
 
+import numpy as np
 import pytest
 import torch
 from conftest import compose_config, trained_steps
@@ -167,7 +168,9 @@ def shift_to_hard(stats):
 
 def test_a_users_function_sets_the_weights_and_its_bad_output_is_named():
     cur = cursor(CurriculumConfig(kind="fn", fn="m:f"), ROWS[:4], fn=shift_to_hard)
-    assert cur.weights == [0.0] * 4 and cur.take_positioned(1) == []
+    assert cur.weights == [0.0] * 4
+    with pytest.raises(UserError, match=r"`curriculum\.fn` \(m:f\) weighs every row .* 0 before the first step"):
+        cur.take_positioned(1)  # nothing could ever be drawn: the run would train nothing
     cur.merge([[(1, 4, 1), (2, 4, 3)]])
     assert cur.weights == [0.0, 1.0, 0.0, 0.0]
     assert {p[1] for p, _ in cur.take_positioned(3)} == {1}
@@ -175,6 +178,38 @@ def test_a_users_function_sets_the_weights_and_its_bad_output_is_named():
         cursor(CurriculumConfig(kind="fn", fn="m:f"), ROWS[:4], fn=lambda stats: [1.0, -1.0, 0.0, 0.0])
     with pytest.raises(UserError, match="got 3 weights"):
         cursor(CurriculumConfig(kind="fn", fn="m:f"), ROWS[:4], fn=lambda stats: [1.0] * 3)
+
+
+@pytest.mark.parametrize(
+    "returned", [np.full(4, 0.5, dtype=np.float32), [np.float32(0.5)] * 4, (0.5, 0.5, 0.5, 0.5), torch.full((4,), 0.5)]
+)
+def test_numpy_and_tensor_weights_are_taken_as_floats(returned):
+    cur = cursor(CurriculumConfig(kind="fn", fn="m:f"), ROWS[:4], fn=lambda stats: returned)
+    assert cur.weights == [0.5] * 4 and all(type(w) is float for w in cur.weights)
+    assert len(cur.take_positioned(2)) == 2
+
+
+@pytest.mark.parametrize(
+    "returned, said",
+    [
+        (None, "got NoneType None"),
+        (3.0, "got float 3.0"),
+        (["1"] * 4, "got '1' for row 0"),
+        ([1.0, float("nan"), 1.0, 1.0], "got nan for row 1"),
+        ([True] * 4, "got True for row 0"),
+        (np.ones((4, 2)), "for row 0"),
+    ],
+)
+def test_a_weight_function_returning_no_weights_is_named(returned, said):
+    with pytest.raises(UserError, match=r"`curriculum\.fn`: m:f must return one finite weight >= 0 per row \(4") as err:
+        cursor(CurriculumConfig(kind="fn", fn="m:f"), ROWS[:4], fn=lambda stats: returned)
+    assert said in str(err.value)
+
+
+def test_pools_that_weigh_the_unseen_rows_0_are_refused_at_the_first_draw():
+    cur = cursor(pools(pool_weights={"easy": 1.0, "normal": 0.0, "hard": 1.0}), ROWS[:4])
+    with pytest.raises(UserError, match=r"`curriculum\.pool_weights` .* give `normal`, rows never seen, a weight > 0"):
+        cur.take(1)
 
 
 def test_weight_fn_imports_a_users_function_and_names_the_field(tmp_path, monkeypatch):
@@ -347,3 +382,32 @@ def test_curriculum_knobs_without_effect_are_named(tmp_path):
     assert ineffective_knobs(validate(compose_config("curriculum.kind=pools", output_dir=tmp_path))) == []
     (knob,) = ineffective_knobs(validate(compose_config("curriculum.easy_above=0.8", output_dir=tmp_path)))
     assert "curriculum.easy_above=0.8" in knob and "curriculum.kind=none" in knob
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    "body, extra, said",
+    [
+        ("return None", [], "must return one finite weight >= 0 per row (24, a list or array), got NoneType"),
+        (
+            "return [0.0] * len(stats)",
+            ["offpolicy.synchronous=false", "offpolicy.max_lag=1"],  # drawn on the scheduler's thread
+            "weighs every row of this rank's share 0 before the first step",
+        ),
+    ],
+)
+def test_a_weight_function_that_gives_nothing_to_draw_ends_the_cli_run_with_exit_2(tmp_path, body, extra, said):
+    import os
+    import subprocess
+
+    (tmp_path / "my_weights.py").write_text(f"def weights(stats):\n    {body}\n")
+    run = [a for a in CURRICULUM_RUN if not a.startswith("curriculum.")]
+    out = subprocess.run(
+        [sys.executable, "-m", "lit_grpo.train", *run, "curriculum.kind=fn", "curriculum.fn=my_weights:weights",
+         "max_steps=2", *extra, f"hydra.run.dir={tmp_path / 'run'}"],
+        cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(tmp_path)}, capture_output=True, text=True, timeout=280,
+    )  # fmt: skip
+    assert out.returncode == 2, out.stderr[-2000:]
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "config field `curriculum.fn`" in errors[0] and said in errors[0], out.stderr[-2000:]
+    assert "Traceback" not in out.stderr

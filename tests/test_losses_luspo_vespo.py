@@ -290,3 +290,20 @@ def test_luspo_takes_only_its_clip(tmp_path):
     cfg = compose_config("policy_loss=luspo", "policy_loss.params.eps_clip=-0.1", output_dir=tmp_path)
     with pytest.raises(ConfigError, match=r"policy_loss\.params\.eps_clip"):
         validate(cfg)
+
+
+@pytest.mark.parametrize("name", ["luspo", "gspo", "grpo", "dapo", "cispo"])
+def test_an_eps_clip_whose_lower_clip_never_acts_is_refused(name, tmp_path):
+    # 1 - eps_clip <= 0: no ratio exp(.) > 0 is ever below it, so the lower clip would never act.
+    cfg = compose_config(f"policy_loss={name}", "policy_loss.params.eps_clip=1.0", output_dir=tmp_path)
+    with pytest.raises(ConfigError, match=rf"`policy_loss\.params\.eps_clip`.*must be < 1 for '{name}'.*would be 0,"):
+        validate(cfg)
+    validate(compose_config(f"policy_loss={name}", "policy_loss.params.eps_clip=0.99", output_dir=tmp_path))
+
+
+def test_gmpo_clips_the_log_ratio_so_an_eps_clip_past_1_acts(tmp_path):
+    # gmpo's lower clip is log r < -eps_clip: at eps_clip = 1.5, a ratio below e^-1.5 ≈ 0.22.
+    validate(compose_config("policy_loss=gmpo", "policy_loss.params.eps_clip=1.5", output_dir=tmp_path))
+    pi = leaf([[-3.0]])
+    _, grad, metrics = run("gmpo", pi=pi, old_logprobs=t([[-1.0]]), advantages=t([-1.0]), eps_clip=1.5)
+    assert metrics["clip_frac"] == 1.0 and grad.abs().sum() == 0

@@ -19,7 +19,10 @@ import re
 from collections.abc import Mapping, MutableMapping
 from typing import Any, Optional
 
+import yaml
 from omegaconf import DictConfig, OmegaConf, open_dict
+
+from lit_grpo.config.checks import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -122,8 +125,47 @@ def rename_override(override: str) -> str:
 
 
 def rename_overrides(overrides: list[str]) -> list[str]:
-    """Hydra overrides with every old key renamed (each logged once)."""
-    return [rename_override(o) for o in overrides]
+    """Hydra overrides with every old key renamed (each logged once).
+
+    An old and a new name of one key given together (`dcp_save_interval=2
+    checkpoint.save_interval=3`, or two old names of one new key) with different values is a
+    `ConfigError` naming both: Hydra would keep the last silently. Equal values pass."""
+    renamed = [rename_override(o) for o in overrides]
+    _refuse_conflicting_names(overrides, renamed)
+    return renamed
+
+
+def _assignment(override: str) -> Optional[tuple[str, Any]]:
+    """(key, value) that `override` sets, the key without `+`/`++` and a group's `.name`; None for
+    a deletion (`~key`) or a word that is no `key=value`."""
+    match = _OVERRIDE.match(override)
+    if match is None or match["prefix"] == "~" or not match["rest"]:
+        return None
+    key = match["key"].removesuffix(".name") if match["key"].removesuffix(".name") in GROUP_KEYS else match["key"]
+    return key, _plain(match["rest"][1:].strip())
+
+
+def _plain(text: str) -> Any:
+    """An override's value as Hydra reads it, for comparison (`False` and `false`, `2` and `2.0`)."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def _refuse_conflicting_names(given: list[str], renamed: list[str]) -> None:
+    first: dict[str, tuple[str, Any, bool]] = {}  # new key -> (override as given, value, was an old name)
+    for original, override in zip(given, renamed):
+        as_given, after = _assignment(original), _assignment(override)
+        if as_given is None or after is None or after[0] not in MOVED.values():
+            continue
+        key, value = after
+        old_name = as_given[0] in MOVED
+        earlier, earlier_value, earlier_old = first.setdefault(key, (original, value, old_name))
+        if earlier_value != value and (old_name or earlier_old):
+            raise ConfigError(
+                f"{earlier} and {original} set one key ({key}) to different values: give it once, as {key}"
+            )
 
 
 def _pop(node: Any, dotted: str) -> tuple[bool, Any]:

@@ -68,6 +68,21 @@ PARAM_CHECKS: dict[str, ParamCheck] = {
 }
 """Bounds of hyper-parameters by name (a set value only; null takes the registered default)."""
 
+RATIO_FLOOR_LOSSES = ("grpo", "dapo", "gspo", "luspo", "cispo")
+"""Built-in losses whose `eps_clip` sets the ratio's lower clip, 1 - eps_clip: at eps_clip >= 1
+that bound is <= 0, which no ratio (a positive number) reaches, so the clip would never act.
+(gmpo clips the log-ratio at -eps_clip, where any positive value acts; a user's loss decides.)"""
+
+
+def _ratio_floor(name: str, value: Any) -> Optional[str]:
+    if name not in RATIO_FLOOR_LOSSES or not _number(value) or value < 1:
+        return None
+    return (
+        f"must be < 1 for {name!r}, got {value}: its lower clip 1 - eps_clip would be {1 - value:g}, which no "
+        "ratio reaches (typical: 0.2; gspo and luspo: 3e-4)"
+    )
+
+
 FLOAT_PARAMS = ("eps_clip_c", "dppo_tv_threshold", "dppo_kl_threshold")
 """Hyper-parameters whose default is None but whose value is a number."""
 
@@ -91,5 +106,7 @@ def policy_loss_param_problems(name: str, params: Mapping[str, Any]) -> list[tup
         if (isinstance(default, float) or key in FLOAT_PARAMS) and not _number(value):
             problems.append((key, f"must be a finite number, got {value!r}"))
         elif key in PARAM_CHECKS and (why := PARAM_CHECKS[key](value, filled)):
+            problems.append((key, why))
+        elif key == "eps_clip" and (why := _ratio_floor(name, value)):
             problems.append((key, why))
     return problems

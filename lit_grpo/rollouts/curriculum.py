@@ -115,20 +115,40 @@ def is_retired(stats: RowStats, retire_after: int) -> bool:
     return retire_after > 0 and stats.solved >= retire_after
 
 
+def _weight(value: object) -> Optional[float]:
+    """`value` as a weight: a real number (a Python, numpy or 0-d torch one), finite and >= 0; else None."""
+    if isinstance(value, (str, bytes, bool)) or not hasattr(type(value), "__float__"):
+        return None
+    try:
+        weight = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):  # a tensor of several elements
+        return None
+    return weight if math.isfinite(weight) and weight >= 0 else None
+
+
+def returned_weights(returned: object, rows: int, spec: Optional[str]) -> list[float]:
+    """What `curriculum.fn` returned as `rows` floats: any sequence or array of numbers (numpy's
+    float32 and ndarray included). `UserError` naming the field otherwise."""
+    must = f"config field `curriculum.fn`: {spec} must return one finite weight >= 0 per row ({rows}, a list or array)"
+    try:
+        values = list(returned)  # type: ignore[call-overload]
+    except TypeError:
+        raise UserError(f"{must}, got {type(returned).__name__} {returned!r:.60}") from None
+    weights = [_weight(v) for v in values]
+    if len(weights) != rows:
+        raise UserError(f"{must}, got {len(weights)} weights")
+    bad = next((i for i, w in enumerate(weights) if w is None), None)
+    if bad is not None:
+        raise UserError(f"{must}, got {values[bad]!r} for row {bad}")
+    return weights  # type: ignore[return-value]
+
+
 def row_weights(stats: list[RowStats], c: CurriculumConfig, fn: Optional[WeightFn] = None) -> list[float]:
     """One draw weight per row: its pool's weight (`pools`) or `fn(stats)`'s (`fn`), 0 once retired.
     `UserError` naming `curriculum.fn` when the function returns anything but len(stats) finite weights >= 0."""
     if c.kind == "fn":
         assert fn is not None
-        weights = list(fn([dataclasses.replace(s) for s in stats]))  # copies: the function cannot change the stats
-        if len(weights) != len(stats) or not all(
-            isinstance(w, (int, float)) and math.isfinite(w) and w >= 0 for w in weights
-        ):
-            bad = next((w for w in weights if not (isinstance(w, (int, float)) and math.isfinite(w) and w >= 0)), None)
-            raise UserError(
-                f"config field `curriculum.fn`: {c.fn} must return one finite weight >= 0 per row ({len(stats)}), "
-                f"got {len(weights)} weights" + (f", one of them {bad!r}" if bad is not None else "")
-            )
+        weights = returned_weights(fn([dataclasses.replace(s) for s in stats]), len(stats), c.fn)  # copies: stats stay
     else:
         by_pool = dict(c.pool_weights)
         weights = [float(by_pool[pool_of(s, c.easy_above, c.hard_below)]) for s in stats]
@@ -226,11 +246,25 @@ class CurriculumCursor:
             while len(out) < n and self.draws < self.epochs * self.rows_per_epoch:
                 row_index = self._draw(self.draws)
                 if row_index is None:
+                    if self.draws == 0:  # not a row drawn yet: the run would end having trained nothing
+                        raise UserError(self._nothing_to_draw())
                     break
                 out.append(((self.draws, row_index), self.rows[row_index]))
                 self.drawn_this_step.add(row_index)
                 self.draws += 1
         return out
+
+    def _nothing_to_draw(self) -> str:
+        c = self.config
+        if c.kind == "fn":
+            field, fix = f"curriculum.fn` ({c.fn}", "give rows never seen (pass_rate None) a weight > 0"
+        else:
+            pools = dict(c.pool_weights)
+            field, fix = f"curriculum.pool_weights` ({pools}", "give `normal`, rows never seen, a weight > 0"
+        return (
+            f"config field `{field}) weighs every row of this rank's share 0 before the first step: no row can be "
+            f"drawn and nothing would train; {fix}"
+        )
 
     def _draw(self, k: int) -> Optional[int]:
         """Draw k: a row of the share by weight, one not yet drawn this step while there is one."""
