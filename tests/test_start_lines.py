@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 
+import pytest
 from conftest import compose_config
 
 from lit_grpo.build import completion_room_problem, run_mode_line
@@ -74,3 +75,21 @@ def test_without_a_progress_bar_each_step_gets_a_line_at_most_every_period(caplo
     assert run(every_s=0.0) == [*every, "step 3/3, reward/mean 0.75, s/step 30"]
     # within the period: the first, then only the last step's, at the end
     assert run(every_s=3600.0) == ["step 1/3, reward/mean 0.25, s/step 10", "step 3/3, reward/mean 0.75, s/step 30"]
+
+
+@pytest.mark.timeout(300)
+def test_a_log_that_is_no_tty_gets_one_bar_the_runs_steps(tmp_path, capfd):
+    # Lightning drew "Training: 0/?", reset it and renamed it "Epoch 0" before ours said "steps":
+    # each a line of its own in a CI log. A resumed run's bar starts at its checkpoint's step.
+    from lit_grpo.train import train
+
+    run = ["+experiment=arithmetic", "checkpoint.save_interval=2", "trainer.enable_progress_bar=true"]
+    train(compose_config(*run, "max_steps=2", output_dir=tmp_path))
+    first = capfd.readouterr().out
+    train(compose_config(*run, "max_steps=4", "resume=auto", output_dir=tmp_path))
+    resumed = capfd.readouterr().out
+    for out, start in ((first, "0/2"), (resumed, "2/4")):
+        draws = [d.strip() for d in out.replace("\n", "\r").split("\r") if "|" in d]
+        assert draws and all(d.startswith("steps:") for d in draws), draws  # no "Training", no "Epoch 0"
+        assert f"| {start} [" in draws[0], draws[0]
+        assert "Training" not in out and "Epoch" not in out

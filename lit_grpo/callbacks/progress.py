@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 import time
 from typing import Any, Optional
 
@@ -31,9 +32,27 @@ class StepProgressBar(TQDMProgressBar):
         super().__init__(refresh_rate=refresh_rate)
         self.max_steps = max_steps
         self._redirect: Optional[contextlib.ExitStack] = None
+        self._total: Optional[int] = None
+        self._start = 0
+
+    def init_train_tqdm(self) -> Tqdm:
+        """The one bar, drawn once as `steps` with its total: Lightning's drew a `Training: 0/?`
+        bar, reset it and renamed it per epoch, each a line of its own in a log that is no TTY."""
+        return Tqdm(
+            desc="steps",
+            total=self._total,
+            initial=self._start,  # the rate counts this run's steps
+            position=(2 * self.process_position),
+            disable=self.is_disabled,
+            leave=True,
+            dynamic_ncols=True,
+            file=sys.stdout,
+            smoothing=0,
+            bar_format=self.BAR_FORMAT,
+        )
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        super().on_train_start(trainer, pl_module)
+        # No bar yet (Lightning's would be drawn here): the checkpoint's step is known at the epoch's start.
         if self.is_enabled and self._redirect is None:
             self._redirect = contextlib.ExitStack()
             self._redirect.enter_context(
@@ -41,12 +60,11 @@ class StepProgressBar(TQDMProgressBar):
             )
 
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        super().on_train_epoch_start(trainer, pl_module)
-        bar, start = self.train_progress_bar, getattr(pl_module, "rollout_step", 0)
-        bar.set_description("steps")
-        if self.max_steps > 0 and not trainer.fast_dev_run:
-            bar.total, bar.initial, bar.n = self.max_steps, start, start  # the rate counts this run's steps
-            bar.refresh()
+        if self._train_progress_bar is not None:
+            return  # the rollout stream is one epoch: one bar for the run (no reset, no rename)
+        self._start = getattr(pl_module, "rollout_step", 0)  # a resumed run starts at its checkpoint's step
+        self._total = self.max_steps if self.max_steps > 0 and not trainer.fast_dev_run else None
+        self.train_progress_bar = self.init_train_tqdm()
 
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -58,7 +76,8 @@ class StepProgressBar(TQDMProgressBar):
             bar.set_postfix(self.get_metrics(trainer, pl_module))  # refreshes the bar
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        super().on_train_end(trainer, pl_module)
+        if self._train_progress_bar is not None:  # none when the run stopped before its first epoch began
+            super().on_train_end(trainer, pl_module)
         self._end_redirect()
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
