@@ -57,6 +57,26 @@ class EnvironmentFault(UserError):
     on) and says where `resume=auto` continues once the thing is back."""
 
 
+class ServerUnreachable(ConnectionError):
+    """A server the run calls (a reward model's, an environment's) did not answer: refused, reset,
+    5xx or no answer in time. Transient, so the rollout retries it (a `ConnectionError`); once it
+    fails row after row the rollouts' circuit breaker stops the run with a `ServerLost` that says
+    `remedy`, not the advice for a broken rollout function."""
+
+    def __init__(self, message: str, *, remedy: str) -> None:
+        super().__init__(message)
+        self.remedy = remedy
+
+
+class ServerLost(EnvironmentFault):
+    """A server the run calls kept failing (`ServerUnreachable` row after row): the step sequence
+    saves the last finished step and says `remedy` and where `resume=auto` continues."""
+
+    def __init__(self, message: str, *, remedy: str) -> None:
+        super().__init__(message)
+        self.remedy = remedy
+
+
 class MissingExtraError(UserError, ImportError):
     """An optional extra of lit_grpo that this run needs is not installed; the message says how to get it."""
 

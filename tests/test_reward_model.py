@@ -442,3 +442,34 @@ def test_the_reward_model_name_is_taken():
         register_reward("reward_model")(lambda text, row: 0.0)
     with pytest.raises(ConfigError, match=r"unknown reward 'reward_modle'.*reward_model \(the reward model"):
         get_reward("reward_modle")
+
+
+@pytest.mark.timeout(300)
+def test_a_reward_server_that_dies_stops_the_run_naming_it_and_resume_continues(tmp_path, rm_folder):
+    from lit_grpo.errors import EnvironmentFault
+    from lit_grpo.train import train
+
+    model = AutoModelForSequenceClassification.from_pretrained(rm_folder).eval()
+    server = FakeClassifyServer(lambda ids: forward_scores(model, [ids])[0])
+    run = [
+        "+experiment=arithmetic", f"reward.model={rm_folder}", "checkpoint.save_interval=1",
+        "~callbacks.reward_filter", "guards.rollout_max_retries=0", "trainer.enable_progress_bar=false",
+    ]  # fmt: skip
+    try:
+        train(compose_config(*run, f"reward.model_url={server.url}", "max_steps=2", output_dir=tmp_path))
+        server.status = 503  # the server dies: every call fails from now on
+        with pytest.raises(EnvironmentFault) as stopped:
+            train(compose_config(*run, f"reward.model_url={server.url}", "max_steps=4", "resume=auto",
+                                 output_dir=tmp_path))  # fmt: skip
+        message = str(stopped.value)
+        print(message)
+        assert f"reward model server {server.url} (reward.model_url)" in message, message
+        assert "rollout_fn" not in message and "fix the rollout function" not in message
+        assert "training stopped after step 2" in message
+        assert "Start the reward model server again" in message and "continues from step 2" in message
+        server.status = None  # started again: the run continues from its checkpoint
+        summary = train(compose_config(*run, f"reward.model_url={server.url}", "max_steps=4", "resume=auto",
+                                       output_dir=tmp_path))  # fmt: skip
+        assert summary["steps"] == 4
+    finally:
+        server.close()

@@ -13,8 +13,10 @@ A call runs on the batch's own thread (`ModelBatcher`), with the key from the en
 or `--api-key-file`; every route but /health then needs it). Failures, by kind:
 
 - unreachable, reset, 5xx, 429 or no answer within `reward.model_request_timeout_s`: a
-  `ConnectionError` naming the server, which the rollout retries like any transient reward error
-  (`guards.rollout_retry_on`, `guards.rollout_max_retries`), the whole under `reward.timeout_s`;
+  `ServerUnreachable` (a `ConnectionError`) naming the server, which the rollout retries like any
+  transient reward error (`guards.rollout_retry_on`, `guards.rollout_max_retries`), the whole under
+  `reward.timeout_s`; when rows keep failing on it, the rollouts' circuit breaker stops the run
+  with a `ServerLost` that says to start the server again and where `resume=auto` continues;
 - 401 (no key or another one) or any other answer it cannot use: `RewardServerError`, which stops
   the run at once naming the server: it would fail every sample the same way.
 """
@@ -26,7 +28,7 @@ import os
 import urllib.error
 import urllib.request
 
-from lit_grpo.errors import EnvironmentFault
+from lit_grpo.errors import EnvironmentFault, ServerUnreachable
 
 
 class RewardServerError(EnvironmentFault):
@@ -48,13 +50,14 @@ class ServedScores:
             headers["Authorization"] = f"Bearer {key}"
         request = urllib.request.Request(f"{self.url}/classify", data=body, headers=headers, method="POST")
         where = f"reward model server {self.url} (reward.model_url)"
+        remedy = f"Start the reward model server again at {self.url} (or point reward.model_url at a live one)"
         try:
             with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
                 answer = json.loads(response.read())
         except urllib.error.HTTPError as err:
             detail = err.read().decode(errors="replace")[:300]
             if err.code >= 500 or err.code == 429:
-                raise ConnectionError(f"{where} answered {err.code}: {detail}") from None
+                raise ServerUnreachable(f"{where} answered {err.code}: {detail}", remedy=remedy) from None
             if err.code == 401:
                 raise RewardServerError(
                     f"{where} answered 401: it needs its key, and lit_grpo sent none or another one (read from "
@@ -63,7 +66,9 @@ class ServedScores:
             raise RewardServerError(f"{where}: /classify answered {err.code}: {detail}") from None
         except (urllib.error.URLError, TimeoutError, OSError) as err:  # refused, reset, no answer in time
             reason = getattr(err, "reason", err)
-            raise ConnectionError(f"{where}: /classify failed ({type(reason).__name__}: {reason})") from None
+            raise ServerUnreachable(
+                f"{where}: /classify failed ({type(reason).__name__}: {reason})", remedy=remedy
+            ) from None
         return scores_of(answer, len(ids), where)
 
 

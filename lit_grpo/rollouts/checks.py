@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from typing import Optional
 
 from lit_grpo.advantages.registry import UNIFORM_TOLERANCE, rewards_uniform
-from lit_grpo.errors import UserError
+from lit_grpo.errors import ServerLost, ServerUnreachable, UserError
 from lit_grpo.types import RolloutSample
 
 LOGPROB_TOLERANCE = 1e-4
@@ -251,16 +251,31 @@ class CircuitBreaker:
         if self.consecutive >= self.max_consecutive or (
             len(self.recent) == self.recent.maxlen and rate >= self.max_failure_rate
         ):
+            counts = (
+                f"on {self.consecutive} rows in a row and on {sum(self.recent)} of the last {len(self.recent)} rows"
+            )
+            server = server_unreachable(error)
+            if server is not None:  # not the rollout function's fault: name the server and how to continue
+                raise ServerLost(f"{server} ({counts})", remedy=server.remedy) from error
             hint = (
                 "raise guards.rollout_timeout_s if the rollouts are slow but sound"
                 if isinstance(error, TimeoutError)
                 else "fix the rollout function (or its environment) and resume"
             )
             raise RolloutCircuitOpen(
-                f"rollout_fn failed on {self.consecutive} rows in a row and on {sum(self.recent)} of the last "
-                f"{len(self.recent)} rows (every call of a failed row raised); last error: {error!r}. "
+                f"rollout_fn failed {counts} (every call of a failed row raised); last error: {error!r}. "
                 f"Training stops: {hint} (the limits: guards.rollout_failure_share, guards.rollout_failure_window)."
             ) from error
+
+
+def server_unreachable(error: Optional[BaseException]) -> Optional[ServerUnreachable]:
+    """The `ServerUnreachable` behind `error` (itself, or what it was raised from), or None."""
+    seen = 0
+    while error is not None and seen < 8:
+        if isinstance(error, ServerUnreachable):
+            return error
+        error, seen = error.__cause__ or error.__context__, seen + 1
+    return None
 
 
 UNIFORM_NOTICE_S = 60.0
