@@ -125,6 +125,10 @@ def write_summary(
         "reward_curve": (curve := history.series(c.summary_metric)),
         "reward_window": summary_window(len(curve)),
     }
+    bad_rows = sequence.bad_rows if sequence is not None else None
+    if bad_rows is not None and bad_rows.count:  # this rank's share: each rank says its own
+        summary_file["bad_rows"] = {"count": bad_rows.count, "first": [{"row": r, "why": w} for r, w in bad_rows.first]}
+        log.warning("%s", bad_rows.summary_line())
     if trainer.is_global_zero if trainer is not None else launched_as_rank_zero():
         path = Path(c.output_dir) / SUMMARY_FILE
         tmp = path.with_name(f".{SUMMARY_FILE}.{os.getpid()}.tmp")

@@ -60,12 +60,14 @@ COMPLETION = (3, 7)
 """Completion lengths of the rows with images: 3 to 6 tokens."""
 
 
-def fixed_vision_batch(rank: int, size: int, processor) -> RolloutBatch:
+def fixed_vision_batch(rank: int, size: int, processor, text_every: int = 0) -> RolloutBatch:
     """A batch of rows with images that depends only on (rank, size): each row the processor's prompt
     of an image whose colour and size depend on (rank, row), then random completion tokens (the loss
-    on them alone), right-padded; the images in `multi_modal`, in row order."""
+    on them alone), right-padded; the images in `multi_modal`, in row order. With `text_every` N > 0
+    every N-th row (i % N == N - 1) is a text row of the same chat template, without an image."""
     from PIL import Image
 
+    from lit_grpo.samplers.arguments import chat_prompt_tokens
     from lit_grpo.tasks.images import vision_prompt
 
     g = torch.Generator().manual_seed(2000 + rank)
@@ -75,12 +77,18 @@ def fixed_vision_batch(rank: int, size: int, processor) -> RolloutBatch:
     for i in range(size):
         colour = ((37 * rank + 91 * i) % 256, (53 * i + 17) % 256, (200 - 60 * rank) % 256)
         image = Image.new("RGB", IMAGE_SIZES[(rank + i) % len(IMAGE_SIZES)], colour)
-        messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": f"row {rank} {i}?"}]}]
-        prompt, prompt_images = vision_prompt(processor, messages, [image])
-        assert prompt_images is not None
+        text_row = text_every > 0 and i % text_every == text_every - 1
+        question = {"type": "text", "text": f"row {rank} {i}?"}
+        messages = [{"role": "user", "content": [question] if text_row else [{"type": "image"}, question]}]
+        if text_row:
+            prompt = chat_prompt_tokens(processor.tokenizer, messages)  # as the default rollout makes it
+        else:
+            prompt, prompt_images = vision_prompt(processor, messages, [image])
+            assert prompt_images is not None
+        # character ids, above every special one: never an image placeholder (the rollout drops those)
         completion = torch.randint(specials, vocab, (int(torch.randint(*COMPLETION, (1,), generator=g)),), generator=g)
         rows.append((prompt, completion.tolist()))
-        images.append(dict(prompt_images))
+        images.append(None if text_row else dict(prompt_images))
     width = max(len(p) + len(c) for p, c in rows)
     tokens = torch.full((size, width), processor.tokenizer.pad_token_id, dtype=torch.long)
     attention = torch.zeros((size, width), dtype=torch.long)
@@ -215,14 +223,16 @@ class Probe(L.Callback):
 
 
 class FixedData(L.LightningDataModule):
-    def __init__(self, sizes: list[int], vocab: int, processor=None) -> None:
+    def __init__(self, sizes: list[int], vocab: int, processor=None, text_every: int = 0) -> None:
         super().__init__()
-        self.sizes, self.vocab, self.processor = sizes, vocab, processor
+        self.sizes, self.vocab, self.processor, self.text_every = sizes, vocab, processor, text_every
 
     def train_dataloader(self) -> DataLoader:
         rank, world = self.trainer.global_rank, self.trainer.world_size
         batches = [
-            fixed_vision_batch(r, n, self.processor) if self.processor is not None else fixed_batch(r, n, self.vocab)
+            fixed_vision_batch(r, n, self.processor, self.text_every)
+            if self.processor is not None
+            else fixed_batch(r, n, self.vocab)
             for r, n in enumerate(self.sizes)
         ]
         batch = batches[rank] if world > 1 else union(batches)
@@ -234,7 +244,8 @@ def main() -> None:
     strategy = sys.argv[4] if len(sys.argv) > 4 else "ddp"
     kl_beta = sys.argv[5] if len(sys.argv) > 5 else "0"
     train = len(sys.argv) > 6 and sys.argv[6] == "train"
-    overrides = sys.argv[7:]
+    overrides = [a for a in sys.argv[7:] if not a.startswith("text_every=")]
+    text_every = sum(int(a.split("=")[1]) for a in sys.argv[7:] if a.startswith("text_every="))
     c = validate(
         compose_config(
             [
@@ -264,7 +275,7 @@ def main() -> None:
         callbacks=[probe],
         use_distributed_sampler=False,  # each rank its own fixed batch
     )
-    trainer.fit(GRPOModule(policy, c), datamodule=FixedData(sizes, len(tokenizer), processor))
+    trainer.fit(GRPOModule(policy, c), datamodule=FixedData(sizes, len(tokenizer), processor, text_every))
     kind = "weights" if train else "grads"
     torch.save(probe.losses, out / f"losses_{strategy}_world{devices}_rank{trainer.global_rank}.pt")
     torch.save(probe.recomputes, out / f"recomputes_{strategy}_world{devices}_rank{trainer.global_rank}.pt")

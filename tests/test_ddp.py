@@ -69,17 +69,19 @@ def test_two_process_gradient_equals_one_process_gradient_on_the_union(sizes, tm
 
 @pytest.mark.parametrize(  # checkpointed: nightly (CI's 30 minutes)
     "overrides",
-    [[], pytest.param(["model.gradient_checkpointing=true"], marks=pytest.mark.nightly)],
-    ids=["plain", "checkpointed"],
+    [[], ["text_every=2"], pytest.param(["model.gradient_checkpointing=true"], marks=pytest.mark.nightly)],
+    ids=["plain", "text_rows", "checkpointed"],
 )
 def test_two_process_gradient_with_images_equals_one_process_gradient_on_the_union(overrides, tmp_path):
     """A vision-language policy: rows with images of different sizes (4, 2 or 1 image tokens), each
-    rank's images sliced into micro-batches of 3 rows, KL on so the reference's forward takes them too."""
+    rank's images sliced into micro-batches of 3 rows, KL on so the reference's forward takes them too.
+    `text_rows`: every other row holds no image, batched with the others (rank 0's last micro-batch
+    is a text row alone)."""
     for devices in (1, 2):
         run_probe(tmp_path, devices, "4,6", "ddp", "0.01", "grads", "model=tiny_vlm", *overrides)
     assert_ranks_equal_the_union(tmp_path, "ddp")
     assert_images_reached_the_tower(tmp_path, "ddp")
-    if overrides:  # the decoder layers were recomputed in the backward on every rank
+    if "model.gradient_checkpointing=true" in overrides:  # the decoder layers were recomputed on every rank
         assert all(torch.load(p) > 0 for p in tmp_path.glob("recomputes_ddp_*.pt"))
 
 

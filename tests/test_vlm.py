@@ -8,6 +8,7 @@ from PIL import Image
 
 from lit_grpo.maths.logprobs import token_logprobs
 from lit_grpo.models.vision import build_tiny_vlm, build_tiny_vlm_processor, freeze_vision_tower
+from lit_grpo.tasks.images import RowImageError
 from lit_grpo.types import MultiModalBatch
 
 pytestmark = pytest.mark.timeout(120)
@@ -265,18 +266,70 @@ class _PlaceholderSampler:
         return [Completion(list(prompt) + [self.token], len(prompt), [-1.0], "length", "") for _ in range(n)]
 
 
-def test_a_completion_holding_an_image_placeholder_is_dropped_as_a_bad_image(processor, model):
+@pytest.mark.parametrize("row_kind", ["image", "text"])
+def test_a_completion_holding_an_image_placeholder_is_dropped_for_image_and_text_rows(processor, model, row_kind):
+    """The policy's own mistake, whichever row: a text row batched with image rows would hand the
+    forward a placeholder without an image (the features and the tokens would not match)."""
     import asyncio
 
     from lit_grpo.rollouts.pipeline import error_key
-    from lit_grpo.tasks.images import RowImageError
+    from lit_grpo.tasks.images import PlaceholderInCompletion
     from lit_grpo.tasks.vlm_shapes import VlmShapesOptions, make_rows
 
     row = make_rows(VlmShapesOptions(num_rows=1), seed=0)[0]
+    if row_kind == "text":
+        row = {**row, "messages": [{"role": "user", "content": [{"type": "text", "text": "colour? r g b y"}]}]}
     rollout = _rollout(processor, model, _PlaceholderSampler(processor.image_token_id))
-    with pytest.raises(RowImageError) as caught:
+    with pytest.raises(PlaceholderInCompletion) as caught:
         asyncio.run(rollout(row))
-    assert error_key(caught.value) == "rollout/dropped_bad_image"
+    assert error_key(caught.value) == "rollout/dropped_image_placeholder"
+
+
+def test_a_text_row_whose_prompt_holds_a_placeholder_is_a_bad_row(processor, model):
+    import asyncio
+
+    from lit_grpo.rollouts.pipeline import error_key
+
+    pad = processor.tokenizer.convert_ids_to_tokens(processor.image_token_id)
+    row = {"id": "t", "messages": [{"role": "user", "content": f"what is {pad}?"}], "answer": "r"}
+    rollout = _rollout(processor, model, _PlaceholderSampler(processor.image_token_id))
+    with pytest.raises(
+        RowImageError, match="its prompt holds an image placeholder token but the row has no image"
+    ) as e:
+        asyncio.run(rollout(row))
+    assert error_key(e.value) == "rollout/dropped_bad_image"
+
+
+def test_a_padded_batch_of_text_and_image_rows_equals_each_row_alone(processor, model):
+    """Text rows batch with image rows: each row's logprobs are its own forward's (a text row's
+    through the model without images), in one batch and in micro-batches of either kind alone."""
+    from lit_grpo.loop.micro_batches import MicroBatch, no_grad_logprobs
+    from lit_grpo.samplers.arguments import chat_prompt_tokens
+
+    image_rows = [
+        _encode(processor, Image.new("RGB", (56, 56), (255, 0, 0)), "which colour is it?"),
+        _encode(processor, Image.new("RGB", (28, 28), (0, 0, 255)), "colour?"),
+    ]
+    text = chat_prompt_tokens(processor.tokenizer, [{"role": "user", "content": [{"type": "text", "text": "hue?"}]}])
+    sequences = [image_rows[0]["input_ids"][0].tolist(), text, image_rows[1]["input_ids"][0].tolist()]
+    lengths = [len(t) for t in sequences]
+    tokens = torch.full((3, max(lengths)), processor.tokenizer.pad_token_id)
+    attention = torch.zeros_like(tokens)
+    for i, t in enumerate(sequences):
+        tokens[i, : lengths[i]], attention[i, : lengths[i]] = torch.tensor(t), 1
+    batch = MultiModalBatch.of([_vision(image_rows[0]), None, _vision(image_rows[1])])
+    whole = no_grad_logprobs(model, tokens, attention, 1.0, [MicroBatch(slice(0, 3), max(lengths))], multi_modal=batch)
+    split = no_grad_logprobs(
+        model, tokens, attention, 1.0,
+        [MicroBatch(torch.tensor([1]), lengths[1]), MicroBatch(torch.tensor([2, 0]), max(lengths))], multi_modal=batch,
+    )  # fmt: skip
+    alone_text = _reference_logprobs(
+        model, {"input_ids": torch.tensor([text]), "attention_mask": torch.ones(1, lengths[1], dtype=torch.long)}
+    )[0]
+    for got in (whole, split):
+        torch.testing.assert_close(got[0, : lengths[0] - 1], _reference_logprobs(model, image_rows[0])[0])
+        torch.testing.assert_close(got[1, : lengths[1] - 1], alone_text)
+        torch.testing.assert_close(got[2, : lengths[2] - 1], _reference_logprobs(model, image_rows[1])[0])
 
 
 def test_a_multi_turn_trajectory_keeps_its_prompts_images():
@@ -516,3 +569,50 @@ def test_rows_with_different_image_counts_batch_as_each_row_alone_where_images_a
                 model, torch.tensor([row]), torch.ones(1, len(row), dtype=torch.long), 1.0, vision=dict(images)
             )
             torch.testing.assert_close(both[i, : len(row) - 1], alone[0], atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.timeout(600)
+def test_text_and_image_rows_train_together_and_no_placeholder_reaches_a_text_forward(tmp_path, monkeypatch):
+    """`task.text_every=2`: every other row is text. Every forward of the VLM's body is recorded:
+    its placeholder tokens must be exactly the images' (none in a forward without images), the
+    check transformers makes, here for the reference's and the sampler's forwards too. At seed 3 a
+    text row samples a placeholder: without its drop the run fails in transformers' forward."""
+    import inspect
+
+    from conftest import compose_config, trained_steps
+    from transformers.models.qwen2_vl import modeling_qwen2_vl
+
+    from lit_grpo.train import train
+
+    seen = []
+    forward = modeling_qwen2_vl.Qwen2VLModel.forward
+
+    def recording(self, *args, **kwargs):
+        given = inspect.signature(forward).bind(self, *args, **kwargs).arguments
+        ids, grid, encoded = given.get("input_ids"), given.get("image_grid_thw"), given.get("mm_encoder_outputs")
+        if ids is not None and given.get("inputs_embeds") is None:
+            placeholders = int((ids == self.config.image_token_id).sum())
+            if encoded and encoded.get("image") is not None:  # the hf sampler's generate: features made once
+                expected = sum(int(f.shape[0]) for f in encoded["image"].pooler_output)
+            else:
+                expected = 0 if grid is None else int(grid.prod(-1).sum()) // 4  # the 2 x 2 merge
+            seen.append((ids.shape[0], placeholders, expected))
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(modeling_qwen2_vl.Qwen2VLModel, "forward", recording)
+    summary = train(
+        compose_config(
+            "+experiment=vlm_shapes",
+            "task.text_every=2",
+            "max_steps=6",
+            "seed=3",
+            "data.prompt_groups_per_step=4",
+            "~callbacks.reward_filter",
+            "trainer.enable_progress_bar=false",
+            output_dir=tmp_path,
+        )  # fmt: skip
+    )
+    assert summary["steps"] == 6
+    assert seen and all(p == e for _, p, e in seen), [s for s in seen if s[1] != s[2]][:5]
+    dropped = sum(s.get("rollout/dropped_image_placeholder", 0.0) for s in trained_steps(tmp_path))
+    assert dropped > 0, "no sample held a placeholder: the seed no longer tests the drop"

@@ -95,7 +95,7 @@ def trainer_logprobs_of(model, completions, temperature, pad_id, with_images=Tru
     for i, (c, _) in enumerate(completions):
         tokens[i, : len(c.full_tokens)] = torch.tensor(c.full_tokens)
         attention[i, : len(c.full_tokens)] = 1
-    images = MultiModalBatch.of([dict(im) for _, im in completions])
+    images = MultiModalBatch.of([dict(im) if im else None for _, im in completions])  # None: a text row
     assert images is not None
     vision = images.select(slice(0, len(completions))) if with_images else None
     with torch.no_grad():

@@ -102,11 +102,30 @@ def test_a_row_whose_image_cannot_be_used_is_dropped_with_one_line_and_the_run_g
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr + proc.stdout, proc.stderr[-3000:]
     assert "stopped: max_steps=2 reached" in proc.stdout
-    named = [line for line in _warnings(proc) if f"row id={BAD!r}" in line]
+    named = [line for line in _warnings(proc) if f"id={BAD!r}" in line and "dropped" in line]
     assert len(named) == 1, _warnings(proc)  # sampled again each epoch, warned about once
     assert key in named[0] and all(n in named[0] for n in needles), (named[0], needles)
     assert _metric_total(tmp_path / "run", key) >= 2  # its G samples, each time it was sampled
     assert seconds < 60
+
+
+def test_each_bad_row_is_named_once_and_the_runs_end_lists_them(tmp_path, red):
+    """Two rows with bad images and good ones: each bad row named once (not one line for the kind of
+    drop, which a good row's sampled placeholder could spend), the end's line and summary.json list both."""
+    bad = _bad_rows(tmp_path, red)
+    good = [_row(f"square{i}", [{"type": "image", "path": red}, QUESTION]) for i in range(4)]
+    rows = [{**bad["missing"], "id": "bad_a"}, good[0], {**bad["url"], "id": "bad_b"}, *good[1:]]
+    proc, _ = _vlm_run(tmp_path, _write_rows(tmp_path / "rows.jsonl", rows), "~callbacks.reward_filter")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    warnings = _warnings(proc)
+    for row_id, index, needle in (("bad_a", 0, "not found"), ("bad_b", 2, "is a URL")):
+        named = [w for w in warnings if f"row {index} (id={row_id!r}): its data cannot be used" in w]
+        assert len(named) == 1 and needle in named[0], warnings
+    [end] = [w for w in warnings if "row(s) had data that could not be used" in w]
+    assert "- 2 row(s) had data" in end and "id='bad_a'" in end and "id='bad_b'" in end, end
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["bad_rows"]["count"] == 2
+    assert [r["row"] for r in summary["bad_rows"]["first"]] == ["0 (id='bad_a')", "2 (id='bad_b')"]
 
 
 def test_a_run_whose_every_row_is_bad_stops_with_one_message(tmp_path):
@@ -119,8 +138,9 @@ def test_a_run_whose_every_row_is_bad_stops_with_one_message(tmp_path):
     )
     assert proc.stderr.count("error: ") == 1, proc.stderr
     assert "stopped: max_steps" not in proc.stdout
-    [warning] = _warnings(proc)  # the first bad row, named once
-    assert "row id='square0'" in warning and "gone0.png' not found" in warning, warning
+    warnings = _warnings(proc)  # each bad row named once, the first first
+    assert "row 0 (id='square0')" in warnings[0] and "gone0.png' not found" in warnings[0], warnings
+    assert sum("its data cannot be used" in w for w in warnings) == 3, warnings
     assert seconds < 60, message
 
 

@@ -21,6 +21,7 @@ from test_vlm_families import trainer_logprobs_of  # noqa: E402
 
 from lit_grpo.models.load import save_pretrained  # noqa: E402
 from lit_grpo.models.vision import build_tiny_vlm, build_tiny_vlm_processor  # noqa: E402
+from lit_grpo.samplers.arguments import chat_prompt_tokens  # noqa: E402
 from lit_grpo.samplers.server.sampler import ServerError, VLLMServerSampler  # noqa: E402
 from lit_grpo.samplers.vllm import VLLMSampler  # noqa: E402
 from lit_grpo.tasks.images import vision_prompt  # noqa: E402
@@ -117,6 +118,16 @@ def test_vllm_logprobs_with_images_equal_the_trainer_forward(engine, temperature
     assert gap < 1e-4
     # The images reached the engine: the same tokens scored without them disagree.
     assert _max_gap(model, completions, temperature, pad, with_images=False) > 1e-3
+
+
+def test_text_and_image_prompts_sample_together_with_the_trainers_logprobs(engine):
+    """A text row (no images) among image rows, sampled concurrently and scored in one padded forward."""
+    sampler, model, processor = engine
+    text = chat_prompt_tokens(processor.tokenizer, [{"role": "user", "content": [{"type": "text", "text": "hue?"}]}])
+    prompts = [_prompt(processor, Image.new("RGB", size, colour), q) for size, colour, q in ROWS]
+    completions = _sample_rows(sampler, [prompts[0], (text, None), prompts[1]])
+    assert [images is None for _, images in completions] == [False, False, True, True, False, False]
+    assert _max_gap(model, completions, 0.8, processor.tokenizer.pad_token_id) < 1e-4
 
 
 def test_a_weight_sync_reaches_the_engine_with_images(engine):

@@ -390,6 +390,11 @@ class StepSequence:
         return self.datamodule.rows_exhausted
 
     @property
+    def bad_rows(self):
+        """This rank's rows whose own data could not be used (named once each; listed at the end)."""
+        return self.datamodule.bad_rows
+
+    @property
     def run_id(self) -> Optional[str]:
         """The id of the run's checkpoints (None without checkpoints)."""
         return self.checkpointer.run_id if self.checkpointer is not None else None

@@ -216,6 +216,11 @@ class RolloutDataModule(L.LightningDataModule):
         return self.stream.rows_exhausted
 
     @property
+    def bad_rows(self):
+        """This rank's rows whose own data could not be used (`lit_grpo.rollouts.groups.BadRows`)."""
+        return self.groups.bad_rows
+
+    @property
     def version(self) -> int:
         """The policy version of the sampler: version advances (weight syncs) so far."""
         return self.scheduler.version

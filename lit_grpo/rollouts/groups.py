@@ -20,7 +20,14 @@ from lit_grpo.rollouts.checks import CircuitBreaker, ProgressGuard, UniformGroup
 from lit_grpo.rollouts.context import RolloutCalls
 from lit_grpo.rollouts.deadlines import TRANSIENT_ERRORS, call_rollout, function_name, gather_or_cancel
 from lit_grpo.rollouts.pace import SamplingPace, deadline_notice
-from lit_grpo.rollouts.pipeline import GroupFilter, checked_samples, error_key, group_verdict, penalize_overlong
+from lit_grpo.rollouts.pipeline import (
+    BAD_DATA_KEYS,
+    GroupFilter,
+    checked_samples,
+    error_key,
+    group_verdict,
+    penalize_overlong,
+)
 from lit_grpo.rollouts.rollout import RolloutFn, group_rollout_fn
 from lit_grpo.tasks.rows import row_label
 from lit_grpo.types import PromptGroup, oldest_token_version, versions_spanned
@@ -90,6 +97,8 @@ class GroupSampler:
         self._counts: Counter = Counter()
         self._lock = threading.Lock()  # the off-policy scheduler counts on its own thread
         self._warned: set[str] = set()
+        self.bad_rows = BadRows()
+        """The rows whose own data could not be used (`BAD_DATA_KEYS`), each named once."""
         self.on_group: Optional[Callable[[PromptGroup, Optional[dict]], None]] = None
         """Called with each completed group and its row's context, before any filter sees it (the
         curriculum's statistics)."""
@@ -126,6 +135,7 @@ class GroupSampler:
             counts = Counter({"rollout/dropped_prompt_too_long": self.G})
             self._note(
                 row,
+                context,
                 counts,
                 {
                     "rollout/dropped_prompt_too_long": (
@@ -156,7 +166,7 @@ class GroupSampler:
             samples = penalize_overlong(
                 samples, run_sizes, self.max_completion_tokens, self.overlong_buffer_len, self.overlong_penalty_factor
             )
-        self._note(row, counts, details)
+        self._note(row, context, counts, details)
         self.pace.record(sum(sum(map(bool, s.loss_mask)) for s in samples))
         # One count per row: a row fails when every call of it raised; a sample's error alone drops only it.
         errors = [r for r in results if isinstance(r, BaseException) and error_key(r) == "rollout/failures"]
@@ -242,14 +252,55 @@ class GroupSampler:
         else:
             log.warning("a rollout call hit %s (counted in that metric)%s", key, f": {error!r}" if error else "")
 
-    def _note(self, row: dict, counts: Counter, details: dict[str, str]) -> None:
-        """Count a row's drops; warn once per kind of drop, naming the row and what was wrong."""
+    def _note(self, row: dict, context: Optional[dict], counts: Counter, details: dict[str, str]) -> None:
+        """Count a row's drops; warn once per kind of drop, naming the row and what was wrong, and
+        once per row whose own data is bad (a drop of a good row's sample cannot hide it)."""
         self._add(counts)
         for key in counts:
             self.guard.examples.setdefault(short_reason(key), details.get(key, ""))
-            if key not in self._warned:
+            if key in BAD_DATA_KEYS:
+                index = context.get("row_index") if context else None
+                label = row_label(row) if index is None else f"{index} ({row_label(row)})"
+                if self.bad_rows.add(label, details.get(key, "")):
+                    log.warning(
+                        "row %s: its data cannot be used, its samples are dropped (%s, counted in that metric): %s",
+                        label,
+                        key,
+                        details.get(key, ""),
+                    )
+            elif key not in self._warned:
                 self._warned.add(key)
                 detail = f": {details[key]}" if details.get(key) else ""
                 log.warning(
                     "row %s: a rollout sample was dropped (%s, counted in that metric)%s", row_label(row), key, detail
                 )
+
+
+class BadRows:
+    """The rows whose data could not be used, each once: how many, and the first `keep` with why."""
+
+    def __init__(self, keep: int = 5) -> None:
+        self.keep = keep
+        self.count = 0
+        self.first: list[tuple[str, str]] = []
+        self._seen: set[str] = set()
+        self._lock = threading.Lock()  # the off-policy scheduler samples on its own thread
+
+    def add(self, label: str, why: str) -> bool:
+        """Count the row `label`; True when it is new (to be named)."""
+        with self._lock:
+            if label in self._seen:
+                return False
+            self._seen.add(label)
+            self.count += 1
+            if len(self.first) < self.keep:
+                self.first.append((label, why))
+            return True
+
+    def summary_line(self) -> Optional[str]:
+        """The end of a run's line: the count and the first rows, or None when every row was good."""
+        if not self.count:
+            return None
+        shown = "; ".join(f"row {label}: {why}" for label, why in self.first)
+        more = f" (the first {len(self.first)} shown)" if self.count > len(self.first) else ""
+        return f"{self.count} row(s) had data that could not be used and trained nothing{more}: {shown}"

@@ -27,7 +27,7 @@ from lit_grpo.advantages.registry import Advantage, make_advantage, rewards_unif
 from lit_grpo.maths.health import rollout_health
 from lit_grpo.rollouts.checks import check_sample, shown_type
 from lit_grpo.samplers.arguments import PromptTooLong
-from lit_grpo.tasks.images import RowImageError
+from lit_grpo.tasks.images import PlaceholderInCompletion, RowImageError
 from lit_grpo.types import MultiModalBatch, PromptGroup, RolloutBatch, RolloutRecord, RolloutRun, RolloutSample
 
 _TYPECODES = {"q": torch.long, "f": torch.float32}
@@ -37,12 +37,20 @@ GroupFilter = Callable[[PromptGroup], bool]
 """A group predicate: True keeps the group (the cookbook's `dynamic_filter_fn`)."""
 
 
+BAD_DATA_KEYS = frozenset({"rollout/dropped_bad_image"})
+"""Drops that say the row's own data is bad (its image): each such row is named once, and the run's
+end lists them, apart from the drops a policy's samples cause (`rollout/dropped_image_placeholder`)."""
+
+
 def error_key(err: BaseException) -> str:
     """The metric key that counts a rollout call that ended in `err`: a prompt the sampler refused
     as too long is a drop (`rollout/dropped_prompt_too_long`), so is a row's image that cannot be
-    used (`rollout/dropped_bad_image`), anything else a failure."""
+    used (`rollout/dropped_bad_image`) and a completion holding an image placeholder
+    (`rollout/dropped_image_placeholder`), anything else a failure."""
     if isinstance(err, RowImageError):  # a missing or unreadable image: that row's sample is dropped
         return "rollout/dropped_bad_image"
+    if isinstance(err, PlaceholderInCompletion):
+        return "rollout/dropped_image_placeholder"
     return "rollout/dropped_prompt_too_long" if isinstance(err, PromptTooLong) else "rollout/failures"
 
 
@@ -54,7 +62,7 @@ def check_result(
     whole: one malformed segment, or segments with different rewards, drop it. `source` names the
     rollout function (`module.name (file:line)`) in the detail of a result of the wrong type."""
     if isinstance(result, BaseException):
-        return [], (error_key(result), repr(result))
+        return [], (error_key(result), str(result) if isinstance(result, RowImageError) else repr(result))
     if result is None:
         return [], ("rollout/dropped_none", "the rollout returned None")
     if not isinstance(result, (RolloutSample, RolloutRun)):

@@ -20,6 +20,7 @@ from typing import Optional
 from lit_grpo.rollouts.deadlines import MAX_BACKOFF_S, RETRY_BACKOFF_S, TRANSIENT_ERRORS, classify, function_name
 from lit_grpo.samplers.arguments import chat_prompt_tokens
 from lit_grpo.tasks.images import (
+    PlaceholderInCompletion,
     RowImageError,
     image_placeholder_ids,
     messages_have_images,
@@ -157,7 +158,10 @@ def row_prompt(
         if isinstance(messages, list) and row_has_images(row, messages):
             messages = _prompt_messages(messages)
             return vision_prompt(processor, messages, row_images(row, messages))
-    return row_prompt_tokens(row, tokenizer, prompt_field, text_tokens=text_tokens), None
+    tokens = row_prompt_tokens(row, tokenizer, prompt_field, text_tokens=text_tokens)
+    if processor is not None and image_placeholder_ids(processor).intersection(tokens):  # a text row of a VLM
+        raise RowImageError("its prompt holds an image placeholder token but the row has no image")
+    return tokens, None
 
 
 GROUP_ATTRIBUTE = "sample_group"
@@ -196,7 +200,8 @@ def make_rollout_fn(setup: RolloutSetup) -> RolloutFn:
 
     processor = setup.processor
     # A generated image placeholder would stand for an image the row does not have: the forward
-    # would refuse the sequence (placeholders and image features must match), so its sample is dropped.
+    # would refuse the sequence (placeholders and image features must match), so its sample is
+    # dropped, for a row with images and a text row alike (both batch together in a VLM's forward).
     placeholders = image_placeholder_ids(processor)
 
     def prompt_of(row: dict) -> tuple[list[int], Optional[dict]]:
@@ -218,8 +223,8 @@ def make_rollout_fn(setup: RolloutSetup) -> RolloutFn:
                 await asyncio.sleep(min(RETRY_BACKOFF_S * 2**attempt, MAX_BACKOFF_S))
         if result.value is None:  # not applicable to this row: counted as rollout/dropped_none
             return None
-        if images and placeholders.intersection(c.full_tokens[c.prompt_len :]):
-            raise RowImageError("the completion holds an image placeholder token, which stands for no image")
+        if placeholders and placeholders.intersection(c.full_tokens[c.prompt_len :]):
+            raise PlaceholderInCompletion("the completion holds an image placeholder token, which stands for no image")
         sample = sample_from_completion(c, result.value)
         sample.multi_modal = images
         sample.metrics.update(result.metrics)

@@ -30,7 +30,13 @@ _TEXT_KEYS = ("input_ids", "attention_mask", "mm_token_type_ids", "token_type_id
 
 
 class RowImageError(ValueError):
-    """A row's image that cannot be used; the message says which and why (the sample is dropped)."""
+    """A row's image that cannot be used; the message says which and why (the sample is dropped,
+    and the row is named once: its data is bad, whatever the policy does)."""
+
+
+class PlaceholderInCompletion(ValueError):
+    """A vision-language policy sampled an image placeholder token: it stands for no image, so the
+    forward would refuse the sequence. The policy's own mistake, not the row's (the sample is dropped)."""
 
 
 def image_placeholder_ids(processor: Any) -> frozenset[int]:
