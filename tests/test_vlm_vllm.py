@@ -180,3 +180,20 @@ def test_a_lora_vlm_run_samples_with_vllm_on_the_merged_weights(tmp_path):
     assert len(steps) == 4
     assert all(s["train/drift/k3"] < 1e-5 for s in steps), [s["train/drift/k3"] for s in steps]
     assert steps[-1]["train/ref_kl"] > 1e-3  # the adapters trained, and the engine followed them
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_vllm_run_trains_text_and_image_rows_together(tmp_path):
+    """`task.text_every=2` on the tiny Idefics3 with the in-process engine (its inputs_merger failed
+    on a text row's sampled placeholder): every step trains, and the engine's logprobs are the
+    trainer's after each sync (`train/drift/k3`) with text and image rows in one batch."""
+    from conftest import trained_steps
+    from test_checkpoint import run_cli
+
+    run = ["+experiment=vlm_shapes", "model.vlm_arch=idefics3", "model.num_heads=2", "sampler=vllm"]
+    proc = run_cli(tmp_path / "run", "task.text_every=2", "~callbacks.reward_filter", "max_steps=4", base=run)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    steps = trained_steps(tmp_path / "run")
+    assert len(steps) == 4
+    assert all(s["train/drift/k3"] < 1e-5 for s in steps), [s["train/drift/k3"] for s in steps]
