@@ -257,13 +257,16 @@ class CurriculumCursor:
     def _nothing_to_draw(self) -> str:
         c = self.config
         if c.kind == "fn":
-            field, fix = f"curriculum.fn` ({c.fn}", "give rows never seen (pass_rate None) a weight > 0"
+            field, given, fix = "curriculum.fn", c.fn, "give rows never seen (pass_rate None) a weight > 0"
         else:
-            pools = dict(c.pool_weights)
-            field, fix = f"curriculum.pool_weights` ({pools}", "give `normal`, rows never seen, a weight > 0"
+            field, given, fix = (
+                "curriculum.pool_weights",
+                str(dict(c.pool_weights)),
+                "give `normal`, rows never seen, a weight > 0",
+            )
         return (
-            f"config field `{field}) weighs every row of this rank's share 0 before the first step: no row can be "
-            f"drawn and nothing would train; {fix}"
+            f"config field `{field}` ({given}) weighs every row of this rank's share 0 before the first step: no row "
+            f"can be drawn and nothing would train; give {fix} a weight > 0"
         )
 
     def _draw(self, k: int) -> Optional[int]:
