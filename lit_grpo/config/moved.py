@@ -141,8 +141,8 @@ def _assignment(override: str) -> Optional[tuple[str, Any]]:
     match = _OVERRIDE.match(override)
     if match is None or match["prefix"] == "~" or not match["rest"]:
         return None
-    key = match["key"].removesuffix(".name") if match["key"].removesuffix(".name") in GROUP_KEYS else match["key"]
-    return key, _plain(match["rest"][1:].strip())
+    key, group = match["key"], match["key"].removesuffix(".name")
+    return (group if group in GROUP_KEYS else key), _plain(match["rest"][1:].strip())
 
 
 def _plain(text: str) -> Any:

@@ -111,7 +111,7 @@ class OffPolicyScheduler:
         beat = asyncio.create_task(self.heartbeat.run())
         try:
             await self._admit_until_done()
-        except BaseException as err:  # the cursor's own refusal (a curriculum with nothing to draw), or a bug:
+        except Exception as err:  # the cursor's own refusal (a curriculum with nothing to draw), or a bug:
             if self._error is None:  # the trainer raises it, not "the rows ran out" with nothing trained
                 self._error = err
             self._stopping = True
