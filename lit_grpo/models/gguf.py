@@ -19,7 +19,7 @@ import json
 import logging
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, Optional
 
@@ -80,10 +80,32 @@ def checksum_problem(folder: Path) -> Optional[str]:
     return None
 
 
-def gguf_to_folder(gguf_file: Path, out_dir: Path, *, record: Optional[dict[str, Any]] = None) -> dict[str, str]:
+def tokenizer_flags(gguf_file: Path) -> dict[str, bool]:
+    """The file's `tokenizer.ggml.add_bos_token` and `add_eos_token` that are true, as tokenizer
+    attributes. transformers (5.19) builds a GGUF file's tokenizer without them: Gemma's file asks
+    for a BOS before every text, which the built tokenizer would otherwise leave out."""
+    from gguf import GGUFReader
+
+    fields = GGUFReader(gguf_file).fields
+    flags = {}
+    for name in ("add_bos_token", "add_eos_token"):
+        field = fields.get(f"tokenizer.ggml.{name}")
+        if field is not None and bool(field.contents()):
+            flags[name] = True
+    return flags
+
+
+def gguf_to_folder(
+    gguf_file: Path,
+    out_dir: Path,
+    *,
+    record: Optional[dict[str, Any]] = None,
+    files: Optional[Mapping[str, bytes]] = None,
+) -> dict[str, str]:
     """Dequantize `gguf_file` to float32 and write it to `out_dir` as a Hugging Face folder with its
-    `CHECKSUMS` and `BUILD_RECORD` (`record` adds to it); returns the checksums. `GGUFError` when
-    transformers cannot read the file (its architecture, or not a GGUF file)."""
+    `CHECKSUMS` and `BUILD_RECORD` (`record` adds to it) and `files` (name: content, such as a
+    licence's text); returns the checksums. `GGUFError` when transformers cannot read the file (its
+    architecture, or not a GGUF file)."""
     require_gguf()
     import torch
     import transformers
@@ -100,6 +122,8 @@ def gguf_to_folder(gguf_file: Path, out_dir: Path, *, record: Optional[dict[str,
             f"{', '.join(readable_architectures())}, in every quantization the `gguf` package dequantizes "
             "(F32, F16, BF16, Q4_0 to Q8_0, the K-quants, the IQ types), and trains them in float"
         ) from None
+    for name, value in tokenizer_flags(gguf_file).items():
+        setattr(tokenizer, name, value)  # rebuilds the tokenizer's post-processor, saved in tokenizer.json
     # The file's quantization is gone once dequantized: the folder must load as plain float weights.
     model.hf_quantizer = None  # type: ignore[assignment]  # a plain attribute the saver reads
     if hasattr(model.config, "quantization_config"):
@@ -118,6 +142,8 @@ def gguf_to_folder(gguf_file: Path, out_dir: Path, *, record: Optional[dict[str,
             **(record or {}),
         }
         (partial / BUILD_RECORD).write_text(json.dumps(build, indent=2) + "\n")
+        for name, content in (files or {}).items():
+            (partial / name).write_bytes(content)
         sums = write_checksums(partial)
         shutil.rmtree(out_dir, ignore_errors=True)  # a stale or broken copy: the caller chose to rebuild it
         partial.rename(out_dir)

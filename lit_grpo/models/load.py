@@ -130,7 +130,7 @@ def _unreachable(name: str, err: Exception) -> ModelLoadError:
 
 def resolve_model_name(name: str) -> str:
     """Where `model.name_or_path` is read from: a `.gguf` file's float folder in the model cache
-    (converted once, `lit_grpo.models.gguf`); a hub id built without the hub (`make smollm2`) its
+    (converted once, `lit_grpo.models.gguf`); a hub id built without the hub (`lit_grpo.models.fetch`) its
     cache folder, unless the hub's own copy is already in the Hugging Face cache; else `name`."""
     from lit_grpo.config.sources import GGUF_SUFFIX, built_model_folder, hub_cached
 
@@ -140,7 +140,7 @@ def resolve_model_name(name: str) -> str:
 
         return str(gguf_folder(path))
     if (built := built_model_folder(name)) is not None and not hub_cached(name, "model"):
-        log.info("model %s: the build in %s (made by `make smollm2` from the package index)", name, built)
+        log.info("model %s: the build in %s (made by lit_grpo.models.fetch from the package index)", name, built)
         return str(built)
     return name
 
