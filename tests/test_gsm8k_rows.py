@@ -151,3 +151,32 @@ def test_a_byte_order_mark_starts_the_file_only(tmp_path):
     path.write_bytes(good + b"\n\xef\xbb\xbf" + good + b"\n")
     with pytest.raises(RowError, match=r"bom\.jsonl line 2: invalid JSON"):
         load_jsonl_rows(path)
+
+
+def test_task_prompt_template_writes_the_user_message_of_question_records_only(tmp_path):
+    from lit_grpo.tasks.gsm8k import GSM8KOptions, load_split
+
+    template = "{question}\n\nBe brief; end with '#### <number>'."
+    chat = {"messages": [{"role": "user", "content": "What is 2+3?"}], "answer": "5"}
+    path = _write(tmp_path, [GOOD, chat])
+    rows = load_split(GSM8KOptions(path=str(path), prompt_template=template), held_out=False, limit=0)
+    assert rows[0]["messages"] == [
+        {"role": "user", "content": GOOD["question"] + "\n\nBe brief; end with '#### <number>'."}
+    ]
+    assert rows[1] == chat  # a chat record keeps its own messages
+
+
+@pytest.mark.parametrize(
+    "template,words",
+    [
+        ("Answer briefly.", "must contain `{question}`"),
+        ("{question} in {units}", "braces other than"),
+        ("{question} {", "braces other than"),
+    ],
+)
+def test_a_prompt_template_without_its_question_or_with_other_braces_is_refused(template, words):
+    from lit_grpo.config import ConfigError
+    from lit_grpo.tasks.gsm8k import GSM8KOptions
+
+    with pytest.raises(ConfigError, match=re.escape("task.prompt_template") + ".*" + re.escape(words)):
+        GSM8KOptions(prompt_template=template)

@@ -15,7 +15,7 @@ from typing import Optional
 from lit_grpo.config import DataConfig, require
 from lit_grpo.errors import MissingExtraError
 from lit_grpo.rewards.registry import get_reward
-from lit_grpo.tasks.gsm8k_rows import ON_ERROR_MODES, collect_rows, load_jsonl_rows
+from lit_grpo.tasks.gsm8k_rows import ON_ERROR_MODES, PROMPT_TEMPLATE, collect_rows, load_jsonl_rows
 from lit_grpo.tasks.registry import RewardFn, register_task
 
 DATASETS_HINT = "pip install 'lit_grpo[datasets]', or give a local JSONL with task.path=/path/to/train.jsonl"
@@ -48,6 +48,9 @@ class GSM8KOptions:
     """The held-out split evaluated on (`data.eval_rows` of its rows)."""
     on_error: str = "raise"
     """A malformed row: `raise` (stop, naming the line) or `skip` (warn, naming the line)."""
+    prompt_template: str = PROMPT_TEMPLATE
+    """The user message of a record that has only a `question` (`{question}` marks where it goes);
+    records with their own `messages` or prompt keep them."""
 
     def __post_init__(self) -> None:
         require(
@@ -55,6 +58,19 @@ class GSM8KOptions:
             "task.on_error",
             f"must be one of {', '.join(ON_ERROR_MODES)}, got {self.on_error!r}",
         )
+        require(
+            "{question}" in self.prompt_template,
+            "task.prompt_template",
+            "must contain `{question}`, where each row's question goes",
+        )
+        try:
+            self.prompt_template.format(question="")
+        except (KeyError, IndexError, ValueError) as err:
+            require(
+                False,
+                "task.prompt_template",
+                f"has braces other than `{{question}}` ({err}): write a literal brace as {{{{ or }}}}",
+            )
 
 
 def local_file(path: Optional[str], *, held_out: bool) -> Optional[str]:
@@ -66,12 +82,14 @@ def load_split(opts: GSM8KOptions, *, held_out: bool, limit: int) -> list[dict]:
     """Training rows or held-out rows, at most `limit` (0: all)."""
     path = local_file(opts.eval_path if held_out else opts.path, held_out=held_out)
     if path:
-        return load_jsonl_rows(path, on_error=opts.on_error, max_rows=limit)[0]
+        return load_jsonl_rows(path, on_error=opts.on_error, max_rows=limit, template=opts.prompt_template)[0]
     split = opts.eval_split if held_out else opts.split
     records = hub_records(opts.dataset, opts.dataset_config, split)
     source = f"{opts.dataset}[{opts.dataset_config}] split {split!r}"
     numbered = ((f"{source} row {i}", (lambda r=r: r)) for i, r in enumerate(records))
-    return collect_rows(numbered, source=source, on_error=opts.on_error, max_rows=limit)[0]
+    return collect_rows(numbered, source=source, on_error=opts.on_error, max_rows=limit, template=opts.prompt_template)[
+        0
+    ]
 
 
 def hub_records(name: str, config: str | None, split: str):

@@ -61,10 +61,10 @@ def _check_messages(messages: object, where: str) -> None:
         raise RowError(f"{where}: field 'messages' has no 'user' message")
 
 
-def check_record(record: object, where: str) -> dict:
+def check_record(record: object, where: str, *, template: str = PROMPT_TEMPLATE) -> dict:
     """The row of a GSM8K-format or chat-format record: the record itself, with a `messages`
-    field added only when it has no prompt field (see the module docstring); RowError naming
-    `where` if malformed."""
+    field (`template` filled with its `question`) added only when it has no prompt field (see the
+    module docstring); RowError naming `where` if malformed."""
     if not isinstance(record, dict):
         raise RowError(f"{where}: expected a JSON object, got {type(record).__name__}")
     if "messages" in record:
@@ -79,12 +79,17 @@ def check_record(record: object, where: str) -> dict:
         raise RowError(f"{where}: missing field 'question' (or 'messages' for a chat record)")
     _check_answer(record, where)
     if not any(record.get(f) is not None for f in PROMPT_FIELDS):
-        record["messages"] = [{"role": "user", "content": PROMPT_TEMPLATE.format(question=record["question"])}]
+        record["messages"] = [{"role": "user", "content": template.format(question=record["question"])}]
     return record
 
 
 def collect_rows(
-    records: Iterable[tuple[str, Callable[[], object]]], *, source: str, on_error: str = "raise", max_rows: int = 0
+    records: Iterable[tuple[str, Callable[[], object]]],
+    *,
+    source: str,
+    on_error: str = "raise",
+    max_rows: int = 0,
+    template: str = PROMPT_TEMPLATE,
 ) -> tuple[list[dict], list[str]]:
     """Rows of `(where, read_record)` pairs and the problems of those skipped.
 
@@ -100,7 +105,7 @@ def collect_rows(
     problems: list[str] = []
     for where, read_record in records:
         try:
-            rows.append(check_record(read_record(), where))
+            rows.append(check_record(read_record(), where, template=template))
         except RowError as e:
             if on_error == "raise":
                 raise
@@ -115,7 +120,9 @@ def collect_rows(
     return rows, problems
 
 
-def load_jsonl_rows(path: str | Path, *, on_error: str = "raise", max_rows: int = 0) -> tuple[list[dict], list[str]]:
+def load_jsonl_rows(
+    path: str | Path, *, on_error: str = "raise", max_rows: int = 0, template: str = PROMPT_TEMPLATE
+) -> tuple[list[dict], list[str]]:
     """Rows of a JSONL file (blank lines ignored, lines numbered from 1) and the problems of the lines skipped."""
     path = Path(path)
     if not path.is_file():
@@ -123,4 +130,4 @@ def load_jsonl_rows(path: str | Path, *, on_error: str = "raise", max_rows: int 
     if on_error not in ON_ERROR_MODES:  # before the file is opened
         raise ValueError(f"on_error must be one of {ON_ERROR_MODES}, got {on_error!r}")
     records = jsonl_records(path, skip_hint=" (task.on_error=skip skips it)")
-    return collect_rows(records, source=path.name, on_error=on_error, max_rows=max_rows)
+    return collect_rows(records, source=path.name, on_error=on_error, max_rows=max_rows, template=template)
