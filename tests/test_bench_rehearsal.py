@@ -1,4 +1,4 @@
-"""The `--ragged` option of benchmarks/rehearsal.py (lit_grpo vs TRL on the CPU rehearsal): the seeded
+"""The `--ragged` option of benchmarks/vs_trl/rehearsal.py (lit_grpo vs TRL on the CPU rehearsal): the seeded
 length stream, the eos-forcing processor, and the wrapped `generate` on lit_grpo's own sampler. Fast,
 no TRL, the tiny model."""
 
@@ -15,7 +15,7 @@ import torch
 from transformers.generation.utils import GenerationMixin
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/ is not in the installed package
-from benchmarks.rehearsal import RaggedLengths, Settings, install_ragged_lengths, ragged_lengths  # noqa: E402
+from benchmarks.vs_trl.rehearsal import RaggedLengths, Settings, install_ragged_lengths, ragged_lengths  # noqa: E402
 from lit_grpo.samplers.hf import HFSampler  # noqa: E402
 
 
@@ -62,7 +62,7 @@ def test_lit_grpos_sampler_ends_each_completion_at_the_streams_length(tiny_model
 
 def test_a_trl_arg_replaces_a_field_the_benchmark_sets(tmp_path):
     pytest.importorskip("trl")
-    from benchmarks.rehearsal_trl import grpo_config
+    from benchmarks.vs_trl.rehearsal_trl import grpo_config
 
     assert grpo_config(Settings(), tmp_path).gradient_checkpointing is False
     assert grpo_config(Settings(trl_args={"gradient_checkpointing": True}), tmp_path).gradient_checkpointing is True

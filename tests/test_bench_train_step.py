@@ -1,4 +1,4 @@
-"""The pure helpers of benchmarks/train_step_trl.py (lit_grpo vs TRL, one optimizer step): the ragged
+"""The pure helpers of benchmarks/vs_trl/train_step.py (lit_grpo vs TRL, one optimizer step): the ragged
 lengths from a seed, the padding fraction of a step's forwards, the memory guard and how a child's
 outcome is read. Fast, no TRL, no model."""
 
@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/ is not in the installed package
-from benchmarks.memory_cap import GuardedRun, run_capped  # noqa: E402
-from benchmarks.train_step_trl import (  # noqa: E402
+from benchmarks.memory.cap import GuardedRun, run_capped  # noqa: E402
+from benchmarks.vs_trl.train_step import (  # noqa: E402
     GROUP,
     RESULT_PREFIX,
     child_command,
@@ -91,7 +91,7 @@ def test_the_guard_stops_a_child_over_its_cap_and_lets_one_under_it_finish():
 def test_a_child_gets_the_case_and_the_shapes_and_the_packing_choice():
     args = parse_args(["--layers", "3", "--micro-batch", "2", "--no-padding-free", "--hidden", "64"])
     command = child_command("py", "trl", 1024, args)
-    assert command[:6] == ["py", "-m", "benchmarks.train_step_trl", "--side", "trl", "--max-lengths"]
+    assert command[:6] == ["py", "-m", "benchmarks.vs_trl.train_step", "--side", "trl", "--max-lengths"]
     assert command[6] == "1024" and "--no-padding-free" in command
     flags = dict(zip(command[7::2], command[8::2]))
     assert flags["--layers"] == "3" and flags["--micro-batch"] == "2" and flags["--hidden"] == "64"

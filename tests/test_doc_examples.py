@@ -44,7 +44,7 @@ SLURM = "a SLURM job script (no SLURM here)"
 MAKE = "a make target: installs packages (make help; tests/test_docs_sources.py checks the target exists)"
 BENCH = "a benchmark: minutes, run by hand (docs/results.md has its numbers)"
 LENGTHS = "a real model's completion lengths (512 tokens a sample): hours with the default tiny model on CPU"
-REHEARSAL = "Qwen2.5-0.5B's shapes on CPU: minutes a step (benchmarks/rehearsal.py, tests/test_rehearsal.py)"
+REHEARSAL = "Qwen2.5-0.5B's shapes on CPU: minutes a step (benchmarks/vs_trl/rehearsal.py, tests/test_rehearsal.py)"
 
 COMMANDS: dict[str, str] = {
     # README.md
@@ -102,7 +102,7 @@ COMMANDS: dict[str, str] = {
     # README.md, guides/real-model.md
     "python -m lit_grpo.train +experiment=smollm2_sums": (
         "a real model's 15-minute run (tests/test_real_model.py runs it for 2 steps, nightly; "
-        "benchmarks/smollm2_sums.py measures it)"
+        "benchmarks/learning/smollm2_sums.py measures it)"
     ),
     "python -m lit_grpo.train +experiment=smollm2_sums sampler=vllm sampler.dtype=float32 sampler.max_model_len=256": (
         "a real model's 15-minute run (tests/test_real_model.py trains it 3 steps with each vLLM sampler, nightly)"
@@ -118,7 +118,7 @@ COMMANDS: dict[str, str] = {
     "task.path=tests/data/gsm8k_test_sample.jsonl task.eval_path=tests/data/gsm8k_test_sample.jsonl "
     "model.max_position_embeddings=1024 sampler.max_completion_tokens=64 ~callbacks.reward_filter "
     "trainer.fast_dev_run=true": "from the repository",
-    "python -m benchmarks.bench_lora_memory": BENCH,
+    "python -m benchmarks.memory.lora": BENCH,
     "python -m lit_grpo.train +experiment=gsm8k_disaggregated "
     "\"sampler.server_urls=['http://infer-0:8000','http://infer-1:8000']\" "
     "sampler.weight_sync_dir=/shared/lit_grpo/weight_sync task.path=... task.eval_path=...": SERVERS,
@@ -143,10 +143,10 @@ COMMANDS: dict[str, str] = {
     "python -m lit_grpo.train +experiment=rehearsal_0p5b model.num_layers=24": REHEARSAL,
     "python -m lit_grpo.train +experiment=rehearsal_0p5b model.dtype=bfloat16": REHEARSAL,
     "python3 -m venv .venv-trl": BENCH,
-    ".venv-trl/bin/python -m benchmarks.rehearsal --layers 2 --steps 3 --tokens 64": BENCH,
-    ".venv-trl/bin/python -m benchmarks.rehearsal --lit-override batching.micro_batch_size=8": BENCH,
-    ".venv-trl/bin/python -m benchmarks.rehearsal --trl-arg use_transformers_paged=true": BENCH,
-    ".venv-trl/bin/python -m benchmarks.rehearsal --ragged --trl-arg gradient_checkpointing=true": BENCH,
+    ".venv-trl/bin/python -m benchmarks.vs_trl.rehearsal --layers 2 --steps 3 --tokens 64": BENCH,
+    ".venv-trl/bin/python -m benchmarks.vs_trl.rehearsal --lit-override batching.micro_batch_size=8": BENCH,
+    ".venv-trl/bin/python -m benchmarks.vs_trl.rehearsal --trl-arg use_transformers_paged=true": BENCH,
+    ".venv-trl/bin/python -m benchmarks.vs_trl.rehearsal --ragged --trl-arg gradient_checkpointing=true": BENCH,
     "python3 -m venv .venv && . .venv/bin/activate": "setup of the reader's own environment",
     "python -m lit_grpo.train +experiment=arithmetic sampler=vllm model.num_heads=2 sampler.dtype=float32": "nightly",
     "python -m lit_grpo.serve --model path/to/model_folder --port 8001 --cpu-core 0 --dtype float32 "

@@ -1,10 +1,11 @@
 """The parts of the docs that restate the code are made from it or checked against it: the README's
 layout (checked), the `make` targets (made by `docs/hooks.py`, and every `make X` the docs name
-checked), the config fields with their defaults and meanings (made by `docs/hooks.py`), and every
-config key and group choice the docs write (checked)."""
+checked), the benchmarks' folders and paths (checked), the config fields with their defaults and
+meanings (made by `docs/hooks.py`), and every config key and group choice the docs write (checked)."""
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import importlib.util
 import re
@@ -113,6 +114,56 @@ def test_the_hook_reads_the_targets_make_help_prints():
     assert out.returncode == 0, out.stderr
     printed = [line.split()[0] for line in out.stdout.splitlines() if line.strip()]
     assert printed == list(hooks.make_targets(ROOT / "Makefile"))
+
+
+# --- the benchmarks' folders ---------------------------------------------------------------------
+
+BENCHMARKS = ROOT / "benchmarks"
+
+
+def _docstring(init: Path) -> str:
+    return ast.get_docstring(ast.parse(init.read_text(encoding="utf-8"))) or ""
+
+
+def test_each_benchmark_folder_lists_its_files_and_benchmarks_lists_each_folder():
+    """benchmarks/ is grouped by what each benchmark measures: its docstring names every folder, each
+    folder's docstring every file beside it (a line that starts with the name), with targets that exist."""
+    folders = sorted(init.parent for init in BENCHMARKS.glob("*/__init__.py"))
+    assert [p.name for p in BENCHMARKS.glob("*.py") if p.name != "__init__.py"] == [], "a benchmark outside a folder"
+    top = _docstring(BENCHMARKS / "__init__.py")
+    assert [f.name for f in folders if not re.search(rf"^\s*{f.name}/\s", top, re.M)] == []
+    unlisted, unknown = [], []
+    for folder in folders:
+        doc = _docstring(folder / "__init__.py")
+        files = sorted(p.name for p in folder.iterdir() if p.suffix in (".py", ".sh") and p.name != "__init__.py")
+        unlisted += [f"{folder.name}/{f}" for f in files if not re.search(rf"^\s*{re.escape(f)}\s", doc, re.M)]
+        unknown += [f"{folder.name}: make {t}" for t in re.findall(r"`make ([\w-]+)`", doc) if t not in all_targets()]
+    assert unlisted == [], "files missing from their folder's docstring"
+    assert unknown == []
+
+
+def test_every_benchmark_path_named_exists():
+    """`benchmarks.<folder>.<module>` (to run or import; after it, attributes) and
+    `benchmarks/<folder>/<file>.py` in the Makefile, the pages, the configs, the tests and the code
+    name a file that exists: a benchmark that moves leaves no stale command behind."""
+    sources = [ROOT / "Makefile", *MARKDOWN, *PACKAGE.rglob("*.py"), *PACKAGE.rglob("*.yaml")]
+    sources += [*(ROOT / "tests").glob("*.py"), *BENCHMARKS.rglob("*.py"), *BENCHMARKS.rglob("*.sh")]
+    stale = []
+    for source in sources:
+        text = source.read_text(encoding="utf-8")
+        for dotted in re.findall(r"(?<![\w/.-])benchmarks((?:\.[a-z_]\w*)+)", text):
+            here = BENCHMARKS
+            for part in dotted.split(".")[1:]:  # a package's next part is a module or a package
+                if (here / f"{part}.py").exists():
+                    break
+                here = here / part
+                if not (here / "__init__.py").exists():
+                    stale.append(f"{source.relative_to(ROOT)}: benchmarks{dotted}")
+                    break
+        for path in re.findall(r"(?<![\w/.-])benchmarks/[\w/]+\.(?:py|sh)\b", text):
+            if not (ROOT / path).exists():
+                stale.append(f"{source.relative_to(ROOT)}: {path}")
+    assert stale == [], "benchmark paths that do not exist"
 
 
 # --- config fields -------------------------------------------------------------------------------

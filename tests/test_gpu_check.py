@@ -1,4 +1,4 @@
-"""The GPU check script (benchmarks/gpu_check.sh) runs end to end in its CPU dry run: every variant
+"""The GPU check script (benchmarks/machine/gpu_check.sh) runs end to end in its CPU dry run: every variant
 trains, and the table reports each measure, then the train-step comparison against TRL runs; on a GPU
 machine the same code measures."""
 
@@ -22,7 +22,7 @@ def test_the_gpu_check_dry_run_trains_every_variant_and_reports_each_measure(tmp
     out = tmp_path / "gpu_check.json"
     env = {**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
-        ["bash", str(REPO / "benchmarks" / "gpu_check.sh"), "--dry-run", "--json", str(out)],
+        ["bash", str(REPO / "benchmarks" / "machine" / "gpu_check.sh"), "--dry-run", "--json", str(out)],
         cwd=tmp_path,
         env=env,
         capture_output=True,

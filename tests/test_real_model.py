@@ -94,7 +94,7 @@ def test_a_gguf_file_given_as_the_model_loads_as_float(cache, tmp_path, monkeypa
 
 def test_a_short_run_learns_evaluates_and_exports_what_it_reports(built, cache, tmp_path):
     sys.path.insert(0, str(REPO))
-    from benchmarks.smollm2_sums import heldout_accuracy
+    from benchmarks.learning.smollm2_sums import heldout_accuracy
 
     run = tmp_path / "run"
     env = {**os.environ, MODEL_CACHE_ENV: str(cache), "HF_HUB_OFFLINE": "1"}

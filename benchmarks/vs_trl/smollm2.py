@@ -3,9 +3,9 @@
 the held-out greedy accuracy of each side's model after the same number of steps, and both reward curves.
 
     make bench-smollm2-trl                                            # installs the pinned trl here first
-    python -m benchmarks.smollm2_vs_trl                               # 22 steps, 3 pairs, 200 held-out rows
-    python -m benchmarks.smollm2_vs_trl --steps 2 --pairs 1 --eval-rows 20      # a quick check
-    python -m benchmarks.smollm2_vs_trl --sides lit                   # lit_grpo alone
+    python -m benchmarks.vs_trl.smollm2                               # 22 steps, 3 pairs, 200 held-out rows
+    python -m benchmarks.vs_trl.smollm2 --steps 2 --pairs 1 --eval-rows 20      # a quick check
+    python -m benchmarks.vs_trl.smollm2 --sides lit                   # lit_grpo alone
 
 The model is the folder `make smollm2` builds (`lit_grpo.models.load.resolve_model_name`), loaded in
 float32 by both sides. Needs trl (not a lit_grpo dependency) and, for the plot, matplotlib.
@@ -16,11 +16,11 @@ sides alike. Every run is a process of its own (`--run-side`), so peaks do not m
 the process's `ru_maxrss`, read once training and the export of the final model are done (loading,
 sampling, training and saving counted; the evaluation after it not). A step's time is the wall time
 between the ends of consecutive optimizer steps (lit_grpo's `perf/step_s`; on TRL's side the step
-clock of benchmarks/rehearsal_trl.py); the first step, whose figure each side takes its own way, is
+clock of benchmarks/vs_trl/rehearsal_trl.py); the first step, whose figure each side takes its own way, is
 left out: each run's figure is the median over its other steps, the table's over those steps of a
 side's runs pooled. The paired ratios lit/trl are taken within each pair, then their median. Each
 run's exported model is then scored in the same process by
-`benchmarks.smollm2_sums.heldout_accuracy` (transformers alone, greedy, the first `--eval-rows` of
+`benchmarks.learning.smollm2_sums.heldout_accuracy` (transformers alone, greedy, the first `--eval-rows` of
 chat_sums' held-out pairs, 16 new tokens): the same code for both sides, with a Wilson 95 % interval;
 the side's row pools its runs (the same rows each run). Reward curves (mean reward of each step's 32
 samples: lit_grpo's `reward/mean`, TRL's logged `reward`) go to `--out` and are drawn on `--plot`.
@@ -89,8 +89,8 @@ import time
 from functools import partial
 from pathlib import Path
 
-from benchmarks.rehearsal import peak_rss_gib, run_logged, step_summary, train_lit, versions
-from benchmarks.smollm2_sums import EXPERIMENT, heldout_accuracy, wilson_interval
+from benchmarks.learning.smollm2_sums import EXPERIMENT, heldout_accuracy, wilson_interval
+from benchmarks.vs_trl.rehearsal import peak_rss_gib, run_logged, step_summary, train_lit, versions
 
 MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 SIDES = {"lit": "lit_grpo", "trl": "trl"}
@@ -149,7 +149,7 @@ def check_matched(c) -> None:
 
 def last_integer_reward(prompts, completions, answer, **kwargs) -> list[float]:
     """lit_grpo's `last_integer` reward of each completion (the TRL side's reward function)."""
-    from benchmarks.rehearsal_trl import lit_reward
+    from benchmarks.vs_trl.rehearsal_trl import lit_reward
 
     return lit_reward("last_integer", completions, answer)
 
@@ -175,8 +175,8 @@ def run_trl(seed: int, steps: int, work_dir: Path) -> dict:
     from torch.optim.lr_scheduler import LambdaLR
     from trl import GRPOTrainer
 
-    from benchmarks.rehearsal import Settings
-    from benchmarks.rehearsal_trl import grpo_config, timed_training
+    from benchmarks.vs_trl.rehearsal import Settings
+    from benchmarks.vs_trl.rehearsal_trl import grpo_config, timed_training
     from lit_grpo.loop.optim import lr_multiplier
     from lit_grpo.models.load import load_tokenizer, resolve_model_name, with_resolved_model
     from lit_grpo.tasks import training_rows
@@ -398,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
         for position, side in enumerate(order):
             name = f"pair{pair}_{side}"
             print(f"pair {pair} (seed {seed}): {SIDES[side]} ... (log: {root / (name + '.log')})", flush=True)
-            command = [sys.executable, "-m", "benchmarks.smollm2_vs_trl", "--run-side", side, "--seed", str(seed)]
+            command = [sys.executable, "-m", "benchmarks.vs_trl.smollm2", "--run-side", side, "--seed", str(seed)]
             command += ["--steps", str(args.steps), "--eval-rows", str(args.eval_rows)]
             command += ["--max-new-tokens", str(args.max_new_tokens), "--work-dir", str(root / name)]
             command += ["--result", str(root / f"{name}.json"), *(["--keep"] if args.keep else [])]

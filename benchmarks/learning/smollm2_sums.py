@@ -1,7 +1,7 @@
 """Benchmark: SmolLM2-135M-Instruct learns two-digit sums on this CPU (`+experiment=smollm2_sums`).
 
-    python -m benchmarks.smollm2_sums                    # `make bench-smollm2-sums`: seeds 0 1 2, one after another
-    python -m benchmarks.smollm2_sums --seeds 0 --override max_steps=4
+    python -m benchmarks.learning.smollm2_sums     # `make bench-smollm2-sums`: seeds 0 1 2, one after another
+    python -m benchmarks.learning.smollm2_sums --seeds 0 --override max_steps=4
 
 Each seed is `python -m lit_grpo.train +experiment=smollm2_sums seed=S` in a process of its own,
 run alone (their wall times are the recipe's). Its exported `final_model/` is then loaded again

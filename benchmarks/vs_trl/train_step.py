@@ -1,9 +1,9 @@
 """Benchmark: one optimizer step of lit_grpo against TRL's `GRPOTrainer` loss path, on the same fixed rollouts.
 
     make bench-train-step-trl          # makes .venv-trl (torch pinned, then lit_grpo and trl 1.16.0), then:
-    python -m benchmarks.train_step_trl --trl-python .venv-trl/bin/python
-    python -m benchmarks.train_step_trl --max-lengths 1024 --micro-batch 2 --repeats 5
-    python -m benchmarks.train_step_trl --sides lit                 # lit_grpo alone (no TRL needed)
+    python -m benchmarks.vs_trl.train_step --trl-python .venv-trl/bin/python
+    python -m benchmarks.vs_trl.train_step --max-lengths 1024 --micro-batch 2 --repeats 5
+    python -m benchmarks.vs_trl.train_step --sides lit                 # lit_grpo alone (no TRL needed)
 
 No sampling: G = 8 completions of one 64-token prompt, their lengths ragged (uniform in 0.25-1x the
 maximum length, from `--seed`), random token ids, fixed advantages; the same rows on both sides. Per
@@ -43,12 +43,12 @@ builds the model and optimizer, warms up with a short step (the rows cut to 8 co
 then times `--steps` (2) full steps. Columns, medians over the repeats:
 - `peak_rss_MB`: the process's peak resident memory (VmHWM / ru_maxrss), start-up included;
 - `step_extra_MB`: that peak above the resident memory right before the timed steps (reset through
-  /proc/self/clear_refs, as benchmarks/train_memory.py): what a step needs beyond weights and optimizer;
+  /proc/self/clear_refs, as benchmarks/memory/fused_head.py): what a step needs beyond weights and optimizer;
 - `step_s`: the median time of a timed step;
 - `padding`: padded slots / all slots of the step's forwards (rows x width of each forward).
 On a CUDA device (`--device cuda`) the memory columns are torch's peak allocated GPU memory instead.
 
-Memory guard: each child runs under a cap of `--memory-cap-gib` (20), `benchmarks/memory_cap.py`
+Memory guard: each child runs under a cap of `--memory-cap-gib` (20), `benchmarks/memory/cap.py`
 (a cgroup v2 group, else an RSS watchdog). A case over it is reported as "did not fit in N GiB"
 instead of waking the machine's OOM killer.
 
@@ -74,7 +74,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.memory_cap import GuardedRun, guard_kind, run_capped
+from benchmarks.memory.cap import GuardedRun, guard_kind, run_capped
 
 MB = 2**20
 GIB = 2**30
@@ -85,7 +85,7 @@ RESULT_PREFIX = "TRAIN_STEP_RESULT "
 SIDES = ("lit", "trl")
 LABELS = {"lit": "lit_grpo", "trl": "trl"}
 TRL_VERSION = "1.16.0"
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 OUT_OF_MEMORY_MARKERS = ("DefaultCPUAllocator: can't allocate memory", "CUDA out of memory", "OutOfMemoryError")
 
 
@@ -431,7 +431,7 @@ def classify_outcome(run: GuardedRun, cap_gib: float) -> dict:
 
 
 def child_command(python: str, side: str, max_length: int, args: argparse.Namespace) -> list[str]:
-    command = [python, "-m", "benchmarks.train_step_trl", "--side", side, "--max-lengths", str(max_length)]
+    command = [python, "-m", "benchmarks.vs_trl.train_step", "--side", side, "--max-lengths", str(max_length)]
     for name in ("layers", "micro_batch", "steps", "seed", "hidden", "intermediate", "heads", "kv_heads", "vocab"):
         command += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     command += ["--device", args.device, "--padding-free" if args.padding_free else "--no-padding-free"]

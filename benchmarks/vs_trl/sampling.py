@@ -2,14 +2,14 @@
 call with its per-token scoring) against the bare `generate` call TRL's `GRPOTrainer` makes (no
 scoring), interleaved in one process on one model, so the machine's load reaches all of them alike.
 
-    python -m benchmarks.sampling_vs_generate                         # 2 layers, 2 x 8 rows, 32 tokens, 5 repeats
-    python -m benchmarks.sampling_vs_generate --tokens 128 --repeats 3
-    python -m benchmarks.sampling_vs_generate --experiment smollm2_sums --prompts 8 --group 8 --tokens 64 \
+    python -m benchmarks.vs_trl.sampling                         # 2 layers, 2 x 8 rows, 32 tokens, 5 repeats
+    python -m benchmarks.vs_trl.sampling --tokens 128 --repeats 3
+    python -m benchmarks.vs_trl.sampling --experiment smollm2_sums --prompts 8 --group 8 --tokens 64 \
         --temperature 0.7
-    python -m benchmarks.sampling_vs_generate --layers 1 --prompts 1 --tokens 256 --override model.hidden_size=64 \
+    python -m benchmarks.vs_trl.sampling --layers 1 --prompts 1 --tokens 256 --override model.hidden_size=64 \
         --override model.intermediate_size=256 --override model.num_heads=4 --override model.num_kv_heads=4
 
-The model is `benchmarks/rehearsal.py`'s (the random-init Qwen2.5-0.5B shapes cut to `--layers`,
+The model is `benchmarks/vs_trl/rehearsal.py`'s (the random-init Qwen2.5-0.5B shapes cut to `--layers`,
 151,936 ids, float32, lit_grpo's builder and seed); the prompts are the first `--prompts` GSM8K rows
 through the chat template, each `--group` times (a step's one generate call: 16 rows by default),
 left-padded. Three variants, their order rotated every repeat:
@@ -42,7 +42,7 @@ import time
 import torch
 
 import lit_grpo.samplers.hf as hf
-from benchmarks.rehearsal import Settings
+from benchmarks.vs_trl.rehearsal import Settings
 
 
 def naive_chosen_logprobs(logits_NV: torch.Tensor, tokens_N: torch.Tensor, temperature: float):

@@ -1,8 +1,8 @@
 """Benchmark: seconds per training step by phase, against a bare-torch floor timed step by step
 beside it, in the same process.
 
-    python -m benchmarks.bench --repeats 3        # `make bench`, from the repository root
-    python -m benchmarks.bench --steps 80 sampler.max_completion_tokens=...   (extra args are Hydra overrides)
+    python -m benchmarks.speed.step --repeats 3        # `make bench`, from the repository root
+    python -m benchmarks.speed.step --steps 80 sampler.max_completion_tokens=...   (extra args are Hydra overrides)
 
 The run is the arithmetic experiment without the uniform-reward filter, so every step samples
 exactly P·G completions once: the floor does the same work with no framework (one batched

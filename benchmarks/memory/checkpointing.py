@@ -1,7 +1,7 @@
 """Benchmark: peak memory and time of one training forward + backward with gradient checkpointing off and on.
 
-    python -m benchmarks.bench_checkpointing_memory                   # from the repository root
-    python -m benchmarks.bench_checkpointing_memory --layers 4 --hidden 512 --batch 8 --tokens 512
+    python -m benchmarks.memory.checkpointing                   # from the repository root
+    python -m benchmarks.memory.checkpointing --layers 4 --hidden 512 --batch 8 --tokens 512
 
 A random-init Qwen2 (`model.kind=qwen2_shape`: `--hidden`, `--layers`, an MLP 4× as wide, heads of
 64, float32, `--vocab` ids) takes the trainer's training forward (`token_logprobs` inside
@@ -93,7 +93,7 @@ def main() -> None:
     passed = [a for a in sys.argv[1:]]
     for setting in ("off", "on"):
         out = subprocess.run(
-            [sys.executable, "-m", "benchmarks.bench_checkpointing_memory", *passed, "--one", setting],
+            [sys.executable, "-m", "benchmarks.memory.checkpointing", *passed, "--one", setting],
             capture_output=True, text=True, check=True,
         )  # fmt: skip
         print(out.stdout.strip().splitlines()[-1])

@@ -1,7 +1,7 @@
 """Benchmark: how the algorithm menu learns `+experiment=arithmetic_sums18`, arm by arm, seed by seed.
 
-    python -m benchmarks.menu_learning                       # `make bench-menu`: every arm, seeds 0 1 2
-    python -m benchmarks.menu_learning --arms defaults rloo --seeds 0 --max-steps 600
+    python -m benchmarks.learning.menu                       # `make bench-menu`: every arm, seeds 0 1 2
+    python -m benchmarks.learning.menu --arms defaults rloo --seeds 0 --max-steps 600
 
 Each arm is a set of Hydra overrides on the experiment; each run is `python -m lit_grpo.train` in a
 process of its own (`--parallel` at once, one torch thread each, so the seconds are comparable

@@ -24,7 +24,7 @@ so it is usually stale by the time its tokens exist, and sampled again; with par
 counts at its tokens' version (generated after the tool answered), so it trains. Each mode's
 stale groups are shown beside its step time.
 
-    python -m benchmarks.bench_async --steps 150 --latency 0.05 --repeats 3   # from the repository root
+    python -m benchmarks.speed.async_training --steps 150 --latency 0.05 --repeats 3   # from the repository root
 """
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ def run_mode(
                     *(
                         rollout
                         or (
-                            "rollout.factory=benchmarks.bench_async:make_latency_rollout_fn",
+                            "rollout.factory=benchmarks.speed.async_training:make_latency_rollout_fn",
                             f"+rollout.extras.env_latency_s={latency}",
                         )
                     ),
@@ -206,7 +206,7 @@ def print_partial_rollouts(args: argparse.Namespace) -> None:
     """The partial-rollouts table: the slow, uneven tool workload in the three modes, `--repeats`
     rounds in alternating order, ratios within a round."""
     rollout = (
-        "rollout.factory=benchmarks.bench_async:make_slow_tool_rollout_fn",
+        "rollout.factory=benchmarks.speed.async_training:make_slow_tool_rollout_fn",
         f"+rollout.extras.slow_s={args.slow_s}",
         f"+rollout.extras.fast_s={args.fast_s}",
         f"+rollout.extras.slow_every={args.slow_every}",

@@ -1,10 +1,10 @@
 """Benchmark: does the curriculum (`curriculum.kind=pools`) learn `+experiment=arithmetic_sums18` faster?
 
-    python -m benchmarks.curriculum_learning                      # both arms, seeds 0 1 2
-    python -m benchmarks.curriculum_learning --seeds 0 --max-steps 600
+    python -m benchmarks.learning.curriculum                      # both arms, seeds 0 1 2
+    python -m benchmarks.learning.curriculum --seeds 0 --max-steps 600
 
 Each run is `python -m lit_grpo.train` in a process of its own (`--parallel` at once, one torch
-thread each, like `benchmarks.menu_learning`). The training reward is not comparable between the
+thread each, like `benchmarks.learning.menu`). The training reward is not comparable between the
 arms: the curriculum draws the rows it finds hard more often, which lowers its reward/mean at
 equal skill. So each run is also scored by greedy accuracy on 100 held-out rows
 (`eval/accuracy`) every `--eval-interval` steps and at the end, the same rows for both arms. The
@@ -24,7 +24,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from benchmarks.menu_learning import read_steps, summarize
+from benchmarks.learning.menu import read_steps, summarize
 
 ARMS: dict[str, list[str]] = {
     "defaults": [],

@@ -1,8 +1,8 @@
 """Benchmark: the same training run with each sampler, step time, samples/s and weight-sync time.
 
-    python -m benchmarks.bench_samplers                      # `make bench-samplers`
-    python -m benchmarks.bench_samplers --steps 60 --samplers hf,server2
-    python -m benchmarks.bench_samplers --experiment smollm2_sums --steps 6 --warmup 1 \
+    python -m benchmarks.samplers.throughput                      # `make bench-samplers`
+    python -m benchmarks.samplers.throughput --steps 60 --samplers hf,server2
+    python -m benchmarks.samplers.throughput --experiment smollm2_sums --steps 6 --warmup 1 \
         --samplers hf,vllm,server1 eval_at_start=false data.eval_rows=0 sampler.max_model_len=256  # make smollm2 first
 
 Each sampler runs the arithmetic demo (`model.num_heads=2`, float32), or `--experiment`'s recipe,
@@ -103,7 +103,7 @@ def main() -> None:
             results[name] = medians(metrics, args.warmup)
             print(f"{name}: done", file=sys.stderr, flush=True)
     what = f"+experiment={args.experiment} (float32)" if args.experiment else "arithmetic demo (num_heads=2, float32)"
-    print(f"lit_grpo bench_samplers: {what}, {args.steps} steps, medians after {args.warmup}")
+    print(f"lit_grpo samplers: {what}, {args.steps} steps, medians after {args.warmup}")
     print(f"{'sampler':<10}{'step s':>9}{'samples/s':>11}{'sample s':>10}{'tokens/s':>10}{'train s':>9}{'sync s':>9}")
     for name, r in results.items():
         rate = r["samples_per_step"] / r["step_s"]

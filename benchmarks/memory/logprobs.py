@@ -1,7 +1,7 @@
 """Benchmark: peak memory of selected-token logprobs + entropy, naive against chunked, next to the logits.
 
-    python -m benchmarks.bench_logprob_memory                       # from the repository root
-    python -m benchmarks.bench_logprob_memory --vocab 32000 --tokens 2048 --batch 2 --dtypes bfloat16
+    python -m benchmarks.memory.logprobs                       # from the repository root
+    python -m benchmarks.memory.logprobs --vocab 32000 --tokens 2048 --batch 2 --dtypes bfloat16
 
 For a `[B, T, V]` leaf tensor of logits (Qwen2.5's vocabulary and one 1,024-token sequence by
 default), each case measures the memory a path needs on top of the logits:
@@ -141,7 +141,7 @@ def measure_case(path: str, mode: str, dtype_name: str, args: argparse.Namespace
 
 def _child(path: str, mode: str, dtype_name: str, argv: list[str]) -> dict:
     """Run one case in a fresh interpreter, so no case inherits another's allocator state."""
-    cmd = [sys.executable, "-m", "benchmarks.bench_logprob_memory", *argv, "--case", f"{path},{mode},{dtype_name}"]
+    cmd = [sys.executable, "-m", "benchmarks.memory.logprobs", *argv, "--case", f"{path},{mode},{dtype_name}"]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 

@@ -1,8 +1,8 @@
 """The CPU rehearsal in TRL's `GRPOTrainer` (trl 1.16.0): the same model, rows, reward and batch shape
-as lit_grpo's `+experiment=rehearsal_0p5b`. `benchmarks/rehearsal.py` runs it beside lit_grpo's
+as lit_grpo's `+experiment=rehearsal_0p5b`. `benchmarks/vs_trl/rehearsal.py` runs it beside lit_grpo's
 side and says what differs; on its own:
 
-    python -m benchmarks.rehearsal_trl --layers 2 --steps 2 --tokens 64
+    python -m benchmarks.vs_trl.rehearsal_trl --layers 2 --steps 2 --tokens 64
 
 Needs trl (`make bench-rehearsal` installs the pinned version where it runs); lit_grpo's own
 environment does not carry it. The GRPOConfig fields below are read from trl 1.16.0's source
@@ -20,7 +20,7 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
-from benchmarks.rehearsal import (
+from benchmarks.vs_trl.rehearsal import (
     Settings,
     install_ragged_lengths,
     parse_value,
@@ -112,7 +112,7 @@ def timed_training(trainer_class, **kwargs):
 
 
 def grpo_config(settings: Settings, output_dir: Path):
-    """GRPOConfig matched to lit_grpo's run (module docstring of benchmarks/rehearsal.py)."""
+    """GRPOConfig matched to lit_grpo's run (module docstring of benchmarks/vs_trl/rehearsal.py)."""
     from trl import GRPOConfig
 
     sequences = settings.prompts * settings.group
@@ -198,7 +198,7 @@ def run_trl_side(settings: Settings, work_dir: Path) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--run-side", choices=["trl"], help=argparse.SUPPRESS)
-    parser.add_argument("--settings", help="Settings as JSON (benchmarks/rehearsal.py)")
+    parser.add_argument("--settings", help="Settings as JSON (benchmarks/vs_trl/rehearsal.py)")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--work-dir", type=Path)
     defaults = Settings()

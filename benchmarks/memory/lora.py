@@ -1,8 +1,8 @@
 """Benchmark: the memory of a LoRA run (the reference is the policy with its adapters off) against a
 full fine-tune (the reference is a second copy of the model), both with the KL term on.
 
-    python -m benchmarks.bench_lora_memory                 # from the repository root
-    python -m benchmarks.bench_lora_memory --steps 5 --rank 16 model.hidden_size=768   (extra args: Hydra overrides)
+    python -m benchmarks.memory.lora                 # from the repository root
+    python -m benchmarks.memory.lora --steps 5 --rank 16 model.hidden_size=768   (extra args: Hydra overrides)
 
 Each variant trains a few steps of the arithmetic experiment on a random-init model larger than
 the demo's (hidden 512, 8 layers by default, built locally) in a process of its own, and reports:
@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
         cmd = [
             sys.executable,
             "-m",
-            "benchmarks.bench_lora_memory",
+            "benchmarks.memory.lora",
             "--variant",
             str(rank),
             "--steps",

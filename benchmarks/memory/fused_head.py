@@ -1,7 +1,7 @@
 """Benchmark: peak memory and time of one training step at a wide vocabulary, the fused LM head on and off.
 
-    make bench-train-memory                     # python -m benchmarks.train_memory
-    python -m benchmarks.train_memory --tokens 1024 --repeats 5
+    make bench-train-memory                     # python -m benchmarks.memory.fused_head
+    python -m benchmarks.memory.fused_head --tokens 1024 --repeats 5
 
 A Qwen2 of Qwen2.5's vocabulary (151,936 ids, tied embeddings) and a tiny body (hidden 64, one
 layer): the LM head is then most of the step's cost, as at real shapes with long completions.
@@ -112,7 +112,7 @@ def measure_case(fused: bool, args: argparse.Namespace) -> dict:
 
 
 def _child(fused: bool, argv: list[str]) -> dict:
-    cmd = [sys.executable, "-m", "benchmarks.train_memory", *argv, "--case", "on" if fused else "off"]
+    cmd = [sys.executable, "-m", "benchmarks.memory.fused_head", *argv, "--case", "on" if fused else "off"]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 

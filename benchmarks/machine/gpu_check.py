@@ -11,12 +11,12 @@ It prints, per variant, the medians over the steps after the first: seconds per 
 trained tokens per second, the weight sync's seconds, the padding fraction, and the peak GPU memory.
 
 Then one optimizer step against TRL's `GRPOTrainer` loss path at the full 24 layers
-(`benchmarks/train_step_trl.py --device cuda`, float32, 8 ragged completions of at most 1,024 and
+(`benchmarks/vs_trl/train_step.py --device cuda`, float32, 8 ragged completions of at most 1,024 and
 4,096 tokens): step seconds, peak and step GPU memory, padding. The GPU machines have no TRL and no
 network, so it runs lit_grpo's side alone unless `trl` is importable here, and says which.
 
-    bash benchmarks/gpu_check.sh              # on the GPU machine: under 10 minutes on one H100
-    bash benchmarks/gpu_check.sh --dry-run    # the same code on CPU at a toy width (CI runs it)
+    bash benchmarks/machine/gpu_check.sh              # on the GPU machine: under 10 minutes on one H100
+    bash benchmarks/machine/gpu_check.sh --dry-run    # the same code on CPU at a toy width (CI runs it)
 
 `--json PATH` also writes the results (with the card's name) as JSON.
 """
@@ -34,7 +34,7 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 VARIANTS = {
     "packed": [],
     "padded": ["batching.padding_free=false"],
@@ -73,7 +73,7 @@ COMMON = [
     "output_model_id=null",
     "trainer.enable_progress_bar=false",
 ]
-TRAIN_STEP = [  # benchmarks/train_step_trl.py: one optimizer step, lit_grpo (and TRL where importable)
+TRAIN_STEP = [  # benchmarks/vs_trl/train_step.py: one optimizer step, lit_grpo (and TRL where importable)
     "--device", "cuda", "--layers", "24", "--max-lengths", "1024", "4096", "--repeats", "1", "--steps", "2",
     "--timeout-s", "150",
 ]  # fmt: skip
@@ -130,13 +130,14 @@ def run_train_step(dry_run: bool, timeout_s: float) -> tuple[dict, list[str]]:
     has_trl = importlib.util.find_spec("trl") is not None
     sides = "lit,trl" if has_trl else "lit"
     print(
-        "train step vs TRL's GRPOTrainer (benchmarks/train_step_trl.py): "
+        "train step vs TRL's GRPOTrainer (benchmarks/vs_trl/train_step.py): "
         + ("trl is importable: both sides" if has_trl else "trl is not importable here: lit_grpo's side only"),
         flush=True,
     )
     with tempfile.TemporaryDirectory() as out:
         report = Path(out) / "train_step.json"
-        command = [sys.executable, "-m", "benchmarks.train_step_trl", *(TRAIN_STEP_DRY_RUN if dry_run else TRAIN_STEP)]
+        step_args = TRAIN_STEP_DRY_RUN if dry_run else TRAIN_STEP
+        command = [sys.executable, "-m", "benchmarks.vs_trl.train_step", *step_args]
         command += ["--sides", sides, "--trl-python", sys.executable, "--json", str(report)]
         try:
             proc = subprocess.run(

@@ -2,9 +2,9 @@
 
 `+experiment=calculator_tool` (lit_grpo.envs.calculator):
 
-    python -m benchmarks.tool_learning                 # `make bench-tool`: seeds 0 1 2, the experiment's steps
-    python -m benchmarks.tool_learning --seeds 0 --max-steps 100
-    python -m benchmarks.tool_learning --sampler vllm_server --seeds 0 --max-steps 120   # one CPU vLLM server
+    python -m benchmarks.learning.tool                 # `make bench-tool`: seeds 0 1 2, the experiment's steps
+    python -m benchmarks.learning.tool --seeds 0 --max-steps 100
+    python -m benchmarks.learning.tool --sampler vllm_server --seeds 0 --max-steps 120   # one CPU vLLM server
 
 Each run is `python -m lit_grpo.train` in a process of its own, one at a time, one torch thread.
 For each: the mean reward of the first and the last 10 steps (all rows), and on the rows whose

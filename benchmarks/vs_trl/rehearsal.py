@@ -4,11 +4,11 @@ side by side: seconds per step and peak resident memory. Three sides by default:
 (`lit_budget`: `batching.micro_batch_max_tokens`), and TRL with `--micro-batch` (`trl`).
 
     make bench-rehearsal                                  # installs the pinned trl here first
-    python -m benchmarks.rehearsal                        # the experiment's settings: 4 layers, 2×8, 256 tokens
-    python -m benchmarks.rehearsal --layers 2 --steps 2 --tokens 64          # a quick check
-    python -m benchmarks.rehearsal --sides lit --lit-override batching.micro_batch_size=8  # lit_grpo only
-    python -m benchmarks.rehearsal --trl-arg use_transformers_paged=true
-    python -m benchmarks.rehearsal --ragged --sides lit_budget,trl --trl-arg gradient_checkpointing=true
+    python -m benchmarks.vs_trl.rehearsal                        # the experiment's settings: 4 layers, 2×8, 256 tokens
+    python -m benchmarks.vs_trl.rehearsal --layers 2 --steps 2 --tokens 64          # a quick check
+    python -m benchmarks.vs_trl.rehearsal --sides lit --lit-override batching.micro_batch_size=8  # lit_grpo only
+    python -m benchmarks.vs_trl.rehearsal --trl-arg use_transformers_paged=true
+    python -m benchmarks.vs_trl.rehearsal --ragged --sides lit_budget,trl --trl-arg gradient_checkpointing=true
 
 Both sides train the same model: the random-init Qwen2.5-0.5B-shaped `model=rehearsal_0p5b` cut to
 `--layers` decoder layers, built by lit_grpo's builder from the same seed (TRL's side writes it to a
@@ -295,7 +295,7 @@ def run_lit_side(settings: Settings, work_dir: Path, side: str = "lit") -> dict:
 def run_side_in_subprocess(side: str, settings: Settings, work_dir: Path) -> dict:
     """One side in a fresh interpreter (its own peak memory); its result, or an exit with its log's tail."""
     out, log = work_dir / f"{side}.json", work_dir / f"{side}.log"
-    module = "benchmarks.rehearsal_trl" if side == "trl" else "benchmarks.rehearsal"
+    module = "benchmarks.vs_trl.rehearsal_trl" if side == "trl" else "benchmarks.vs_trl.rehearsal"
     command = [sys.executable, "-m", module, "--run-side", side, "--settings", json.dumps(dataclasses.asdict(settings))]
     command += ["--out", str(out), "--work-dir", str(work_dir / side)]
     return run_logged(side, command, out, log)

