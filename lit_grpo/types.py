@@ -290,6 +290,10 @@ class RolloutRecord:
     truncated_masked: Optional[int] = None
     """How many trained sequences `rollout.mask_truncated` masked out of the loss (None: it is off);
     `rollout/truncated_masked_frac` is their share of all ranks' trained sequences."""
+    sampled_shapes: list[tuple[int, list[tuple[int, int]]]] = field(default_factory=list)
+    """Per sampled group (filtered ones included): the prompt tokens its samples share (0: their
+    prompts differ) and each sample's (tokens, generated tokens): what the sampler computed, counted
+    by `lit_grpo.maths.flops.sampling_flops` (`perf/flops/sample`)."""
 
 
 class PromptImages(dict):

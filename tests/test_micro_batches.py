@@ -300,6 +300,7 @@ def test_a_long_outlier_does_not_set_the_memory_of_every_forward(tmp_path):
                 "policy_loss.kl_beta=0.1",  # the reference's forwards go through the same micro-batches
                 f"batching.micro_batch_max_tokens={budget}",
                 f"batching.padding_free={str(packed).lower()}",
+                "batching.pack_only_where_it_pays=false",  # the tiny model would stay padded (next test)
                 callbacks=[record],
             )
         runs[budget, packed] = record
@@ -373,6 +374,7 @@ def test_padding_frac_counts_the_token_slots_the_forwards_computed(tmp_path):
             tmp_path / f"{budget}-{packed}",
             f"batching.micro_batch_max_tokens={budget}",
             f"batching.padding_free={str(packed).lower()}",
+            "batching.pack_only_where_it_pays=false",  # every micro-batch packed (the tiny model's would not pay)
         )
         timings = module.last_step.timings
         assert (timings["train_tokens"], timings["train_token_slots"]) == (115.0, slots)
@@ -411,3 +413,52 @@ def test_padding_frac_reaches_the_step_metrics(tmp_path):
     timings = module.last_step.timings
     assert step["perf/padding_frac"] == pytest.approx(1 - timings["train_tokens"] / timings["train_token_slots"])
     assert 0 <= step["perf/padding_frac"] < 1
+
+
+# ------------------------------------------------------------------ packing only where it pays
+
+
+@pytest.mark.timeout(10)
+def test_packing_pays_when_the_padding_saved_outweighs_the_calls_added():
+    from lit_grpo.maths.packing import PackingCost
+
+    # Rows of 3, 5 and 10 tokens padded to 10: 30 slots, 18 real, 12 of padding.
+    # Saved: 12 x 1e6 = 12e6 FLOPs; added: 3 sequences' calls.
+    assert PackingCost(flops_per_token=1e6, flops_per_sequence=4e6 - 1).pays([3, 5, 10], 10)
+    assert not PackingCost(1e6, 4e6).pays([3, 5, 10], 10)  # 12e6 against 12e6: no gain, padded
+    assert not PackingCost(1e6, 1.0).pays([10, 10, 10], 10)  # no padding to save
+    assert PackingCost(1e6, 0.0).pays([3, 10], 10)  # free calls: any padding saved pays
+    assert not PackingCost(1e6, 0.0).pays([10, 10], 10)
+
+
+@pytest.mark.timeout(60)
+def test_a_models_packing_cost_counts_its_layers_weights_and_calls():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from lit_grpo.maths.packing import SEGMENT_CALL_FLOPS, packing_cost
+
+    config = LlamaConfig(vocab_size=50, hidden_size=16, intermediate_size=24, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)  # fmt: skip
+    model = LlamaForCausalLM(config).eval()
+    # By hand, per layer: q 16x16, k and v 16x8 each (2 kv heads of 4), o 16x16, gate, up, down 16x24
+    # each, two norms of 16: 256 + 128 + 128 + 256 + 3 x 384 + 32 = 1,952; 3 layers and the final norm
+    # (16): 5,872 weights a token multiplies (the embedding and the 50 x 16 head excluded), 2 FLOPs each.
+    cost = packing_cost(model, "cpu")
+    assert cost.flops_per_token == 2 * 5_872
+    # sdpa on plain causal layers: SEGMENTED_SDPA, one call per sequence and layer.
+    assert cost.flops_per_sequence == 3 * SEGMENT_CALL_FLOPS["cpu"]
+
+
+@pytest.mark.timeout(300)
+def test_the_tiny_models_short_rows_stay_padded_unless_packing_is_forced(tmp_path):
+    # The tiny model's token costs a few thousand FLOPs: saving 205 padding slots is worth less than
+    # 8 sequences' attention calls, so the default pads; pack_only_where_it_pays=false packs.
+    batch = ragged_batch(LENGTHS, vocab_size(), seed=0)
+    slots = {}
+    for rule in ("true", "false"):
+        module = fit_on(
+            [batch], tmp_path / rule, "batching.padding_free=true", f"batching.pack_only_where_it_pays={rule}"
+        )
+        slots[rule] = module.last_step.timings["train_token_slots"]
+        assert (module.packing_cost is None) == (rule == "false")
+    assert slots == {"true": 8 * 40, "false": 115}

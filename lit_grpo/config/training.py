@@ -67,6 +67,11 @@ class BatchingConfig:
     and `micro_batch_max_tokens` counts real tokens. The same values as padded rows. Used where the
     model supports it (a transformers model with sdpa, eager, flex or flash attention; a debug line
     says why not otherwise); false: every micro-batch is padded to its longest row."""
+    pack_only_where_it_pays: bool = True
+    """With `padding_free`, pack a micro-batch only where the padding it saves outweighs what packing
+    adds (`lit_grpo.maths.packing.PackingCost`: one attention call per sequence and layer on a CPU's
+    sdpa), else pad it: a tiny model's short sequences stay padded, a real model's ragged ones are
+    packed. false: pack every micro-batch."""
 
     def __post_init__(self) -> None:
         require(self.micro_batch_size >= 0, "batching.micro_batch_size", "must be >= 0 (0: whole batch)")

@@ -7,6 +7,7 @@ micro_batches.py   which rows go through one forward: slices of the batch, or to
 skipped_steps.py   optimizer steps not taken (non-finite, or no learning signal), decided by all ranks together
 step_sequence.py   after each step, in a fixed order: weight sync, checkpoint, evaluation, metrics
 metrics.py         a step's metrics merged over ranks, the history, the loggers
+mfu.py             a step's model FLOPs by phase, and their utilization of the machine's peak (`perf/mfu`)
 evaluation.py      greedy accuracy on held-out rows
 rollout_evaluation.py  the cookbook's `evaluation_fn` hook
 optim.py           AdamW and the learning-rate schedule

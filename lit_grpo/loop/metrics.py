@@ -6,9 +6,9 @@ metrics, lr, entropy, gradient norms, tokens, skipped steps, and the loss's sub-
 group of every rank), `rollout/` (lengths, accepted groups, one count per drop reason,
 `rollout/zero_spread_frac`, `rollout/truncated_frac`, `rollout/length_<finish reason>`), `async/`
 (version offsets, rollouts in flight), `perf/` (seconds per phase, tokens per second,
-`perf/padding_frac`), `policy/version` and `eval/accuracy`. The health signals (`train/drift/*`,
-`train/tokens`, `train/grad_norm_clipped` and the `rollout/` ones after the drop counts) are
-defined in `lit_grpo.maths.health`.
+`perf/padding_frac`, model FLOPs and their utilization: `lit_grpo.loop.mfu`), `policy/version` and
+`eval/accuracy`. The health signals (`train/drift/*`, `train/tokens`, `train/grad_norm_clipped` and
+the `rollout/` ones after the drop counts) are defined in `lit_grpo.maths.health`.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from lit_grpo.loop.distributed import all_gather_objects, all_reduce
+from lit_grpo.loop.mfu import merge_flops
 from lit_grpo.rollouts.pipeline import rollout_metrics
 from lit_grpo.types import RolloutRecord
 
@@ -47,7 +48,8 @@ def merge_step_metrics(
     `train_metrics` are this rank's shares of the global values (summed over ranks); records are
     pooled by `rollout_metrics`; `perf/*_s` timings are the slowest rank's; `train_tokens` (real
     tokens) and `train_token_slots` (the token slots the forwards computed, padding included) add
-    up, so `perf/padding_frac` is the padding of every rank's forwards together.
+    up, so `perf/padding_frac` is the padding of every rank's forwards together; so do the step's
+    FLOPs by phase (`perf/flops/*`, `lit_grpo.loop.mfu.merge_flops`).
     """
     gathered = all_gather_objects((record, timings))
     metrics = rollout_metrics([rec for rec, _ in gathered])
@@ -63,4 +65,5 @@ def merge_step_metrics(
     token_slots = sum(t.get("train_token_slots", 0.0) for t in per_rank)
     if token_slots > 0:
         metrics["perf/padding_frac"] = 1.0 - train_tokens / token_slots
+    metrics.update(merge_flops(per_rank))
     return metrics

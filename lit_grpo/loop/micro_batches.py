@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from lit_grpo.maths.logprobs import first_scored_prediction, token_logprobs
+from lit_grpo.maths.packing import PackingCost
 from lit_grpo.types import MultiModalBatch
 
 log = logging.getLogger(__name__)
@@ -137,31 +138,50 @@ class MicroBatch:
         return None if multi_modal is None else multi_modal.select(self.rows) or None
 
 
-def micro_slices(rows: slice, size: int, width: int, lengths: Sequence[int] | None = None) -> list[MicroBatch]:
+def micro_slices(
+    rows: slice, size: int, width: int, lengths: Sequence[int] | None = None, cost: PackingCost | None = None
+) -> list[MicroBatch]:
     """Contiguous slices of `rows` of at most `size` rows (0: one slice of them all), `width` tokens
-    each; with `lengths` (every row's), packed micro-batches of those real tokens."""
+    each; with `lengths` (every row's), packed micro-batches of those real tokens where `cost` says
+    packing pays (None: everywhere), the others padded."""
     n = rows.stop - rows.start
     size = size if size > 0 else n
     slices = [slice(rows.start + i, rows.start + min(i + size, n)) for i in range(0, n, size)]
     if lengths is None:
         return [MicroBatch(part, width) for part in slices]
-    return [MicroBatch(part, width, packed_tokens=max(1, sum(lengths[part]))) for part in slices]
+    return [
+        MicroBatch(part, width, packed_tokens=max(1, sum(lengths[part])))
+        if cost is None or cost.pays(lengths[part], width)
+        else MicroBatch(part, width)
+        for part in slices
+    ]
 
 
 def token_budget_micro_batches(
-    lengths: Sequence[int], rows: slice, max_tokens: int, max_sequences: int, device: torch.device, packed: bool
+    lengths: Sequence[int],
+    rows: slice,
+    max_tokens: int,
+    max_sequences: int,
+    device: torch.device,
+    packed: bool,
+    cost: PackingCost | None = None,
 ) -> list[MicroBatch]:
     """The token-bounded micro-batches of the step's rows `rows` (`plan_token_budget`), each cut
-    to its own longest row (at least one token, for the forward); `packed`: padding-free ones."""
-    plan = plan_token_budget(lengths[rows], max_tokens, max_sequences, packed)
-    return [
-        MicroBatch(
-            rows=torch.tensor([rows.start + row for row in micro], dtype=torch.long, device=device),
-            width=max(1, max(lengths[rows.start + row] for row in micro)),
-            packed_tokens=max(1, sum(lengths[rows.start + row] for row in micro)) if packed else 0,
+    to its own longest row (at least one token, for the forward); `packed`: padding-free ones, but
+    padded where `cost` says packing does not pay and the padded rows keep to `max_tokens`."""
+    micro_batches = []
+    for micro in plan_token_budget(lengths[rows], max_tokens, max_sequences, packed):
+        own = [lengths[rows.start + row] for row in micro]
+        width = max(1, max(own))
+        pack = packed and (cost is None or cost.pays(own, width) or len(own) * width > max_tokens)
+        micro_batches.append(
+            MicroBatch(
+                rows=torch.tensor([rows.start + row for row in micro], dtype=torch.long, device=device),
+                width=width,
+                packed_tokens=max(1, sum(own)) if pack else 0,
+            )
         )
-        for micro in plan
-    ]
+    return micro_batches
 
 
 @dataclass(frozen=True)
@@ -184,6 +204,7 @@ def plan_forwards(
     micro_batch_size: int,
     micro_batch_max_tokens: int,
     padding_free: bool = False,
+    cost: PackingCost | None = None,
 ) -> ForwardPlan:
     """The micro-batches of a step whose optimizer steps train on `minibatches` (rows of the batch).
 
@@ -193,19 +214,20 @@ def plan_forwards(
     (`plan_token_budget`), each cut to its own longest row, and the no-gradient forwards run the very
     same ones, so `old` is computed as the first minibatch's training forward computes the policy.
     `padding_free`: the micro-batches are packed (`MicroBatch.packed_tokens`), the budget counts real
-    tokens, and the token slots are the real tokens: no padding computed.
+    tokens, and the token slots are the real tokens: no padding computed; with `cost`, only those
+    where packing pays (`PackingCost.pays`), the others padded.
     Shape: attention `[B, T]`; a host copy of the lengths (one device sync) with a budget or packing.
     """
     B, T = attention_BT.shape
     if micro_batch_max_tokens == 0:  # slices of the padded batch: views, no copy
         lengths = sequence_lengths(attention_BT) if padding_free else None
-        per_minibatch = [micro_slices(rows, micro_batch_size, T, lengths) for rows in minibatches]
-        no_grad = micro_slices(slice(0, B), micro_batch_size, T, lengths)
-        return ForwardPlan(per_minibatch, no_grad, sum(lengths) if lengths is not None else B * T)
+        per_minibatch = [micro_slices(rows, micro_batch_size, T, lengths, cost) for rows in minibatches]
+        no_grad = micro_slices(slice(0, B), micro_batch_size, T, lengths, cost)
+        return ForwardPlan(per_minibatch, no_grad, sum(m.token_slots for m in no_grad))
     lengths = sequence_lengths(attention_BT)
     per_minibatch = [
         token_budget_micro_batches(
-            lengths, rows, micro_batch_max_tokens, micro_batch_size, attention_BT.device, padding_free
+            lengths, rows, micro_batch_max_tokens, micro_batch_size, attention_BT.device, padding_free, cost
         )
         for rows in minibatches
     ]
@@ -306,7 +328,8 @@ def no_grad_logprobs(
         first = 0 if micro.filler or mask_BT is None else first_scored_prediction(micro.predictions(mask_BT))
         part_BT = token_logprobs(
             model, micro.tokens(tokens_BT), micro.tokens(attention_BT), temperature, first,
-            fused_head=fused_head, padding_free=padding_free, vision=micro.vision(multi_modal),
+            fused_head=fused_head, padding_free=padding_free and micro.packed_tokens > 0,
+            vision=micro.vision(multi_modal),
         )[0]  # fmt: skip
         if not micro.filler:
             logprobs_BT[micro.rows, : micro.width - 1] = part_BT

@@ -36,6 +36,7 @@ from lit_grpo.config import TrainConfig
 from lit_grpo.errors import EnvironmentFault
 from lit_grpo.loop.distributed import all_reduce
 from lit_grpo.loop.entropy_control import EntropyControl
+from lit_grpo.loop.mfu import head_on_scored_only, policy_shape, step_flops
 from lit_grpo.loop.micro_batches import (
     BudgetWatch,
     ForwardPlan,
@@ -54,7 +55,7 @@ from lit_grpo.maths.health import drift_per_token, drift_tis_cap, learning_signa
 from lit_grpo.maths.logprobs import first_scored_prediction, token_logprobs
 from lit_grpo.maths.loss_terms import masked_means
 from lit_grpo.maths.losses import policy_loss_with
-from lit_grpo.maths.packing import packing_support
+from lit_grpo.maths.packing import PackingCost, packing_cost, packing_support
 from lit_grpo.models.checkpointing import (
     checkpointed_forward,
     checkpointed_layers,
@@ -127,7 +128,11 @@ class GRPOModule(L.LightningModule):
         if config.batching.padding_free and why_padded:
             log.debug("padding-free micro-batches off: %s; rows are padded instead", why_padded)
         self.padding_free = not why_padded
-        """Whether micro-batches are packed into one row each, no padding computed (`batching.padding_free`)."""
+        """Whether micro-batches may be packed into one row each, no padding computed (`batching.padding_free`)."""
+        self.packing_cost: Optional[PackingCost] = None
+        """Which micro-batches are packed: those where it pays (`PackingCost`), found at the first step."""
+        self.flop_shape = policy_shape(self.policy)
+        """The policy's sizes for the step's FLOP counts (`lit_grpo.loop.mfu`); None: not counted, no `perf/mfu`."""
         self.step_sequence = step_sequence
         """Weight sync and version, checkpoint, evaluation, metrics: run after each step (see `on_train_batch_end`)."""
         self.rollout_step = 0
@@ -220,6 +225,7 @@ class GRPOModule(L.LightningModule):
                 "perf/train_s": t_train - t_ref,
                 "train_tokens": float(batch.attention_mask_BT.sum()),
                 "train_token_slots": float(plan.token_slots),
+                **self._step_flops(batch),
             },
         )
         return {"loss": metrics["train/loss"]}
@@ -231,9 +237,12 @@ class GRPOModule(L.LightningModule):
         gathers shards from every rank), the short ones padded with fillers (with images when the
         batch has some: `filler_micro_batch`)."""
         batching = self.config.batching
+        if self.padding_free and batching.pack_only_where_it_pays and self.packing_cost is None:
+            self.packing_cost = packing_cost(self.policy, self.device.type)  # on the device, after any sharding
         plan = plan_forwards(
-            attention_BT, minibatches, batching.micro_batch_size, batching.micro_batch_max_tokens, self.padding_free
-        )
+            attention_BT, minibatches, batching.micro_batch_size, batching.micro_batch_max_tokens, self.padding_free,
+            self.packing_cost,
+        )  # fmt: skip
         if is_fsdp2(self.policy):
             counts = all_reduce(torch.tensor(forward_counts(plan), device=self.device), "max")
             plan = with_fillers(plan, counts.tolist(), filler_micro_batch(attention_BT, multi_modal))
@@ -254,9 +263,26 @@ class GRPOModule(L.LightningModule):
         rollout, the sampler's logprobs are `old`: no forward at all. Shape: [B, T-1]."""
         if self.config.policy_loss.anchor_logp == "rollout":
             return sampler_logprobs_BT
-        if self.config.batching.ppo_minibatches > 1:
+        if self._old_forward:
             return self._no_grad_logprobs(self.policy, batch, plan, mask_BT)
         return None
+
+    @property
+    def _old_forward(self) -> bool:
+        """Whether `old` takes a forward of its own (`_old_logprobs`): several minibatches, not anchored on
+        the rollout."""
+        return self.config.policy_loss.anchor_logp != "rollout" and self.config.batching.ppo_minibatches > 1
+
+    def _step_flops(self, batch: RolloutBatch) -> dict[str, float]:
+        """This rank's model FLOPs of the step by phase (`lit_grpo.loop.mfu.step_flops`); {} when not counted."""
+        if self.flop_shape is None:
+            return {}
+        fused, packed = self.config.model.fused_lm_head, self.padding_free
+        return step_flops(
+            self.flop_shape, batch, head_on_scored_only(self.policy, fused, packed),
+            None if self.reference is None else head_on_scored_only(self.reference, fused, packed),
+            old_forward=self._old_forward, frozen_weights=is_lora(self.policy),
+        )  # fmt: skip
 
     def _next_batch(self, dataloader_iter: Iterator) -> tuple[Optional[RolloutBatch], int]:
         """This rank's next batch and the fewest sequences any rank's batch has; (None, 0) on every
@@ -304,8 +330,8 @@ class GRPOModule(L.LightningModule):
                     self.policy, micro.tokens(batch.tokens_BT), micro.tokens(batch.attention_mask_BT),
                     self.config.sampler.temperature, entropy_grad=self.config.entropy.differentiated,
                     first_scored=0 if micro.filler else first_scored_prediction(micro_mask_BT),
-                    fused_head=self.config.model.fused_lm_head, padding_free=self.padding_free,
-                    vision=micro.vision(batch.multi_modal),
+                    fused_head=self.config.model.fused_lm_head,
+                    padding_free=self.padding_free and micro.packed_tokens > 0, vision=micro.vision(batch.multi_modal),
                 )  # fmt: skip
             if micro.filler:  # a zero gradient, for the sharded model's collectives only
                 self._backward(logprobs_BT.sum() * 0.0, last)

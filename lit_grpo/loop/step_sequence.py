@@ -43,9 +43,11 @@ from lit_grpo.errors import EnvironmentFault, UserError
 from lit_grpo.loop.distributed import all_gather_objects, all_reduce, is_distributed
 from lit_grpo.loop.evaluation import Evaluator
 from lit_grpo.loop.metrics import MetricHistory, merge_step_metrics
+from lit_grpo.loop.mfu import mfu_metrics
 from lit_grpo.loop.signals import StopSignals
 from lit_grpo.models.lora import adapter_config
 from lit_grpo.models.weights import PolicyWeights, first_nonfinite
+from lit_grpo.run.peak import machine_peak
 from lit_grpo.run.state import RunCheckpointer, capture_rng, restore_rng
 from lit_grpo.types import PromptGroup, RolloutRecord
 
@@ -71,8 +73,9 @@ class StepResult:
     """`train/*` scalars as this rank's share of the global value: summed over ranks, they are
     the loss and the token means of the whole step (weights are tokens over the global count)."""
     timings: dict[str, float] = field(default_factory=dict)
-    """`perf/ref_s`, `perf/train_s` of this rank, `train_tokens`, its real tokens, and
-    `train_token_slots`, the token slots of one pass of its forwards over them (padding included)."""
+    """`perf/ref_s`, `perf/train_s` of this rank, `train_tokens`, its real tokens,
+    `train_token_slots`, the token slots of one pass of its forwards over them (padding included),
+    and its model FLOPs by phase (`sample_flops`, `ref_flops`, `train_flops`: `lit_grpo.loop.mfu`)."""
 
 
 class NonFiniteTraining(UserError, RuntimeError):
@@ -116,6 +119,8 @@ class StepSequence:
         self._rng_to_restore: Optional[dict] = None
         self._last_end: Optional[float] = None
         self._policy_weights: Optional[PolicyWeights] = None  # the strategy's model, looked up at the first sync
+        self.peak_flops_per_s: Optional[float] = None
+        """One process's peak matmul FLOP/s (`lit_grpo.run.peak`), found at the start; None: no `perf/mfu`."""
 
     # ------------------------------------------------------------------ the sequence
 
@@ -161,6 +166,8 @@ class StepSequence:
             else sum(metrics.get(k, 0.0) for k in ("perf/sample_s", "perf/ref_s", "perf/train_s"))
         )
         self._last_end = now
+        if self.peak_flops_per_s is not None:
+            metrics.update(mfu_metrics(metrics, self.peak_flops_per_s, trainer.world_size))
         if step % self.log_every_n_steps == 0 or self.stopping:
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=step - 1)
@@ -293,6 +300,8 @@ class StepSequence:
     # ------------------------------------------------------------------ start, resume, end
 
     def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        if getattr(module, "flop_shape", None) is not None:  # a model whose FLOPs are counted
+            self.peak_flops_per_s = machine_peak(module.device, str(trainer.precision))
         if self.resume_from is None:
             self._evaluate_at_start(trainer)
             self._last_end = time.perf_counter()

@@ -11,6 +11,7 @@ correction.py  training–inference mismatch correction (none, tis, mask, icepop
 entropy.py     the entropy bonus's coefficient (decay, adaptive) and the top-entropy token mask
 logprobs.py    selected-token logprobs and entropy (differentiable on demand) without a [B, T, V] float32 temporary
 health.py      trainer-sampler drift and the shape of the rollouts, logged every step
+flops.py       model FLOPs of a dense transformer's forward, backward, prefill and decode (for `perf/mfu`)
 
 The advantage estimators, pure functions too, are their own package beside this one: `lit_grpo.advantages`.
 """

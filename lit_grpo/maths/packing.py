@@ -17,6 +17,12 @@ no mask is built and transformers' own sdpa function runs on each sequence's sli
 keys and values with `is_causal`, as flash-attention's varlen path does on a GPU. No attention
 arithmetic is written here.
 
+Packing is not free: `SEGMENTED_SDPA` makes one attention call per sequence and layer, a fixed
+cost that a tiny model's few FLOPs per token never win back (a tiny model's step on 4-token
+completions ran 2.4× slower packed). `PackingCost` weighs, per micro-batch, the padding a padded
+forward would compute against the calls a packed one adds, and the micro-batch is packed only
+where that pays.
+
 The layout (`pack_rows`) keeps, for each prediction to compute, where it lives in the packed row
 and where its value goes back in `[b, T-1]` (`unpack_predictions`): a prediction never crosses a
 boundary, as the last token of a sequence predicts nothing.
@@ -28,7 +34,7 @@ import contextlib
 import contextvars
 import inspect
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import accumulate, pairwise
 from typing import Any
@@ -41,6 +47,50 @@ SEGMENTED_SDPA = "lit_grpo_segmented_sdpa"
 PACKED_ATTENTION = ("sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3", SEGMENTED_SDPA)
 # Set on the thread of a packed forward of a `SEGMENTED_SDPA` model: its mask is not built.
 _IN_PACKED_FORWARD: contextvars.ContextVar[bool] = contextvars.ContextVar("lit_grpo_packed_forward", default=False)
+
+
+SEGMENT_CALL_FLOPS = {"cpu": 4e6, "cuda": 5e9}
+"""The fixed cost of one more attention call, in FLOPs of matmul work done in the same time: about
+0.1 ms of Python and dispatch per call at a CPU core's ~40 GFLOP/s, 20 µs of launches at a GPU's
+~250 TFLOP/s. Other devices take the GPU's figure (packing only where padding is large)."""
+
+
+@dataclass(frozen=True)
+class PackingCost:
+    """Whether packing a micro-batch pays: the padding a padded forward computes, against the fixed
+    cost each packed sequence adds."""
+
+    flops_per_token: float
+    """Forward FLOPs of one token through the model's decoder layers (2 per weight)."""
+    flops_per_sequence: float
+    """What a packed sequence adds, in those FLOPs: its own attention call in every layer under
+    `SEGMENTED_SDPA`; 0 where one call covers the packed row (flash-attention's varlen, a mask)."""
+
+    def pays(self, lengths: Sequence[int], width: int) -> bool:
+        """Pack the rows of `lengths` (real tokens each) rather than pad them to `width`?"""
+        padding = len(lengths) * width - sum(lengths)
+        return padding * self.flops_per_token > len(lengths) * self.flops_per_sequence
+
+
+def packing_cost(model: Any, device_type: str) -> PackingCost:
+    """`model`'s `PackingCost` on a device of `device_type` ("cpu", "cuda", ...)."""
+    # The embedding is a lookup, and the LM head runs on the predicted positions either way.
+    ends = {id(m.weight): m.weight.numel() for m in _embeddings(model)}
+    weights = sum(p.numel() for p in model.parameters()) - sum(ends.values())
+    base = get_base() if (get_base := getattr(model, "get_base_model", None)) else model
+    layers = getattr(getattr(base, "config", None), "num_hidden_layers", None) or 1
+    per_call = SEGMENT_CALL_FLOPS.get(device_type, SEGMENT_CALL_FLOPS["cuda"])
+    return PackingCost(2.0 * max(weights, 1), layers * per_call if use_segmented_sdpa(model) else 0.0)
+
+
+def _embeddings(model: Any) -> list[Any]:
+    """`model`'s input embedding and LM head modules that it has (one weight when tied)."""
+    found = []
+    for getter in ("get_input_embeddings", "get_output_embeddings"):
+        module = getattr(model, getter, lambda: None)()
+        if getattr(module, "weight", None) is not None:
+            found.append(module)
+    return found
 
 
 @dataclass(frozen=True)

@@ -241,8 +241,19 @@ def make_batch(
         finish_reasons=[str(s.finish_reason) for g in accepted for s in g.samples],
         trained_tokens=[sum(s.loss_mask) for g in accepted for s in g.samples],
         truncated_masked=len(masked) if mask_truncated else None,
+        sampled_shapes=[sampled_shape(g) for g in sampled],
     )
     return batch
+
+
+def sampled_shape(group: PromptGroup) -> tuple[int, list[tuple[int, int]]]:
+    """What the sampler computed for `group` (`RolloutRecord.sampled_shapes`): the prompt its samples
+    share, in tokens (0: their prompts differ), and each sample's (tokens, generated tokens). A
+    sample's prompt is its tokens before the first one trained on."""
+    prompts = [s.loss_mask.index(1) if 1 in s.loss_mask else len(s.tokens) for s in group.samples]
+    first = group.samples[0].tokens[: prompts[0]] if group.samples else []
+    shared = bool(prompts) and all(p == prompts[0] and s.tokens[:p] == first for p, s in zip(prompts, group.samples))
+    return (prompts[0] if shared else 0), [(len(s.tokens), int(sum(s.loss_mask))) for s in group.samples]
 
 
 def sample_metric_values(samples: Iterable[RolloutSample]) -> dict[str, list[float]]:
