@@ -54,6 +54,7 @@ from lit_grpo.rollouts.datamodule import RolloutDataModule
 from lit_grpo.rollouts.rollout import built_rollout_fn, load_rollout_factory
 from lit_grpo.run.checkpoint import CheckpointStore
 from lit_grpo.run.loggers import finish_runs
+from lit_grpo.run.peak import bf16_emulated_on_cpu
 from lit_grpo.run.state import RunCheckpointer
 from lit_grpo.samplers import StartingWeights, build_sampler
 from lit_grpo.samplers.base import BatchingSampler
@@ -357,6 +358,8 @@ def build_run(
     trainer = build_trainer(c, [*callbacks, *extra_callbacks])
     if trainer.is_global_zero:
         log.info("%s", run_mode_line(c))
+        if trainer.strategy.root_device.type == "cpu" and (slow := bf16_on_cpu_problem(c)) is not None:
+            log.warning("%s", slow)
         if (short := completion_room_problem(c, rows, tokenizer)) is not None:
             log.warning("%s", short)
     L.seed_everything(c.seed + RANK_SEED_STRIDE * trainer.global_rank, verbose=False)
@@ -390,6 +393,22 @@ def run_mode_line(c: TrainConfig) -> str:
             "offpolicy.synchronous=true alternates them"
         )
     return f"{precision}; training is {mode}"
+
+
+def bf16_on_cpu_problem(c: TrainConfig, flags: Optional[set[str]] = None) -> Optional[str]:
+    """A warning for a CPU run in bfloat16 (`model.dtype` or `trainer.precision`) on a CPU without
+    bfloat16 units (`lit_grpo.run.peak.bf16_emulated_on_cpu`; `flags`: the CPU's, else read)."""
+    uses = [
+        name
+        for name, value in (("model.dtype", str(c.model.dtype)), ("trainer.precision", str(c.trainer.precision)))
+        if "bf16" in value or "bfloat16" in value
+    ]
+    why = bf16_emulated_on_cpu(flags) if uses else None
+    if why is None:
+        return None
+    verb = "ask" if len(uses) > 1 else "asks"
+    faster = "model.dtype=float32 trainer.precision=32-true is faster here"
+    return f"{' and '.join(uses)} {verb} for bfloat16, but {why}; {faster}"
 
 
 PROMPT_ROWS_CHECKED = 256

@@ -104,6 +104,9 @@ COMMANDS: dict[str, str] = {
         "a real model's 15-minute run (tests/test_real_model.py runs it for 2 steps, nightly; "
         "benchmarks/learning/smollm2_sums.py measures it)"
     ),
+    "python -m lit_grpo.train +experiment=smollm2_gsm8k": (
+        "a real model's 20-minute run (docs/results.md measures it; tests/test_gsm8k_experiment.py composes it)"
+    ),
     "python -m lit_grpo.train +experiment=smollm2_sums sampler=vllm sampler.dtype=float32 sampler.max_model_len=256": (
         "a real model's 15-minute run (tests/test_real_model.py trains it 3 steps with each vLLM sampler, nightly)"
     ),

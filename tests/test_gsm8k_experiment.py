@@ -58,6 +58,28 @@ def test_the_experiment_composes_as_the_gpu_recipe(tmp_path):
     assert (c.data.completions_per_prompt, c.learning_rate) == (4, 3e-6)
 
 
+def test_the_smollm2_recipe_asks_for_a_short_working_and_scores_the_format_beside_correctness(tmp_path):
+    from lit_grpo.tasks.gsm8k import BUNDLED_FILES, GSM8KOptions, load_split
+
+    c = validate(compose_config("+experiment=smollm2_gsm8k", output_dir=tmp_path))
+    assert (c.model.name_or_path, c.sampler.kind, c.task["path"], c.task["eval_path"]) == (
+        "HuggingFaceTB/SmolLM2-135M-Instruct", "hf", "bundled", "bundled"
+    )  # fmt: skip
+    assert list(c.reward.fn) == ["gsm8k", "gsm8k_format"] and list(c.reward.weights) == [1.0, 0.5]
+    row = load_split(GSM8KOptions(path="bundled", prompt_template=c.task["prompt_template"]), held_out=False, limit=1)[
+        0
+    ]
+    first = BUNDLED_FILES["train"].read_text(encoding="utf-8").splitlines()[0]
+    question = json.loads(first)["question"]
+    assert row["messages"] == [
+        {
+            "role": "user",
+            "content": f"{question}\n\nSolve it in at most three short sentences, then write the final answer on its "
+            "own line as '#### <number>'.",
+        }
+    ]
+
+
 def test_fast_dev_run_on_cpu_with_real_gsm8k_rows(tmp_path):
     summary = train(compose_config(*ON_CPU, "trainer.fast_dev_run=true", output_dir=tmp_path))
     assert summary["steps"] == 1

@@ -93,3 +93,19 @@ def test_a_log_that_is_no_tty_gets_one_bar_the_runs_steps(tmp_path, capfd):
         assert draws and all(d.startswith("steps:") for d in draws), draws  # no "Training", no "Epoch 0"
         assert f"| {start} [" in draws[0], draws[0]
         assert "Training" not in out and "Epoch" not in out
+
+
+def test_bfloat16_on_a_cpu_without_its_units_is_said_with_the_faster_setting():
+    from lit_grpo.build import bf16_on_cpu_problem
+
+    bf16 = validate(compose_config("model.dtype=bfloat16", "trainer.precision=bf16-mixed"))
+    line = bf16_on_cpu_problem(bf16, flags={"avx2", "fma"})
+    assert line is not None
+    assert line.startswith("model.dtype and trainer.precision ask for bfloat16")
+    assert "avx512_bf16 or amx_bf16 missing" in line and "model.dtype=float32 trainer.precision=32-true" in line
+    assert bf16_on_cpu_problem(bf16, flags={"avx2", "avx512_bf16"}) is None  # units present
+    assert bf16_on_cpu_problem(bf16, flags={"amx_bf16"}) is None
+    assert bf16_on_cpu_problem(bf16, flags=set()) is None  # flags unknown: nothing claimed
+    only_precision = validate(compose_config("model.dtype=float32", "trainer.precision=bf16-mixed"))
+    assert bf16_on_cpu_problem(only_precision, flags={"avx2"}).startswith("trainer.precision asks")
+    assert bf16_on_cpu_problem(validate(compose_config("model.dtype=float32")), flags={"avx2"}) is None

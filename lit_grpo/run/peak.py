@@ -97,6 +97,34 @@ def cpu_name() -> str:
     return f"{name or platform.processor() or platform.machine() or 'unknown cpu'} [{', '.join(units)}]"
 
 
+BF16_UNITS = ("avx512_bf16", "amx_bf16")
+"""CPU flags of bfloat16 matrix units: without one, torch emulates bfloat16 matmuls in float32."""
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's flags (`/proc/cpuinfo`); empty where there is none to read."""
+    try:
+        text = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return set()
+    return next(
+        (set(v.split()) for k, _, v in (line.partition(":") for line in text.splitlines()) if k.strip() == "flags"),
+        set(),
+    )
+
+
+def bf16_emulated_on_cpu(flags: Optional[set[str]] = None) -> Optional[str]:
+    """Why bfloat16 runs slowly on this CPU (no bfloat16 units); None when it has them, or when
+    its flags cannot be read."""
+    flags = cpu_flags() if flags is None else flags
+    if not flags or flags & set(BF16_UNITS):
+        return None
+    return (
+        f"this CPU has no bfloat16 matrix units ({' or '.join(BF16_UNITS)} missing from /proc/cpuinfo): torch emulates "
+        "bfloat16 matmuls, several times slower than float32 (make bench-roofline measures both)"
+    )
+
+
 def cache_key(dtype: torch.dtype, threads: int) -> str:
     """What a cached peak holds for: this CPU (`cpu_name`), this torch, `dtype`, `threads` threads."""
     plural = "" if threads == 1 else "s"
