@@ -79,10 +79,13 @@ def roofline_cache_path(environ: Optional[dict] = None) -> Path:
     return Path(base) / "lit_grpo" / ROOFLINE_FILE
 
 
-def cpu_name() -> str:
-    """The CPU's model name (`/proc/cpuinfo`, else what `platform` knows) and the vector units torch
-    uses on it: `AMD EPYC [AVX512, avx512_bf16]`. A virtual machine may name only the family, and the
-    same name may run with or without AVX-512 (or bfloat16 units) from one host to the next."""
+BF16_UNITS = ("avx512_bf16", "amx_bf16")
+"""CPU flags of bfloat16 matrix units: without one, torch emulates bfloat16 matmuls in float32."""
+
+
+def cpu_info() -> tuple[str, set[str]]:
+    """The CPU's model name and flags from `/proc/cpuinfo` (its first processor); "" and an empty
+    set where there is none to read."""
     name, flags = "", set[str]()
     try:
         for line in Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace").splitlines():
@@ -93,30 +96,22 @@ def cpu_name() -> str:
                 flags = set(value.split())
     except OSError:
         pass
-    units = [torch.backends.cpu.get_cpu_capability(), *sorted(flags & {"avx512_bf16", "amx_bf16"})]
+    return name, flags
+
+
+def cpu_name() -> str:
+    """The CPU's model name (`/proc/cpuinfo`, else what `platform` knows) and the vector units torch
+    uses on it: `AMD EPYC [AVX512, avx512_bf16]`. A virtual machine may name only the family, and the
+    same name may run with or without AVX-512 (or bfloat16 units) from one host to the next."""
+    name, flags = cpu_info()
+    units = [torch.backends.cpu.get_cpu_capability(), *sorted(flags & set(BF16_UNITS))]
     return f"{name or platform.processor() or platform.machine() or 'unknown cpu'} [{', '.join(units)}]"
-
-
-BF16_UNITS = ("avx512_bf16", "amx_bf16")
-"""CPU flags of bfloat16 matrix units: without one, torch emulates bfloat16 matmuls in float32."""
-
-
-def cpu_flags() -> set[str]:
-    """The CPU's flags (`/proc/cpuinfo`); empty where there is none to read."""
-    try:
-        text = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
-    except OSError:
-        return set()
-    return next(
-        (set(v.split()) for k, _, v in (line.partition(":") for line in text.splitlines()) if k.strip() == "flags"),
-        set(),
-    )
 
 
 def bf16_emulated_on_cpu(flags: Optional[set[str]] = None) -> Optional[str]:
     """Why bfloat16 runs slowly on this CPU (no bfloat16 units); None when it has them, or when
     its flags cannot be read."""
-    flags = cpu_flags() if flags is None else flags
+    flags = cpu_info()[1] if flags is None else flags
     if not flags or flags & set(BF16_UNITS):
         return None
     return (
