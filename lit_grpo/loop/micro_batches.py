@@ -117,6 +117,11 @@ class MicroBatch:
     forward; 0: its rows are padded to `width`."""
 
     @property
+    def packed(self) -> bool:
+        """Whether its forward packs its rows into one (`packed_tokens`), else pads them."""
+        return self.packed_tokens > 0
+
+    @property
     def token_slots(self) -> int:
         """What its forward runs on: its rows' real tokens when packed, else its rows × its width."""
         if self.packed_tokens:
@@ -310,7 +315,6 @@ def no_grad_logprobs(
     micros: list[MicroBatch],
     mask_BT: torch.Tensor | None = None,
     fused_head: bool = True,
-    padding_free: bool = False,
     multi_modal: MultiModalBatch | None = None,
 ) -> torch.Tensor:
     """`model`'s logprobs of the whole batch (the reference's, `old`'s), one micro-batch at a time.
@@ -319,7 +323,7 @@ def no_grad_logprobs(
     float32, 0 in the columns a micro-batch cut off (padding) and, with `mask_BT`, before the first
     column a micro-batch trains on (no LM head over a prompt: `token_logprobs`'s `first_scored`).
     Filler micro-batches run their forward and are dropped. `fused_head`: `token_logprobs`'s (the LM
-    head applied a chunk of tokens at a time); `padding_free`: its (packs the rows of a micro-batch);
+    head applied a chunk of tokens at a time); a micro-batch the plan packed (`MicroBatch.packed`) runs packed;
     `multi_modal`: the rows' images, each micro-batch's given to its forward (`micro.vision`).
     """
     B, T = tokens_BT.shape
@@ -328,8 +332,7 @@ def no_grad_logprobs(
         first = 0 if micro.filler or mask_BT is None else first_scored_prediction(micro.predictions(mask_BT))
         part_BT = token_logprobs(
             model, micro.tokens(tokens_BT), micro.tokens(attention_BT), temperature, first,
-            fused_head=fused_head, padding_free=padding_free and micro.packed_tokens > 0,
-            vision=micro.vision(multi_modal),
+            fused_head=fused_head, padding_free=micro.packed, vision=micro.vision(multi_modal),
         )[0]  # fmt: skip
         if not micro.filler:
             logprobs_BT[micro.rows, : micro.width - 1] = part_BT

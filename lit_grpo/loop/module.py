@@ -253,8 +253,7 @@ class GRPOModule(L.LightningModule):
         temperature = self.config.sampler.temperature
         return no_grad_logprobs(
             model, batch.tokens_BT, batch.attention_mask_BT, temperature, plan.no_grad, mask_BT,
-            fused_head=self.config.model.fused_lm_head, padding_free=self.padding_free,
-            multi_modal=batch.multi_modal,
+            fused_head=self.config.model.fused_lm_head, multi_modal=batch.multi_modal,
         )  # fmt: skip
 
     def _old_logprobs(self, batch, plan, mask_BT, sampler_logprobs_BT) -> Optional[torch.Tensor]:
@@ -331,7 +330,7 @@ class GRPOModule(L.LightningModule):
                     self.config.sampler.temperature, entropy_grad=self.config.entropy.differentiated,
                     first_scored=0 if micro.filler else first_scored_prediction(micro_mask_BT),
                     fused_head=self.config.model.fused_lm_head,
-                    padding_free=self.padding_free and micro.packed_tokens > 0, vision=micro.vision(batch.multi_modal),
+                    padding_free=micro.packed, vision=micro.vision(batch.multi_modal),
                 )  # fmt: skip
             if micro.filler:  # a zero gradient, for the sharded model's collectives only
                 self._backward(logprobs_BT.sum() * 0.0, last)
