@@ -11,6 +11,7 @@ from lit_grpo.config import ModelConfig
 from lit_grpo.maths.logprobs import token_logprobs
 from lit_grpo.maths.packing import (
     SEGMENTED_SDPA,
+    PackedBlock,
     pack_rows,
     packed_forward,
     packing_support,
@@ -36,7 +37,7 @@ def test_the_packed_layout_by_hand():
     assert packed.rows_M.tolist() == [0, 0, 1, 2, 2, 2]
     assert packed.columns_M.tolist() == [0, 1, 0, 0, 1, 2]
     assert packed.shape == (3, 3)
-    assert packed.bounds == (0, 3, 5, 9)
+    assert packed.blocks == (PackedBlock(0, 3), PackedBlock(3, 2), PackedBlock(5, 4))
 
     later = pack_rows(TOKENS, ATTENTION, first_scored=1)  # predictions from column 1 on
     assert later.predicting_M.tolist() == [1, 6, 7] and later.targets_M.tolist() == [13, 18, 19]
@@ -245,7 +246,7 @@ def test_a_packed_forward_whose_bounds_do_not_reach_the_attention_stops():
     tokens_BT, attention_BT, _ = _ragged(model.config.vocab_size)
     packed = pack_rows(tokens_BT, attention_BT)
     with torch.no_grad(), packed_forward(model, packed) as attention_kwargs:
-        assert attention_kwargs == {"segment_bounds": packed.bounds}
+        assert attention_kwargs == {"packed_blocks": tuple((block, None) for block in packed.blocks)}
         with pytest.raises(RuntimeError, match="batching.padding_free=false"):
             model(input_ids=packed.tokens_1N, position_ids=packed.positions_1N, use_cache=False)
 
@@ -258,4 +259,7 @@ def test_a_position_bias_over_the_packed_row_is_refused():
     attention = model.model.layers[0].self_attn
     query = key = value = torch.zeros(1, 2, 5, 8)
     with pytest.raises(RuntimeError, match="batching.padding_free=false"):
-        _segmented_sdpa_attention(attention, query, key, value, None, (0, 2, 5), position_bias=torch.zeros(1, 2, 5, 5))
+        _segmented_sdpa_attention(
+            attention, query, key, value, None, ((PackedBlock(0, 2), None), (PackedBlock(2, 3), None)),
+            position_bias=torch.zeros(1, 2, 5, 5),
+        )  # fmt: skip

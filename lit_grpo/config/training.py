@@ -72,6 +72,13 @@ class BatchingConfig:
     adds (`lit_grpo.maths.packing.PackingCost`: one attention call per sequence and layer on a CPU's
     sdpa), else pad it: a tiny model's short sequences stay padded, a real model's ragged ones are
     packed. false: pack every micro-batch."""
+    share_prefixes: bool = True
+    """In a packed micro-batch, compute the tokens its rows begin with in common (a group's prompt)
+    once, the rows' suffixes attending to that one copy (`lit_grpo.maths.shared_prefix`, the Prefix
+    Grouper layout): the same logprobs and gradients, (G - 1) × P fewer token rows per group of G
+    samples of a P-token prompt (`perf/prefix_tokens_saved`). Where it pays (the rows saved against
+    the attention calls it adds), and where the model runs lit_grpo's per-sequence sdpa (plain causal
+    attention); false: every row whole."""
 
     def __post_init__(self) -> None:
         require(self.micro_batch_size >= 0, "batching.micro_batch_size", "must be >= 0 (0: whole batch)")

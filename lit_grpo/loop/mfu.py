@@ -14,11 +14,12 @@ sampler's window overlaps the trainer's, so the phases' MFUs may add up to more 
 which is the machine's share used over the step. The peak is one process's (a CPU's at its thread
 count, a card's), times the ranks.
 
-Counted as the step computed them: the trainer's LM head over the positions from each sequence's
-first trained token (the fused head's), or over every token where the head runs whole (an
-unfused, packed forward); a group's shared prompt once in the sampler. Padding, recomputation and
-rollouts that returned nothing are not counted. The `old` forward, timed inside `perf/train_s`,
-is counted in `train`.
+Counted as the step computed them: a prefix that rows share (`batching.share_prefixes`) once in
+the trainer's forwards, as a group's prompt in the sampler's; the trainer's LM head over the
+positions from each sequence's first trained token (the fused head's), or over every token where
+the head runs whole (an unfused, packed forward). Padding, recomputation and rollouts that
+returned nothing are not counted. The `old` forward, timed inside `perf/train_s`, is counted in
+`train`.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Optional
 
-from lit_grpo.maths.flops import ModelShape, forward_flops, model_shape, sampling_flops, training_flops
+from lit_grpo.maths.flops import ModelShape, Span, backward_flops, forward_flops, model_shape, sampling_flops
 from lit_grpo.maths.head_logprobs import split_lm_head
 from lit_grpo.maths.logprobs import keeps_logits
 from lit_grpo.types import RolloutBatch
@@ -71,11 +72,15 @@ def step_flops(
     reference_head_scored: Optional[bool],
     old_forward: bool,
     frozen_weights: bool,
+    train_spans: Optional[list[Span]] = None,
+    no_grad_spans: Optional[list[Span]] = None,
 ) -> dict[str, float]:
     """One rank's model FLOPs of a step, by phase (`FLOP_METRICS`' keys), from the host-side groups
-    and record of `batch`: the sampler's over `record.sampled_shapes`; the trainer's over each trained
-    sequence whole, its LM head over the predictions from its first trained token (`*_head_scored`)
-    or over all its tokens; `reference_head_scored` None: no reference; `frozen_weights`: LoRA.
+    and record of `batch`: the sampler's over `record.sampled_shapes`; the trainer's over the
+    positions its forwards computed (`train_spans`, `no_grad_spans` for the reference's and `old`'s:
+    a shared prefix once; None: each trained sequence whole), its LM head over the predictions from
+    each sequence's first trained token (`*_head_scored`) or over all its tokens;
+    `reference_head_scored` None: no reference; `frozen_weights`: LoRA.
     {} when the batch has no host-side groups (a batch made by hand)."""
     samples = [s for g in batch.groups for s in g.samples]
     if not samples:
@@ -86,14 +91,17 @@ def step_flops(
     def heads(scored_only: bool) -> int:
         return sum(scored) if scored_only else sum(lengths)
 
-    forward, backward = training_flops(shape, lengths, heads(policy_head_scored), frozen_weights)
-    old = forward_flops(shape, [(0, n) for n in lengths], heads(policy_head_scored)) if old_forward else 0
+    whole = [(0, n) for n in lengths]
+    trained, no_grad = train_spans or whole, no_grad_spans or whole
+    forward = forward_flops(shape, trained, heads(policy_head_scored))
+    backward = backward_flops(shape, trained, heads(policy_head_scored), frozen_weights)
+    old = forward_flops(shape, no_grad, heads(policy_head_scored)) if old_forward else 0
     flops = {
         "sample_flops": float(sampling_flops(shape, batch.record.sampled_shapes)),
         "train_flops": float(forward + backward + old),
     }
     if reference_head_scored is not None:
-        flops["ref_flops"] = float(forward_flops(shape, [(0, n) for n in lengths], heads(reference_head_scored)))
+        flops["ref_flops"] = float(forward_flops(shape, no_grad, heads(reference_head_scored)))
     return flops
 
 

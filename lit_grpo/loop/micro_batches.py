@@ -26,6 +26,7 @@ import torch
 
 from lit_grpo.maths.logprobs import first_scored_prediction, token_logprobs
 from lit_grpo.maths.packing import PackingCost
+from lit_grpo.maths.shared_prefix import PrefixGroup
 from lit_grpo.types import MultiModalBatch
 
 log = logging.getLogger(__name__)
@@ -115,6 +116,27 @@ class MicroBatch:
     packed_tokens: int = 0
     """Padding-free (`batching.padding_free`): its rows' real tokens, packed into one row by the
     forward; 0: its rows are padded to `width`."""
+    prefix_groups: tuple[PrefixGroup, ...] = ()
+    """Packed: its rows (indices among its own rows, in order) whose common first tokens the packed
+    row holds once (`lit_grpo.maths.shared_prefix`)."""
+
+    @property
+    def prefix_tokens_saved(self) -> int:
+        """Token rows its forward does not compute because its rows share them."""
+        return sum(group.saved_tokens() for group in self.prefix_groups)
+
+    def spans(self, lengths: Sequence[int]) -> list[tuple[int, int]]:
+        """The positions its forward computes, as `(start, stop)` of each sequence or shared prefix
+        (`lit_grpo.maths.flops`' spans): a group's prefix once, then each row's positions after it;
+        other rows whole. `lengths`: every row's of the batch. Padding is not counted."""
+        rows = range(self.rows.start, self.rows.stop) if isinstance(self.rows, slice) else self.rows.tolist()
+        own = [lengths[row] for row in rows]
+        spans, grouped = [], set()
+        for group in self.prefix_groups:
+            spans.append((0, group.prefix))
+            spans += [(group.prefix, own[i]) for i in group.rows]
+            grouped.update(group.rows)
+        return spans + [(0, n) for i, n in enumerate(own) if i not in grouped]
 
     @property
     def packed(self) -> bool:
@@ -144,22 +166,48 @@ class MicroBatch:
 
 
 def micro_slices(
-    rows: slice, size: int, width: int, lengths: Sequence[int] | None = None, cost: PackingCost | None = None
+    rows: slice,
+    size: int,
+    width: int,
+    lengths: Sequence[int] | None = None,
+    cost: PackingCost | None = None,
+    rows_tokens: Sequence[Sequence[int]] | None = None,
+    pack_always: bool = False,
 ) -> list[MicroBatch]:
     """Contiguous slices of `rows` of at most `size` rows (0: one slice of them all), `width` tokens
-    each; with `lengths` (every row's), packed micro-batches of those real tokens where `cost` says
-    packing pays (None: everywhere), the others padded."""
+    each; with `lengths` (every row's), packed micro-batches of those real tokens where packing
+    pays (`packed_micro_batch`), the others padded."""
     n = rows.stop - rows.start
     size = size if size > 0 else n
     slices = [slice(rows.start + i, rows.start + min(i + size, n)) for i in range(0, n, size)]
     if lengths is None:
         return [MicroBatch(part, width) for part in slices]
     return [
-        MicroBatch(part, width, packed_tokens=max(1, sum(lengths[part])))
-        if cost is None or cost.pays(lengths[part], width)
-        else MicroBatch(part, width)
+        packed_micro_batch(part, list(range(part.start, part.stop)), width, lengths, cost, rows_tokens, pack_always)
         for part in slices
     ]
+
+
+def packed_micro_batch(
+    rows: slice | torch.Tensor,
+    row_list: list[int],
+    width: int,
+    lengths: Sequence[int],
+    cost: PackingCost | None,
+    rows_tokens: Sequence[Sequence[int]] | None,
+    pack_always: bool,
+) -> MicroBatch:
+    """The micro-batch of `rows` (`row_list`: the same, as ints), packed where `cost` says that pays
+    (`PackingCost.pays`: the padding saved and what the rows' shared prefixes save, from their
+    tokens `rows_tokens`, against the calls packing adds), or always with `pack_always` or no `cost`;
+    else padded to `width`."""
+    own = [lengths[row] for row in row_list]
+    groups, saving = ((), 0.0)
+    if cost is not None and rows_tokens is not None:
+        groups, saving = cost.prefix_groups([rows_tokens[row] for row in row_list])
+    if pack_always or cost is None or cost.pays(own, width, saving):
+        return MicroBatch(rows, width, packed_tokens=max(1, sum(own)), prefix_groups=groups)
+    return MicroBatch(rows, width)
 
 
 def token_budget_micro_batches(
@@ -170,21 +218,24 @@ def token_budget_micro_batches(
     device: torch.device,
     packed: bool,
     cost: PackingCost | None = None,
+    rows_tokens: Sequence[Sequence[int]] | None = None,
+    pack_always: bool = False,
 ) -> list[MicroBatch]:
     """The token-bounded micro-batches of the step's rows `rows` (`plan_token_budget`), each cut
-    to its own longest row (at least one token, for the forward); `packed`: padding-free ones, but
-    padded where `cost` says packing does not pay and the padded rows keep to `max_tokens`."""
+    to its own longest row (at least one token, for the forward); `packed`: padding-free ones
+    (`packed_micro_batch`), but padded where packing does not pay and the padded rows keep to
+    `max_tokens`."""
     micro_batches = []
     for micro in plan_token_budget(lengths[rows], max_tokens, max_sequences, packed):
-        own = [lengths[rows.start + row] for row in micro]
-        width = max(1, max(own))
-        pack = packed and (cost is None or cost.pays(own, width) or len(own) * width > max_tokens)
+        row_list = [rows.start + row for row in micro]
+        width = max(1, max(lengths[row] for row in row_list))
+        row_tensor = torch.tensor(row_list, dtype=torch.long, device=device)
+        if not packed:
+            micro_batches.append(MicroBatch(row_tensor, width))
+            continue
+        over = len(row_list) * width > max_tokens  # padded, it would break the budget
         micro_batches.append(
-            MicroBatch(
-                rows=torch.tensor([rows.start + row for row in micro], dtype=torch.long, device=device),
-                width=width,
-                packed_tokens=max(1, sum(own)) if pack else 0,
-            )
+            packed_micro_batch(row_tensor, row_list, width, lengths, cost, rows_tokens, pack_always or over)
         )
     return micro_batches
 
@@ -201,6 +252,20 @@ class ForwardPlan:
     """Tokens one pass over the batch computes, padding included (the real ones are the attention's)."""
     over_budget: tuple[int, ...] = ()
     """The lengths of the sequences longer than the token budget: each is a micro-batch of its own, over it."""
+    lengths: tuple[int, ...] = ()
+    """Every row's length (`sequence_lengths`) when the plan read them (packing or a budget), else ()."""
+
+    @property
+    def prefix_tokens_saved(self) -> int:
+        """Token rows the training forwards do not compute because rows share a prefix (`perf/prefix_tokens_saved`)."""
+        return sum(micro.prefix_tokens_saved for micros in self.per_minibatch for micro in micros)
+
+    def spans(self, micros: Sequence[MicroBatch]) -> list[tuple[int, int]] | None:
+        """The positions `micros` compute (`MicroBatch.spans`), fillers left out; None when the plan
+        has no lengths (every sequence whole, as the caller counts them)."""
+        if not self.lengths:
+            return None
+        return [span for micro in micros if not micro.filler for span in micro.spans(self.lengths)]
 
 
 def plan_forwards(
@@ -210,6 +275,8 @@ def plan_forwards(
     micro_batch_max_tokens: int,
     padding_free: bool = False,
     cost: PackingCost | None = None,
+    tokens_BT: torch.Tensor | None = None,
+    pack_always: bool = False,
 ) -> ForwardPlan:
     """The micro-batches of a step whose optimizer steps train on `minibatches` (rows of the batch).
 
@@ -220,25 +287,33 @@ def plan_forwards(
     same ones, so `old` is computed as the first minibatch's training forward computes the policy.
     `padding_free`: the micro-batches are packed (`MicroBatch.packed_tokens`), the budget counts real
     tokens, and the token slots are the real tokens: no padding computed; with `cost`, only those
-    where packing pays (`PackingCost.pays`), the others padded.
-    Shape: attention `[B, T]`; a host copy of the lengths (one device sync) with a budget or packing.
+    where packing pays (`PackingCost.pays`; all with `pack_always`), the others padded; and with
+    `tokens_BT` too, a packed micro-batch's rows share their common prefix where that pays
+    (`PackingCost.prefix_groups`).
+    Shape: attention, tokens `[B, T]`; a host copy of the lengths (one device sync) with a budget or
+    packing, and of the tokens when they may share prefixes.
     """
     B, T = attention_BT.shape
+    lengths = sequence_lengths(attention_BT) if padding_free or micro_batch_max_tokens else None
+    rows_tokens = None
+    if padding_free and cost is not None and cost.shares_prefixes and tokens_BT is not None and lengths is not None:
+        rows_tokens = [row[:n] for row, n in zip(tokens_BT.tolist(), lengths)]
+    packing = {"cost": cost, "rows_tokens": rows_tokens, "pack_always": pack_always}
     if micro_batch_max_tokens == 0:  # slices of the padded batch: views, no copy
-        lengths = sequence_lengths(attention_BT) if padding_free else None
-        per_minibatch = [micro_slices(rows, micro_batch_size, T, lengths, cost) for rows in minibatches]
-        no_grad = micro_slices(slice(0, B), micro_batch_size, T, lengths, cost)
-        return ForwardPlan(per_minibatch, no_grad, sum(m.token_slots for m in no_grad))
-    lengths = sequence_lengths(attention_BT)
+        lengths_if_packed = lengths if padding_free else None
+        per_minibatch = [micro_slices(rows, micro_batch_size, T, lengths_if_packed, **packing) for rows in minibatches]
+        no_grad = micro_slices(slice(0, B), micro_batch_size, T, lengths_if_packed, **packing)
+        return ForwardPlan(per_minibatch, no_grad, sum(m.token_slots for m in no_grad), lengths=tuple(lengths or ()))
+    assert lengths is not None
     per_minibatch = [
         token_budget_micro_batches(
-            lengths, rows, micro_batch_max_tokens, micro_batch_size, attention_BT.device, padding_free, cost
+            lengths, rows, micro_batch_max_tokens, micro_batch_size, attention_BT.device, padding_free, **packing
         )
         for rows in minibatches
     ]
     no_grad = [micro for micros in per_minibatch for micro in micros]
     over_budget = tuple(m.width for m in no_grad if m.token_slots > micro_batch_max_tokens)
-    return ForwardPlan(per_minibatch, no_grad, sum(m.token_slots for m in no_grad), over_budget)
+    return ForwardPlan(per_minibatch, no_grad, sum(m.token_slots for m in no_grad), over_budget, tuple(lengths))
 
 
 TEXT_FILLER = MicroBatch(slice(0, 1), 2, filler=True)
@@ -270,7 +345,7 @@ def with_fillers(plan: ForwardPlan, counts: Sequence[int], filler: MicroBatch = 
         return micros + [filler] * (count - len(micros))
 
     per_minibatch = [padded(micros, count) for micros, count in zip(plan.per_minibatch, counts[1:])]
-    return ForwardPlan(per_minibatch, padded(plan.no_grad, counts[0]), plan.token_slots, plan.over_budget)
+    return ForwardPlan(per_minibatch, padded(plan.no_grad, counts[0]), plan.token_slots, plan.over_budget, plan.lengths)
 
 
 class BudgetWatch:
@@ -333,6 +408,7 @@ def no_grad_logprobs(
         part_BT = token_logprobs(
             model, micro.tokens(tokens_BT), micro.tokens(attention_BT), temperature, first,
             fused_head=fused_head, padding_free=micro.packed, vision=micro.vision(multi_modal),
+            prefix_groups=micro.prefix_groups,
         )[0]  # fmt: skip
         if not micro.filler:
             logprobs_BT[micro.rows, : micro.width - 1] = part_BT

@@ -195,7 +195,7 @@ class GRPOModule(L.LightningModule):
         advantages = batch.advantages_B if batch.advantages_BT is None else align_to_predictions(batch.advantages_BT)
         # Every rank makes the same number of optimizer steps, even with a short batch.
         minibatches = even_slices(batch.num_sequences, min(self.config.batching.ppo_minibatches, fewest_sequences))
-        plan = self._plan(batch.attention_mask_BT, minibatches, batch.multi_modal)
+        plan = self._plan(batch.attention_mask_BT, minibatches, batch.multi_modal, batch.tokens_BT)
         ref_logprobs_BT = (
             None if self.reference is None else self._no_grad_logprobs(self.reference, batch, plan, mask_BT)
         )
@@ -225,23 +225,29 @@ class GRPOModule(L.LightningModule):
                 "perf/train_s": t_train - t_ref,
                 "train_tokens": float(batch.attention_mask_BT.sum()),
                 "train_token_slots": float(plan.token_slots),
-                **self._step_flops(batch),
+                "prefix_tokens_saved": float(plan.prefix_tokens_saved),
+                **self._step_flops(batch, plan),
             },
         )
         return {"loss": metrics["train/loss"]}
 
     def _plan(
-        self, attention_BT: torch.Tensor, minibatches: list[slice], multi_modal: Optional[MultiModalBatch] = None
+        self,
+        attention_BT: torch.Tensor,
+        minibatches: list[slice],
+        multi_modal: Optional[MultiModalBatch] = None,
+        tokens_BT: Optional[torch.Tensor] = None,
     ) -> ForwardPlan:
-        """Which rows go through each forward; under FSDP2 every rank makes as many forwards (each
-        gathers shards from every rank), the short ones padded with fillers (with images when the
-        batch has some: `filler_micro_batch`)."""
+        """Which rows go through each forward, packed where that pays and sharing their prefixes
+        where that pays (`tokens_BT`); under FSDP2 every rank makes as many forwards (each gathers
+        shards from every rank), the short ones padded with fillers (with images when the batch has
+        some: `filler_micro_batch`)."""
         batching = self.config.batching
-        if self.padding_free and batching.pack_only_where_it_pays and self.packing_cost is None:
-            self.packing_cost = packing_cost(self.policy, self.device.type)  # on the device, after any sharding
+        if self.padding_free and self.packing_cost is None:  # on the device, after any sharding
+            self.packing_cost = packing_cost(self.policy, self.device.type, batching.share_prefixes)
         plan = plan_forwards(
             attention_BT, minibatches, batching.micro_batch_size, batching.micro_batch_max_tokens, self.padding_free,
-            self.packing_cost,
+            self.packing_cost, tokens_BT, pack_always=not batching.pack_only_where_it_pays,
         )  # fmt: skip
         if is_fsdp2(self.policy):
             counts = all_reduce(torch.tensor(forward_counts(plan), device=self.device), "max")
@@ -272,15 +278,18 @@ class GRPOModule(L.LightningModule):
         the rollout."""
         return self.config.policy_loss.anchor_logp != "rollout" and self.config.batching.ppo_minibatches > 1
 
-    def _step_flops(self, batch: RolloutBatch) -> dict[str, float]:
-        """This rank's model FLOPs of the step by phase (`lit_grpo.loop.mfu.step_flops`); {} when not counted."""
+    def _step_flops(self, batch: RolloutBatch, plan: ForwardPlan) -> dict[str, float]:
+        """This rank's model FLOPs of the step by phase (`lit_grpo.loop.mfu.step_flops`), a shared
+        prefix counted once (`plan`'s spans); {} when not counted."""
         if self.flop_shape is None:
             return {}
         fused, packed = self.config.model.fused_lm_head, self.padding_free
+        train_micros = [micro for micros in plan.per_minibatch for micro in micros]
         return step_flops(
             self.flop_shape, batch, head_on_scored_only(self.policy, fused, packed),
             None if self.reference is None else head_on_scored_only(self.reference, fused, packed),
             old_forward=self._old_forward, frozen_weights=is_lora(self.policy),
+            train_spans=plan.spans(train_micros), no_grad_spans=plan.spans(plan.no_grad),
         )  # fmt: skip
 
     def _next_batch(self, dataloader_iter: Iterator) -> tuple[Optional[RolloutBatch], int]:
@@ -331,6 +340,7 @@ class GRPOModule(L.LightningModule):
                     first_scored=0 if micro.filler else first_scored_prediction(micro_mask_BT),
                     fused_head=self.config.model.fused_lm_head,
                     padding_free=micro.packed, vision=micro.vision(batch.multi_modal),
+                    prefix_groups=micro.prefix_groups,
                 )  # fmt: skip
             if micro.filler:  # a zero gradient, for the sharded model's collectives only
                 self._backward(logprobs_BT.sum() * 0.0, last)

@@ -19,7 +19,7 @@ the entropy is detached, a metric).
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any, Optional
 
 import torch
@@ -27,7 +27,15 @@ from torch.autograd.function import once_differentiable
 
 from lit_grpo.maths.head_logprobs import fused_token_logprobs, head_logprobs_and_entropy, split_lm_head
 from lit_grpo.maths.multimodal import VisionInputs, split_vlm_head, vision_forward_kwargs
-from lit_grpo.maths.packing import pack_rows, packed_forward, packing_support, unpack_predictions
+from lit_grpo.maths.packing import (
+    SEGMENTED_SDPA,
+    pack_rows,
+    packed_forward,
+    packing_support,
+    unpack_predictions,
+    use_segmented_sdpa,
+)
+from lit_grpo.maths.shared_prefix import PrefixGroup
 from lit_grpo.maths.softmax_chunks import chunk_forward, chunk_grad, default_chunk_rows
 
 log = logging.getLogger(__name__)
@@ -181,6 +189,7 @@ def token_logprobs(
     fused_head: bool = True,
     padding_free: bool = False,
     vision: Optional[VisionInputs] = None,
+    prefix_groups: Sequence[PrefixGroup] = (),
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Next-token logprobs of each token and the policy's entropy at each position.
 
@@ -203,7 +212,9 @@ def token_logprobs(
 
     With `padding_free` (`batching.padding_free`), a model that supports it (`packing_support`;
     else a debug line says why) runs the rows' real tokens packed into one row: no padding computed
-    (`packed_token_logprobs`); padding columns then come back as 0.
+    (`packed_token_logprobs`); padding columns then come back as 0. `prefix_groups`: rows whose
+    common first tokens that packed row holds once (`lit_grpo.maths.shared_prefix`; the model must
+    run `SEGMENTED_SDPA`); the same values, fewer rows computed.
 
     With `vision` (the rows' images as the forward takes them, `lit_grpo.maths.multimodal`), a
     vision-language policy runs on the tokens and the images: padded (never packed), its fused
@@ -216,7 +227,7 @@ def token_logprobs(
         if not why_not:
             first = first_scored if 0 < first_scored < T - 1 else 0
             return packed_token_logprobs(
-                model, tokens_BT, attention_mask_BT, temperature, first, entropy_grad, fused_head
+                model, tokens_BT, attention_mask_BT, temperature, first, entropy_grad, fused_head, prefix_groups
             )
         _say_once(model, f"padding-free micro-batches off: {why_not}; rows are padded instead")
     if fused_head:
@@ -267,15 +278,19 @@ def packed_token_logprobs(
     first_scored: int = 0,
     entropy_grad: bool = False,
     fused_head: bool = True,
+    prefix_groups: Sequence[PrefixGroup] = (),
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`token_logprobs` of the rows packed into one (`lit_grpo.maths.packing`): one forward over
     their real tokens only, position ids restarting at each sequence, no attention mask (transformers
     builds the block-diagonal one, or sdpa runs each sequence alone: `packed_forward`). Only the
     predictions of real tokens from `first_scored` on reach the LM head (through the fused head when
-    the model splits, `split_lm_head`).
+    the model splits, `split_lm_head`). `prefix_groups`: rows whose common prefix is packed once.
     Shapes: `[B, T]` -> (`[B, T-1]`, `[B, T-1]`) float32, 0 where nothing is predicted.
     """
-    packed = pack_rows(tokens_BT, attention_mask_BT, first_scored)
+    if prefix_groups and not use_segmented_sdpa(model):
+        _say_once(model, f"shared prefixes off: the model does not run {SEGMENTED_SDPA}; each row is computed whole")
+        prefix_groups = ()
+    packed = pack_rows(tokens_BT, attention_mask_BT, first_scored, prefix_groups)
     split = split_lm_head(model)[0] if fused_head else None
     if split is not None:
         with packed_forward(model, packed) as attention_kwargs:
@@ -290,6 +305,11 @@ def packed_token_logprobs(
             logits_1NV = model(
                 input_ids=packed.tokens_1N, position_ids=packed.positions_1N, use_cache=False, **attention_kwargs
             ).logits
+        if packed.shares_prefixes:  # a prefix's last row predicts a token of each suffix: one logits row per prediction
+            logprobs_1M, entropy_1M = selected_logprobs_and_entropy(
+                logits_1NV[:, packed.predicting_M], packed.targets_M[None], temperature, entropy_grad=entropy_grad
+            )
+            return unpack_predictions(packed, logprobs_1M[0]), unpack_predictions(packed, entropy_1M[0])
         # Each position against the next packed token (across a boundary a dummy, never kept).
         targets_1N = torch.roll(packed.tokens_1N, -1, dims=1)
         logprobs_1N, entropy_1N = selected_logprobs_and_entropy(

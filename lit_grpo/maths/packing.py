@@ -23,6 +23,10 @@ completions ran 2.4× slower packed). `PackingCost` weighs, per micro-batch, the
 forward would compute against the calls a packed one adds, and the micro-batch is packed only
 where that pays.
 
+Rows that begin with the same tokens (a group's prompt) can share them: under `SEGMENTED_SDPA` the
+packed row holds that prefix once, then each row's suffix, and the attention runs per block
+(`PackedBlock`; `lit_grpo.maths.shared_prefix` says which rows and why it is exact).
+
 The layout (`pack_rows`) keeps, for each prediction to compute, where it lives in the packed row
 and where its value goes back in `[b, T-1]` (`unpack_predictions`): a prediction never crosses a
 boundary, as the last token of a sequence predicts nothing.
@@ -36,10 +40,11 @@ import inspect
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from itertools import accumulate, pairwise
 from typing import Any
 
 import torch
+
+from lit_grpo.maths.shared_prefix import AttentionCosts, PrefixGroup, shared_prefix_groups
 
 # transformers' sdpa, each packed sequence alone in a packed forward (see above): registered under this name.
 SEGMENTED_SDPA = "lit_grpo_segmented_sdpa"
@@ -58,29 +63,55 @@ SEGMENT_CALL_FLOPS = {"cpu": 4e6, "cuda": 5e9}
 @dataclass(frozen=True)
 class PackingCost:
     """Whether packing a micro-batch pays: the padding a padded forward computes, against the fixed
-    cost each packed sequence adds."""
+    cost each packed sequence adds; and, under `SEGMENTED_SDPA`, which rows share their prefix."""
 
     flops_per_token: float
     """Forward FLOPs of one token through the model's decoder layers (2 per weight)."""
     flops_per_sequence: float
     """What a packed sequence adds, in those FLOPs: its own attention call in every layer under
     `SEGMENTED_SDPA`; 0 where one call covers the packed row (flash-attention's varlen, a mask)."""
+    flops_per_pair: float = 0.0
+    """Forward FLOPs of one (query, key) pair of attention over all layers (scores and values)."""
+    shares_prefixes: bool = False
+    """Whether a packed forward may compute rows' common prefix once (`shared_prefix_groups`): only
+    `SEGMENTED_SDPA` runs the shared layout's attention."""
 
-    def pays(self, lengths: Sequence[int], width: int) -> bool:
-        """Pack the rows of `lengths` (real tokens each) rather than pad them to `width`?"""
+    def pays(self, lengths: Sequence[int], width: int, shared_saving: float = 0.0) -> bool:
+        """Pack the rows of `lengths` (real tokens each) rather than pad them to `width`?
+        `shared_saving`: the FLOPs their shared prefixes save besides (`prefix_groups`)."""
         padding = len(lengths) * width - sum(lengths)
-        return padding * self.flops_per_token > len(lengths) * self.flops_per_sequence
+        return padding * self.flops_per_token + shared_saving > len(lengths) * self.flops_per_sequence
+
+    def prefix_groups(self, rows_tokens: Sequence[Sequence[int]]) -> tuple[tuple[PrefixGroup, ...], float]:
+        """The groups of rows (of these real tokens) that share a prefix where it pays, and the FLOPs
+        that saves; none where the model's attention cannot run the shared layout."""
+        if not self.shares_prefixes:
+            return (), 0.0
+        costs = AttentionCosts(self.flops_per_token, self.flops_per_pair, self.flops_per_sequence)
+        groups = shared_prefix_groups(rows_tokens, costs)
+        lengths = [len(tokens) for tokens in rows_tokens]
+        return groups, sum(costs.saving(g.prefix, [lengths[r] - g.prefix for r in g.rows])[0] for g in groups)
 
 
-def packing_cost(model: Any, device_type: str) -> PackingCost:
-    """`model`'s `PackingCost` on a device of `device_type` ("cpu", "cuda", ...)."""
+def packing_cost(model: Any, device_type: str, share_prefixes: bool = True) -> PackingCost:
+    """`model`'s `PackingCost` on a device of `device_type` ("cpu", "cuda", ...); `share_prefixes`:
+    let rows share a common prefix where the model runs `SEGMENTED_SDPA`."""
     # The embedding is a lookup, and the LM head runs on the predicted positions either way.
     ends = {id(m.weight): m.weight.numel() for m in _embeddings(model)}
     weights = sum(p.numel() for p in model.parameters()) - sum(ends.values())
     base = get_base() if (get_base := getattr(model, "get_base_model", None)) else model
-    layers = getattr(getattr(base, "config", None), "num_hidden_layers", None) or 1
+    config = getattr(base, "config", None)
+    layers = getattr(config, "num_hidden_layers", None) or 1
+    heads = getattr(config, "num_attention_heads", None) or 1
+    head_dim = getattr(config, "head_dim", None) or (getattr(config, "hidden_size", None) or 0) // heads
     per_call = SEGMENT_CALL_FLOPS.get(device_type, SEGMENT_CALL_FLOPS["cuda"])
-    return PackingCost(2.0 * max(weights, 1), layers * per_call if use_segmented_sdpa(model) else 0.0)
+    segmented = use_segmented_sdpa(model)
+    return PackingCost(
+        flops_per_token=2.0 * max(weights, 1),
+        flops_per_sequence=layers * per_call if segmented else 0.0,
+        flops_per_pair=4.0 * heads * head_dim * layers,  # Q·Kᵀ and P·V: 2 FLOPs per multiply-add each
+        shares_prefixes=share_prefixes and segmented,
+    )
 
 
 def _embeddings(model: Any) -> list[Any]:
@@ -94,15 +125,37 @@ def _embeddings(model: Any) -> list[Any]:
 
 
 @dataclass(frozen=True)
+class PackedBlock:
+    """A span of the packed row whose attention stays within it: one sequence, or a group of
+    sequences that share their first tokens (`lit_grpo.maths.shared_prefix`)."""
+
+    start: int
+    """Where it starts in the packed row."""
+    prefix: int
+    """Its first tokens, attended causally: the whole sequence, or the group's shared prefix."""
+    suffixes: tuple[int, ...] = ()
+    """The group's suffixes after the prefix (lengths; 0 for a sequence that is all prefix), each
+    attending to the whole prefix and causally to itself; () for a sequence alone."""
+    dense: bool = False
+    """A group attended in one masked call, else one call for the prefix and one per suffix."""
+
+    @property
+    def stop(self) -> int:
+        return self.start + self.prefix + sum(self.suffixes)
+
+
+@dataclass(frozen=True)
 class PackedRows:
     """A micro-batch's real tokens in one row, and where each computed prediction comes from and goes."""
 
     tokens_1N: torch.Tensor
-    """`[1, N]` the sequences' real tokens, one after the other, in row order."""
+    """`[1, N]` the sequences' real tokens in blocks (a shared prefix once), in order of their first rows."""
     positions_1N: torch.Tensor
-    """`[1, N]` each token's position in its own sequence (0 at each sequence's first token)."""
+    """`[1, N]` each token's position in its own sequence (0 at each sequence's first token; a
+    suffix's continue its prefix's)."""
     predicting_M: torch.Tensor
-    """`[M]` index in the packed row of each position whose next token is scored."""
+    """`[M]` index in the packed row of each position whose next token is scored (a shared
+    prefix's row serves every sequence of its group)."""
     targets_M: torch.Tensor
     """`[M]` the token each of them predicts (the next one of its own sequence)."""
     rows_M: torch.Tensor
@@ -111,38 +164,79 @@ class PackedRows:
     """`[M]` its column there."""
     shape: tuple[int, int]
     """`(b, T - 1)`: the padded predictions' shape."""
-    bounds: tuple[int, ...]
-    """Where each sequence starts in the packed row, then N: `(0, L_0, L_0 + L_1, ..., N)` (no empty sequence)."""
+    blocks: tuple[PackedBlock, ...]
+    """The attention blocks, in packed order, covering the row (no empty sequence)."""
+
+    @property
+    def shares_prefixes(self) -> bool:
+        return any(block.suffixes for block in self.blocks)
 
 
-def pack_rows(tokens_BT: torch.Tensor, attention_BT: torch.Tensor, first_scored: int = 0) -> PackedRows:
-    """Pack the real tokens (attention 1) of each row into one row, in row order.
+def pack_rows(
+    tokens_BT: torch.Tensor, attention_BT: torch.Tensor, first_scored: int = 0, groups: Sequence[PrefixGroup] = ()
+) -> PackedRows:
+    """Pack the real tokens (attention 1) of each row into one row, each `groups`' shared prefix
+    once (its first row's tokens) followed by its rows' suffixes; other rows whole, in row order.
 
     The predictions computed are those of padded column `t` >= `first_scored` whose position and
     next position are both real tokens of the row: exactly the ones the padded forward makes that
     are not padding. Right padding (lit_grpo's rollout batches) gives positions 0..L-1 in each
     sequence, as the padded forward's.
 
-    Shapes: tokens, attention `[b, T]` -> `PackedRows` with N = attention's ones, M <= N - b.
+    Shapes: tokens, attention `[b, T]` -> `PackedRows` with N = attention's ones less the shared
+    copies, M <= b × (T - 1).
     """
     real_BT = attention_BT.ne(0)
-    positions_BT = real_BT.long().cumsum(dim=1) - 1
-    # Index of each real token in the packed row (row-major order of the real tokens).
-    packed_index_BT = real_BT.flatten().long().cumsum(dim=0).view_as(real_BT) - 1
+    b, T = real_BT.shape
+    lengths = real_BT.sum(dim=1).tolist()
+    # Each row's shared prefix (0: none), where that prefix starts and where the row's own tokens start.
+    prefix_B, prefix_start_B, own_start_B = [0] * b, [0] * b, [0] * b
+    group_of = {row: g for g in groups for row in g.rows}
+    blocks: list[PackedBlock] = []
+    cursor = 0
+    for row in range(b):
+        group = group_of.get(row)
+        if group is None:
+            if lengths[row]:
+                blocks.append(PackedBlock(cursor, lengths[row]))
+                own_start_B[row] = cursor
+                cursor += lengths[row]
+        elif row == group.rows[0]:  # the group's block: the prefix, then each row's suffix in row order
+            suffixes = tuple(lengths[r] - group.prefix for r in group.rows)
+            blocks.append(PackedBlock(cursor, group.prefix, suffixes, group.dense))
+            at = cursor + group.prefix
+            for r, suffix in zip(group.rows, suffixes):
+                prefix_B[r], prefix_start_B[r], own_start_B[r] = group.prefix, cursor, at - group.prefix
+                at += suffix
+            cursor = at
+    device = tokens_BT.device
+    position_BT = real_BT.long().cumsum(dim=1) - 1  # each real token's position in its own sequence
+    in_prefix_BT = position_BT < torch.tensor(prefix_B, device=device)[:, None]
+    packed_index_BT = position_BT + torch.where(
+        in_prefix_BT,
+        torch.tensor(prefix_start_B, device=device)[:, None],
+        torch.tensor(own_start_B, device=device)[:, None],
+    )
+    # A token is laid out once: a row's own tokens, and a shared prefix from its group's first row.
+    leads = torch.tensor([group_of[r].rows[0] == r if r in group_of else True for r in range(b)], device=device)
+    laid_BT = real_BT & (~in_prefix_BT | leads[:, None])
+    tokens_1N = tokens_BT.new_empty(1, cursor)
+    tokens_1N[0, packed_index_BT[laid_BT]] = tokens_BT[laid_BT]
+    positions_1N = torch.empty(1, cursor, dtype=torch.long, device=device)
+    positions_1N[0, packed_index_BT[laid_BT]] = position_BT[laid_BT]
     predicts_BT = real_BT[:, :-1] & real_BT[:, 1:]
     if first_scored > 0:
         predicts_BT[:, :first_scored] = False
     rows_M, columns_M = predicts_BT.nonzero(as_tuple=True)
-    lengths = [int(n) for n in real_BT.sum(dim=1).tolist() if n > 0]
     return PackedRows(
-        tokens_1N=tokens_BT[real_BT].unsqueeze(0),
-        positions_1N=positions_BT[real_BT].unsqueeze(0),
+        tokens_1N=tokens_1N,
+        positions_1N=positions_1N,
         predicting_M=packed_index_BT[:, :-1][predicts_BT],
         targets_M=tokens_BT[:, 1:][predicts_BT],
         rows_M=rows_M,
         columns_M=columns_M,
-        shape=(tokens_BT.shape[0], tokens_BT.shape[1] - 1),
-        bounds=tuple(accumulate(lengths, initial=0)),
+        shape=(b, T - 1),
+        blocks=tuple(blocks),
     )
 
 
@@ -207,44 +301,89 @@ def _once_per_model(model: Any, attribute: str, compute: Callable[[Any], Any]) -
     return cached
 
 
+BlockMask = tuple[PackedBlock, "torch.Tensor | None"]
+"""A block and the boolean mask (True: attends) its attention takes, made once per forward for all
+layers: `[n, n]` for a group attended in one call (`PackedBlock.dense`), else None."""
+
+
+def block_mask(block: PackedBlock, device: torch.device) -> BlockMask:
+    """`block` with its mask (`BlockMask`): a dense group's keys are those before the query in the
+    prefix or in the query's own suffix."""
+    if not (block.suffixes and block.dense):
+        return block, None
+    segment_n = torch.repeat_interleave(
+        torch.arange(len(block.suffixes) + 1, device=device),
+        torch.tensor([block.prefix, *block.suffixes], device=device),
+    )
+    n = segment_n.numel()
+    causal_nn = torch.ones(n, n, dtype=torch.bool, device=device).tril()
+    return block, causal_nn & ((segment_n[None, :] == 0) | (segment_n[None, :] == segment_n[:, None]))
+
+
 def _segmented_sdpa_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
     attention_mask: torch.Tensor | None,
-    segment_bounds: tuple[int, ...] | None = None,
+    packed_blocks: tuple[BlockMask, ...] | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """`SEGMENTED_SDPA`'s attention: transformers' `sdpa_attention_forward`, once per packed
-    sequence (`segment_bounds`, from `packed_forward`) with `is_causal`, else once as it is.
+    """`SEGMENTED_SDPA`'s attention: transformers' `sdpa_attention_forward` once per block of the
+    packed row (`packed_blocks`, from `packed_forward`): a sequence alone with `is_causal`; a group
+    sharing a prefix in one masked call, or one causal call per suffix over the prefix and itself.
+    Outside a packed forward: once, as it is.
 
     Shapes: query `[1, heads, N, d]`, key and value `[1, kv_heads, N, d]` -> (`[1, N, heads, d]`, None).
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    if segment_bounds is None:
+    if packed_blocks is None:
         if _IN_PACKED_FORWARD.get():  # no mask was built: attending across the whole row would be wrong
             raise RuntimeError(
                 f"{type(module).__name__} does not pass its forward's keyword arguments to its attention, so "
                 "its packed sequences cannot be told apart; set batching.padding_free=false"
             )
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    if query.shape[0] != 1 or not query.shape[2] == key.shape[2] == segment_bounds[-1]:
-        raise ValueError(f"one packed row of {segment_bounds[-1]} tokens expected, got {tuple(query.shape)}")
+    n_tokens = packed_blocks[-1][0].stop if packed_blocks else 0
+    if query.shape[0] != 1 or not query.shape[2] == key.shape[2] == n_tokens:
+        raise ValueError(f"one packed row of {n_tokens} tokens expected, got {tuple(query.shape)}")
     if kwargs.get("position_bias") is not None:  # a bias over the whole row: not sliced per sequence here
         raise RuntimeError(
             f"{type(module).__name__} adds a position bias to its attention scores, which packed sequences do not "
             "support here; set batching.padding_free=false"
         )
     kwargs.pop("is_causal", None)
-    outputs = [
-        sdpa_attention_forward(
-            module, query[:, :, start:stop], key[:, :, start:stop], value[:, :, start:stop], None,
-            is_causal=True, **kwargs,
+
+    def attend(parts: list[slice], mask: torch.Tensor | None) -> torch.Tensor:
+        """Attention of the tokens of `parts` (spans of the packed row, in order) among themselves:
+        causal, or under `mask`."""
+        q, k, v = (
+            x[:, :, parts[0]] if len(parts) == 1 else torch.cat([x[:, :, part] for part in parts], dim=2)
+            for x in (query, key, value)
+        )
+        return sdpa_attention_forward(
+            module, q, k, v, None if mask is None else mask[None, None], is_causal=mask is None, **kwargs
         )[0]
-        for start, stop in pairwise(segment_bounds)
-    ]  # fmt: skip
+
+    outputs = []
+    for block, mask in packed_blocks:
+        whole = slice(block.start, block.stop)
+        if not block.suffixes or mask is not None:
+            outputs.append(attend([whole], mask))
+            continue
+        # A causal call per suffix over the prefix and itself; the prefix's output from the first one.
+        prefix = slice(block.start, block.start + block.prefix)
+        start, prefix_done = prefix.stop, False
+        for suffix_len in block.suffixes:
+            suffix = slice(start, start + suffix_len)
+            start = suffix.stop
+            if suffix_len:
+                out = attend([prefix, suffix], None)
+                outputs += [out] if not prefix_done else [out[:, block.prefix :]]
+                prefix_done = True
+        if not prefix_done:  # every row is all prefix
+            outputs.append(attend([prefix], None))
     return torch.cat(outputs, dim=1), None
 
 
@@ -287,14 +426,18 @@ def _switch_to_segmented_sdpa(base: Any) -> bool:
 
 @contextlib.contextmanager
 def packed_forward(model: Any, packed: PackedRows) -> Iterator[dict[str, Any]]:
-    """The keyword arguments a packed forward of `model` passes on to its attention: the sequences'
-    bounds when it runs `SEGMENTED_SDPA` (`use_segmented_sdpa`), with its mask skipped on this
-    thread for the forward's length; else none (transformers builds the block-diagonal mask)."""
+    """The keyword arguments a packed forward of `model` passes on to its attention: the packed
+    row's blocks and their masks when it runs `SEGMENTED_SDPA` (`use_segmented_sdpa`), with its
+    mask skipped on this thread for the forward's length; else none (transformers builds the
+    block-diagonal mask from the position ids, which cannot say that suffixes share a prefix)."""
     if not use_segmented_sdpa(model):
+        if packed.shares_prefixes:
+            raise ValueError(f"{type(model).__name__} does not run {SEGMENTED_SDPA}: its rows cannot share prefixes")
         yield {}
         return
     token = _IN_PACKED_FORWARD.set(True)
     try:
-        yield {"segment_bounds": packed.bounds}
+        device = packed.tokens_1N.device
+        yield {"packed_blocks": tuple(block_mask(block, device) for block in packed.blocks)}
     finally:
         _IN_PACKED_FORWARD.reset(token)
