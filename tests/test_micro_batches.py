@@ -301,6 +301,7 @@ def test_a_long_outlier_does_not_set_the_memory_of_every_forward(tmp_path):
                 f"batching.micro_batch_max_tokens={budget}",
                 f"batching.padding_free={str(packed).lower()}",
                 "batching.pack_only_where_it_pays=false",  # the tiny model would stay padded (next test)
+                "batching.share_prefixes=false",  # random rows that begin alike would share a token or two
                 callbacks=[record],
             )
         runs[budget, packed] = record
@@ -460,5 +461,5 @@ def test_the_tiny_models_short_rows_stay_padded_unless_packing_is_forced(tmp_pat
             [batch], tmp_path / rule, "batching.padding_free=true", f"batching.pack_only_where_it_pays={rule}"
         )
         slots[rule] = module.last_step.timings["train_token_slots"]
-        assert (module.packing_cost is None) == (rule == "false")
+        assert module.packing_cost is not None  # which rows may share a prefix, whether packing pays or not
     assert slots == {"true": 8 * 40, "false": 115}
