@@ -142,6 +142,7 @@ def test_ppo_old_logprobs_are_the_policy_before_the_first_minibatch(tmp_path, mo
         "~callbacks.reward_filter",
         "policy_loss.kl_beta=0",
         "batching.micro_batch_size=0",
+        "batching.share_prefixes=false",  # bitwise below: the same forward, each row whole (sharing rounds apart)
     )
     initial = copy.deepcopy(module.policy)
     trainer.fit(module, datamodule=datamodule)
