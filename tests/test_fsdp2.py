@@ -38,6 +38,19 @@ def test_sharded_gradient_equals_one_process_gradient_on_the_union(sizes, overri
     assert_ranks_equal_the_union(tmp_path, "fsdp2")
 
 
+# Rows whose pairs share a 6-token prompt, every micro-batch packed (the tiny model's would stay
+# padded) so that they share it (`batching.share_prefixes`): each rank lays out its own groups.
+def test_sharded_gradient_with_shared_prompts_equals_one_process_gradient_on_the_union(tmp_path):
+    overrides = ["batching.pack_only_where_it_pays=false", "shared_prompts=2"]
+    for devices in (1, 2):
+        run_probe(tmp_path, devices, "4,6", "fsdp2", "0.01", "grads", *overrides)
+    assert_ranks_equal_the_union(tmp_path, "fsdp2")
+    for devices, ranks in ((1, [0]), (2, [0, 1])):
+        for rank in ranks:
+            saved = torch.load(tmp_path / f"prefix_saved_fsdp2_world{devices}_rank{rank}.pt")
+            assert saved and all(n > 0 for n in saved), (devices, rank, saved)
+
+
 # A vision-language policy (rows with images of 4, 2 or 1 image tokens), KL on: the reference's
 # forwards take the images too. "whole": one micro-batch per rank; "micro": 2 rows each, sliced with
 # their images; "uneven": 3 rows each; "token_budget": rows grouped by length, picked by index with

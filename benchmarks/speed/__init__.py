@@ -3,4 +3,5 @@
 step.py             `make bench`: seconds per training step by phase, against a bare-torch floor
 async_training.py   `make bench-async`: synchronous against asynchronous training, a latency-bound environment
 threads.py          `make bench-threads`: the CPU demo with 1 and 2 torch threads, runs interleaved
+profile_step.py     `make bench-profile`: a real model's training phase, prompts shared, whole and padded; its profile
 """

@@ -18,8 +18,10 @@ maximum length, from `--seed`), random token ids, fixed advantages; the same row
   gated to the training forward), `token_logprobs(..., fused_head=True)` with the prompt skipped
   (`first_scored`), `policy_loss("grpo", ...)` (PPO clip 0.2, token mean over the step, beta 0), its
   backward; then gradient clipping at 1.0 and lit_grpo's AdamW (`lit_grpo.loop.optim.adamw`).
-  `--padding-free` (on by default) passes `padding_free=True` to `token_logprobs` (each micro-batch's
-  sequences packed into one row, `batching.padding_free`); `--no-padding-free` pads them.
+  `--padding-free` (on by default) packs each micro-batch's sequences into one row
+  (`batching.padding_free`); `--no-padding-free` pads them. `--share-prefixes` (on by default, as
+  `batching.share_prefixes`) computes the group's 64-token prompt once in a packed micro-batch
+  (`lit_grpo.maths.shared_prefix`); `--no-share-prefixes` computes every row whole.
 - TRL (1.16.0, read from its source): a real `GRPOTrainer` (the model instance, a dummy reward, an
   8-row dummy dataset, `GRPOConfig` with `per_device_train_batch_size` = `--micro-batch`,
   `gradient_accumulation_steps` = 8 / `--micro-batch`, `gradient_checkpointing=True`, `beta=0.0`,
@@ -202,6 +204,8 @@ class LitSide:
         self.optimizer = adamw(self.model.parameters(), lr=1e-6)
         self.packed = bool(args.padding_free)
         self.checkpointing = bool(self.layers)
+        self.prefix_tokens_saved = 0
+        """Token rows the last step's forwards did not compute: the group's shared prompt."""
 
     def batch(self, rollouts: Rollouts):
         """Right-padded rows (prompt + completion), the attention, the loss mask `[B, T-1]`."""
@@ -225,18 +229,25 @@ class LitSide:
         from lit_grpo.loop.micro_batches import plan_forwards
         from lit_grpo.maths.logprobs import first_scored_prediction, token_logprobs
         from lit_grpo.maths.losses import policy_loss
+        from lit_grpo.maths.packing import packing_cost
         from lit_grpo.models.checkpointing import checkpointed_forward
 
         tokens_BT, attention_BT, mask_BT, advantages_B = self.batch(rollouts)
-        plan = plan_forwards(attention_BT, [slice(0, GROUP)], self.args.micro_batch, 0)
+        # As the trainer plans them: packed, the prompt computed once where the rows share it (`--share-prefixes`).
+        cost = packing_cost(self.model, self.device.type, self.args.share_prefixes) if self.packed else None
+        plan = plan_forwards(
+            attention_BT, [slice(0, GROUP)], self.args.micro_batch, 0, self.packed, cost, tokens_BT, pack_always=True
+        )
         num_tokens = mask_BT.sum().clamp_min(1.0)
+        self.prefix_tokens_saved = plan.prefix_tokens_saved
         total = 0.0
         for micro in plan.per_minibatch[0]:
             micro_mask_BT = micro.predictions(mask_BT)
             with checkpointed_forward(self.layers):
                 logprobs_BT, _ = token_logprobs(
                     self.model, micro.tokens(tokens_BT), micro.tokens(attention_BT), 1.0,
-                    first_scored=first_scored_prediction(micro_mask_BT), fused_head=True, padding_free=self.packed,
+                    first_scored=first_scored_prediction(micro_mask_BT), fused_head=True, padding_free=micro.packed,
+                    prefix_groups=micro.prefix_groups,
                 )  # fmt: skip
             loss, _ = policy_loss(
                 "grpo", logprobs=logprobs_BT, old_logprobs=logprobs_BT.detach(),
@@ -384,6 +395,7 @@ def measure_side(side: str, max_length: int, args: argparse.Namespace) -> dict:
         "max_length": max_length,
         "lengths": rollouts.lengths,
         "padding_free": packed,
+        "prefix_tokens_saved": runner.prefix_tokens_saved if side == "lit" else 0,
         "peak_rss_MB": max(whole_run_peak_kb, step_peak_kb) / 1024,
         "step_extra_MB": (step_peak_kb - before_kb) / 1024,
         "step_s": statistics.median(times),
@@ -435,6 +447,7 @@ def child_command(python: str, side: str, max_length: int, args: argparse.Namesp
     for name in ("layers", "micro_batch", "steps", "seed", "hidden", "intermediate", "heads", "kv_heads", "vocab"):
         command += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     command += ["--device", args.device, "--padding-free" if args.padding_free else "--no-padding-free"]
+    command += ["--share-prefixes" if args.share_prefixes else "--no-share-prefixes"]
     return command
 
 
@@ -507,6 +520,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--sides", default="lit,trl", help="comma-separated: lit, trl")
     parser.add_argument("--padding-free", action=argparse.BooleanOptionalAction, default=True,
                         help="lit_grpo's packed micro-batches (batching.padding_free)")  # fmt: skip
+    parser.add_argument("--share-prefixes", action=argparse.BooleanOptionalAction, default=True,
+                        help="packed: the group's prompt computed once (batching.share_prefixes)")  # fmt: skip
     parser.add_argument("--trl-python", default=None, help="the interpreter of TRL's side (default: .venv-trl's)")
     parser.add_argument("--memory-cap-gib", type=float, default=20.0, help="each child's memory cap")
     parser.add_argument("--timeout-s", type=float, default=3600.0, help="each child's time limit")

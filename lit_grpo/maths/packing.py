@@ -137,7 +137,7 @@ class PackedBlock:
     """The group's suffixes after the prefix (lengths; 0 for a sequence that is all prefix), each
     attending to the whole prefix and causally to itself; () for a sequence alone."""
     dense: bool = False
-    """A group attended in one masked call, else one call for the prefix and one per suffix."""
+    """A group attended in one masked call, else one causal call per suffix over the prefix and itself."""
 
     @property
     def stop(self) -> int:
