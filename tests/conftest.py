@@ -106,6 +106,19 @@ def score_error(model, pairs: list[tuple[list[int], list[int]]], scores: list[li
     return torch.cat(diffs).mean().item()
 
 
+def assert_same_forward(got, want) -> None:
+    """Two forward-and-backward results `(logprobs, entropy, {parameter: gradient})` equal to float32
+    rounding: the values to 1e-5, each gradient to 1e-5 of its largest entry (at least 1e-5)."""
+    import torch
+
+    for name, a, b in (("logprobs", got[0], want[0]), ("entropy", got[1], want[1])):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
+    assert got[2].keys() == want[2].keys() and got[2]
+    for name, expected in want[2].items():
+        atol = 1e-5 * max(expected.abs().max().item(), 1.0)
+        torch.testing.assert_close(got[2][name], expected, atol=atol, rtol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
+
+
 def lora_policy_that_moves(model, rank: int = 4):
     """`model` with LoRA adapters of `rank` whose B matrices are random (peft starts them at 0, where
     the adapters change nothing): the policy then differs from its adapter-free view."""

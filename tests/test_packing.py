@@ -5,7 +5,7 @@ import copy
 
 import pytest
 import torch
-from conftest import lora_policy_that_moves
+from conftest import assert_same_forward, lora_policy_that_moves
 
 from lit_grpo.config import ModelConfig
 from lit_grpo.maths.logprobs import token_logprobs
@@ -87,15 +87,6 @@ def _step(model, tokens_BT, attention_BT, weights_BT, padding_free, fused=True, 
     return logprobs_BT.detach() * real_BT, entropy_BT.detach() * real_BT, grads
 
 
-def _assert_close(packed, padded):
-    for name, a, b in (("logprobs", packed[0], padded[0]), ("entropy", packed[1], padded[1])):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
-    assert packed[2].keys() == padded[2].keys() and packed[2]
-    for name, want in padded[2].items():
-        atol = 1e-5 * max(want.abs().max().item(), 1.0)
-        torch.testing.assert_close(packed[2][name], want, atol=atol, rtol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
-
-
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
 @pytest.mark.parametrize("fused,tied", [(True, True), (True, False), (False, True)])
@@ -105,7 +96,7 @@ def test_packed_forwards_equal_the_padded_ones(attention, fused, tied):
     batch = _ragged(model.config.vocab_size)
     packed = _step(model, *batch, padding_free=True, fused=fused)
     padded = _step(model, *batch, padding_free=False, fused=fused)
-    _assert_close(packed, padded)
+    assert_same_forward(packed, padded)
     # Outside the real predictions the packed path computes nothing.
     raw = token_logprobs(model, batch[0], batch[1], 0.7, fused_head=fused, padding_free=True)[0]
     assert raw[1, 4:].abs().max() == 0 and raw[3, 1:].abs().max() == 0
@@ -134,7 +125,7 @@ def test_first_scored_skips_the_prompt_in_the_packed_path_too():
     batch = _ragged(model.config.vocab_size)
     packed = _step(model, *batch, padding_free=True, first_scored=3)
     padded = _step(model, *batch, padding_free=False, first_scored=3)
-    _assert_close(packed, padded)
+    assert_same_forward(packed, padded)
     assert packed[0][:, :3].abs().max() == 0 and packed[0][0, 3:].abs().min() > 0
 
 
@@ -145,7 +136,7 @@ def test_lora_policy_and_its_adapter_free_view_pack_exactly():
     policy = lora_policy_that_moves(model)
     batch = _ragged(model.config.vocab_size)
     assert packing_support(policy) == ""
-    _assert_close(*(_step(policy, *batch, padding_free=p) for p in (True, False)))
+    assert_same_forward(*(_step(policy, *batch, padding_free=p) for p in (True, False)))
     view = AdapterFreeView(policy)
     real_BT = (batch[1][:, :-1] * batch[1][:, 1:]).bool()
     with torch.no_grad():
@@ -236,7 +227,7 @@ def test_a_sliding_window_model_keeps_sdpa_and_its_mask():
     model.config.sliding_window = 64
     assert not use_segmented_sdpa(model) and model.config._attn_implementation == "sdpa"
     batch = _ragged(model.config.vocab_size)
-    _assert_close(_step(model, *batch, padding_free=True), _step(model, *batch, padding_free=False))
+    assert_same_forward(_step(model, *batch, padding_free=True), _step(model, *batch, padding_free=False))
 
 
 @pytest.mark.timeout(60)

@@ -6,7 +6,7 @@ import logging
 
 import pytest
 import torch
-from conftest import lora_policy_that_moves
+from conftest import assert_same_forward, lora_policy_that_moves
 
 from lit_grpo.config import ModelConfig
 from lit_grpo.loop.micro_batches import plan_forwards
@@ -135,15 +135,6 @@ def _step(model, tokens_BT, attention_BT, weights_BT, groups=(), padding_free=Tr
     return logprobs_BT.detach() * real_BT, entropy_BT.detach() * real_BT, grads
 
 
-def _assert_close(shared, whole):
-    for name, a, b in (("logprobs", shared[0], whole[0]), ("entropy", shared[1], whole[1])):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
-    assert shared[2].keys() == whole[2].keys() and shared[2]
-    for name, want in whole[2].items():
-        atol = 1e-5 * max(want.abs().max().item(), 1.0)
-        torch.testing.assert_close(shared[2][name], want, atol=atol, rtol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
-
-
 def _groups_of(tokens_BT, attention_BT, dense):
     rows = [row[:n] for row, n in zip(tokens_BT.tolist(), attention_BT.sum(1).tolist())]
     groups = shared_prefix_groups(rows, CHEAP_CALLS)
@@ -159,8 +150,8 @@ def test_shared_forwards_equal_each_row_computed_whole(G, dense):
     groups = _groups_of(batch[0], batch[1], dense)
     assert len(groups) == 2 and all(g.prefix >= 9 and len(g.rows) == G for g in groups)
     shared = _step(model, *batch, groups=groups)
-    _assert_close(shared, _step(model, *batch))  # packed, every row whole
-    _assert_close(shared, _step(model, *batch, padding_free=False))  # padded
+    assert_same_forward(shared, _step(model, *batch))  # packed, every row whole
+    assert_same_forward(shared, _step(model, *batch, padding_free=False))  # padded
 
 
 @pytest.mark.timeout(120)
@@ -170,7 +161,7 @@ def test_sharing_with_the_prompt_skipped_and_either_head(fused):
     batch = _grouped_batch(model.config.vocab_size, 4, seed=3)
     groups = _groups_of(batch[0], batch[1], dense=False)
     # From column 8 on: the prefix's last row (column 8) is the first prediction any row scores.
-    _assert_close(
+    assert_same_forward(
         _step(model, *batch, groups=groups, fused=fused, first_scored=8),
         _step(model, *batch, fused=fused, first_scored=8),
     )
@@ -189,7 +180,7 @@ def test_rows_whose_earlier_turns_differ_share_only_what_they_have_in_common():
     groups = shared_prefix_groups([r for r in rows], CHEAP_CALLS)
     assert [(g.rows, g.prefix) for g in groups] == [((0, 1, 2), len(first))]
     weights_BT = torch.randn(3, T - 1, generator=torch.Generator().manual_seed(0)) * attention_BT[:, 1:]
-    _assert_close(
+    assert_same_forward(
         _step(model, tokens_BT, attention_BT, weights_BT, groups), _step(model, tokens_BT, attention_BT, weights_BT)
     )
 
@@ -201,7 +192,7 @@ def test_a_lora_policy_shares_exactly():
     groups = _groups_of(batch[0], batch[1], dense=False)
     shared = _step(policy, *batch, groups=groups)
     assert any("lora" in name for name in shared[2])
-    _assert_close(shared, _step(policy, *batch))
+    assert_same_forward(shared, _step(policy, *batch))
 
 
 @pytest.mark.timeout(120)
@@ -214,7 +205,7 @@ def test_a_model_without_segmented_sdpa_computes_each_row_whole(caplog):
     with caplog.at_level(logging.DEBUG, logger="lit_grpo.maths.logprobs"):
         shared = _step(model, *batch, groups=groups)
     assert "shared prefixes off" in caplog.text
-    _assert_close(shared, _step(model, *batch, padding_free=False))
+    assert_same_forward(shared, _step(model, *batch, padding_free=False))
 
 
 @pytest.mark.timeout(60)

@@ -302,7 +302,10 @@ def plan_forwards(
     if micro_batch_max_tokens == 0:  # slices of the padded batch: views, no copy
         lengths_if_packed = lengths if padding_free else None
         per_minibatch = [micro_slices(rows, micro_batch_size, T, lengths_if_packed, **packing) for rows in minibatches]
-        no_grad = micro_slices(slice(0, B), micro_batch_size, T, lengths_if_packed, **packing)
+        whole = minibatches == [slice(0, B)]  # one minibatch of every row: the same micro-batches, planned once
+        no_grad = (
+            per_minibatch[0] if whole else micro_slices(slice(0, B), micro_batch_size, T, lengths_if_packed, **packing)
+        )
         return ForwardPlan(per_minibatch, no_grad, sum(m.token_slots for m in no_grad), lengths=tuple(lengths or ()))
     assert lengths is not None
     per_minibatch = [
