@@ -131,7 +131,8 @@ class MicroBatch:
         other rows whole. `lengths`: every row's of the batch. Padding is not counted."""
         rows = range(self.rows.start, self.rows.stop) if isinstance(self.rows, slice) else self.rows.tolist()
         own = [lengths[row] for row in rows]
-        spans, grouped = [], set()
+        spans: list[tuple[int, int]] = []
+        grouped: set[int] = set()
         for group in self.prefix_groups:
             spans.append((0, group.prefix))
             spans += [(group.prefix, own[i]) for i in group.rows]
@@ -202,7 +203,8 @@ def packed_micro_batch(
     tokens `rows_tokens`, against the calls packing adds), or always with `pack_always` or no `cost`;
     else padded to `width`."""
     own = [lengths[row] for row in row_list]
-    groups, saving = ((), 0.0)
+    groups: tuple[PrefixGroup, ...] = ()
+    saving = 0.0
     if cost is not None and rows_tokens is not None:
         groups, saving = cost.prefix_groups([rows_tokens[row] for row in row_list])
     if pack_always or cost is None or cost.pays(own, width, saving):
@@ -298,19 +300,28 @@ def plan_forwards(
     rows_tokens = None
     if padding_free and cost is not None and cost.shares_prefixes and tokens_BT is not None and lengths is not None:
         rows_tokens = [row[:n] for row, n in zip(tokens_BT.tolist(), lengths)]
-    packing = {"cost": cost, "rows_tokens": rows_tokens, "pack_always": pack_always}
     if micro_batch_max_tokens == 0:  # slices of the padded batch: views, no copy
         lengths_if_packed = lengths if padding_free else None
-        per_minibatch = [micro_slices(rows, micro_batch_size, T, lengths_if_packed, **packing) for rows in minibatches]
+
+        def slices(rows: slice) -> list[MicroBatch]:
+            return micro_slices(rows, micro_batch_size, T, lengths_if_packed, cost, rows_tokens, pack_always)
+
+        per_minibatch = [slices(rows) for rows in minibatches]
         whole = minibatches == [slice(0, B)]  # one minibatch of every row: the same micro-batches, planned once
-        no_grad = (
-            per_minibatch[0] if whole else micro_slices(slice(0, B), micro_batch_size, T, lengths_if_packed, **packing)
-        )
+        no_grad = per_minibatch[0] if whole else slices(slice(0, B))
         return ForwardPlan(per_minibatch, no_grad, sum(m.token_slots for m in no_grad), lengths=tuple(lengths or ()))
     assert lengths is not None
     per_minibatch = [
         token_budget_micro_batches(
-            lengths, rows, micro_batch_max_tokens, micro_batch_size, attention_BT.device, padding_free, **packing
+            lengths,
+            rows,
+            micro_batch_max_tokens,
+            micro_batch_size,
+            attention_BT.device,
+            padding_free,
+            cost,
+            rows_tokens,
+            pack_always,
         )
         for rows in minibatches
     ]
