@@ -143,6 +143,7 @@ def test_ppo_old_logprobs_are_the_policy_before_the_first_minibatch(tmp_path, mo
         "policy_loss.kl_beta=0",
         "batching.micro_batch_size=0",
         "batching.share_prefixes=false",  # bitwise below: the same forward, each row whole (sharing rounds apart)
+        "batching.skip_zero_advantage_rows=false",  # every row's `old`, those of advantage 0 too
     )
     initial = copy.deepcopy(module.policy)
     trainer.fit(module, datamodule=datamodule)

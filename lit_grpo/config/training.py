@@ -79,6 +79,13 @@ class BatchingConfig:
     samples of a P-token prompt (`perf/prefix_tokens_saved`). Where it pays (the rows saved against
     the attention calls it adds), and where the model runs lit_grpo's per-sequence sdpa (plain causal
     attention); false: every row whole."""
+    skip_zero_advantage_rows: bool = True
+    """Leave out of the step's forwards and backward the rows whose every trained token has advantage
+    0 (a uniform group kept for training), where the loss gives them no gradient: a variant whose
+    term is the advantage times something finite (every built-in but dro), no KL penalty
+    (`policy_loss.kl_beta` 0), no entropy bonus or top-entropy mask. The loss's normalizers still
+    count them, so the gradient and the update are the same (`perf/rows_skipped`); the health
+    metrics (`train/entropy`, the drift) are then over the rows trained. false: every row computed."""
 
     def __post_init__(self) -> None:
         require(self.micro_batch_size >= 0, "batching.micro_batch_size", "must be >= 0 (0: whole batch)")

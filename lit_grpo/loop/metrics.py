@@ -49,7 +49,8 @@ def merge_step_metrics(
     pooled by `rollout_metrics`; `perf/*_s` timings are the slowest rank's; `train_tokens` (real
     tokens) and `train_token_slots` (the token slots the forwards computed, padding included) add
     up, so `perf/padding_frac` is the padding of every rank's forwards together; so do the token
-    rows a shared prefix saved the training forwards (`perf/prefix_tokens_saved`) and the step's
+    rows a shared prefix saved the training forwards (`perf/prefix_tokens_saved`), the rows of
+    advantage 0 they left out (`perf/rows_skipped`) and the step's
     FLOPs by phase (`perf/flops/*`, `lit_grpo.loop.mfu.merge_flops`).
     """
     gathered = all_gather_objects((record, timings))
@@ -67,5 +68,6 @@ def merge_step_metrics(
     if token_slots > 0:
         metrics["perf/padding_frac"] = 1.0 - train_tokens / token_slots
     metrics["perf/prefix_tokens_saved"] = sum(t.get("prefix_tokens_saved", 0.0) for t in per_rank)
+    metrics["perf/rows_skipped"] = sum(t.get("rows_skipped", 0.0) for t in per_rank)
     metrics.update(merge_flops(per_rank))
     return metrics

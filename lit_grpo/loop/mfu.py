@@ -74,17 +74,20 @@ def step_flops(
     frozen_weights: bool,
     train_spans: Optional[list[Span]] = None,
     no_grad_spans: Optional[list[Span]] = None,
+    trained: Optional[list[bool]] = None,
 ) -> dict[str, float]:
     """One rank's model FLOPs of a step, by phase (`FLOP_METRICS`' keys), from the host-side groups
     and record of `batch`: the sampler's over `record.sampled_shapes`; the trainer's over the
     positions its forwards computed (`train_spans`, `no_grad_spans` for the reference's and `old`'s:
     a shared prefix once; None: each trained sequence whole), its LM head over the predictions from
     each sequence's first trained token (`*_head_scored`) or over all its tokens;
-    `reference_head_scored` None: no reference; `frozen_weights`: LoRA.
+    `reference_head_scored` None: no reference; `frozen_weights`: LoRA; `trained`: the rows the
+    trainer's forwards computed (one flag per row, as `batch`'s; None: all).
     {} when the batch has no host-side groups (a batch made by hand)."""
-    samples = [s for g in batch.groups for s in g.samples]
-    if not samples:
+    sampled = [s for g in batch.groups for s in g.samples]
+    if not sampled:
         return {}
+    samples = sampled if trained is None else [s for s, kept in zip(sampled, trained) if kept]
     lengths = [len(s.tokens) for s in samples]
     scored = [len(s.tokens) - (s.loss_mask.index(1) if 1 in s.loss_mask else len(s.tokens)) for s in samples]
 
@@ -92,9 +95,9 @@ def step_flops(
         return sum(scored) if scored_only else sum(lengths)
 
     whole = [(0, n) for n in lengths]
-    trained, no_grad = train_spans or whole, no_grad_spans or whole
-    forward = forward_flops(shape, trained, heads(policy_head_scored))
-    backward = backward_flops(shape, trained, heads(policy_head_scored), frozen_weights)
+    train, no_grad = train_spans or whole, no_grad_spans or whole
+    forward = forward_flops(shape, train, heads(policy_head_scored))
+    backward = backward_flops(shape, train, heads(policy_head_scored), frozen_weights)
     old = forward_flops(shape, no_grad, heads(policy_head_scored)) if old_forward else 0
     flops = {
         "sample_flops": float(sampling_flops(shape, batch.record.sampled_shapes)),

@@ -189,6 +189,38 @@ def micro_slices(
     ]
 
 
+def micro_lists(
+    row_ids: Sequence[int],
+    size: int,
+    width: int,
+    device: torch.device,
+    lengths: Sequence[int] | None = None,
+    cost: PackingCost | None = None,
+    rows_tokens: Sequence[Sequence[int]] | None = None,
+    pack_always: bool = False,
+) -> list[MicroBatch]:
+    """`micro_slices` of the rows `row_ids` (not contiguous: the micro-batches hold row indices)."""
+    size = size if size > 0 else len(row_ids)
+    micro_batches = []
+    for i in range(0, len(row_ids), size):
+        part = list(row_ids[i : i + size])
+        rows = torch.tensor(part, dtype=torch.long, device=device)
+        if lengths is None:
+            micro_batches.append(MicroBatch(rows, width))
+        else:
+            micro_batches.append(packed_micro_batch(rows, part, width, lengths, cost, rows_tokens, pack_always))
+    return micro_batches
+
+
+def kept_rows(rows: slice, trained: Sequence[bool] | None) -> list[int] | None:
+    """The rows of `rows` that `trained` marks, or None when that is all of them (or no marks). A
+    minibatch none of whose rows trains keeps its first: every rank makes its forwards and backward
+    (a zero gradient), as the collectives of a distributed step need."""
+    if trained is None or all(trained[rows]):
+        return None
+    return [row for row in range(rows.start, rows.stop) if trained[row]] or [rows.start]
+
+
 def packed_micro_batch(
     rows: slice | torch.Tensor,
     row_list: list[int],
@@ -214,7 +246,7 @@ def packed_micro_batch(
 
 def token_budget_micro_batches(
     lengths: Sequence[int],
-    rows: slice,
+    row_ids: Sequence[int],
     max_tokens: int,
     max_sequences: int,
     device: torch.device,
@@ -223,13 +255,13 @@ def token_budget_micro_batches(
     rows_tokens: Sequence[Sequence[int]] | None = None,
     pack_always: bool = False,
 ) -> list[MicroBatch]:
-    """The token-bounded micro-batches of the step's rows `rows` (`plan_token_budget`), each cut
+    """The token-bounded micro-batches of the step's rows `row_ids` (`plan_token_budget`), each cut
     to its own longest row (at least one token, for the forward); `packed`: padding-free ones
     (`packed_micro_batch`), but padded where packing does not pay and the padded rows keep to
     `max_tokens`."""
     micro_batches = []
-    for micro in plan_token_budget(lengths[rows], max_tokens, max_sequences, packed):
-        row_list = [rows.start + row for row in micro]
+    for micro in plan_token_budget([lengths[row] for row in row_ids], max_tokens, max_sequences, packed):
+        row_list = [row_ids[i] for i in micro]
         width = max(1, max(lengths[row] for row in row_list))
         row_tensor = torch.tensor(row_list, dtype=torch.long, device=device)
         if not packed:
@@ -279,6 +311,7 @@ def plan_forwards(
     cost: PackingCost | None = None,
     tokens_BT: torch.Tensor | None = None,
     pack_always: bool = False,
+    trained: Sequence[bool] | None = None,
 ) -> ForwardPlan:
     """The micro-batches of a step whose optimizer steps train on `minibatches` (rows of the batch).
 
@@ -291,7 +324,9 @@ def plan_forwards(
     tokens, and the token slots are the real tokens: no padding computed; with `cost`, only those
     where packing pays (`PackingCost.pays`; all with `pack_always`), the others padded; and with
     `tokens_BT` too, a packed micro-batch's rows share their common prefix where that pays
-    (`PackingCost.prefix_groups`).
+    (`PackingCost.prefix_groups`). `trained` (one flag per row): only the marked rows go through
+    the forwards, the others have no gradient and nothing reads their logprobs
+    (`batching.skip_zero_advantage_rows`); the micro-batches then hold row indices.
     Shape: attention, tokens `[B, T]`; a host copy of the lengths (one device sync) with a budget or
     packing, and of the tokens when they may share prefixes.
     """
@@ -303,18 +338,29 @@ def plan_forwards(
     if micro_batch_max_tokens == 0:  # slices of the padded batch: views, no copy
         lengths_if_packed = lengths if padding_free else None
 
-        def slices(rows: slice) -> list[MicroBatch]:
-            return micro_slices(rows, micro_batch_size, T, lengths_if_packed, cost, rows_tokens, pack_always)
+        kept = [kept_rows(rows, trained) for rows in minibatches]
 
-        per_minibatch = [slices(rows) for rows in minibatches]
-        whole = minibatches == [slice(0, B)]  # one minibatch of every row: the same micro-batches, planned once
-        no_grad = per_minibatch[0] if whole else slices(slice(0, B))
+        def micros(rows: slice | list[int]) -> list[MicroBatch]:
+            if isinstance(rows, slice):
+                return micro_slices(rows, micro_batch_size, T, lengths_if_packed, cost, rows_tokens, pack_always)
+            device = attention_BT.device
+            return micro_lists(rows, micro_batch_size, T, device, lengths_if_packed, cost, rows_tokens, pack_always)
+
+        per_minibatch = [micros(rows if ids is None else ids) for rows, ids in zip(minibatches, kept)]
+        if len(minibatches) == 1 and (minibatches[0] == slice(0, B) or kept[0] is not None):
+            no_grad = per_minibatch[0]  # one minibatch of every row trained: the same micro-batches, planned once
+        elif all(ids is None for ids in kept):
+            no_grad = micros(slice(0, B))
+        else:  # the rows the training passes compute, and only those
+            no_grad = micros(
+                [row for rows, ids in zip(minibatches, kept) for row in ids or range(rows.start, rows.stop)]
+            )
         return ForwardPlan(per_minibatch, no_grad, sum(m.token_slots for m in no_grad), lengths=tuple(lengths or ()))
     assert lengths is not None
     per_minibatch = [
         token_budget_micro_batches(
             lengths,
-            rows,
+            kept_rows(rows, trained) or range(rows.start, rows.stop),
             micro_batch_max_tokens,
             micro_batch_size,
             attention_BT.device,

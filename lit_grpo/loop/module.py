@@ -51,7 +51,7 @@ from lit_grpo.loop.optim import adamw, lr_multiplier
 from lit_grpo.loop.optimizer_step import StepTotals, StepUpdate, loss_settings, mean_over_minibatches
 from lit_grpo.loop.signals import StopRequested
 from lit_grpo.loop.step_sequence import StepResult, StepSequence
-from lit_grpo.maths.health import drift_per_token, drift_tis_cap, learning_signal
+from lit_grpo.maths.health import drift_per_token, drift_tis_cap, learning_signal, rows_with_signal
 from lit_grpo.maths.logprobs import first_scored_prediction, token_logprobs
 from lit_grpo.maths.loss_terms import masked_means
 from lit_grpo.maths.losses import policy_loss_with
@@ -195,7 +195,8 @@ class GRPOModule(L.LightningModule):
         advantages = batch.advantages_B if batch.advantages_BT is None else align_to_predictions(batch.advantages_BT)
         # Every rank makes the same number of optimizer steps, even with a short batch.
         minibatches = even_slices(batch.num_sequences, min(self.config.batching.ppo_minibatches, fewest_sequences))
-        plan = self._plan(batch.attention_mask_BT, minibatches, batch.multi_modal, batch.tokens_BT)
+        trained = self._trained_rows(advantages, mask_BT)
+        plan = self._plan(batch.attention_mask_BT, minibatches, batch.multi_modal, batch.tokens_BT, trained)
         ref_logprobs_BT = (
             None if self.reference is None else self._no_grad_logprobs(self.reference, batch, plan, mask_BT)
         )
@@ -223,13 +224,29 @@ class GRPOModule(L.LightningModule):
             timings={
                 "perf/ref_s": t_ref - t0,
                 "perf/train_s": t_train - t_ref,
-                "train_tokens": float(batch.attention_mask_BT.sum()),
+                "train_tokens": float(
+                    batch.attention_mask_BT.sum() if trained is None else batch.attention_mask_BT[trained].sum()
+                ),
+                "rows_skipped": 0.0 if trained is None else float(len(trained) - sum(trained)),
                 "train_token_slots": float(plan.token_slots),
                 "prefix_tokens_saved": float(plan.prefix_tokens_saved),
-                **self._step_flops(batch, plan),
+                **self._step_flops(batch, plan, trained),
             },
         )
         return {"loss": metrics["train/loss"]}
+
+    def _trained_rows(self, advantages: torch.Tensor, mask_BT: torch.Tensor) -> Optional[list[bool]]:
+        """Which rows the step's forwards must compute (`batching.skip_zero_advantage_rows`): those
+        with a non-zero advantage on a trained token, where the loss gives the others no gradient
+        (`LossSettings.zero_advantage_trains_nothing`, at this step's entropy coefficient; never
+        with an adaptive one, which reads the step's entropy); None: every row."""
+        if not self.config.batching.skip_zero_advantage_rows or self.config.entropy.adaptive:
+            return None
+        settings = self.loss_settings.with_entropy_coef(self.entropy_control.coef(self.rollout_step))
+        if not settings.zero_advantage_trains_nothing:
+            return None
+        trained = rows_with_signal(advantages, mask_BT).tolist()
+        return None if all(trained) else trained
 
     def _plan(
         self,
@@ -237,17 +254,18 @@ class GRPOModule(L.LightningModule):
         minibatches: list[slice],
         multi_modal: Optional[MultiModalBatch] = None,
         tokens_BT: Optional[torch.Tensor] = None,
+        trained: Optional[list[bool]] = None,
     ) -> ForwardPlan:
-        """Which rows go through each forward, packed where that pays and sharing their prefixes
-        where that pays (`tokens_BT`); under FSDP2 every rank makes as many forwards (each gathers
-        shards from every rank), the short ones padded with fillers (with images when the batch has
-        some: `filler_micro_batch`)."""
+        """Which rows go through each forward (`trained`: those marked, else all), packed where
+        that pays and sharing their prefixes where that pays (`tokens_BT`); under FSDP2 every rank
+        makes as many forwards (each gathers shards from every rank), the short ones padded with
+        fillers (with images when the batch has some: `filler_micro_batch`)."""
         batching = self.config.batching
         if self.padding_free and self.packing_cost is None:  # on the device, after any sharding
             self.packing_cost = packing_cost(self.policy, self.device.type, batching.share_prefixes)
         plan = plan_forwards(
             attention_BT, minibatches, batching.micro_batch_size, batching.micro_batch_max_tokens, self.padding_free,
-            self.packing_cost, tokens_BT, pack_always=not batching.pack_only_where_it_pays,
+            self.packing_cost, tokens_BT, pack_always=not batching.pack_only_where_it_pays, trained=trained,
         )  # fmt: skip
         if is_fsdp2(self.policy):
             counts = all_reduce(torch.tensor(forward_counts(plan), device=self.device), "max")
@@ -278,9 +296,11 @@ class GRPOModule(L.LightningModule):
         the rollout."""
         return self.config.policy_loss.anchor_logp != "rollout" and self.config.batching.ppo_minibatches > 1
 
-    def _step_flops(self, batch: RolloutBatch, plan: ForwardPlan) -> dict[str, float]:
+    def _step_flops(
+        self, batch: RolloutBatch, plan: ForwardPlan, trained: Optional[list[bool]] = None
+    ) -> dict[str, float]:
         """This rank's model FLOPs of the step by phase (`lit_grpo.loop.mfu.step_flops`), a shared
-        prefix counted once (`plan`'s spans); {} when not counted."""
+        prefix counted once (`plan`'s spans), the rows left out (`trained`) not at all; {} when not counted."""
         if self.flop_shape is None:
             return {}
         fused, packed = self.config.model.fused_lm_head, self.padding_free
@@ -289,7 +309,7 @@ class GRPOModule(L.LightningModule):
             self.flop_shape, batch, head_on_scored_only(self.policy, fused, packed),
             None if self.reference is None else head_on_scored_only(self.reference, fused, packed),
             old_forward=self._old_forward, frozen_weights=is_lora(self.policy),
-            train_spans=plan.spans(train_micros), no_grad_spans=plan.spans(plan.no_grad),
+            train_spans=plan.spans(train_micros), no_grad_spans=plan.spans(plan.no_grad), trained=trained,
         )  # fmt: skip
 
     def _next_batch(self, dataloader_iter: Iterator) -> tuple[Optional[RolloutBatch], int]:

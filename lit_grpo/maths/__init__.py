@@ -12,6 +12,7 @@ entropy.py     the entropy bonus's coefficient (decay, adaptive) and the top-ent
 logprobs.py    selected-token logprobs and entropy (differentiable on demand) without a [B, T, V] float32 temporary
 health.py      trainer-sampler drift and the shape of the rollouts, logged every step
 flops.py       model FLOPs of a dense transformer's forward, backward, prefill and decode (for `perf/mfu`)
+onednn_linear.py  a CPU float32 `linear` through oneDNN for the few-row matmuls of generation
 
 The advantage estimators, pure functions too, are their own package beside this one: `lit_grpo.advantages`.
 """

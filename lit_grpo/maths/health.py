@@ -77,8 +77,14 @@ def learning_signal(advantages: torch.Tensor, mask_BT: torch.Tensor) -> torch.Te
     exactly 0 to a sample without signal (a uniform group, `rewards_uniform`), so the test is exact.
     A NaN advantage counts as signal: the step's non-finite check is the one that handles it.
     Shapes: advantages [B] (per sequence) or [B, T] (per token, IGPO's), mask [B, T] -> [] bool."""
+    return rows_with_signal(advantages, mask_BT).any()
+
+
+def rows_with_signal(advantages: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
+    """Each row's `learning_signal`: whether any of its trained tokens carries a non-zero advantage.
+    Shapes: advantages [B] or [B, T], mask [B, T] -> [B] bool."""
     advantages_BT = advantages[:, None] if advantages.dim() == 1 else advantages
-    return ((advantages_BT != 0) & (mask_BT > 0)).any()
+    return ((advantages_BT != 0) & (mask_BT > 0)).any(dim=1)
 
 
 def finish_reason_key(reason: str) -> str:

@@ -46,13 +46,18 @@ class PolicyLossSpec:
     the tokens the correction drops taken out."""
     takes_sampler_logprobs: bool = False
     """Whether the function's signature names `sampler_logprobs` (then it receives them)."""
+    vanishes_without_advantage: bool = False
+    """Whether a token of advantage 0 has loss 0 whatever the logprobs (the term is the advantage
+    times something finite), so a sequence of advantage 0 has no gradient: the trainer may leave it
+    out of the training forward (`batching.skip_zero_advantage_rows`). False for a loss with any
+    other term (dro's squared log-ratio), and for a user's loss unless it says so."""
 
 
 POLICY_LOSSES: dict[str, PolicyLossSpec] = {}
 
 
 def register_policy_loss(
-    name: str, *, uses_tis: bool = True, **default_hyperparams: Any
+    name: str, *, uses_tis: bool = True, vanishes_without_advantage: bool = False, **default_hyperparams: Any
 ) -> Callable[[PolicyLossFn], PolicyLossFn]:
     """Decorator registering a policy loss under `name` with its default hyper-parameters.
 
@@ -60,7 +65,8 @@ def register_policy_loss(
     the function, checked now so that a typo fails at import rather than at the first training
     step. With `uses_tis` the function takes `tis_weight`, the correction's per-token weight. A
     function whose signature names `sampler_logprobs` (explicitly, not through `**kwargs`)
-    receives the sampler's logprobs, with or without `uses_tis`.
+    receives the sampler's logprobs, with or without `uses_tis`. `vanishes_without_advantage`:
+    `PolicyLossSpec.vanishes_without_advantage` (`tests/test_losses.py` checks every built-in's).
     """
     if name in POLICY_LOSSES:
         raise ValueError(f"policy loss {name!r} is already registered")
@@ -81,8 +87,9 @@ def register_policy_loss(
             inspect.Parameter.POSITIONAL_OR_KEYWORD,
         )
         POLICY_LOSSES[name] = PolicyLossSpec(
-            name=name, fn=fn, defaults=defaults, uses_tis=uses_tis, takes_sampler_logprobs=takes_sampler
-        )
+            name=name, fn=fn, defaults=defaults, uses_tis=uses_tis, takes_sampler_logprobs=takes_sampler,
+            vanishes_without_advantage=vanishes_without_advantage,
+        )  # fmt: skip
         return fn
 
     return decorator

@@ -233,6 +233,18 @@ class LossSettings:
         """β of the KL penalty to the reference (> 0: a reference model is needed)."""
         return float(self.hyperparams.get("kl_beta", policy_loss_defaults(self.name)["kl_beta"]))
 
+    @property
+    def zero_advantage_trains_nothing(self) -> bool:
+        """Whether a sequence whose every advantage is 0 has no gradient under these settings: the
+        variant `vanishes_without_advantage`, no KL penalty, no entropy bonus, and no top-entropy
+        mask (its quantile is over the tokens of a forward, so the rows present change it)."""
+        return (
+            get_policy_loss(self.name).vanishes_without_advantage
+            and self.kl_beta == 0
+            and self.entropy_coef == 0
+            and self.top_entropy_quantile is None
+        )
+
     def with_entropy_coef(self, coef: float) -> LossSettings:
         """These settings with this step's entropy-bonus coefficient."""
         return dataclasses.replace(self, entropy_coef=coef)

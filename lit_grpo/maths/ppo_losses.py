@@ -24,14 +24,14 @@ def _clipped_surrogate(ratio_BT, advantages_BT, eps_low, eps_high) -> tuple[torc
     return torch.maximum(unclipped_BT, clipped_BT), clipped_BT > unclipped_BT
 
 
-@register_policy_loss("grpo", kl_beta=0.001, eps_clip=0.2, eps_clip_high=0.2)
+@register_policy_loss("grpo", vanishes_without_advantage=True, kl_beta=0.001, eps_clip=0.2, eps_clip_high=0.2)
 def grpo_loss(*, logprobs, old_logprobs, advantages, mask, tis_weight, eps_clip, eps_clip_high):
     """GRPO (DeepSeekMath): PPO's clipped ratio, max(-r·A, -clip(r)·A)·w. Shape: [B, T]."""
     loss_BT, clipped_BT = _clipped_surrogate(ratio(logprobs, old_logprobs), advantages, eps_clip, eps_clip_high)
     return loss_BT * tis_weight, {"clip_frac": masked_frac(clipped_BT, mask)}
 
 
-@register_policy_loss("dapo", eps_clip=0.2, eps_clip_high=0.28, eps_clip_c=None)
+@register_policy_loss("dapo", vanishes_without_advantage=True, eps_clip=0.2, eps_clip_high=0.28, eps_clip_c=None)
 def dapo_loss(*, logprobs, old_logprobs, advantages, mask, tis_weight, eps_clip, eps_clip_high, eps_clip_c):
     """DAPO: clip-higher (ε_high > ε_low) and, when `eps_clip_c` is set, the dual clip
     min(c·(-A), ·) on negative advantages, bounding the loss of a token whose ratio exploded.
@@ -58,7 +58,7 @@ def _sequence_clipped_surrogate(logprobs, old_logprobs, advantages, mask, eps_lo
     return loss_BT, clipped_BT, seq_ratio_BT
 
 
-@register_policy_loss("gspo", eps_clip=3e-4, eps_clip_high=4e-4)
+@register_policy_loss("gspo", vanishes_without_advantage=True, eps_clip=3e-4, eps_clip_high=4e-4)
 def gspo_loss(*, logprobs, old_logprobs, advantages, mask, tis_weight, eps_clip, eps_clip_high):
     """GSPO: one ratio per sequence, R = exp(s) with s the masked mean of π - old, clipped like
     PPO (hence the tiny ε). Written per token as exp(π - sg(π) + sg(s)) so each token's gradient
@@ -71,7 +71,7 @@ def gspo_loss(*, logprobs, old_logprobs, advantages, mask, tis_weight, eps_clip,
     return loss_BT * tis_weight, metrics
 
 
-@register_policy_loss("luspo", eps_clip=3e-4, eps_clip_high=4e-4)
+@register_policy_loss("luspo", vanishes_without_advantage=True, eps_clip=3e-4, eps_clip_high=4e-4)
 def luspo_loss(*, logprobs, old_logprobs, advantages, mask, tis_weight, eps_clip, eps_clip_high):
     """LUSPO, Length-Unbiased Sequence Policy Optimization (Meituan, arXiv 2602.05261): GSPO with
     each sequence's loss scaled by its length |o| (its masked-in tokens),
@@ -94,7 +94,7 @@ def luspo_loss(*, logprobs, old_logprobs, advantages, mask, tis_weight, eps_clip
     return loss_BT * length_B1 * tis_weight, metrics
 
 
-@register_policy_loss("cispo", eps_clip=0.2, eps_clip_high=0.28)
+@register_policy_loss("cispo", vanishes_without_advantage=True, eps_clip=0.2, eps_clip_high=0.28)
 def cispo_loss(*, logprobs, old_logprobs, advantages, mask, tis_weight, eps_clip, eps_clip_high):
     """CISPO (MiniMax-M1): REINFORCE weighted by the clipped, detached ratio, -sg(clip(r))·π·A·w,
     so clipped tokens still get a gradient. `clip_frac`: ratio outside the band. Shape: [B, T]."""
@@ -104,7 +104,7 @@ def cispo_loss(*, logprobs, old_logprobs, advantages, mask, tis_weight, eps_clip
     return loss_BT, {"clip_frac": masked_frac(weight_BT != ratio_BT, mask)}
 
 
-@register_policy_loss("importance_sampling")
+@register_policy_loss("importance_sampling", vanishes_without_advantage=True)
 def importance_sampling_loss(*, logprobs, old_logprobs, advantages, mask, tis_weight):
     """Unclipped importance-sampled policy gradient, -r·A·w. Shape: [B, T]."""
     return -ratio(logprobs, old_logprobs) * advantages * tis_weight, {}
@@ -117,7 +117,7 @@ def dro_loss(*, logprobs, old_logprobs, advantages, mask, tis_weight, dro_beta):
     return -(logprobs * advantages * tis_weight - 0.5 * dro_beta * (logprobs - old_logprobs) ** 2), {}
 
 
-@register_policy_loss("reinforce", uses_tis=False)
+@register_policy_loss("reinforce", vanishes_without_advantage=True, uses_tis=False)
 def reinforce_loss(*, logprobs, old_logprobs, sampler_logprobs, advantages, mask):
     """REINFORCE as the cookbook writes it: -exp(clamp(π - inf, -20, 20))·A, the ratio to the
     sampler's logprobs (the behaviour policy that generated the tokens), with no clip and no TIS;

@@ -27,7 +27,7 @@ _LOG_RATIO_CLAMP = 20.0
 _PROB_FLOOR = 1e-8
 
 
-@register_policy_loss("sapo", sapo_tau_pos=1.0, sapo_tau_neg=1.05)
+@register_policy_loss("sapo", vanishes_without_advantage=True, sapo_tau_pos=1.0, sapo_tau_neg=1.05)
 def sapo_loss(*, logprobs, old_logprobs, advantages, mask, tis_weight, sapo_tau_pos, sapo_tau_neg):
     """SAPO, Soft Adaptive Policy Optimization (Qwen, arXiv 2511.20347): a sigmoid gate on the ratio
     in place of the hard clip,
@@ -51,7 +51,7 @@ def sapo_loss(*, logprobs, old_logprobs, advantages, mask, tis_weight, sapo_tau_
     return loss_BT, {"sapo/gate_weight_mean": masked_mean(gate_weight_BT, mask)}
 
 
-@register_policy_loss("gmpo", eps_clip=0.4, eps_clip_high=0.4)
+@register_policy_loss("gmpo", vanishes_without_advantage=True, eps_clip=0.4, eps_clip_high=0.4)
 def gmpo_loss(*, logprobs, old_logprobs, advantages, mask, tis_weight, eps_clip, eps_clip_high):
     """GMPO, Geometric-Mean Policy Optimization (arXiv 2507.20673): a sequence's ratio is the
     geometric mean of its token ratios, each clipped PPO-style in log space,
@@ -99,7 +99,14 @@ def gmpo_loss(*, logprobs, old_logprobs, advantages, mask, tis_weight, eps_clip,
     return -seq_ratio_BT * advantages * tis_weight, metrics
 
 
-@register_policy_loss("dppo", dppo_divergence="tv", dppo_tv_threshold=None, dppo_kl_threshold=None, dppo_ratio_cap=20.0)
+@register_policy_loss(
+    "dppo",
+    vanishes_without_advantage=True,
+    dppo_divergence="tv",
+    dppo_tv_threshold=None,
+    dppo_kl_threshold=None,
+    dppo_ratio_cap=20.0,
+)
 def dppo_loss(
     *,
     logprobs,
@@ -178,7 +185,14 @@ def dppo_loss(
     return loss_BT, metrics
 
 
-@register_policy_loss("vespo", vespo_k_pos=2.0, vespo_lambda_pos=3.0, vespo_k_neg=3.0, vespo_lambda_neg=2.0)
+@register_policy_loss(
+    "vespo",
+    vanishes_without_advantage=True,
+    vespo_k_pos=2.0,
+    vespo_lambda_pos=3.0,
+    vespo_k_neg=3.0,
+    vespo_lambda_neg=2.0,
+)
 def vespo_loss(
     *,
     logprobs,
