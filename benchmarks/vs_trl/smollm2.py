@@ -40,7 +40,10 @@ The same on both sides:
 - Every sampled group trains. The recipe's `callbacks.reward_filter` would drop groups of equal rewards
   (all advantages 0) and sample more until 4 groups carry a signal; TRL keeps every group, so lit_grpo
   runs with `callbacks=none` (which also drops the reward plot, histograms and sample log: TRL has none
-  of them). Both steps are 32 sequences, whatever their rewards.
+  of them). Both steps are 32 sequences, whatever their rewards. lit_grpo's forwards and backward
+  leave out the rows of advantage 0 (`batching.skip_zero_advantage_rows`, its default: with β = 0 their
+  gradient is 0 on both sides, and the loss's token mean still counts their tokens), where TRL
+  computes them.
 - Advantages: (r - group mean) / (group std + 1e-4), the unbiased std; a uniform group's are 0.
   lit_grpo's `advantage.params.eps` is set to TRL's 1e-4 (the recipe's 1e-8).
 - Loss: the clipped ratio with ε = 0.2 both ways, token mean over the whole step (TRL's
