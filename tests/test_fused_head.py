@@ -82,6 +82,34 @@ def test_float32_values_and_gradients_match_the_naive_formula(chunk_rows, temper
         assert_float32_close(value, expected, name)
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("entropy_grad", [False, True])
+def test_one_chunk_is_not_recomputed_in_the_backward_and_a_second_backward_still_is(monkeypatch, entropy_grad):
+    # All 17 rows in one chunk: the forward computes the logits once and the backward reuses their
+    # log-softmax (three matmuls, not four). A second backward of the same graph (retain_graph)
+    # recomputes them, and both give the same gradients.
+    from lit_grpo.maths import head_logprobs
+
+    calls = []
+    original = head_logprobs._scaled_chunk_logits
+    monkeypatch.setattr(head_logprobs, "_scaled_chunk_logits", lambda *a: calls.append(1) or original(*a))
+    hidden_NH, weight_VH, bias_V, targets_N, weights_N, entropy_weights_N = _inputs(17, 8, 50, torch.float32, True)
+    logprobs_N, entropy_N = head_logprobs_and_entropy(hidden_NH, weight_VH, bias_V, targets_N, 0.7, 64, entropy_grad)
+    loss = (weights_N * logprobs_N).sum() + ((entropy_weights_N * entropy_N).sum() if entropy_grad else 0.0)
+    assert len(calls) == 1
+    grads = torch.autograd.grad(loss, (hidden_NH, weight_VH, bias_V), retain_graph=True)
+    assert len(calls) == 1  # the kept log-softmax: no second head matmul
+    again = torch.autograd.grad(loss, (hidden_NH, weight_VH, bias_V))
+    assert len(calls) == 2  # recomputed
+    expected = _values_and_grads(
+        lambda h, w, b, t: naive(h, w, b, t, 0.7), hidden_NH, weight_VH, bias_V, targets_N, weights_N,
+        entropy_weights_N, entropy_grad,
+    )[2:]  # fmt: skip
+    for name, kept, recomputed, want in zip(("hidden", "weight", "bias"), grads, again, expected):
+        assert_float32_close(kept, want, name)
+        assert_float32_close(recomputed, kept, name)
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("entropy_grad", [False, True])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])

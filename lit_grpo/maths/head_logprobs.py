@@ -12,6 +12,9 @@ made: `[B, K, V]` of them, plus their gradient, each 2.5 GB in float32 for 8 × 
   same formula as the unfused path), and that gradient, in the head's dtype like autograd's
   through `nn.Linear`, gives the chunk's rows of the hidden states' gradient and a share of the
   weight's (and bias's), accumulated in float32.
+- one chunk: where every row fits in one chunk, the forward keeps that chunk's log-softmax for the
+  backward (`log_softmax_grad`), which then runs three matmuls instead of four (no recomputed
+  logits). The backward would allocate that chunk again to recompute it, so the peak is the same.
 
 At most a few `[C, V]` chunks exist at once (C = `chunk_rows`), forward or backward.
 """
@@ -25,7 +28,7 @@ from typing import Any
 import torch
 from torch.autograd.function import once_differentiable
 
-from lit_grpo.maths.softmax_chunks import chunk_forward, chunk_grad, default_chunk_rows
+from lit_grpo.maths.softmax_chunks import chunk_forward, chunk_grad, default_chunk_rows, log_softmax_grad
 
 # Bytes of one float32 `[rows, V]` chunk (441 rows of Qwen2.5's 151,936 ids). Each chunk feeds the
 # head's matmuls, whose speed depends on the rows: on a 2-core CPU a `[C, 896] x [896, 151,936]`
@@ -109,6 +112,8 @@ class _HeadLogprobs(torch.autograd.Function):
             )
         ctx.save_for_backward(hidden_NH, weight_VH, bias_V, targets_N, row_max_N, log_sum_exp_N, entropy_N)
         ctx.temperature, ctx.chunk_rows = temperature, chunk_rows
+        # One chunk: its log-softmax (what `chunk_forward` left in the scratch) is the backward's, kept.
+        ctx.kept_logp_NV = scaled_CV if n_rows <= chunk_rows and any(ctx.needs_input_grad[:3]) else None
         ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None, not zeros
         if not entropy_grad:
             ctx.mark_non_differentiable(entropy_N)
@@ -131,21 +136,28 @@ class _HeadLogprobs(torch.autograd.Function):
         grad_weight_VH = torch.zeros(weight_VH.shape, dtype=torch.float32, device=device) if wants_weight else None
         grad_bias_V = torch.zeros(V, dtype=torch.float32, device=device) if wants_bias else None
         head_VH, head_bias_V = _in_dtype(weight_VH, bias_V, ctx.compute_dtype)
-        scaled_CV = torch.empty(min(chunk_rows, n_rows), V, dtype=torch.float32, device=device)
-        work_CV = torch.empty_like(scaled_CV) if grad_H_N is not None else None
+        scaled_CV = torch.empty(
+            0 if ctx.kept_logp_NV is not None else min(chunk_rows, n_rows), V, dtype=torch.float32, device=device
+        )
+        work_CV = torch.empty(min(chunk_rows, n_rows), V, device=device) if grad_H_N is not None else None
+        kept_logp_NV, ctx.kept_logp_NV = ctx.kept_logp_NV, None  # used once: a second backward recomputes
         for start in range(0, n_rows, chunk_rows):
             stop = min(start + chunk_rows, n_rows)
             rows = slice(start, stop)
-            chunk_CV, logits_dtype = _scaled_chunk_logits(
-                hidden_NH, head_VH, head_bias_V, start, stop, ctx.temperature, scaled_CV
-            )
             entropy_grad = None
             if grad_H_N is not None and work_CV is not None:
                 entropy_grad = (grad_H_N[rows], entropy_N[rows], work_CV[: stop - start])
-            grad_float_CV = chunk_grad(
-                chunk_CV, targets_N[rows], row_max_N[rows], log_sum_exp_N[rows], grad_N[rows], ctx.temperature,
-                entropy_grad,
-            )  # fmt: skip
+            if kept_logp_NV is not None:
+                logits_dtype = head_VH.dtype
+                grad_float_CV = log_softmax_grad(kept_logp_NV, targets_N, grad_N, ctx.temperature, entropy_grad)
+            else:
+                chunk_CV, logits_dtype = _scaled_chunk_logits(
+                    hidden_NH, head_VH, head_bias_V, start, stop, ctx.temperature, scaled_CV
+                )
+                grad_float_CV = chunk_grad(
+                    chunk_CV, targets_N[rows], row_max_N[rows], log_sum_exp_N[rows], grad_N[rows], ctx.temperature,
+                    entropy_grad,
+                )  # fmt: skip
             # The logits' gradient in their dtype, as autograd's through `.float()` and `nn.Linear`.
             grad_logits_CV = grad_float_CV.to(logits_dtype)
             if grad_hidden_NH is not None:

@@ -54,6 +54,18 @@ def chunk_grad(
     Shapes: scaled `[C, V]` float32, targets / row_max / log_sum_exp / grad `[C]` -> `[C, V]` float32.
     """
     logp_CV = scaled_CV.sub_(row_max_C[:, None]).sub_(log_sum_exp_C[:, None])
+    return log_softmax_grad(logp_CV, targets_C, grad_C, temperature, entropy_grad)
+
+
+def log_softmax_grad(
+    logp_CV: torch.Tensor,
+    targets_C: torch.Tensor,
+    grad_C: torch.Tensor,
+    temperature: float,
+    entropy_grad: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """`chunk_grad` from the chunk's log-softmax itself (what `chunk_forward` leaves in its `scaled`
+    buffer), computed in place in `logp_CV`. Shapes: `[C, V]` float32, targets / grad `[C]` -> `[C, V]` float32."""
     if entropy_grad is None:
         grad_CV = logp_CV.exp_().mul_(-grad_C[:, None])
     else:
