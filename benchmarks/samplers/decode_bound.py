@@ -14,8 +14,8 @@ at the larger of the two runs at the machine's limit. Measured here, at each thr
   8 completions, temperature 0.7) through `HFSampler._generate`, with at most 1 and at most 16 new
   tokens in alternating repeats; a step's time is the difference over the extra decode steps the
   longer call made (its longest completion less one): the prefill and the first step cancel out.
-  With the sampler's linear layers through oneDNN (its default, `lit_grpo.maths.onednn_linear`) and
-  through torch's default (MKL).
+  With the sampler's linear layers through oneDNN (`lit_grpo.maths.onednn_linear`, the sampler's
+  default from 2 torch threads) and through torch's default (MKL, its default at 1 thread).
 
 Its FLOPs are `lit_grpo.maths.flops`' (a decode step of each row at the mean context length). Run it
 with nothing else running.

@@ -76,7 +76,7 @@ class HFSampler(BatchingSampler):
         max_batch_size: int = 256,
         share_weights: bool = False,
         share_prompt_prefill: bool = True,
-        onednn_linear: bool = True,
+        onednn_linear: Optional[bool] = None,
     ) -> None:
         super().__init__(tokenizer, max_batch_size=max_batch_size)
         self.shares_weights = share_weights
@@ -85,7 +85,9 @@ class HFSampler(BatchingSampler):
         G completions share their prompt's prefill."""
         self.onednn_linear = onednn_linear
         """On a CPU, a float32 model's linear layers compute through oneDNN while it generates
-        (`lit_grpo.maths.onednn_linear`: faster than MKL's at a decode step's few rows)."""
+        (`lit_grpo.maths.onednn_linear`); None: with two or more torch threads, where it measured
+        faster than MKL at a decode step's few rows (`make bench-decode`: 305 ms against 361 a
+        SmolLM2 step of 32 rows at 2 threads; at 1 thread 539 against 484, so MKL there)."""
         self.prefill_tokens_saved = 0
         """Prompt tokens the shared prefill did not encode, over this sampler's life."""
         self.version = 0
@@ -294,7 +296,8 @@ class HFSampler(BatchingSampler):
             if images is None
             else {k: v.to(device) for k, v in vision_forward_kwargs(self.model, input_ids, images.tensors).items()}
         )
-        fast_linears = onednn_linears(self.model) if self.onednn_linear else contextlib.nullcontext()
+        onednn = self.onednn_linear if self.onednn_linear is not None else torch.get_num_threads() >= 2
+        fast_linears = onednn_linears(self.model) if onednn else contextlib.nullcontext()
         with self._as_a_copy(), _contiguous_head_input(self.model), fast_linears:
             shared = (
                 shared_prompt_cache(self.model, input_ids.to(device), attention.to(device))
