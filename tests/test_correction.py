@@ -300,7 +300,9 @@ def _fit_shifted(tmp_path, monkeypatch, *overrides):
     c = validate(
         compose_config(
             "+experiment=arithmetic", "trainer.fast_dev_run=2", "trainer.enable_progress_bar=false",
-            "~callbacks.reward_filter", "batching.ppo_minibatches=2", "policy_loss.kl_beta=0", *overrides,
+            "~callbacks.reward_filter", "batching.ppo_minibatches=2", "policy_loss.kl_beta=0",
+            "batching.skip_zero_advantage_rows=false",  # the ratios below are means over every row
+            *overrides,
             output_dir=tmp_path,
         )
     )  # fmt: skip

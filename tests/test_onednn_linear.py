@@ -68,15 +68,14 @@ def test_generate_gives_the_same_tokens_and_logprobs_and_restores_the_layers(tin
 @needs_onednn
 @pytest.mark.timeout(60)
 def test_by_default_generate_takes_onednn_from_two_threads(tiny_model, tokenizer, monkeypatch):
-    from lit_grpo.run.peak import torch_threads
-
     op, calls = onednn_linear._OP, []
     monkeypatch.setattr(onednn_linear, "_OP", lambda *args: calls.append(1) or op(*args))
     sampler = HFSampler(tiny_model, tokenizer)  # onednn_linear None: by the thread count
     prompt = tokenizer("1+2=", add_special_tokens=False)["input_ids"]
-    with torch_threads(1):
-        sampler._generate([prompt], 0.0, 3)
+    # The count the rule reads, set for this test alone (torch's own is the process's, shared).
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    sampler._generate([prompt], 0.0, 3)
     assert not calls  # one thread: MKL's, faster there
-    with torch_threads(2):
-        sampler._generate([prompt], 0.0, 3)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    sampler._generate([prompt], 0.0, 3)
     assert calls

@@ -5,17 +5,18 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_losses import BUILTIN
 from test_micro_batches import Steps, fit_on, ragged_batch, vocab_size
 
 from lit_grpo.loop.micro_batches import kept_rows, plan_forwards
-from lit_grpo.maths.losses import POLICY_LOSSES, available_policy_losses, policy_loss
+from lit_grpo.maths.losses import POLICY_LOSSES, policy_loss
 from lit_grpo.maths.packing import PackingCost
 
 # ------------------------------------------------------------------ which losses
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize("name", available_policy_losses())
+@pytest.mark.parametrize("name", BUILTIN)
 def test_a_loss_says_it_vanishes_without_advantage_exactly_when_it_does(name):
     # Off-policy inputs (old and the sampler away from π, so dro's squared log-ratio pulls, and the
     # TIS weights are not 1), half the rows with advantage 0: the flag must say whether those rows'
@@ -151,6 +152,8 @@ def test_leaving_out_rows_of_advantage_zero_keeps_the_gradient_and_the_loss(tmp_
             assert scale > 0 and worst <= 1e-6 * max(1.0, scale), (cut_name, worst, scale)
         for a, b in zip(full.metrics, skipped.metrics):
             assert b["train/loss"] == pytest.approx(a["train/loss"], rel=1e-5, abs=1e-7), cut_name
+            if cut_name != "minibatches":  # anchored on the policy itself: a ratio of 1, a mean over the rows computed
+                assert b["train/ratio_mean"] == pytest.approx(1.0, abs=1e-5), cut_name
         # Every pass (the training ones, and `old`'s with two minibatches) sees rows 0, 2, 4, 5, 7 only.
         assert sum(skipped.forward_rows) * 8 == sum(full.forward_rows) * 5, (cut_name, full.forward_rows)
         assert module.last_step.timings["rows_skipped"] == 3.0

@@ -347,7 +347,11 @@ class GRPOModule(L.LightningModule):
         them). `advantages`: [B] per sequence, or [B, T-1] per token (aligned with the predictions, like `mask_BT`)."""
         optimizer = self.optimizers()
         optimizer.zero_grad()
-        totals = StepTotals(mask_BT[rows])  # the loss normalizers of the whole step, over every rank
+        # The loss normalizers of the whole step, over every rank; the metrics' means over the rows computed.
+        computed = sum(
+            (micro.predictions(mask_BT).sum() for micro in micros if not micro.filler), mask_BT.new_zeros(())
+        )
+        totals = StepTotals(mask_BT[rows], computed)
         settings = self.loss_settings.with_entropy_coef(self.entropy_control.coef(self.rollout_step))
         for i, micro in enumerate(micros):
             last = i == len(micros) - 1

@@ -53,18 +53,22 @@ class StepTotals:
     its tokens over the global count they add up (over micro-batches and ranks) to the step's
     token means. They are kept as one vector: one op per micro-batch, not one per metric."""
 
-    def __init__(self, mask_BT: torch.Tensor) -> None:
-        """`mask_BT`: this rank's loss mask of the step's rows, [B, T]."""
-        counts = torch.stack([mask_BT.sum(), torch.tensor(float(mask_BT.shape[0]), device=mask_BT.device)])
-        num_tokens, self.num_sequences = all_reduce(counts)
+    def __init__(self, mask_BT: torch.Tensor, computed_tokens: Optional[torch.Tensor] = None) -> None:
+        """`mask_BT`: this rank's loss mask of the step's rows, [B, T]; `computed_tokens`: the masked
+        tokens of the rows its forwards compute (None: every row; fewer where rows of advantage 0
+        are left out), which the metrics' means are over. The loss's normalizers count every row."""
+        computed = mask_BT.sum() if computed_tokens is None else computed_tokens.to(mask_BT.dtype)
+        counts = torch.stack([mask_BT.sum(), torch.tensor(float(mask_BT.shape[0]), device=mask_BT.device), computed])
+        num_tokens, self.num_sequences, metric_tokens = all_reduce(counts)
         self.num_tokens = num_tokens.clamp_min(1.0)
+        self.metric_tokens = metric_tokens.clamp_min(1.0)
         self.loss_sum = torch.zeros((), device=mask_BT.device)
         self._keys: list[str] = []
         self._weighted_K: Optional[torch.Tensor] = None
 
     def add(self, loss: torch.Tensor, metrics: dict[str, torch.Tensor], mask_BT: torch.Tensor) -> None:
         """A micro-batch's loss (its share of the step's) and its token-mean metrics over `mask_BT`."""
-        weight = mask_BT.sum() / self.num_tokens
+        weight = mask_BT.sum() / self.metric_tokens
         self._keys = self._keys or [f"train/{key}" for key in metrics]
         values_K = torch.stack([value.detach().float() for value in metrics.values()]) * weight
         self._weighted_K = values_K if self._weighted_K is None else self._weighted_K + values_K
