@@ -34,9 +34,10 @@ NORMALIZATIONS = ["token_mean", "seq_mean", "sum"]
 T = 12
 
 
-def fixed_batch(rank: int, size: int, vocab: int, shared_prompts: int = 0) -> RolloutBatch:
+def fixed_batch(rank: int, size: int, vocab: int, shared_prompts: int = 0, zero_advantages: int = 0) -> RolloutBatch:
     """A batch that depends only on (rank, size): prompts of 3-5 tokens, ragged completions;
-    `shared_prompts` K > 0: each K rows in a row begin with the same 6 tokens (a group's prompt)."""
+    `shared_prompts` K > 0: each K rows in a row begin with the same 6 tokens (a group's prompt);
+    `zero_advantages` N > 0: its first N rows have advantage 0 (rows of a uniform group)."""
     g = torch.Generator().manual_seed(1000 + rank)
     tokens = torch.randint(3, vocab, (size, T), generator=g)
     if shared_prompts:
@@ -46,18 +47,20 @@ def fixed_batch(rank: int, size: int, vocab: int, shared_prompts: int = 0) -> Ro
     position = torch.arange(T)[None]
     attention = (position < lengths[:, None]).long()
     loss_mask = ((position >= prompt[:, None]) & (attention > 0)).float()
+    advantages_B = torch.randn(size, generator=g)
+    advantages_B[:zero_advantages] = 0.0
     return RolloutBatch(
         tokens_BT=tokens * attention,
         attention_mask_BT=attention,
         loss_mask_BT=loss_mask,
         sampler_logprobs_BT=-torch.rand(size, T, generator=g) * loss_mask,
-        advantages_B=torch.randn(size, generator=g),
+        advantages_B=advantages_B,
         rewards_B=torch.rand(size, generator=g),
         versions_B=torch.zeros(size, dtype=torch.long),
     )
 
 
-PROBE_OPTIONS = ("text_every", "shared_prompts")
+PROBE_OPTIONS = ("text_every", "shared_prompts", "zero_advantages")
 """Arguments that set the probe's batches (`name=int`), not the config."""
 
 IMAGE_SIZES = [(56, 56), (28, 56), (28, 28)]
@@ -189,6 +192,8 @@ class Probe(L.Callback):
         """Each step's loss on this rank: its share of the step's loss (the normalizers are global)."""
         self.prefix_saved: list[int] = []
         """Each step's token rows its training forwards did not compute: rows sharing a prefix."""
+        self.rows_skipped: list[int] = []
+        """Each step's rows of advantage 0 its forwards left out (`batching.skip_zero_advantage_rows`)."""
         self.recomputes = 0
         """Decoder-layer forwards run inside a backward: gradient checkpointing's recomputes."""
         self.patches = 0
@@ -226,23 +231,32 @@ class Probe(L.Callback):
         if outputs:
             self.losses.append(float(pl_module.last_step.train_metrics["train/loss"]))
             self.prefix_saved.append(int(pl_module.last_step.timings["prefix_tokens_saved"]))
+            self.rows_skipped.append(int(pl_module.last_step.timings["rows_skipped"]))
 
     def on_train_end(self, trainer, pl_module) -> None:
         self.weights = {k: full(p).detach().clone() for k, p in pl_module.policy.named_parameters()}
 
 
 class FixedData(L.LightningDataModule):
-    def __init__(self, sizes: list[int], vocab: int, processor=None, text_every: int = 0, shared_prompts: int = 0):
+    def __init__(
+        self,
+        sizes: list[int],
+        vocab: int,
+        processor=None,
+        text_every: int = 0,
+        shared_prompts: int = 0,
+        zero_advantages: int = 0,
+    ):
         super().__init__()
         self.sizes, self.vocab, self.processor, self.text_every = sizes, vocab, processor, text_every
-        self.shared_prompts = shared_prompts
+        self.shared_prompts, self.zero_advantages = shared_prompts, zero_advantages
 
     def train_dataloader(self) -> DataLoader:
         rank, world = self.trainer.global_rank, self.trainer.world_size
         batches = [
             fixed_vision_batch(r, n, self.processor, self.text_every)
             if self.processor is not None
-            else fixed_batch(r, n, self.vocab, self.shared_prompts)
+            else fixed_batch(r, n, self.vocab, self.shared_prompts, self.zero_advantages)
             for r, n in enumerate(self.sizes)
         ]
         batch = batches[rank] if world > 1 else union(batches)
@@ -254,7 +268,7 @@ def main() -> None:
     strategy = sys.argv[4] if len(sys.argv) > 4 else "ddp"
     kl_beta = sys.argv[5] if len(sys.argv) > 5 else "0"
     train = len(sys.argv) > 6 and sys.argv[6] == "train"
-    # Options of the probe's own batches, not config overrides: text_every=N, shared_prompts=K.
+    # Options of the probe's own batches, not config overrides: text_every=N, shared_prompts=K, zero_advantages=N.
     options = {a.split("=")[0]: int(a.split("=")[1]) for a in sys.argv[7:] if a.split("=")[0] in PROBE_OPTIONS}
     overrides = [a for a in sys.argv[7:] if a.split("=")[0] not in PROBE_OPTIONS]
     c = validate(
@@ -286,11 +300,15 @@ def main() -> None:
         callbacks=[probe],
         use_distributed_sampler=False,  # each rank its own fixed batch
     )
-    data = FixedData(sizes, len(tokenizer), processor, options.get("text_every", 0), options.get("shared_prompts", 0))
+    data = FixedData(
+        sizes, len(tokenizer), processor, options.get("text_every", 0), options.get("shared_prompts", 0),
+        options.get("zero_advantages", 0),
+    )  # fmt: skip
     trainer.fit(GRPOModule(policy, c), datamodule=data)
     kind = "weights" if train else "grads"
     torch.save(probe.losses, out / f"losses_{strategy}_world{devices}_rank{trainer.global_rank}.pt")
     torch.save(probe.prefix_saved, out / f"prefix_saved_{strategy}_world{devices}_rank{trainer.global_rank}.pt")
+    torch.save(probe.rows_skipped, out / f"rows_skipped_{strategy}_world{devices}_rank{trainer.global_rank}.pt")
     torch.save(probe.recomputes, out / f"recomputes_{strategy}_world{devices}_rank{trainer.global_rank}.pt")
     torch.save(probe.patches, out / f"patches_{strategy}_world{devices}_rank{trainer.global_rank}.pt")
     torch.save(

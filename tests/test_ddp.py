@@ -67,6 +67,17 @@ def test_two_process_gradient_equals_one_process_gradient_on_the_union(sizes, tm
     assert_ranks_equal_the_union(tmp_path, "ddp")
 
 
+# Rank 0's 4 rows all have advantage 0 and 4 of rank 1's 6 (β 0): each rank leaves out its own rows
+# of advantage 0 (rank 0 keeps one, for the all-reduce), and the gradient is still the union's.
+def test_two_process_gradient_with_rows_left_out_equals_one_process_gradient_on_the_union(tmp_path):
+    for devices in (1, 2):
+        run_probe(tmp_path, devices, "4,6", "ddp", "0", "grads", "zero_advantages=4")
+    assert_ranks_equal_the_union(tmp_path, "ddp")
+    for devices, rank, skipped in ((1, 0, 8), (2, 0, 3), (2, 1, 4)):
+        counts = torch.load(tmp_path / f"rows_skipped_ddp_world{devices}_rank{rank}.pt")
+        assert counts and all(n == skipped for n in counts), (devices, rank, counts)
+
+
 @pytest.mark.parametrize(  # checkpointed: nightly (CI's 30 minutes)
     "overrides",
     [[], ["text_every=2"], pytest.param(["model.gradient_checkpointing=true"], marks=pytest.mark.nightly)],

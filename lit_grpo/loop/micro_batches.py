@@ -145,12 +145,16 @@ class MicroBatch:
         return self.packed_tokens > 0
 
     @property
+    def num_rows(self) -> int:
+        """How many rows of the batch it holds."""
+        return self.rows.stop - self.rows.start if isinstance(self.rows, slice) else self.rows.numel()
+
+    @property
     def token_slots(self) -> int:
         """What its forward runs on: its rows' real tokens when packed, else its rows × its width."""
         if self.packed_tokens:
             return self.packed_tokens
-        n_rows = self.rows.stop - self.rows.start if isinstance(self.rows, slice) else self.rows.numel()
-        return n_rows * self.width
+        return self.num_rows * self.width
 
     def tokens(self, per_token_BT: torch.Tensor) -> torch.Tensor:
         """This micro-batch's part of a per-token tensor. Shape: `[B, T]` -> `[b, width]`."""

@@ -227,7 +227,7 @@ class GRPOModule(L.LightningModule):
                 "train_tokens": float(
                     batch.attention_mask_BT.sum() if trained is None else batch.attention_mask_BT[trained].sum()
                 ),
-                "rows_skipped": 0.0 if trained is None else float(len(trained) - sum(trained)),
+                "rows_skipped": float(batch.num_sequences - sum(m.num_rows for m in plan.no_grad if not m.filler)),
                 "train_token_slots": float(plan.token_slots),
                 "prefix_tokens_saved": float(plan.prefix_tokens_saved),
                 **self._step_flops(batch, plan, trained),
