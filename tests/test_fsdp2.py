@@ -51,6 +51,17 @@ def test_sharded_gradient_with_shared_prompts_equals_one_process_gradient_on_the
             assert saved and all(n > 0 for n in saved), (devices, rank, saved)
 
 
+# Rows of advantage 0 left out (β 0): rank 0's 4 rows all, 4 of rank 1's 6. Rank 0 computes one
+# row, rank 1 two, in as many forwards as each other (fillers), and the gradient is the union's.
+def test_sharded_gradient_with_rows_left_out_equals_one_process_gradient_on_the_union(tmp_path):
+    for devices in (1, 2):
+        run_probe(tmp_path, devices, "4,6", "fsdp2", "0", "grads", "zero_advantages=4")
+    assert_ranks_equal_the_union(tmp_path, "fsdp2")
+    for devices, rank, skipped in ((1, 0, 8), (2, 0, 3), (2, 1, 4)):
+        counts = torch.load(tmp_path / f"rows_skipped_fsdp2_world{devices}_rank{rank}.pt")
+        assert counts and all(n == skipped for n in counts), (devices, rank, counts)
+
+
 # A vision-language policy (rows with images of 4, 2 or 1 image tokens), KL on: the reference's
 # forwards take the images too. "whole": one micro-batch per rank; "micro": 2 rows each, sliced with
 # their images; "uneven": 3 rows each; "token_budget": rows grouped by length, picked by index with
