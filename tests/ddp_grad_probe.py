@@ -155,6 +155,18 @@ def run_probe(out: Path, devices: int, sizes: str, *args: str) -> None:
     run_test_script(Path(__file__).name, str(out), str(devices), sizes, *args, cwd=out, timeout=300)
 
 
+def assert_rows_left_out_keep_the_union_gradient(out: Path, strategy: str) -> None:
+    """Rank 0's 4 rows all of advantage 0 and 4 of rank 1's 6 (`zero_advantages=4`, β 0): each rank
+    leaves out its own (rank 0 keeps one, for the collectives), the union's 8 of 10 in one process,
+    and every rank's gradient is still the union's."""
+    for devices in (1, 2):
+        run_probe(out, devices, "4,6", strategy, "0", "grads", "zero_advantages=4")
+    assert_ranks_equal_the_union(out, strategy)
+    for devices, rank, skipped in ((1, 0, 8), (2, 0, 3), (2, 1, 4)):
+        counts = torch.load(out / f"rows_skipped_{strategy}_world{devices}_rank{rank}.pt")
+        assert counts and all(n == skipped for n in counts), (devices, rank, counts)
+
+
 def assert_ranks_equal_the_union(out: Path, strategy: str) -> None:
     """Each rank's gradient of each step (one per normalization) is one process's on the union, to 1e-6."""
     single = torch.load(out / f"grads_{strategy}_world1_rank0.pt")

@@ -13,7 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import run_test_script
-from ddp_grad_probe import assert_images_reached_the_tower, assert_ranks_equal_the_union, run_probe
+from ddp_grad_probe import (
+    assert_images_reached_the_tower,
+    assert_ranks_equal_the_union,
+    assert_rows_left_out_keep_the_union_gradient,
+    run_probe,
+)
 from test_checkpoint import assert_bit_identical, run_cli, tensors
 
 REPO = Path(__file__).resolve().parents[1]
@@ -70,12 +75,7 @@ def test_two_process_gradient_equals_one_process_gradient_on_the_union(sizes, tm
 # Rank 0's 4 rows all have advantage 0 and 4 of rank 1's 6 (β 0): each rank leaves out its own rows
 # of advantage 0 (rank 0 keeps one, for the all-reduce), and the gradient is still the union's.
 def test_two_process_gradient_with_rows_left_out_equals_one_process_gradient_on_the_union(tmp_path):
-    for devices in (1, 2):
-        run_probe(tmp_path, devices, "4,6", "ddp", "0", "grads", "zero_advantages=4")
-    assert_ranks_equal_the_union(tmp_path, "ddp")
-    for devices, rank, skipped in ((1, 0, 8), (2, 0, 3), (2, 1, 4)):
-        counts = torch.load(tmp_path / f"rows_skipped_ddp_world{devices}_rank{rank}.pt")
-        assert counts and all(n == skipped for n in counts), (devices, rank, counts)
+    assert_rows_left_out_keep_the_union_gradient(tmp_path, "ddp")
 
 
 @pytest.mark.parametrize(  # checkpointed: nightly (CI's 30 minutes)

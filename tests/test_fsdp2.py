@@ -10,7 +10,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from ddp_grad_probe import assert_images_reached_the_tower, assert_ranks_equal_the_union, run_probe
+from ddp_grad_probe import (
+    assert_images_reached_the_tower,
+    assert_ranks_equal_the_union,
+    assert_rows_left_out_keep_the_union_gradient,
+    run_probe,
+)
 from test_checkpoint import assert_bit_identical, run_cli, tensors
 from test_ddp import _metrics
 
@@ -54,12 +59,7 @@ def test_sharded_gradient_with_shared_prompts_equals_one_process_gradient_on_the
 # Rows of advantage 0 left out (β 0): rank 0's 4 rows all, 4 of rank 1's 6. Rank 0 computes one
 # row, rank 1 two, in as many forwards as each other (fillers), and the gradient is the union's.
 def test_sharded_gradient_with_rows_left_out_equals_one_process_gradient_on_the_union(tmp_path):
-    for devices in (1, 2):
-        run_probe(tmp_path, devices, "4,6", "fsdp2", "0", "grads", "zero_advantages=4")
-    assert_ranks_equal_the_union(tmp_path, "fsdp2")
-    for devices, rank, skipped in ((1, 0, 8), (2, 0, 3), (2, 1, 4)):
-        counts = torch.load(tmp_path / f"rows_skipped_fsdp2_world{devices}_rank{rank}.pt")
-        assert counts and all(n == skipped for n in counts), (devices, rank, counts)
+    assert_rows_left_out_keep_the_union_gradient(tmp_path, "fsdp2")
 
 
 # A vision-language policy (rows with images of 4, 2 or 1 image tokens), KL on: the reference's
